@@ -1,0 +1,1 @@
+"""Compiled core of pagedkv (Cython). Use the public API in ``pagedkv`` instead."""

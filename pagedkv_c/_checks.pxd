@@ -1,0 +1,9 @@
+# Validators shared by every public entry point of the core. They run with the
+# GIL, before any state changes, and raise "Invalid <what> of <name>: expected
+# ..., got ..." so that every message has the same shape.
+from libc.stdint cimport int64_t
+
+cdef int64_t check_int(object value, str name, int64_t low, int64_t high) except? -1
+cdef object check_array(object arr, str name, object dtype, tuple shape)
+cdef object as_int_array(object values, str name, object dtype)
+cdef object check_float_array(object arr, str name, tuple shape, object pool_dtype)

@@ -1,0 +1,26 @@
+# PagePool: free-list page allocator with per-page ref counts.
+from pagedkv_c._types cimport page_id_t, int32_t
+
+
+cdef class PagePool:
+    cdef readonly int32_t num_pages   # pages in the pool; ids are 0 .. num_pages-1
+    cdef int32_t _num_free            # pages currently in the free queue
+    cdef int32_t[::1] _ref_count      # shape (num_pages,): references per page, 0 = free
+    # Free queue: an intrusive circular doubly linked list over page ids with a
+    # sentinel at index num_pages. Head = next to hand out (least recently
+    # freed), tail = most recently freed. A page not in the queue has both
+    # links set to NO_PAGE.
+    cdef int32_t[::1] _prev           # shape (num_pages + 1,)
+    cdef int32_t[::1] _next           # shape (num_pages + 1,)
+
+    # C-level interface. Callers check capacity and page validity first.
+    cdef page_id_t pop_free(self) noexcept nogil
+    cdef void push_free(self, page_id_t page_id) noexcept nogil
+    cdef void remove_free(self, page_id_t page_id) noexcept nogil
+    cdef bint is_free_listed(self, page_id_t page_id) noexcept nogil
+    cdef void take(self, page_id_t* out, Py_ssize_t n) noexcept nogil
+    cdef void incref_one(self, page_id_t page_id) noexcept nogil
+    cdef int32_t decref_one(self, page_id_t page_id) noexcept nogil
+    cdef int32_t drop_ref(self, page_id_t page_id) noexcept nogil
+    cdef int32_t get_ref(self, page_id_t page_id) noexcept nogil
+    cdef object _checked_ids(self, object page_ids, bint forbid_duplicates)

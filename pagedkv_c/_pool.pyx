@@ -1,0 +1,301 @@
+"""PagePool: the page allocator of pagedkv.
+
+Pages are integer ids ``0 .. num_pages-1``; a page's bytes live elsewhere (in
+the pool array of a cache), the allocator only tracks ownership. Every page
+has a ref count: 0 means free, ``n >= 1`` means ``n`` page-table entries (or
+other owners) reference it.
+"""
+import numpy as np
+
+cimport numpy as cnp
+from pagedkv_c._types cimport page_id_t, int32_t, NO_PAGE
+from pagedkv_c._checks cimport check_int, as_int_array
+
+cnp.import_array()
+
+_INT32_MAX = 2**31 - 2
+
+
+class OutOfPagesError(MemoryError):
+    """The pool has fewer free pages than a call needs.
+
+    Raised before any state changes: the call that raised it left the pool,
+    and every cache built on it, exactly as they were.
+    """
+
+
+cdef class PagePool:
+    """Free-list page allocator with ref counts over page ids ``0 .. num_pages-1``.
+
+    Parameters
+    ----------
+    num_pages : int
+        Number of pages, ``1 <= num_pages <= 2**31 - 2`` (page ids are int32,
+        as FlashInfer's page tables require).
+
+    Notes
+    -----
+    Free pages wait in a free queue, a doubly linked list kept in two int32
+    arrays (``prev``/``next`` per page plus a sentinel), which gives O(1) pop
+    from the head, push to the tail, and removal of any page from the middle.
+    Allocation order: **least recently freed first**. Freed pages join the
+    tail, allocation pops the head; initially pages are handed out in id
+    order 0, 1, 2, ... The O(1) middle removal exists for prefix caching: a
+    free page that still holds a cached prefix stays in the queue and can be
+    taken back out when a later request matches it, as in vLLM's
+    ``FreeKVCacheBlockQueue`` (vllm/v1/core/kv_cache_utils.py).
+
+    Every batch call is all-or-nothing: it validates everything first and
+    raises before changing anything.
+    """
+
+    def __cinit__(self, num_pages):
+        cdef int32_t n = <int32_t>check_int(num_pages, "num_pages", 1, _INT32_MAX)
+        self.num_pages = n
+        self._ref_count = np.zeros(n, dtype=np.int32)
+        self._prev = np.empty(n + 1, dtype=np.int32)
+        self._next = np.empty(n + 1, dtype=np.int32)
+        cdef int32_t i
+        cdef int32_t sentinel = n
+        # Circular list sentinel <-> 0 <-> 1 <-> ... <-> n-1 <-> sentinel.
+        for i in range(n + 1):
+            self._next[i] = i + 1 if i < n else 0
+            self._prev[i] = i - 1 if i > 0 else sentinel
+        self._num_free = n
+
+    # ------------------------------------------------------------------ C API
+    cdef page_id_t pop_free(self) noexcept nogil:
+        """Pop the head of the free queue (caller checked ``_num_free > 0``)."""
+        cdef page_id_t page_id = self._next[self.num_pages]
+        self.remove_free(page_id)
+        return page_id
+
+    cdef void push_free(self, page_id_t page_id) noexcept nogil:
+        """Append a page to the tail of the free queue (most recently freed)."""
+        cdef int32_t sentinel = self.num_pages
+        cdef int32_t tail = self._prev[sentinel]
+        self._next[tail] = page_id
+        self._prev[page_id] = tail
+        self._next[page_id] = sentinel
+        self._prev[sentinel] = page_id
+        self._num_free += 1
+
+    cdef void remove_free(self, page_id_t page_id) noexcept nogil:
+        """Unlink a page from anywhere in the free queue in O(1)."""
+        cdef int32_t before = self._prev[page_id]
+        cdef int32_t after = self._next[page_id]
+        self._next[before] = after
+        self._prev[after] = before
+        self._prev[page_id] = NO_PAGE
+        self._next[page_id] = NO_PAGE
+        self._num_free -= 1
+
+    cdef bint is_free_listed(self, page_id_t page_id) noexcept nogil:
+        return self._next[page_id] != NO_PAGE
+
+    cdef void take(self, page_id_t* out, Py_ssize_t n) noexcept nogil:
+        """Pop ``n`` pages into ``out`` with ref count 1 (caller checked capacity)."""
+        cdef Py_ssize_t i
+        cdef page_id_t page_id
+        for i in range(n):
+            page_id = self.pop_free()
+            self._ref_count[page_id] = 1
+            out[i] = page_id
+
+    cdef void incref_one(self, page_id_t page_id) noexcept nogil:
+        self._ref_count[page_id] += 1
+
+    cdef int32_t decref_one(self, page_id_t page_id) noexcept nogil:
+        """Drop one reference; a page reaching 0 joins the free queue's tail."""
+        cdef int32_t count = self.drop_ref(page_id)
+        if count == 0:
+            self.push_free(page_id)
+        return count
+
+    cdef int32_t drop_ref(self, page_id_t page_id) noexcept nogil:
+        """Drop one reference without queueing the page (the caller reuses or queues it)."""
+        self._ref_count[page_id] -= 1
+        return self._ref_count[page_id]
+
+    cdef int32_t get_ref(self, page_id_t page_id) noexcept nogil:
+        return self._ref_count[page_id]
+
+    # ------------------------------------------------------------- Python API
+    @property
+    def num_free(self):
+        """Number of free pages (int, in pages)."""
+        return self._num_free
+
+    def allocate(self, n):
+        """Take ``n`` free pages, least recently freed first.
+
+        Parameters
+        ----------
+        n : int
+            Number of pages, ``0 <= n <= num_pages``.
+
+        Returns
+        -------
+        numpy.ndarray
+            int32, shape ``(n,)``: the page ids, each now with ref count 1.
+
+        Raises
+        ------
+        TypeError
+            ``n`` is not an integer.
+        ValueError
+            ``n`` is negative or larger than ``num_pages``.
+        OutOfPagesError
+            Fewer than ``n`` pages are free; nothing is allocated.
+        """
+        cdef Py_ssize_t count = <Py_ssize_t>check_int(n, "n", 0, self.num_pages)
+        if count > self._num_free:
+            raise OutOfPagesError(
+                f"cannot allocate {count} pages: only {self._num_free} of {self.num_pages} are free"
+            )
+        cdef cnp.ndarray out = np.empty(count, dtype=np.int32)
+        cdef page_id_t* out_ptr = <page_id_t*>cnp.PyArray_DATA(out)
+        with nogil:
+            self.take(out_ptr, count)
+        return out
+
+    cdef object _checked_ids(self, object page_ids, bint forbid_duplicates):
+        """Validate page ids: in range, allocated, optionally distinct."""
+        cdef object ids = as_int_array(page_ids, "page_ids", np.int64)
+        if ids.size == 0:
+            return ids.astype(np.int32)
+        cdef long long lo = ids.min()
+        cdef long long hi = ids.max()
+        if lo < 0 or hi >= self.num_pages:
+            bad = int(ids[(ids < 0) | (ids >= self.num_pages)][0])
+            raise ValueError(
+                f"Invalid value of page_ids: expected page ids in [0, {self.num_pages - 1}], got {bad}"
+            )
+        ids = ids.astype(np.int32)
+        refs = np.asarray(self._ref_count)[ids]
+        if (refs == 0).any():
+            bad = int(ids[refs == 0][0])
+            raise ValueError(f"Invalid value of page_ids: page {bad} is not allocated (ref count 0)")
+        if forbid_duplicates and ids.size > 1:
+            uniq, counts = np.unique(ids, return_counts=True)
+            if (counts > 1).any():
+                raise ValueError(
+                    f"Invalid value of page_ids: page {int(uniq[counts > 1][0])} is listed more than once"
+                )
+        return ids
+
+    def free(self, page_ids):
+        """Drop one reference to each page; pages reaching ref count 0 become free.
+
+        Parameters
+        ----------
+        page_ids : sequence of int or numpy.ndarray of integers, shape ``(n,)``
+            Allocated pages, each listed at most once.
+
+        Raises
+        ------
+        ValueError
+            A page id is out of range, not allocated, or listed twice; nothing
+            is freed.
+        TypeError
+            ``page_ids`` is not a 1-D sequence of integers.
+
+        Notes
+        -----
+        Pages reaching ref count 0 join the tail of the free queue in the order
+        given, so the first page listed is the first to be handed out again.
+        """
+        cdef int32_t[::1] ids = self._checked_ids(page_ids, True)
+        cdef Py_ssize_t i
+        with nogil:
+            for i in range(ids.shape[0]):
+                self.decref_one(ids[i])
+
+    def incref(self, page_ids):
+        """Add one reference to each listed page (a page listed k times gains k).
+
+        Parameters
+        ----------
+        page_ids : sequence of int or numpy.ndarray of integers, shape ``(n,)``
+            Allocated pages.
+
+        Raises
+        ------
+        ValueError
+            A page id is out of range or not allocated; nothing changes.
+        TypeError
+            ``page_ids`` is not a 1-D sequence of integers.
+        """
+        cdef int32_t[::1] ids = self._checked_ids(page_ids, False)
+        cdef Py_ssize_t i
+        with nogil:
+            for i in range(ids.shape[0]):
+                self._ref_count[ids[i]] += 1
+
+    def ref_count(self, page_id):
+        """Return the ref count of one page (0 = free).
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``page_id`` is not an integer in ``[0, num_pages)``.
+        """
+        cdef int32_t p = <int32_t>check_int(page_id, "page_id", 0, self.num_pages - 1)
+        return self._ref_count[p]
+
+    def free_pages(self):
+        """Return the free queue in hand-out order (int32 array, shape ``(num_free,)``)."""
+        out = np.empty(self._num_free, dtype=np.int32)
+        cdef int32_t[::1] view = out
+        cdef int32_t sentinel = self.num_pages
+        cdef int32_t page_id = self._next[sentinel]
+        cdef Py_ssize_t i = 0
+        while page_id != sentinel and i < self._num_free:
+            view[i] = page_id
+            page_id = self._next[page_id]
+            i += 1
+        return out
+
+    def check_invariants(self):
+        """Verify the allocator's state; raise AssertionError naming the first bad page.
+
+        Checks: the free queue is a well-formed doubly linked list with exactly
+        ``num_free`` entries; every page is either free (ref count 0, in the
+        queue exactly once) or allocated (ref count >= 1, not in the queue).
+        """
+        cdef int32_t n = self.num_pages
+        cdef int32_t sentinel = n
+        seen = np.zeros(n, dtype=np.int8)
+        cdef int32_t page_id = self._next[sentinel]
+        cdef int32_t previous = sentinel
+        cdef Py_ssize_t steps = 0
+        while page_id != sentinel:
+            if page_id < 0 or page_id >= n:
+                raise AssertionError(f"free queue holds invalid page id {page_id}")
+            if self._prev[page_id] != previous:
+                raise AssertionError(f"page {page_id}: broken back link in the free queue")
+            if seen[page_id]:
+                raise AssertionError(f"page {page_id} is in the free queue twice")
+            seen[page_id] = 1
+            steps += 1
+            if steps > n:
+                raise AssertionError("free queue has a cycle")
+            previous = page_id
+            page_id = self._next[page_id]
+        if self._prev[sentinel] != previous:
+            raise AssertionError("free queue tail link is broken")
+        if steps != self._num_free:
+            raise AssertionError(f"free queue holds {steps} pages but num_free is {self._num_free}")
+        cdef int32_t p
+        for p in range(n):
+            if self._ref_count[p] < 0:
+                raise AssertionError(f"page {p} has negative ref count {self._ref_count[p]}")
+            if self._ref_count[p] == 0 and not seen[p]:
+                raise AssertionError(f"page {p} has ref count 0 but is not in the free queue")
+            if self._ref_count[p] > 0 and seen[p]:
+                raise AssertionError(f"page {p} has ref count {self._ref_count[p]} but is in the free queue")
+            if not seen[p] and (self._prev[p] != NO_PAGE or self._next[p] != NO_PAGE):
+                raise AssertionError(f"page {p} is allocated but keeps free-queue links")
+
+    def __repr__(self):
+        return f"PagePool(num_pages={self.num_pages}, num_free={self._num_free})"

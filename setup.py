@@ -1,0 +1,92 @@
+"""Build script: declares the compiled core (package ``pagedkv_c``) and its flags.
+
+Environment switches
+--------------------
+PAGEDKV_DEBUG=1
+    Turn Cython's bounds, wraparound and initialized checks back on and compile
+    without optimisation, so that an out-of-range index inside the core raises
+    IndexError instead of corrupting memory. Used once per CI run.
+PAGEDKV_OPENMP=0 / 1
+    Force OpenMP off or on. Default: on with GCC/Clang on Linux and with MSVC on
+    Windows, off on macOS (Apple Clang ships no OpenMP runtime).
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+HERE = Path(__file__).parent
+DEBUG = os.environ.get("PAGEDKV_DEBUG", "0") == "1"
+IS_MSVC = sys.platform == "win32"
+
+
+def _openmp_enabled() -> bool:
+    forced = os.environ.get("PAGEDKV_OPENMP")
+    if forced is not None:
+        return forced == "1"
+    return sys.platform != "darwin"
+
+
+OPENMP = _openmp_enabled()
+
+if IS_MSVC:
+    compile_args = ["/Od"] if DEBUG else ["/O2"]
+    link_args: list[str] = []
+    if OPENMP:
+        compile_args.append("/openmp")
+else:
+    compile_args = ["-O0", "-g"] if DEBUG else ["-O3"]
+    compile_args += ["-std=c11", "-Wno-unused-function", "-Wno-unreachable-code"]
+    link_args = []
+    if OPENMP:
+        if sys.platform == "darwin":
+            compile_args += ["-Xpreprocessor", "-fopenmp"]
+            link_args += ["-lomp"]
+        else:
+            compile_args.append("-fopenmp")
+            link_args.append("-fopenmp")
+
+define_macros = [
+    ("NPY_NO_DEPRECATED_API", "NPY_2_0_API_VERSION"),
+    ("PAGEDKV_HAVE_OPENMP", "1" if OPENMP else "0"),
+]
+
+# Extra C sources per module (hand-written kernels called from Cython).
+EXTRA_SOURCES: dict[str, list[str]] = {}
+
+extensions = []
+for pyx in sorted((HERE / "pagedkv_c").glob("*.pyx")):
+    name = pyx.stem
+    extensions.append(
+        Extension(
+            f"pagedkv_c.{name}",
+            sources=[f"pagedkv_c/{pyx.name}", *EXTRA_SOURCES.get(name, [])],
+            include_dirs=[np.get_include(), "pagedkv_c"],
+            define_macros=define_macros,
+            extra_compile_args=compile_args,
+            extra_link_args=link_args,
+        )
+    )
+
+directives = {
+    "language_level": 3,
+    "embedsignature": True,
+    "cdivision": True,
+    "boundscheck": DEBUG,
+    "wraparound": DEBUG,
+    "initializedcheck": DEBUG,
+    "nonecheck": DEBUG,
+}
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        compiler_directives=directives,
+        # Rebuild when the debug switch flips, even if sources did not change.
+        force=DEBUG,
+    ),
+)
