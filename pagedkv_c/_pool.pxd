@@ -12,6 +12,9 @@ cdef class PagePool:
     # links set to NO_PAGE.
     cdef int32_t[::1] _prev           # shape (num_pages + 1,)
     cdef int32_t[::1] _next           # shape (num_pages + 1,)
+    # Scratch for planning a batch before mutating: references a planned call
+    # would drop per page. All zeros between calls.
+    cdef int32_t[::1] _pending        # shape (num_pages,)
 
     # C-level interface. Callers check capacity and page validity first.
     cdef page_id_t pop_free(self) noexcept nogil
@@ -20,6 +23,7 @@ cdef class PagePool:
     cdef bint is_free_listed(self, page_id_t page_id) noexcept nogil
     cdef void take(self, page_id_t* out, Py_ssize_t n) noexcept nogil
     cdef void incref_one(self, page_id_t page_id) noexcept nogil
+    cdef void claim(self, page_id_t page_id) noexcept nogil
     cdef int32_t decref_one(self, page_id_t page_id) noexcept nogil
     cdef int32_t drop_ref(self, page_id_t page_id) noexcept nogil
     cdef int32_t get_ref(self, page_id_t page_id) noexcept nogil

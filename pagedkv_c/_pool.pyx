@@ -55,6 +55,7 @@ cdef class PagePool:
         self._ref_count = np.zeros(n, dtype=np.int32)
         self._prev = np.empty(n + 1, dtype=np.int32)
         self._next = np.empty(n + 1, dtype=np.int32)
+        self._pending = np.zeros(n, dtype=np.int32)
         cdef int32_t i
         cdef int32_t sentinel = n
         # Circular list sentinel <-> 0 <-> 1 <-> ... <-> n-1 <-> sentinel.
@@ -104,6 +105,10 @@ cdef class PagePool:
 
     cdef void incref_one(self, page_id_t page_id) noexcept nogil:
         self._ref_count[page_id] += 1
+
+    cdef void claim(self, page_id_t page_id) noexcept nogil:
+        """Give ref count 1 to a page that is off the queue with ref count 0 (in-place reuse)."""
+        self._ref_count[page_id] = 1
 
     cdef int32_t decref_one(self, page_id_t page_id) noexcept nogil:
         """Drop one reference; a page reaching 0 joins the free queue's tail."""

@@ -2,12 +2,18 @@
 
 Public API
 ----------
+KVCache
+    Paged K/V storage for many sequences and layers (page tables, sliding
+    window with attention sinks, copy-on-write forks, FlashInfer/vLLM exports).
+PageTableView
+    A batch of page tables in FlashInfer's CSR form (``KVCache.page_table``).
 PagePool
     Free-list page allocator with ref counts.
 OutOfPagesError
     Raised when a pool cannot satisfy a call (subclass of MemoryError).
 """
+from pagedkv_c._kv_cache import KVCache, PageTableView
 from pagedkv_c._pool import OutOfPagesError, PagePool
 
-__all__ = ["OutOfPagesError", "PagePool"]
+__all__ = ["KVCache", "OutOfPagesError", "PagePool", "PageTableView"]
 __version__ = "0.1.0"

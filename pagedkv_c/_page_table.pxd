@@ -1,0 +1,47 @@
+# PageTable: one sequence's logical page index -> page id map, with the
+# sliding window kept as a ring buffer and attention-sink pages pinned.
+from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t
+from pagedkv_c._pool cimport PagePool
+
+
+cdef class PageTable:
+    cdef readonly PagePool pool
+    cdef readonly int32_t page_size     # tokens per page
+    cdef int64_t _window                # W in tokens; NO_WINDOW for full attention
+    cdef readonly int64_t sink_tokens   # S in tokens (only meaningful with a window)
+    cdef int32_t num_sink_pages         # ceil(S / page_size) with a window, else 0
+    cdef int64_t length                 # tokens appended so far = next position
+    # Sink pages: logical pages 0 .. num_sink_pages-1, never released.
+    cdef int32_t[::1] sinks             # shape (num_sink_pages,), page ids; valid up to sink_count
+    cdef int32_t sink_count             # sink pages held (< num_sink_pages only while the sequence is short)
+    # Ring of window pages: logical pages ring_first .. ring_first+ring_count-1,
+    # stored at ring[(ring_head + i) % capacity]. Grows (doubling) when a
+    # chunk longer than the window is in flight or without a window.
+    cdef int32_t[::1] ring              # shape (capacity,), page ids
+    cdef Py_ssize_t ring_head           # index in ring of logical page ring_first
+    cdef Py_ssize_t ring_count          # pages in the ring
+    cdef int64_t ring_first             # logical index of the oldest ring page, >= num_sink_pages
+
+    cdef int64_t num_logical(self) noexcept nogil
+    cdef Py_ssize_t num_held(self) noexcept nogil
+    cdef page_id_t page_at(self, int64_t logical) noexcept nogil
+    cdef Py_ssize_t num_to_release(self, int64_t num_new_tokens) noexcept nogil
+    cdef page_id_t ring_page(self, Py_ssize_t i) noexcept nogil
+    cdef page_id_t pop_oldest(self) noexcept nogil
+    cdef int reserve(self, Py_ssize_t num_new_pages) except -1
+    cdef void push_page(self, page_id_t page_id) noexcept nogil
+    cdef page_id_t pop_newest(self) noexcept nogil
+    cdef void replace_last(self, page_id_t page_id) noexcept nogil
+    cdef bint last_page_is_partial(self) noexcept nogil
+    cdef Py_ssize_t pages_needed(self, int64_t num_new_tokens) noexcept nogil
+    cdef void write_slots(self, int64_t first_pos, int64_t num_tokens, slot_t* out) noexcept nogil
+    cdef void export(self, page_id_t* indices, pos_t* positions) noexcept nogil
+    cdef int64_t min_truncate_len(self) noexcept nogil
+    cdef void drop_tail(self, int64_t new_len) noexcept nogil
+    cdef int copy_from(self, PageTable other) except -1
+
+
+# Batch append over several tables sharing one pool (all-or-nothing).
+cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
+                      slot_t* slots_out, page_id_t* cow_src, page_id_t* cow_dst,
+                      Py_ssize_t* num_cow, Py_ssize_t* num_released) except -1

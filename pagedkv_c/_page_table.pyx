@@ -1,0 +1,517 @@
+"""PageTable: one sequence's map from logical page index to page id.
+
+Positions ``[k * page_size, (k + 1) * page_size)`` of a sequence live in its
+logical page ``k``. Without a window every logical page is held. With a
+sliding window of ``W`` tokens and ``S`` sink tokens, the table holds:
+
+* the sink pages, logical pages ``0 .. ceil(S / page_size) - 1``, pinned for
+  the sequence's lifetime (StreamingLLM attention sinks, Xiao et al. 2023);
+* the window pages, a contiguous run of logical pages kept in a ring buffer.
+
+Release rule (DESIGN.md; vLLM's sliding-window manager works the same way):
+an append of ``T >= 1`` tokens starting at position ``n0`` first releases
+every window page whose positions are all ``< n0 - W + 1``, then takes new
+pages. A released page whose ref count drops to 0 is reused in place for the
+pages the same call needs, without a round trip through the free queue.
+"""
+import numpy as np
+
+cimport numpy as cnp
+from libc.stdint cimport INT64_MAX
+from libc.stdlib cimport malloc, free
+from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t, NO_PAGE
+from pagedkv_c._pool cimport PagePool
+from pagedkv_c._checks cimport check_int
+
+from pagedkv_c._pool import OutOfPagesError
+
+cnp.import_array()
+
+# Window value meaning "no window" (full attention).
+cdef int64_t NO_WINDOW = INT64_MAX
+# Initial ring capacity of a table without a window; it doubles as needed.
+cdef Py_ssize_t _INITIAL_RING = 8
+
+
+cdef inline int64_t _ceil_div(int64_t a, int64_t b) noexcept nogil:
+    return (a + b - 1) // b
+
+
+cdef class PageTable:
+    """Logical page index -> page id map of one sequence, over a shared PagePool.
+
+    Parameters
+    ----------
+    pool : PagePool
+        Allocator shared by all sequences; page ids come from it.
+    page_size : int
+        Tokens per page, ``>= 1``.
+    window : int or None
+        Sliding window ``W`` in tokens (``>= 1``): the query at position ``p``
+        attends to keys ``[p - W + 1, p]``. None means full attention (no
+        page is ever released).
+    sink_tokens : int
+        Attention-sink tokens ``S >= 0``: positions ``[0, S)`` stay attended
+        and their pages pinned. Only meaningful with a window.
+
+    Notes
+    -----
+    The window pages form a ring whose decode capacity is
+    ``ceil((W - 1) / page_size) + 1`` pages; it grows (doubling) while an
+    append longer than the window is in flight, because the appended tokens'
+    own queries need all of it. After an append of ``T`` tokens the table
+    holds at most ``ceil((W + T - 2) / page_size) + 1`` window pages plus
+    ``ceil(S / page_size)`` sink pages.
+
+    This class keeps page ids only; the K/V bytes and copy-on-write copies
+    are the owning cache's job.
+    """
+
+    def __cinit__(self, PagePool pool not None, page_size, window=None, sink_tokens=0):
+        self.pool = pool
+        self.page_size = <int32_t>check_int(page_size, "page_size", 1, 2**31 - 1)
+        cdef int64_t w = NO_WINDOW
+        if window is not None:
+            w = check_int(window, "window", 1, INT64_MAX)
+        self._window = w
+        self.sink_tokens = check_int(sink_tokens, "sink_tokens", 0, INT64_MAX)
+        self.num_sink_pages = 0
+        if w != NO_WINDOW:
+            self.num_sink_pages = <int32_t>_ceil_div(self.sink_tokens, self.page_size)
+        self.sinks = np.empty(self.num_sink_pages, dtype=np.int32)
+        cdef Py_ssize_t capacity = _INITIAL_RING
+        if w != NO_WINDOW:
+            capacity = min(<Py_ssize_t>(_ceil_div(w - 1, self.page_size) + 1), 1 << 16)
+        self.ring = np.empty(max(capacity, 1), dtype=np.int32)
+        self.length = 0
+        self.sink_count = 0
+        self.ring_head = 0
+        self.ring_count = 0
+        self.ring_first = self.num_sink_pages
+
+    # ------------------------------------------------------------------ C API
+    cdef int64_t num_logical(self) noexcept nogil:
+        """Logical pages spanned by the sequence, held or released."""
+        return _ceil_div(self.length, self.page_size)
+
+    cdef Py_ssize_t num_held(self) noexcept nogil:
+        return self.sink_count + self.ring_count
+
+    cdef page_id_t page_at(self, int64_t logical) noexcept nogil:
+        """Page id of a held logical page (caller checked that it is held)."""
+        if logical < self.num_sink_pages:
+            return self.sinks[logical]
+        return self.ring[(self.ring_head + (logical - self.ring_first)) % self.ring.shape[0]]
+
+    cdef page_id_t ring_page(self, Py_ssize_t i) noexcept nogil:
+        """The i-th oldest window page."""
+        return self.ring[(self.ring_head + i) % self.ring.shape[0]]
+
+    cdef Py_ssize_t num_to_release(self, int64_t num_new_tokens) noexcept nogil:
+        """Window pages an append of ``num_new_tokens`` releases first (release rule)."""
+        if num_new_tokens == 0 or self._window == NO_WINDOW:
+            return 0
+        cdef int64_t bound = self.length - self._window + 1
+        if bound <= 0:
+            return 0
+        # Logical pages below bound // page_size hold only positions < bound.
+        cdef int64_t released = bound // self.page_size - self.ring_first
+        if released <= 0:
+            return 0
+        return <Py_ssize_t>min(released, <int64_t>self.ring_count)
+
+    cdef page_id_t pop_oldest(self) noexcept nogil:
+        """Remove the oldest window page from the ring and return it."""
+        cdef page_id_t page_id = self.ring[self.ring_head]
+        self.ring_head = (self.ring_head + 1) % self.ring.shape[0]
+        self.ring_count -= 1
+        self.ring_first += 1
+        return page_id
+
+    cdef int reserve(self, Py_ssize_t num_new_pages) except -1:
+        """Grow the ring (doubling) so that ``num_new_pages`` more pages fit.
+
+        Called while planning, so that pushing pages later cannot fail.
+        """
+        cdef Py_ssize_t capacity = self.ring.shape[0]
+        cdef Py_ssize_t wanted = self.ring_count + num_new_pages
+        cdef Py_ssize_t i
+        cdef int32_t[::1] grown
+        if wanted <= capacity:
+            return 0
+        while capacity < wanted:
+            capacity *= 2
+        grown = np.empty(capacity, dtype=np.int32)
+        for i in range(self.ring_count):
+            grown[i] = self.ring_page(i)
+        self.ring = grown
+        self.ring_head = 0
+        return 0
+
+    cdef void push_page(self, page_id_t page_id) noexcept nogil:
+        """Append a page as the next logical page (a sink page or the ring's newest).
+
+        The caller reserved ring room first.
+        """
+        if self.sink_count < self.num_sink_pages:
+            self.sinks[self.sink_count] = page_id
+            self.sink_count += 1
+            return
+        self.ring[(self.ring_head + self.ring_count) % self.ring.shape[0]] = page_id
+        self.ring_count += 1
+
+    cdef page_id_t pop_newest(self) noexcept nogil:
+        """Remove the newest held page (ring tail, else the last sink page) and return it."""
+        if self.ring_count > 0:
+            self.ring_count -= 1
+            return self.ring[(self.ring_head + self.ring_count) % self.ring.shape[0]]
+        self.sink_count -= 1
+        return self.sinks[self.sink_count]
+
+    cdef void replace_last(self, page_id_t page_id) noexcept nogil:
+        """Swap the page of the newest held logical page (copy-on-write)."""
+        if self.ring_count > 0:
+            self.ring[(self.ring_head + self.ring_count - 1) % self.ring.shape[0]] = page_id
+        else:
+            self.sinks[self.sink_count - 1] = page_id
+
+    cdef bint last_page_is_partial(self) noexcept nogil:
+        """True when the next token lands in an already-held page."""
+        return self.length % self.page_size != 0
+
+    cdef Py_ssize_t pages_needed(self, int64_t num_new_tokens) noexcept nogil:
+        """New logical pages an append of ``num_new_tokens`` spans."""
+        return <Py_ssize_t>(_ceil_div(self.length + num_new_tokens, self.page_size) - self.num_logical())
+
+    cdef void write_slots(self, int64_t first_pos, int64_t num_tokens, slot_t* out) noexcept nogil:
+        """Slot mapping of positions ``first_pos .. first_pos + num_tokens - 1`` (all held)."""
+        cdef int64_t pos = first_pos
+        cdef int64_t end = first_pos + num_tokens
+        cdef int64_t logical, offset, run, t
+        cdef slot_t base
+        cdef Py_ssize_t k = 0
+        while pos < end:
+            logical = pos // self.page_size
+            offset = pos - logical * self.page_size
+            run = min(<int64_t>self.page_size - offset, end - pos)
+            base = <slot_t>self.page_at(logical) * self.page_size + offset
+            for t in range(run):
+                out[k] = base + t
+                k += 1
+            pos += run
+
+    cdef void export(self, page_id_t* indices, pos_t* positions) noexcept nogil:
+        """Write held page ids and their first positions in logical order."""
+        cdef Py_ssize_t i
+        for i in range(self.sink_count):
+            indices[i] = self.sinks[i]
+            positions[i] = <pos_t>i * self.page_size
+        cdef Py_ssize_t base = self.sink_count
+        for i in range(self.ring_count):
+            indices[base + i] = self.ring[(self.ring_head + i) % self.ring.shape[0]]
+            positions[base + i] = (self.ring_first + i) * self.page_size
+
+    cdef int64_t min_truncate_len(self) noexcept nogil:
+        """Smallest length above the sink pages that keeps a full window cached.
+
+        Truncating to ``new_len`` with ``sink_pages * page_size < new_len <
+        min_truncate_len()`` would leave the next query without keys the
+        window already released. 0 when nothing was released.
+        """
+        if self._window == NO_WINDOW or self.ring_first <= self.num_sink_pages:
+            return 0
+        return self.ring_first * self.page_size + self._window - 1
+
+    cdef void drop_tail(self, int64_t new_len) noexcept nogil:
+        """Release the pages past ``new_len`` tokens, newest first, and set the length.
+
+        The caller validated ``new_len`` (see min_truncate_len).
+        """
+        cdef int64_t keep = _ceil_div(new_len, self.page_size)
+        while self.ring_count > 0 and self.ring_first + self.ring_count > keep:
+            self.pool.decref_one(self.pop_newest())
+        while self.ring_count == 0 and self.sink_count > keep:
+            self.pool.decref_one(self.pop_newest())
+        if self.ring_count == 0:
+            self.ring_head = 0
+            self.ring_first = max(<int64_t>self.num_sink_pages, keep)
+        self.length = new_len
+
+    cdef int copy_from(self, PageTable other) except -1:
+        """Make this (empty) table share every page of ``other`` (ref counts +1)."""
+        self.sinks = other.sinks.copy()
+        self.ring = other.ring.copy()
+        self.sink_count = other.sink_count
+        self.ring_head = other.ring_head
+        self.ring_count = other.ring_count
+        self.ring_first = other.ring_first
+        self.length = other.length
+        cdef Py_ssize_t i
+        for i in range(self.sink_count):
+            self.pool.incref_one(self.sinks[i])
+        for i in range(self.ring_count):
+            self.pool.incref_one(self.ring_page(i))
+        return 0
+
+    # ------------------------------------------------------------- Python API
+    @property
+    def window(self):
+        """Sliding window in tokens, or None for full attention."""
+        return None if self._window == NO_WINDOW else self._window
+
+    @property
+    def seq_len(self):
+        """Tokens appended so far, released ones included (= the next position)."""
+        return self.length
+
+    @property
+    def num_pages(self):
+        """Pages the table holds (sink + window pages)."""
+        return self.num_held()
+
+    def pages(self):
+        """Held pages in logical order.
+
+        Returns
+        -------
+        page_ids : numpy.ndarray
+            int32, shape ``(num_pages,)``.
+        first_positions : numpy.ndarray
+            int64, shape ``(num_pages,)``: first token position of each page.
+        """
+        n = self.num_held()
+        ids = np.empty(n, dtype=np.int32)
+        pos = np.empty(n, dtype=np.int64)
+        self.export(<page_id_t*>cnp.PyArray_DATA(ids), <pos_t*>cnp.PyArray_DATA(pos))
+        return ids, pos
+
+    def append(self, num_tokens):
+        """Reserve slots for the next ``num_tokens`` tokens.
+
+        Releases out-of-window pages first, then copies the last page if it is
+        shared and will be written (copy-on-write), then takes new pages.
+
+        Parameters
+        ----------
+        num_tokens : int
+            Tokens to append, ``>= 0``.
+
+        Returns
+        -------
+        slot_mapping : numpy.ndarray
+            int64, shape ``(num_tokens,)``: ``page_id * page_size + offset``.
+        cow_pairs : numpy.ndarray
+            int32, shape ``(k, 2)`` with k in {0, 1}: (source, destination)
+            page whose contents the owner must copy before writing.
+
+        Raises
+        ------
+        OutOfPagesError
+            The pool cannot supply the pages; nothing changed.
+        """
+        cdef int64_t n = check_int(num_tokens, "num_tokens", 0, INT64_MAX - self.length)
+        slots = np.empty(n, dtype=np.int64)
+        cow = np.empty((2, 1), dtype=np.int32)
+        cdef Py_ssize_t num_cow = 0, num_released = 0
+        append_batch(self.pool, [self], &n, <slot_t*>cnp.PyArray_DATA(slots),
+                     <page_id_t*>cnp.PyArray_DATA(cow), (<page_id_t*>cnp.PyArray_DATA(cow)) + 1,
+                     &num_cow, &num_released)
+        return slots, cow[:, :num_cow].T.copy()
+
+    def truncate(self, new_len):
+        """Keep the first ``new_len`` tokens, releasing later pages newest first.
+
+        Raises
+        ------
+        ValueError
+            ``new_len`` is outside ``[0, seq_len]``, or with a window, the
+            next query at ``new_len`` would need keys the window already
+            released. Nothing changes.
+        """
+        cdef int64_t n = check_int(new_len, "new_len", 0, self.length)
+        cdef int64_t low = self.min_truncate_len()
+        cdef int64_t sink_end = <int64_t>self.num_sink_pages * self.page_size
+        if n > sink_end and n < low:
+            raise ValueError(
+                f"Invalid value of new_len: the window already released keys that a query at "
+                f"position {n} needs; expected new_len <= {sink_end} or {low} <= new_len <= "
+                f"{self.length}, got {n}"
+            )
+        self.drop_tail(n)
+
+    def fork(self):
+        """Return a new table sharing every page of this one (ref counts +1)."""
+        cdef PageTable child = PageTable(self.pool, self.page_size, self.window, self.sink_tokens)
+        child.copy_from(self)
+        return child
+
+    def release(self):
+        """Release every page (newest first) and reset the length to 0."""
+        self.drop_tail(0)
+
+    def __repr__(self):
+        return (f"PageTable(seq_len={self.length}, num_pages={self.num_held()}, "
+                f"page_size={self.page_size}, window={self.window}, sink_tokens={self.sink_tokens})")
+
+
+cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
+                      slot_t* slots_out, page_id_t* cow_src, page_id_t* cow_dst,
+                      Py_ssize_t* num_cow, Py_ssize_t* num_released) except -1:
+    """Reserve slots for several tables sharing ``pool``, all or nothing.
+
+    Order of work: (1) every table releases its out-of-window pages; pages
+    that reach ref count 0 are kept aside for in-place reuse; (2) each table,
+    in order, takes the pages it needs, its own released pages first, then
+    the free queue (where the other tables' unused released pages went); a
+    partial last page that is still shared gets a fresh copy
+    (copy-on-write; the caller copies the bytes from ``cow_src[i]`` to
+    ``cow_dst[i]``). The plan is simulated on ref counts first, so
+    OutOfPagesError leaves everything unchanged.
+
+    ``num_tokens`` has one entry per table; ``slots_out`` receives
+    ``sum(num_tokens)`` slots in table order; ``cow_src``/``cow_dst`` need
+    room for one entry per table.
+    """
+    cdef Py_ssize_t num_tables = len(tables)
+    cdef Py_ssize_t b, i, r, k, new_pages, into_sinks
+    cdef PageTable table
+    cdef page_id_t page_id, old
+
+    # ---- 0. work space and ring room; may raise, changes nothing visible.
+    cdef int64_t total_released = 0
+    for b in range(num_tables):
+        table = <PageTable>tables[b]
+        r = table.num_to_release(num_tokens[b])
+        total_released += r
+        new_pages = table.pages_needed(num_tokens[b])
+        into_sinks = min(new_pages, <Py_ssize_t>(table.num_sink_pages - table.sink_count))
+        table.reserve(table.ring_count - r + new_pages - into_sinks)
+    cdef _Scratch scratch = _Scratch(num_tables, total_released)
+
+    # ---- 1. plan on ref counts: releases of all tables, then per table
+    # copy-on-write and new pages, in the order execution will follow.
+    cdef int32_t[::1] refs = pool._ref_count
+    cdef int32_t[::1] pending = pool._pending
+    cdef int64_t available = pool._num_free
+    cdef int64_t needed = 0
+    for b in range(num_tables):
+        table = <PageTable>tables[b]
+        for i in range(table.num_to_release(num_tokens[b])):
+            page_id = table.ring_page(i)
+            pending[page_id] += 1
+            if refs[page_id] == pending[page_id]:
+                available += 1
+    for b in range(num_tables):
+        table = <PageTable>tables[b]
+        scratch.copy[b] = False
+        scratch.need[b] = 0
+        if num_tokens[b] == 0:
+            continue
+        if table.last_page_is_partial():
+            page_id = table.page_at(table.num_logical() - 1)
+            if refs[page_id] - pending[page_id] > 1:
+                scratch.copy[b] = True
+                scratch.need[b] += 1
+                pending[page_id] += 1
+        scratch.need[b] += table.pages_needed(num_tokens[b])
+        needed += scratch.need[b]
+    for b in range(num_tables):  # clear the scratch counts, same walk
+        table = <PageTable>tables[b]
+        for i in range(table.num_to_release(num_tokens[b])):
+            pending[table.ring_page(i)] = 0
+        if scratch.copy[b]:
+            pending[table.page_at(table.num_logical() - 1)] = 0
+    if needed > available:
+        raise OutOfPagesError(
+            f"cannot append: the call needs {needed} new pages but only {available} of "
+            f"{pool.num_pages} are free, counting the {available - pool._num_free} that its "
+            f"own window releases would free"
+        )
+    scratch.ensure_taken(needed)
+
+    # ---- 2. execute; nothing below can fail.
+    cdef Py_ssize_t num_spare = 0
+    for b in range(num_tables):
+        table = <PageTable>tables[b]
+        scratch.spare_start[b] = num_spare
+        for i in range(table.num_to_release(num_tokens[b])):
+            page_id = table.pop_oldest()
+            if pool.drop_ref(page_id) == 0:
+                scratch.spare[num_spare] = page_id
+                num_spare += 1
+    scratch.spare_start[num_tables] = num_spare
+    num_released[0] = <Py_ssize_t>total_released
+
+    # Each table reuses its own released pages in place; the others join the
+    # free queue.
+    cdef Py_ssize_t cursor = 0
+    for b in range(num_tables):
+        scratch.own[b] = min(scratch.need[b], scratch.spare_start[b + 1] - scratch.spare_start[b])
+        for i in range(scratch.own[b]):
+            page_id = scratch.spare[scratch.spare_start[b] + i]
+            pool.claim(page_id)
+            scratch.taken[cursor + i] = page_id
+        cursor += scratch.need[b]
+    for b in range(num_tables):
+        for i in range(scratch.spare_start[b] + scratch.own[b], scratch.spare_start[b + 1]):
+            pool.push_free(scratch.spare[i])
+
+    cdef int64_t slot_offset = 0
+    cdef Py_ssize_t pairs = 0
+    cursor = 0
+    for b in range(num_tables):
+        table = <PageTable>tables[b]
+        pool.take(scratch.taken + cursor + scratch.own[b], scratch.need[b] - scratch.own[b])
+        k = cursor
+        if scratch.copy[b]:
+            old = table.page_at(table.num_logical() - 1)
+            table.replace_last(scratch.taken[k])
+            pool.drop_ref(old)  # stays >= 1: the page was shared
+            cow_src[pairs] = old
+            cow_dst[pairs] = scratch.taken[k]
+            pairs += 1
+            k += 1
+        while k < cursor + scratch.need[b]:
+            table.push_page(scratch.taken[k])
+            k += 1
+        cursor += scratch.need[b]
+        table.write_slots(table.length, num_tokens[b], slots_out + slot_offset)
+        table.length += num_tokens[b]
+        slot_offset += num_tokens[b]
+    num_cow[0] = pairs
+    return 0
+
+
+cdef class _Scratch:
+    """Per-call work arrays of append_batch, freed with the object."""
+    cdef Py_ssize_t* need         # (num_tables,) pages each table takes (copy + new)
+    cdef bint* copy               # (num_tables,) table copies its shared last page
+    cdef Py_ssize_t* own          # (num_tables,) of those, its own released pages
+    cdef Py_ssize_t* spare_start  # (num_tables + 1,) offsets into spare per table
+    cdef page_id_t* spare         # (num_released,) released pages that reached ref count 0
+    cdef page_id_t* taken         # (total needed,) pages handed to the tables, in table order
+
+    def __cinit__(self, Py_ssize_t num_tables, int64_t num_released):
+        self.need = <Py_ssize_t*>malloc((num_tables + 1) * sizeof(Py_ssize_t))
+        self.copy = <bint*>malloc((num_tables + 1) * sizeof(bint))
+        self.own = <Py_ssize_t*>malloc((num_tables + 1) * sizeof(Py_ssize_t))
+        self.spare_start = <Py_ssize_t*>malloc((num_tables + 1) * sizeof(Py_ssize_t))
+        self.spare = <page_id_t*>malloc((num_released + 1) * sizeof(page_id_t))
+        self.taken = NULL
+        if (self.need == NULL or self.copy == NULL or self.own == NULL
+                or self.spare_start == NULL or self.spare == NULL):
+            raise MemoryError()
+
+    cdef int ensure_taken(self, int64_t num_pages) except -1:
+        self.taken = <page_id_t*>malloc((num_pages + 1) * sizeof(page_id_t))
+        if self.taken == NULL:
+            raise MemoryError()
+        return 0
+
+    def __dealloc__(self):
+        free(self.need)
+        free(self.copy)
+        free(self.own)
+        free(self.spare_start)
+        free(self.spare)
+        free(self.taken)
