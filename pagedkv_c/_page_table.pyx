@@ -239,8 +239,8 @@ cdef class PageTable:
 
     cdef int copy_from(self, PageTable other) except -1:
         """Make this (empty) table share every page of ``other`` (ref counts +1)."""
-        self.sinks = other.sinks.copy()
-        self.ring = other.ring.copy()
+        self.sinks = np.asarray(other.sinks).copy()
+        self.ring = np.asarray(other.ring).copy()
         self.sink_count = other.sink_count
         self.ring_head = other.ring_head
         self.ring_count = other.ring_count

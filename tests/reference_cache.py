@@ -1,0 +1,172 @@
+"""A plain-Python reference model of KVCache's paging, used as the test oracle.
+
+It keeps, per sequence, which logical pages are held (as abstract page
+objects shared by forks), and the K/V of every cached position per layer.
+It follows the rules of DESIGN.md directly, without rings, free queues or
+slot arithmetic:
+
+* a sequence's position p lives in logical page p // page_size;
+* an append of T >= 1 tokens at length n0 first releases every held logical
+  page k whose positions are all < n0 - W + 1 and that holds no sink
+  position (k * page_size >= S); a batch releases for all its sequences
+  before any of them takes pages;
+* then, sequence by sequence, a shared partial last page is copied, and new
+  logical pages are taken; the call fails, changing nothing, if the pool's
+  free pages plus the pages its releases free do not cover what it takes.
+"""
+import itertools
+import math
+
+
+class OutOfPages(Exception):
+    pass
+
+
+class RefSequence:
+    def __init__(self):
+        self.length = 0
+        self.pages = {}  # logical page index -> abstract page id
+        self.kv = {}  # position -> {layer: (k, v)}
+
+    def copy(self):
+        other = RefSequence()
+        other.length = self.length
+        other.pages = dict(self.pages)
+        other.kv = {p: dict(layers) for p, layers in self.kv.items()}
+        return other
+
+
+class RefCache:
+    def __init__(self, num_pages, page_size, window=None, sink_tokens=0):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.window = window
+        self.sink_tokens = sink_tokens if window is not None else 0
+        self.seqs = {}
+        self.refs = {}  # abstract page id -> ref count
+        self._ids = itertools.count()
+        self.evictions = 0
+        self.cow_copies = 0
+
+    # -- helpers
+    def _new_page(self):
+        page = next(self._ids)
+        self.refs[page] = 1
+        return page
+
+    def _drop(self, page):
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            del self.refs[page]
+
+    def _released_by(self, seq, num_new):
+        if num_new == 0 or self.window is None:
+            return []
+        bound = seq.length - self.window + 1
+        ps = self.page_size
+        return sorted(
+            k for k in seq.pages if (k + 1) * ps <= bound and k * ps >= self.sink_tokens
+        )
+
+    @property
+    def pages_in_use(self):
+        return len(self.refs)
+
+    def cached_positions(self, seq_id):
+        seq = self.seqs[seq_id]
+        ps = self.page_size
+        return [p for p in range(seq.length) if p // ps in seq.pages]
+
+    # -- operations
+    def add(self, seq_id):
+        assert seq_id not in self.seqs
+        self.seqs[seq_id] = RefSequence()
+
+    def remove(self, seq_id):
+        seq = self.seqs.pop(seq_id)
+        for page in seq.pages.values():
+            self._drop(page)
+
+    def fork(self, parent, child):
+        seq = self.seqs[parent].copy()
+        for page in seq.pages.values():
+            self.refs[page] += 1
+        self.seqs[child] = seq
+
+    def append(self, seq_ids, counts):
+        """Return [(seq_id, position)] of the new tokens, or raise OutOfPages."""
+        ps = self.page_size
+        refs = dict(self.refs)
+        free = self.num_pages - len(refs)
+        releases = {}
+        for sid, t in zip(seq_ids, counts):
+            releases[sid] = self._released_by(self.seqs[sid], t)
+            for k in releases[sid]:
+                page = self.seqs[sid].pages[k]
+                refs[page] -= 1
+                if refs[page] == 0:
+                    free += 1
+        needed = 0
+        copies = {}
+        for sid, t in zip(seq_ids, counts):
+            seq = self.seqs[sid]
+            if t == 0:
+                continue
+            n0 = seq.length
+            copies[sid] = False
+            if n0 % ps:
+                page = seq.pages[n0 // ps]
+                if refs[page] > 1:
+                    copies[sid] = True
+                    refs[page] -= 1
+                    needed += 1
+            needed += math.ceil((n0 + t) / ps) - math.ceil(n0 / ps)
+        if needed > free:
+            raise OutOfPages(needed, free)
+        # apply
+        new_tokens = []
+        for sid, t in zip(seq_ids, counts):
+            seq = self.seqs[sid]
+            for k in releases[sid]:
+                self._drop(seq.pages.pop(k))
+                for p in range(k * ps, (k + 1) * ps):
+                    seq.kv.pop(p, None)
+                self.evictions += 1
+        for sid, t in zip(seq_ids, counts):
+            seq = self.seqs[sid]
+            if t == 0:
+                continue
+            n0 = seq.length
+            if copies[sid]:
+                self._drop(seq.pages[n0 // ps])
+                seq.pages[n0 // ps] = self._new_page()
+                self.cow_copies += 1
+            for k in range(math.ceil(n0 / ps), math.ceil((n0 + t) / ps)):
+                seq.pages[k] = self._new_page()
+            seq.length = n0 + t
+            new_tokens += [(sid, p) for p in range(n0, n0 + t)]
+        return new_tokens
+
+    def truncate_allowed(self, seq_id, new_len):
+        seq = self.seqs[seq_id]
+        if not 0 <= new_len <= seq.length:
+            return False
+        if new_len == 0 or self.window is None:
+            return True
+        lo = max(0, new_len - self.window + 1)
+        return all(p // self.page_size in seq.pages for p in range(lo, new_len))
+
+    def truncate(self, seq_id, new_len):
+        seq = self.seqs[seq_id]
+        keep = math.ceil(new_len / self.page_size)
+        for k in sorted(seq.pages, reverse=True):
+            if k >= keep:
+                self._drop(seq.pages.pop(k))
+        for p in list(seq.kv):
+            if p >= new_len:
+                del seq.kv[p]
+        seq.length = new_len
+
+    def store(self, layer, tokens, k, v):
+        for (sid, pos), key, value in zip(tokens, k, v):
+            self.seqs[sid].kv.setdefault(pos, {})[layer] = (key.copy(), value.copy())
