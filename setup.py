@@ -79,7 +79,6 @@ directives = {
     "boundscheck": DEBUG,
     "wraparound": DEBUG,
     "initializedcheck": DEBUG,
-    "nonecheck": DEBUG,
 }
 
 setup(

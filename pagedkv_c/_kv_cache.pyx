@@ -431,9 +431,9 @@ cdef class KVCache:
             with nogil:
                 for i in range(num_cow):
                     self._copy_page(cow_src[i], cow_dst[i])
-                self._cow_copies += num_cow
-                self._evictions += num_released
-                self._note_usage()
+            self._cow_copies += num_cow
+            self._evictions += num_released
+            self._note_usage()
             self._tokens_appended += slots.shape[0]
         return slots
 
