@@ -9,6 +9,8 @@ PAGEDKV_DEBUG=1
 PAGEDKV_OPENMP=0 / 1
     Force OpenMP off or on. Default: on with GCC/Clang on Linux and with MSVC on
     Windows, off on macOS (Apple Clang ships no OpenMP runtime).
+PAGEDKV_XXHASH=0, XXHASH_INCLUDE_DIR=...
+    Where to find xxhash.h (Debian: libxxhash-dev); 0 disables the search.
 """
 
 import os
@@ -50,9 +52,32 @@ else:
             compile_args.append("-fopenmp")
             link_args.append("-fopenmp")
 
+
+
+def _find_xxhash_include() -> str | None:
+    """Directory holding xxhash.h (XXH3-128 for prefix caching), if any.
+
+    Without it the build still works: page hashes then go through the Python
+    ``xxhash`` package, which computes the same values, one call per page.
+    """
+    if os.environ.get("PAGEDKV_XXHASH", "1") == "0":
+        return None
+    candidates = [os.environ.get("XXHASH_INCLUDE_DIR", ""), "/usr/include", "/usr/local/include",
+                  "/opt/homebrew/include", os.path.join(sys.prefix, "include")]
+    for directory in candidates:
+        if directory and os.path.isfile(os.path.join(directory, "xxhash.h")):
+            return directory
+    return None
+
+
+XXHASH_INCLUDE = _find_xxhash_include()
+# The system directory is searched anyway; naming it again can break #include_next.
+EXTRA_INCLUDES = [XXHASH_INCLUDE] if XXHASH_INCLUDE not in (None, "/usr/include") else []
+
 define_macros = [
     ("NPY_NO_DEPRECATED_API", "NPY_2_0_API_VERSION"),
     ("PAGEDKV_HAVE_OPENMP", "1" if OPENMP else "0"),
+    ("PAGEDKV_HAVE_XXHASH", "1" if XXHASH_INCLUDE else "0"),
 ]
 
 # Extra C sources per module (hand-written kernels called from Cython).
@@ -65,7 +90,7 @@ for pyx in sorted((HERE / "pagedkv_c").glob("*.pyx")):
         Extension(
             f"pagedkv_c.{name}",
             sources=[f"pagedkv_c/{pyx.name}", *EXTRA_SOURCES.get(name, [])],
-            include_dirs=[np.get_include(), "pagedkv_c"],
+            include_dirs=[np.get_include(), "pagedkv_c", *EXTRA_INCLUDES],
             define_macros=define_macros,
             extra_compile_args=compile_args,
             extra_link_args=link_args,

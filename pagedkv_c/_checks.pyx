@@ -62,7 +62,10 @@ cdef object check_array(object arr, str name, object dtype, tuple shape):
 
 
 cdef object as_int_array(object values, str name, object dtype):
-    """Convert a 1-D sequence of integers to a fresh C-contiguous array of ``dtype``.
+    """Convert a 1-D sequence of integers to a C-contiguous array of ``dtype``.
+
+    An ndarray that already has ``dtype`` and that layout is returned as is
+    (callers only read it).
 
     Accepts lists, tuples and integer ndarrays; rejects floats, bools and
     values that do not fit ``dtype``. Raises TypeError or ValueError.
@@ -70,6 +73,9 @@ cdef object as_int_array(object values, str name, object dtype):
     cdef object arr
     if isinstance(values, np.ndarray):
         arr = values
+        # Fast path: already the right dtype and layout, nothing to check or copy.
+        if arr.dtype == dtype and arr.ndim == 1 and arr.flags.c_contiguous:
+            return arr
     else:
         try:
             arr = np.asarray(values)

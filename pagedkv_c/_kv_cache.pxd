@@ -2,6 +2,8 @@
 cimport cython
 from pagedkv_c._types cimport int32_t, int64_t
 from pagedkv_c._pool cimport PagePool
+from pagedkv_c._prefix cimport PrefixIndex
+from pagedkv_c._page_table cimport PageTable
 
 
 cdef class KVCache:
@@ -24,8 +26,14 @@ cdef class KVCache:
     cdef int64_t _evictions               # page-table entries released by the window
     cdef int64_t _cow_copies              # pages copied on write
     cdef int64_t _tokens_appended         # tokens reserved by append over the cache's life
+    cdef PrefixIndex _prefix              # prefix cache, or None when disabled
+    cdef int64_t _prefix_queries          # prompt tokens looked up, in tokens
+    cdef int64_t _prefix_hits             # prompt tokens served from cached pages, in tokens
 
     cdef object _table(self, object seq_id)
     cdef list _tables_for(self, object seq_ids)
     cdef void _copy_page(self, int32_t src, int32_t dst) noexcept nogil
     cdef void _note_usage(self) noexcept nogil
+    cdef int64_t _match_prefix(self, PageTable table, const int32_t* prompt, int64_t prompt_len,
+                               int64_t num_hashable) except -1
+    cdef int _register_full_pages(self, PageTable table) except -1

@@ -15,6 +15,9 @@ from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t, PAD_SL
 from pagedkv_c._pool cimport PagePool
 from pagedkv_c._page_table cimport PageTable, append_batch
 from pagedkv_c._checks cimport check_int, check_float_array, as_int_array
+from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash128, hash_salt,
+                                hash_block_pages)
+from libc.stdlib cimport malloc, free
 
 cnp.import_array()
 
@@ -123,6 +126,16 @@ cdef class KVCache:
         Attention-sink tokens ``S >= 0``: positions ``[0, S)`` stay attended
         and their pages pinned (StreamingLLM, Xiao et al. 2023). Only used
         with a window.
+    enable_prefix_caching : bool
+        Reuse the K/V of shared prompt prefixes across sequences (vLLM's
+        automatic prefix caching): full pages are indexed by a hash chained
+        on their parent's, and a new sequence starts on the longest run of
+        cached pages its prompt matches. See :meth:`add_sequence`.
+    prefix_hash : str
+        Page hash with prefix caching: ``"xxh3_128"`` (default, fast) or
+        ``"sha256"`` (collision resistant, for untrusted multi-tenant
+        traffic). See ``pagedkv_c._prefix`` for the hashed bytes and the
+        collision risk.
 
     Attributes
     ----------
@@ -156,7 +169,8 @@ cdef class KVCache:
     """
 
     def __cinit__(self, num_layers, num_kv_heads, head_dim, num_pages, page_size=16,
-                  dtype=np.float16, window=None, sink_tokens=0):
+                  dtype=np.float16, window=None, sink_tokens=0, enable_prefix_caching=False,
+                  prefix_hash="xxh3_128"):
         self.num_layers = <int32_t>check_int(num_layers, "num_layers", 0, 2**20)
         self.num_kv_heads = <int32_t>check_int(num_kv_heads, "num_kv_heads", 1, 2**16)
         self.head_dim = <int32_t>check_int(head_dim, "head_dim", 1, 2**16)
@@ -188,6 +202,14 @@ cdef class KVCache:
         self._evictions = 0
         self._cow_copies = 0
         self._tokens_appended = 0
+        self._prefix = None
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        if enable_prefix_caching:
+            if not isinstance(prefix_hash, str):
+                raise TypeError(f"Invalid type of prefix_hash: expected str, got {type(prefix_hash).__name__}")
+            self._prefix = PrefixIndex(self.pool.num_pages, self.page_size, prefix_hash)
+            self.pool.prefix = self._prefix
 
     # ------------------------------------------------------------ internals
     cdef object _table(self, object seq_id):
@@ -223,6 +245,96 @@ cdef class KVCache:
         if in_use > self._pages_peak:
             self._pages_peak = in_use
 
+    cdef int64_t _match_prefix(self, PageTable table, const int32_t* prompt, int64_t prompt_len,
+                               int64_t num_hashable) except -1:
+        """Start ``table`` on the cached pages its prompt matches; return the tokens served.
+
+        At most ``(prompt_len - 1) // page_size`` pages are served, so the last
+        prompt token is always computed. Without a window the served pages
+        are the longest run of hits from the start. With a window W and sink
+        pages, serving m pages needs only the sink pages and the pages that
+        the query at position ``m * page_size`` can see, so the largest m for
+        which those are all cached wins, and only they are taken.
+        """
+        cdef PrefixIndex index = self._prefix
+        cdef SequenceHashes hashes = table.hashes
+        cdef int64_t ps = self.page_size
+        cdef int64_t servable = min((prompt_len - 1) // ps if prompt_len > 0 else 0, num_hashable)
+        cdef int64_t num_sink_pages = table.num_sink_pages
+        cdef int64_t k, m = 0, lead = 0, run = 0, low, first_window = num_sink_pages
+        cdef hash128 h
+        cdef page_id_t page_id
+        found = np.empty(servable, dtype=np.int32)
+        cdef int32_t[::1] hit = found
+        for k in range(servable):
+            h.lo = hashes.lo[k]
+            h.hi = hashes.hi[k]
+            page_id = index.find(h)
+            if page_id != -1 and prompt != NULL and not index.tokens_match(page_id, prompt + k * ps):
+                page_id = -1  # a hash collision: never serve a page whose tokens differ
+            hit[k] = page_id
+        while lead < servable and hit[lead] != -1:
+            lead += 1
+        if self._window is None:
+            m = lead
+        else:
+            for k in range(servable):
+                run = run + 1 if hit[k] != -1 else 0
+                # Serving k + 1 pages: the next query sits at (k + 1) * ps.
+                low = max(num_sink_pages, max(0, (k + 1) * ps - <int64_t>self._window + 1) // ps)
+                if lead >= min(num_sink_pages, k + 1) and (low >= k + 1 or run >= k + 1 - low):
+                    m = k + 1
+                    first_window = low
+        self._prefix_queries += prompt_len
+        self._prefix_hits += m * ps
+        hashes.num_registered = m
+        if m == 0:
+            return 0
+        cdef int64_t num_sink = min(num_sink_pages, m) if self._window is not None else 0
+        cdef int64_t num_window = m - first_window if self._window is not None else m
+        if self._window is None:
+            first_window = 0
+        if num_window < 0:
+            num_window = 0
+        for k in range(num_sink):
+            _take_cached(self.pool, hit[k])
+        for k in range(first_window, first_window + num_window):
+            _take_cached(self.pool, hit[k])
+        table.adopt(&hit[0], num_sink, &hit[first_window] if num_window else NULL,
+                    first_window, num_window, m)
+        return m * ps
+
+    cdef int _register_full_pages(self, PageTable table) except -1:
+        """Index the sequence's newly full, held pages whose hash is known."""
+        cdef SequenceHashes hashes = table.hashes
+        cdef PrefixIndex index = self._prefix
+        if hashes is None or index is None:
+            return 0
+        hashes.extend_hashes(index.algorithm, self.page_size)
+        cdef int64_t upto = min(table.length // self.page_size, hashes.num_hashed)
+        cdef int64_t k
+        cdef page_id_t page_id
+        cdef hash128 h
+        cdef Py_ssize_t t
+        for k in range(hashes.num_registered, upto):
+            if k < table.num_sink_pages:
+                if k >= table.sink_count:
+                    continue
+            elif k < table.ring_first or k >= table.ring_first + table.ring_count:
+                continue  # released by the window, or not held
+            page_id = table.page_at(k)
+            if index.cached[page_id]:
+                continue
+            h.lo = hashes.lo[k]
+            h.hi = hashes.hi[k]
+            if index.insert(h, page_id) and not hashes.external:
+                for t in range(self.page_size):
+                    index.tokens[page_id, t] = hashes.token_ids[k * self.page_size + t]
+                index.has_tokens[page_id] = 1
+        if upto > hashes.num_registered:
+            hashes.num_registered = upto
+        return 0
+
     # ----------------------------------------------------------- properties
     @property
     def num_pages(self):
@@ -238,6 +350,11 @@ cdef class KVCache:
     def window(self):
         """Sliding window in tokens, or None for full attention."""
         return self._window
+
+    @property
+    def prefix_caching(self):
+        """True when prefix caching is enabled."""
+        return self._prefix is not None
 
     @property
     def num_sequences(self):
@@ -256,28 +373,108 @@ cdef class KVCache:
             return list(self._tables)
 
     # ------------------------------------------------------------ sequences
-    def add_sequence(self, seq_id):
-        """Start an empty sequence.
+    def add_sequence(self, seq_id, prompt_token_ids=None, extra_key=None, *,
+                     block_hashes=None, block_tokens=None, num_prompt_tokens=None):
+        """Start a sequence, reusing cached pages of its prompt when prefix caching is on.
 
         Parameters
         ----------
         seq_id : int
             New sequence id (any int64).
+        prompt_token_ids : sequence of int, shape ``[P]``, optional
+            The prompt. With prefix caching the sequence starts on the
+            longest run of cached full pages that match it and remembers the
+            prompt, so that its remaining full pages become cached as they
+            fill (append them without ``token_ids``).
+        extra_key : str, bytes, int or None
+            Per-request salt (e.g. a tenant id): pages only match requests
+            with the same salt.
+        block_hashes : sequence of int, shape ``[num_blocks]``, optional
+            Instead of tokens: external hash ids, one per ``block_tokens``
+            tokens of the prompt, prefix-chained (equal ids = equal content
+            given equal earlier ids), as in the Mooncake trace. Page ``j`` of
+            a block is keyed by (block id, j), chained like token pages.
+        block_tokens : int
+            Tokens per external block, a multiple of ``page_size``.
+        num_prompt_tokens : int
+            Prompt length in tokens, with ``block_hashes``.
+
+        Returns
+        -------
+        int
+            Tokens served from cache (0 without prefix caching): the
+            sequence's length, a multiple of ``page_size``. The caller appends
+            and computes the rest. The last prompt token is never served from
+            cache, so at least one token is always computed (a prompt of an
+            exact multiple of ``page_size`` hits at most ``P - page_size``).
+            With a window, a hit counts only when every page that the next
+            query's window and sinks need is cached; pages before the window
+            are not taken.
 
         Raises
         ------
         ValueError
-            ``seq_id`` is already in the cache.
+            ``seq_id`` already exists; both or neither of ``prompt_token_ids``
+            and ``block_hashes`` style arguments are inconsistent; token ids
+            outside int32; ``block_tokens`` not a positive multiple of
+            ``page_size``; ``num_prompt_tokens`` beyond what the blocks cover.
         TypeError
-            ``seq_id`` is not an integer.
+            Non-integer ids, or an ``extra_key`` of another type.
         """
         cdef int64_t key = check_int(seq_id, "seq_id", INT64_MIN, INT64_MAX)
-        table = PageTable(self.pool, self.page_size, self._window, self.sink_tokens)
+        cdef PageTable table = PageTable(self.pool, self.page_size, self._window, self.sink_tokens)
+        cdef object prompt = None
+        cdef object blocks = None
+        cdef int64_t prompt_len = 0, per_block = 0, num_hashable = 0
+        cdef SequenceHashes hashes = None
+        cdef hash128 zero
+        if prompt_token_ids is not None and block_hashes is not None:
+            raise ValueError("Invalid value of block_hashes: give prompt_token_ids or block_hashes, not both")
+        if prompt_token_ids is not None:
+            prompt = as_int_array(prompt_token_ids, "prompt_token_ids", np.int32)
+            prompt_len = prompt.shape[0]
+        elif block_hashes is not None:
+            blocks = as_int_array(block_hashes, "block_hashes", np.int64)
+            if block_tokens is None or num_prompt_tokens is None:
+                raise ValueError("Invalid value of block_tokens: block_hashes needs block_tokens and num_prompt_tokens")
+            per_block = check_int(block_tokens, "block_tokens", 1, 2**31 - 1)
+            if per_block % self.page_size:
+                raise ValueError(
+                    f"Invalid value of block_tokens: expected a multiple of page_size {self.page_size}, got {per_block}"
+                )
+            prompt_len = check_int(num_prompt_tokens, "num_prompt_tokens", 0, blocks.shape[0] * per_block)
+        if self._prefix is not None and (prompt is not None or blocks is not None):
+            hashes = SequenceHashes()
+            hashes.salt = hash_salt(self._prefix.algorithm, extra_key)
+            if prompt is not None:
+                hashes.reserve_tokens(prompt_len)
+                if prompt_len:
+                    np.asarray(hashes.token_ids)[:prompt_len] = prompt
+                hashes.num_known = prompt_len
+                hashes.extend_hashes(self._prefix.algorithm, self.page_size)
+            else:
+                hashes.external = True
+                num_hashable = prompt_len // self.page_size
+                hashes.reserve_hashes(num_hashable)
+                _hash_external(self._prefix.algorithm, hashes, blocks, per_block // self.page_size,
+                               num_hashable)
+        elif extra_key is not None:
+            hash_salt(0, extra_key)  # same type check as with caching on
+        table.hashes = hashes
+        cdef int64_t cached = 0
         with self._lock:
             if key in self._tables:
                 raise ValueError(f"Invalid value of seq_id: sequence {key} already exists")
+            if hashes is not None:
+                cached = self._match_prefix(
+                    table,
+                    <const int32_t*>cnp.PyArray_DATA(prompt) if prompt is not None else NULL,
+                    prompt_len,
+                    hashes.num_hashed,
+                )
+                self._note_usage()
             self._tables[key] = table
-        return 0
+        return cached
 
     def remove_sequence(self, seq_id):
         """Drop a sequence and release its pages (newest first).
@@ -371,7 +568,7 @@ cdef class KVCache:
             return _cached_tokens(table)
 
     # ---------------------------------------------------------------- paging
-    def append(self, seq_ids, num_tokens):
+    def append(self, seq_ids, num_tokens, token_ids=None):
         """Reserve slots for the next tokens of each sequence.
 
         For each sequence in order: pages that left the window are released
@@ -385,6 +582,10 @@ cdef class KVCache:
         num_tokens : sequence of int, shape ``[B]``
             Tokens to append per sequence, ``>= 0``. A sequence with 0 is
             left untouched.
+        token_ids : sequence of int, shape ``[sum(num_tokens)]``, optional
+            Token ids of the new tokens, in the same order as the slots. Used
+            by prefix caching only: pages they fill become cached (prompt
+            tokens given to :meth:`add_sequence` need not be passed again).
 
         Returns
         -------
@@ -398,7 +599,8 @@ cdef class KVCache:
         KeyError
             Unknown sequence id.
         ValueError
-            Duplicate sequence id, negative count, or length mismatch.
+            Duplicate sequence id, negative count, length mismatch, or
+            ``token_ids`` not of length ``sum(num_tokens)`` or outside int32.
         OutOfPagesError
             The pool cannot supply the pages the whole batch needs, counting
             the pages this call's own releases free. Nothing changed.
@@ -410,11 +612,22 @@ cdef class KVCache:
         """
         counts = as_int_array(num_tokens, "num_tokens", np.int64)
         cdef Py_ssize_t batch = counts.shape[0]
-        if counts.size and counts.min() < 0:
-            raise ValueError(f"Invalid value of num_tokens: expected counts >= 0, got {int(counts.min())}")
-        cdef Py_ssize_t num_cow = 0, num_released = 0, i
-        cdef list tables
         cdef int64_t[::1] count_view = counts
+        cdef int64_t total = 0
+        cdef Py_ssize_t num_cow = 0, num_released = 0, i
+        for i in range(batch):
+            if count_view[i] < 0:
+                raise ValueError(f"Invalid value of num_tokens: expected counts >= 0, got {count_view[i]}")
+            total += count_view[i]
+        cdef object ids = None
+        if token_ids is not None:
+            ids = as_int_array(token_ids, "token_ids", np.int32)
+            if ids.shape[0] != total:
+                raise ValueError(
+                    f"Invalid shape of token_ids: expected ({total},) = sum(num_tokens), got ({ids.shape[0]},)"
+                )
+        cdef list tables
+        cdef PageTable table
         cdef int32_t[::1] cow_src, cow_dst
         with self._lock:
             tables = self._tables_for(seq_ids)
@@ -422,9 +635,15 @@ cdef class KVCache:
                 raise ValueError(
                     f"Invalid shape of num_tokens: expected ({len(tables)},) to match seq_ids, got ({batch},)"
                 )
-            slots = np.empty(int(counts.sum()), dtype=np.int64)
+            if ids is not None and self._prefix is not None:
+                for i in range(batch):  # grow token buffers now: nothing may fail after append_batch
+                    table = <PageTable>tables[i]
+                    if table.hashes is not None and not table.hashes.external:
+                        table.hashes.reserve_tokens(table.length + count_view[i])
+            slots = np.empty(total, dtype=np.int64)
             cow_src = np.empty(batch + 1, dtype=np.int32)
             cow_dst = np.empty(batch + 1, dtype=np.int32)
+            first_positions = [(<PageTable>t).length for t in tables] if self._prefix is not None else None
             append_batch(self.pool, tables, &count_view[0] if batch else NULL,
                          <slot_t*>cnp.PyArray_DATA(slots), &cow_src[0], &cow_dst[0],
                          &num_cow, &num_released)
@@ -434,7 +653,11 @@ cdef class KVCache:
             self._cow_copies += num_cow
             self._evictions += num_released
             self._note_usage()
-            self._tokens_appended += slots.shape[0]
+            self._tokens_appended += total
+            if self._prefix is not None:
+                _record_tokens(tables, first_positions, count_view, ids, self.page_size)
+                for i in range(batch):
+                    self._register_full_pages(<PageTable>tables[i])
         return slots
 
     def store(self, layer, slot_mapping, k, v):
@@ -592,10 +815,24 @@ cdef class KVCache:
             ``evictions`` (page-table entries released by the window);
             ``cow_copies`` (pages copied on write); ``bytes_per_page`` (bytes
             of one page id across all layers, K and V); ``bytes_in_use``;
-            ``num_sequences``; ``tokens_appended``.
+            ``num_sequences``; ``tokens_appended``. With prefix caching also
+            ``prefix_queries`` and ``prefix_hits`` (prompt tokens looked up
+            and served from cache), ``prefix_hit_rate`` (hits / queries),
+            ``prefix_cached_pages`` (pages findable by hash, free ones
+            included) and ``prefix_evictions`` (cached pages whose hash was
+            dropped because the allocator handed them out again).
         """
         with self._lock:
             in_use = self.pool.num_pages - self.pool._num_free
+            extra = {}
+            if self._prefix is not None:
+                extra = {
+                    "prefix_queries": self._prefix_queries,
+                    "prefix_hits": self._prefix_hits,
+                    "prefix_hit_rate": (<double>self._prefix_hits) / self._prefix_queries if self._prefix_queries else 0.0,
+                    "prefix_cached_pages": self._prefix.num_cached,
+                    "prefix_evictions": self._prefix.evictions,
+                }
             return {
                 "pages_in_use": in_use,
                 "pages_free": self.pool._num_free,
@@ -606,7 +843,7 @@ cdef class KVCache:
                 "bytes_in_use": in_use * self.num_layers * self._page_bytes,
                 "num_sequences": len(self._tables),
                 "tokens_appended": self._tokens_appended,
-            }
+            } | extra
 
     def check_invariants(self):
         """Verify allocator and page tables; raise AssertionError naming what is wrong.
@@ -645,11 +882,79 @@ cdef class KVCache:
                 )
             if np.asarray(self.pool._pending).any():
                 raise AssertionError("planning scratch of the pool is not clear")
+            if self._prefix is not None:
+                self._prefix.check_invariants()
 
     def __repr__(self):
         return (f"KVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, num_pages={self.pool.num_pages}, page_size={self.page_size}, "
                 f"dtype={self.kv.dtype}, window={self._window}, sink_tokens={self.sink_tokens})")
+
+
+cdef int _record_tokens(list tables, list first_positions, int64_t[::1] counts, object ids,
+                        int32_t page_size) except -1:
+    """Note the token ids of appended tokens in each token-keyed hash chain.
+
+    A token that differs from what the chain assumed (a prompt token that the
+    caller replaced) cuts the chain's hashes back to the page before it.
+    Tokens after a gap of unknown ids are not recorded: the chain stops there.
+    """
+    cdef Py_ssize_t b, t
+    cdef int64_t offset = 0, n0, pos
+    cdef PageTable table
+    cdef SequenceHashes hashes
+    cdef int32_t[::1] new_ids
+    if ids is None:
+        return 0
+    new_ids = ids
+    for b in range(len(tables)):
+        table = <PageTable>tables[b]
+        hashes = table.hashes
+        n0 = first_positions[b]
+        if hashes is not None and not hashes.external and hashes.num_known >= n0:
+            for t in range(counts[b]):
+                pos = n0 + t
+                if pos < hashes.num_known and hashes.token_ids[pos] != new_ids[offset + t]:
+                    hashes.truncate(pos, page_size)
+                hashes.token_ids[pos] = new_ids[offset + t]
+                if pos + 1 > hashes.num_known:
+                    hashes.num_known = pos + 1
+        offset += counts[b]
+    return 0
+
+
+cdef int _take_cached(PagePool pool, page_id_t page_id) except -1:
+    """Take a reference to a matched cached page, pulling it off the free queue if idle."""
+    if pool.get_ref(page_id) == 0:
+        pool.remove_free(page_id)  # O(1) removal from the middle of the queue
+        pool.claim(page_id)
+    else:
+        pool.incref_one(page_id)
+    return 0
+
+
+cdef int _hash_external(int algorithm, SequenceHashes hashes, object blocks, int64_t pages_per_block,
+                        int64_t num_pages) except -1:
+    """Fill ``hashes`` with the chained hashes of pages keyed by external block ids."""
+    cdef hash128 parent
+    parent.lo = 0
+    parent.hi = 0
+    if num_pages == 0:
+        return 0
+    cdef int64_t[::1] ids = blocks
+    cdef hash128* out = <hash128*>malloc(num_pages * sizeof(hash128))
+    if out == NULL:
+        raise MemoryError()
+    cdef Py_ssize_t i
+    try:
+        hash_block_pages(algorithm, parent, hashes.salt, &ids[0], pages_per_block, 0, num_pages, out)
+        for i in range(num_pages):
+            hashes.lo[i] = out[i].lo
+            hashes.hi[i] = out[i].hi
+    finally:
+        free(out)
+    hashes.num_hashed = num_pages
+    return 0
 
 
 cdef int64_t _check_layer(object layer, int32_t num_layers) except? -1:

@@ -2,6 +2,7 @@
 # sliding window kept as a ring buffer and attention-sink pages pinned.
 from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t
 from pagedkv_c._pool cimport PagePool
+from pagedkv_c._prefix cimport SequenceHashes
 
 
 cdef class PageTable:
@@ -21,6 +22,7 @@ cdef class PageTable:
     cdef Py_ssize_t ring_head           # index in ring of logical page ring_first
     cdef Py_ssize_t ring_count          # pages in the ring
     cdef int64_t ring_first             # logical index of the oldest ring page, >= num_sink_pages
+    cdef SequenceHashes hashes          # prefix-caching hash chain, or None
 
     cdef int64_t num_logical(self) noexcept nogil
     cdef Py_ssize_t num_held(self) noexcept nogil
@@ -39,6 +41,9 @@ cdef class PageTable:
     cdef int64_t min_truncate_len(self) noexcept nogil
     cdef void drop_tail(self, int64_t new_len) noexcept nogil
     cdef int copy_from(self, PageTable other) except -1
+    cdef int adopt(self, const page_id_t* sink_pages, Py_ssize_t num_sink,
+                   const page_id_t* window_pages, int64_t first_window, Py_ssize_t num_window,
+                   int64_t num_logical_pages) except -1
 
 
 # Batch append over several tables sharing one pool (all-or-nothing).

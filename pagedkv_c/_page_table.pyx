@@ -236,6 +236,8 @@ cdef class PageTable:
             self.ring_head = 0
             self.ring_first = max(<int64_t>self.num_sink_pages, keep)
         self.length = new_len
+        if self.hashes is not None:
+            self.hashes.truncate(new_len, self.page_size)
 
     cdef int copy_from(self, PageTable other) except -1:
         """Make this (empty) table share every page of ``other`` (ref counts +1)."""
@@ -246,11 +248,36 @@ cdef class PageTable:
         self.ring_count = other.ring_count
         self.ring_first = other.ring_first
         self.length = other.length
+        if other.hashes is not None:
+            self.hashes = other.hashes.copy()
         cdef Py_ssize_t i
         for i in range(self.sink_count):
             self.pool.incref_one(self.sinks[i])
         for i in range(self.ring_count):
             self.pool.incref_one(self.ring_page(i))
+        return 0
+
+    cdef int adopt(self, const page_id_t* sink_pages, Py_ssize_t num_sink,
+                   const page_id_t* window_pages, int64_t first_window, Py_ssize_t num_window,
+                   int64_t num_logical_pages) except -1:
+        """Start an empty table on cached pages (prefix caching).
+
+        The table spans ``num_logical_pages`` full pages and holds sink pages
+        ``0 .. num_sink-1`` plus window pages ``first_window ..
+        first_window + num_window - 1``; pages between them, which no future
+        query needs, are not held. The caller set the ref counts.
+        """
+        self.reserve(num_window)
+        cdef Py_ssize_t i
+        for i in range(num_sink):
+            self.sinks[i] = sink_pages[i]
+        self.sink_count = <int32_t>num_sink
+        self.ring_head = 0
+        self.ring_first = max(first_window, <int64_t>self.num_sink_pages)
+        for i in range(num_window):
+            self.ring[i] = window_pages[i]
+        self.ring_count = num_window
+        self.length = num_logical_pages * self.page_size
         return 0
 
     # ------------------------------------------------------------- Python API
@@ -437,8 +464,11 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
         for i in range(table.num_to_release(num_tokens[b])):
             page_id = table.pop_oldest()
             if pool.drop_ref(page_id) == 0:
-                scratch.spare[num_spare] = page_id
-                num_spare += 1
+                if pool.prefix is not None and pool.prefix.cached[page_id]:
+                    pool.push_free(page_id)  # stays findable until handed out again
+                else:
+                    scratch.spare[num_spare] = page_id
+                    num_spare += 1
     scratch.spare_start[num_tables] = num_spare
     num_released[0] = <Py_ssize_t>total_released
 
@@ -471,6 +501,10 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
             cow_dst[pairs] = scratch.taken[k]
             pairs += 1
             k += 1
+        elif num_tokens[b] and table.last_page_is_partial() and pool.prefix is not None:
+            old = table.page_at(table.num_logical() - 1)
+            if pool.prefix.cached[old]:
+                pool.prefix.remove(old)  # its content is about to change
         while k < cursor + scratch.need[b]:
             table.push_page(scratch.taken[k])
             k += 1

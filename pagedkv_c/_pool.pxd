@@ -1,5 +1,6 @@
 # PagePool: free-list page allocator with per-page ref counts.
 from pagedkv_c._types cimport page_id_t, int32_t
+from pagedkv_c._prefix cimport PrefixIndex
 
 
 cdef class PagePool:
@@ -15,6 +16,9 @@ cdef class PagePool:
     # Scratch for planning a batch before mutating: references a planned call
     # would drop per page. All zeros between calls.
     cdef int32_t[::1] _pending        # shape (num_pages,)
+    # Prefix cache over this pool, or None. A cached page handed out again by
+    # pop_free loses its hash (eviction).
+    cdef public PrefixIndex prefix
 
     # C-level interface. Callers check capacity and page validity first.
     cdef page_id_t pop_free(self) noexcept nogil

@@ -66,9 +66,15 @@ cdef class PagePool:
 
     # ------------------------------------------------------------------ C API
     cdef page_id_t pop_free(self) noexcept nogil:
-        """Pop the head of the free queue (caller checked ``_num_free > 0``)."""
+        """Pop the head of the free queue (caller checked ``_num_free > 0``).
+
+        A page that still held a cached prefix is evicted from the prefix
+        index: its content is about to be overwritten.
+        """
         cdef page_id_t page_id = self._next[self.num_pages]
         self.remove_free(page_id)
+        if self.prefix is not None and self.prefix.cached[page_id]:
+            self.prefix.evict(page_id)
         return page_id
 
     cdef void push_free(self, page_id_t page_id) noexcept nogil:

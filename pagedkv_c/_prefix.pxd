@@ -1,0 +1,63 @@
+# Prefix caching: chained 128-bit page hashes, the hash -> page index, and
+# the per-sequence hash chain.
+from libc.stdint cimport uint8_t, uint64_t
+from pagedkv_c._types cimport page_id_t, int32_t, int64_t
+
+
+cdef struct hash128:
+    uint64_t lo
+    uint64_t hi
+
+
+cdef enum HashAlgorithm:
+    HASH_XXH3_128 = 0   # xxHash XXH3, 128-bit: fast, not collision resistant against an adversary
+    HASH_SHA256 = 1     # SHA-256 truncated to 128 bits: for untrusted multi-tenant traffic
+
+
+cdef int hash_token_pages(int algorithm, hash128 parent, hash128 salt, const int32_t* tokens,
+                          Py_ssize_t page_size, Py_ssize_t num_pages, hash128* out) except -1
+cdef int hash_block_pages(int algorithm, hash128 parent, hash128 salt, const int64_t* block_ids,
+                          Py_ssize_t pages_per_block, Py_ssize_t first_page, Py_ssize_t num_pages,
+                          hash128* out) except -1
+cdef hash128 hash_salt(int algorithm, object extra_key) except *
+
+
+cdef class PrefixIndex:
+    cdef readonly int32_t num_pages
+    cdef readonly int32_t page_size      # tokens per page
+    cdef readonly int algorithm          # a HashAlgorithm
+    cdef uint64_t[::1] page_lo           # (num_pages,) hash of each cached page (low 64 bits)
+    cdef uint64_t[::1] page_hi           # (num_pages,) high 64 bits
+    cdef uint8_t[::1] cached             # (num_pages,) 1: the page is findable by its hash
+    cdef uint8_t[::1] has_tokens         # (num_pages,) 1: tokens[page] holds its token ids
+    cdef int32_t[:, ::1] tokens          # (num_pages, page_size) token ids, compared on every hit
+    # Open-addressing table (linear probing, power-of-two capacity >= 2 * num_pages).
+    cdef uint64_t[::1] slot_lo
+    cdef uint64_t[::1] slot_hi
+    cdef int32_t[::1] slot_page          # page id, or NO_PAGE for an empty slot
+    cdef Py_ssize_t mask
+    cdef readonly Py_ssize_t num_cached  # pages in the index
+    cdef readonly int64_t evictions      # cached pages dropped because the allocator reused them
+
+    cdef page_id_t find(self, hash128 h) noexcept nogil
+    cdef bint insert(self, hash128 h, page_id_t page_id) noexcept nogil
+    cdef void remove(self, page_id_t page_id) noexcept nogil
+    cdef void evict(self, page_id_t page_id) noexcept nogil
+    cdef bint tokens_match(self, page_id_t page_id, const int32_t* tokens) noexcept nogil
+
+
+cdef class SequenceHashes:
+    cdef hash128 salt                    # digest of the request's extra_key (zeros without one)
+    cdef bint external                   # hashes come from external block ids, not tokens
+    cdef uint64_t[::1] lo                # (capacity,) chained hash of each full logical page
+    cdef uint64_t[::1] hi
+    cdef int64_t num_hashed              # leading logical pages with a known hash
+    cdef int32_t[::1] token_ids          # (capacity,) token ids known for positions 0 .. num_known-1
+    cdef int64_t num_known               # positions with a known token id
+    cdef int64_t num_registered          # leading logical pages already offered to the index
+
+    cdef int reserve_tokens(self, int64_t n) except -1
+    cdef int reserve_hashes(self, int64_t n) except -1
+    cdef int extend_hashes(self, int algorithm, int32_t page_size) except -1
+    cdef void truncate(self, int64_t new_len, int32_t page_size) noexcept nogil
+    cdef SequenceHashes copy(self)

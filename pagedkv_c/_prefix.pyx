@@ -1,0 +1,380 @@
+"""Prefix caching: chained 128-bit page hashes and the hash -> page index.
+
+Every full page of a sequence gets a hash chained on its parent's,
+``h_i = H(h_{i-1} || s || content_i)``, where ``s`` is a 128-bit digest of
+the request's ``extra_key`` (a per-tenant salt, zeros without one) and
+``content_i`` is the page's token ids (int32, little-endian) or, for
+requests that arrive as external block hash ids, the pair (block id, page
+index inside the block). Equal hashes therefore mean equal content *and*
+equal history, as in vLLM's automatic prefix caching
+(vllm/v1/core/kv_cache_utils.py, ``hash_block_tokens``) and SGLang's
+RadixAttention, and two tenants with different salts never share a page.
+
+Hash functions (``H``):
+
+``xxh3_128`` (default)
+    xxHash XXH3, 128-bit (https://github.com/Cyan4973/xxHash). Compiled in
+    from the system's xxhash.h when the build found it, otherwise computed by
+    the Python ``xxhash`` package (same values). The chance that any two of
+    ``n`` distinct pages collide is about ``n**2 / 2**129`` (below 1e-20 for
+    a billion pages), but XXH3 is not designed to resist an adversary who
+    crafts collisions on purpose.
+``sha256``
+    SHA-256 (hashlib), truncated to its first 128 bits: collision resistant
+    against adversaries; use it for untrusted multi-tenant traffic. About an
+    order of magnitude slower, one hashlib call per page.
+
+A hit never returns a wrong page for token-keyed requests whatever the hash:
+the index keeps every cached page's token ids and compares them on each hit.
+Pages keyed by external block ids carry no tokens, so for those the 128-bit
+hash is the guard.
+"""
+import hashlib
+
+import numpy as np
+
+cimport numpy as cnp
+from libc.stdint cimport uint8_t, uint64_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy, memset
+from pagedkv_c._types cimport page_id_t, int32_t, int64_t, NO_PAGE
+
+cnp.import_array()
+
+cdef extern from "hash128.h":
+    int PKV_XXH3_IN_C
+    int pkv_xxh3_128(const void* data, size_t length, uint64_t* lo, uint64_t* hi) noexcept nogil
+
+try:
+    import xxhash as _xxhash
+except ImportError:  # only needed when xxhash.h was not compiled in
+    _xxhash = None
+
+ALGORITHMS = {"xxh3_128": HASH_XXH3_128, "sha256": HASH_SHA256}
+_MASK64 = (1 << 64) - 1
+# Domain tag of pages keyed by external block ids (never a token id).
+cdef int32_t _BLOCK_TAG = -1
+
+
+def xxh3_in_c():
+    """True when XXH3-128 was compiled into the core (else the Python xxhash package is used)."""
+    return bool(PKV_XXH3_IN_C)
+
+
+cdef hash128 _hash_bytes(int algorithm, const char* data, Py_ssize_t length) except *:
+    """H(data) as two little-endian 64-bit halves."""
+    cdef hash128 h
+    cdef object value
+    if algorithm == HASH_XXH3_128:
+        if pkv_xxh3_128(data, length, &h.lo, &h.hi):
+            return h
+        if _xxhash is None:
+            raise RuntimeError("xxh3_128 needs xxhash.h at build time or the Python 'xxhash' package")
+        value = _xxhash.xxh3_128_intdigest(data[:length])
+        h.lo = value & _MASK64
+        h.hi = value >> 64
+        return h
+    digest = hashlib.sha256(data[:length]).digest()
+    h.lo = int.from_bytes(digest[0:8], "little")
+    h.hi = int.from_bytes(digest[8:16], "little")
+    return h
+
+
+cdef hash128 hash_salt(int algorithm, object extra_key) except *:
+    """Digest of a request's salt: None -> zeros; str, bytes or int -> H(tagged bytes)."""
+    cdef hash128 h
+    if extra_key is None:
+        h.lo = 0
+        h.hi = 0
+        return h
+    if isinstance(extra_key, str):
+        raw = b"s" + extra_key.encode("utf-8")
+    elif isinstance(extra_key, (bytes, bytearray)):
+        raw = b"b" + bytes(extra_key)
+    elif isinstance(extra_key, int) and not isinstance(extra_key, bool):
+        raw = b"i" + str(extra_key).encode("ascii")
+    else:
+        raise TypeError(
+            f"Invalid type of extra_key: expected str, bytes, int or None, got {type(extra_key).__name__}"
+        )
+    raw = b"pagedkv-salt\x00" + raw
+    return _hash_bytes(algorithm, raw, len(raw))
+
+
+cdef int hash_token_pages(int algorithm, hash128 parent, hash128 salt, const int32_t* tokens,
+                          Py_ssize_t page_size, Py_ssize_t num_pages, hash128* out) except -1:
+    """Chained hashes of ``num_pages`` full pages of token ids.
+
+    Page i hashes the bytes ``parent.lo, parent.hi, salt.lo, salt.hi`` (uint64
+    little-endian) followed by its ``page_size`` token ids (int32
+    little-endian), where ``parent`` is the previous page's hash.
+    """
+    cdef Py_ssize_t length = 32 + 4 * page_size
+    cdef char* buffer = <char*>malloc(length)
+    cdef Py_ssize_t i
+    if buffer == NULL:
+        raise MemoryError()
+    try:
+        memcpy(buffer + 16, &salt, 16)
+        for i in range(num_pages):
+            memcpy(buffer, &parent, 16)
+            memcpy(buffer + 32, tokens + i * page_size, 4 * page_size)
+            parent = _hash_bytes(algorithm, buffer, length)
+            out[i] = parent
+    finally:
+        free(buffer)
+    return 0
+
+
+cdef int hash_block_pages(int algorithm, hash128 parent, hash128 salt, const int64_t* block_ids,
+                          Py_ssize_t pages_per_block, Py_ssize_t first_page, Py_ssize_t num_pages,
+                          hash128* out) except -1:
+    """Chained hashes of pages keyed by external block ids.
+
+    Global page g lies in block ``g // pages_per_block`` at index ``j = g %
+    pages_per_block``; it hashes ``parent, salt`` (as above), the block id
+    (int64), ``j`` (int32) and a tag -1 (int32) that no token page has.
+    ``block_ids`` is indexed from the first block; pages ``first_page ..
+    first_page + num_pages - 1`` are hashed, chained on ``parent``.
+    """
+    cdef char buffer[48]
+    cdef Py_ssize_t i, g
+    cdef int32_t j
+    memcpy(buffer + 16, &salt, 16)
+    memcpy(buffer + 44, &_BLOCK_TAG, 4)
+    for i in range(num_pages):
+        g = first_page + i
+        j = <int32_t>(g % pages_per_block)
+        memcpy(buffer, &parent, 16)
+        memcpy(buffer + 32, &block_ids[g // pages_per_block], 8)
+        memcpy(buffer + 40, &j, 4)
+        parent = _hash_bytes(algorithm, buffer, 48)
+        out[i] = parent
+    return 0
+
+
+cdef class PrefixIndex:
+    """Hash -> page index of the cached full pages of one pool.
+
+    A page is *cached* when it is findable by its hash. It stays cached while
+    sequences hold it and after its ref count drops to 0 (it then waits in
+    the pool's free queue), until the allocator hands it out again, which
+    evicts it. Open addressing with linear probing and backward-shift
+    deletion keeps lookups and removals O(1) on average without tombstones.
+
+    Parameters
+    ----------
+    num_pages : int
+        Pages of the pool.
+    page_size : int
+        Tokens per page.
+    algorithm : str
+        ``"xxh3_128"`` or ``"sha256"`` (see the module notes).
+    """
+
+    def __cinit__(self, int32_t num_pages, int32_t page_size, str algorithm="xxh3_128"):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"Invalid value of prefix_hash: expected one of {sorted(ALGORITHMS)}, got {algorithm!r}"
+            )
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.algorithm = ALGORITHMS[algorithm]
+        self.page_lo = np.zeros(num_pages, dtype=np.uint64)
+        self.page_hi = np.zeros(num_pages, dtype=np.uint64)
+        self.cached = np.zeros(num_pages, dtype=np.uint8)
+        self.has_tokens = np.zeros(num_pages, dtype=np.uint8)
+        self.tokens = np.zeros((num_pages, page_size), dtype=np.int32)
+        cdef Py_ssize_t capacity = 16
+        while capacity < 2 * <Py_ssize_t>num_pages:
+            capacity *= 2
+        self.mask = capacity - 1
+        self.slot_lo = np.zeros(capacity, dtype=np.uint64)
+        self.slot_hi = np.zeros(capacity, dtype=np.uint64)
+        self.slot_page = np.full(capacity, NO_PAGE, dtype=np.int32)
+        self.num_cached = 0
+        self.evictions = 0
+
+    @property
+    def algorithm_name(self):
+        """Name of the hash function."""
+        return "xxh3_128" if self.algorithm == HASH_XXH3_128 else "sha256"
+
+    cdef page_id_t find(self, hash128 h) noexcept nogil:
+        cdef Py_ssize_t i = <Py_ssize_t>(h.lo & <uint64_t>self.mask)
+        while self.slot_page[i] != NO_PAGE:
+            if self.slot_lo[i] == h.lo and self.slot_hi[i] == h.hi:
+                return self.slot_page[i]
+            i = (i + 1) & self.mask
+        return NO_PAGE
+
+    cdef bint insert(self, hash128 h, page_id_t page_id) noexcept nogil:
+        """Make ``page_id`` findable by ``h``; False (nothing done) if ``h`` is taken."""
+        cdef Py_ssize_t i = <Py_ssize_t>(h.lo & <uint64_t>self.mask)
+        while self.slot_page[i] != NO_PAGE:
+            if self.slot_lo[i] == h.lo and self.slot_hi[i] == h.hi:
+                return False
+            i = (i + 1) & self.mask
+        self.slot_lo[i] = h.lo
+        self.slot_hi[i] = h.hi
+        self.slot_page[i] = page_id
+        self.page_lo[page_id] = h.lo
+        self.page_hi[page_id] = h.hi
+        self.cached[page_id] = 1
+        self.num_cached += 1
+        return True
+
+    cdef void remove(self, page_id_t page_id) noexcept nogil:
+        """Make a cached page unfindable (its content is about to change or go)."""
+        cdef Py_ssize_t i = <Py_ssize_t>(self.page_lo[page_id] & <uint64_t>self.mask)
+        cdef Py_ssize_t j, home
+        while self.slot_page[i] != page_id:
+            i = (i + 1) & self.mask
+        # Backward-shift deletion: pull later entries of the probe run into the hole
+        # unless their home bucket lies cyclically in (hole, entry].
+        j = i
+        while True:
+            j = (j + 1) & self.mask
+            if self.slot_page[j] == NO_PAGE:
+                break
+            home = <Py_ssize_t>(self.slot_lo[j] & <uint64_t>self.mask)
+            if (i <= j and i < home <= j) or (i > j and (home > i or home <= j)):
+                continue
+            self.slot_lo[i] = self.slot_lo[j]
+            self.slot_hi[i] = self.slot_hi[j]
+            self.slot_page[i] = self.slot_page[j]
+            i = j
+        self.slot_page[i] = NO_PAGE
+        self.cached[page_id] = 0
+        self.has_tokens[page_id] = 0
+        self.num_cached -= 1
+
+    cdef void evict(self, page_id_t page_id) noexcept nogil:
+        """Drop a cached page that the allocator is handing out again."""
+        self.remove(page_id)
+        self.evictions += 1
+
+    cdef bint tokens_match(self, page_id_t page_id, const int32_t* tokens) noexcept nogil:
+        cdef Py_ssize_t t
+        if not self.has_tokens[page_id]:
+            return False
+        for t in range(self.page_size):
+            if self.tokens[page_id, t] != tokens[t]:
+                return False
+        return True
+
+    def check_invariants(self):
+        """Verify the index: every cached page is found by its hash and nothing else is."""
+        cdef Py_ssize_t i, count = 0
+        cdef hash128 h
+        for i in range(self.mask + 1):
+            if self.slot_page[i] != NO_PAGE:
+                count += 1
+                page_id = self.slot_page[i]
+                if not self.cached[page_id]:
+                    raise AssertionError(f"page {page_id} is in the prefix index but not marked cached")
+        if count != self.num_cached or count != int(np.asarray(self.cached).sum()):
+            raise AssertionError(f"prefix index holds {count} pages, expected {self.num_cached}")
+        for page_id in np.flatnonzero(np.asarray(self.cached)):
+            h.lo = self.page_lo[page_id]
+            h.hi = self.page_hi[page_id]
+            if self.find(h) != page_id:
+                raise AssertionError(f"cached page {page_id} is not found by its hash")
+
+
+cdef class SequenceHashes:
+    """Hash chain of one sequence: known token ids and per-page hashes.
+
+    Token-keyed sequences extend the chain as their token ids become known
+    (prompt at creation, ``token_ids`` passed to appends). Sequences keyed by
+    external block ids get all their page hashes at creation.
+    """
+
+    def __cinit__(self):
+        self.lo = np.zeros(4, dtype=np.uint64)
+        self.hi = np.zeros(4, dtype=np.uint64)
+        self.token_ids = np.zeros(16, dtype=np.int32)
+        self.num_hashed = 0
+        self.num_known = 0
+        self.num_registered = 0
+        self.external = False
+        self.salt.lo = 0
+        self.salt.hi = 0
+
+    cdef int reserve_tokens(self, int64_t n) except -1:
+        cdef int64_t capacity = self.token_ids.shape[0]
+        if n <= capacity:
+            return 0
+        while capacity < n:
+            capacity *= 2
+        grown = np.zeros(capacity, dtype=np.int32)
+        grown[:self.num_known] = np.asarray(self.token_ids)[:self.num_known]
+        self.token_ids = grown
+        return 0
+
+    cdef int reserve_hashes(self, int64_t n) except -1:
+        cdef int64_t capacity = self.lo.shape[0]
+        if n <= capacity:
+            return 0
+        while capacity < n:
+            capacity *= 2
+        for name in ("lo", "hi"):
+            grown = np.zeros(capacity, dtype=np.uint64)
+            grown[:self.num_hashed] = np.asarray(getattr(self, name))[:self.num_hashed]
+            if name == "lo":
+                self.lo = grown
+            else:
+                self.hi = grown
+        return 0
+
+    cdef int extend_hashes(self, int algorithm, int32_t page_size) except -1:
+        """Hash every full page whose token ids are all known (token-keyed only)."""
+        if self.external:
+            return 0
+        cdef int64_t target = self.num_known // page_size
+        if target <= self.num_hashed:
+            return 0
+        self.reserve_hashes(target)
+        cdef Py_ssize_t n = <Py_ssize_t>(target - self.num_hashed)
+        cdef hash128 parent
+        parent.lo = 0
+        parent.hi = 0
+        if self.num_hashed:
+            parent.lo = self.lo[self.num_hashed - 1]
+            parent.hi = self.hi[self.num_hashed - 1]
+        cdef hash128* out = <hash128*>malloc(n * sizeof(hash128))
+        if out == NULL:
+            raise MemoryError()
+        cdef Py_ssize_t i
+        try:
+            hash_token_pages(algorithm, parent, self.salt, &self.token_ids[self.num_hashed * page_size],
+                             page_size, n, out)
+            for i in range(n):
+                self.lo[self.num_hashed + i] = out[i].lo
+                self.hi[self.num_hashed + i] = out[i].hi
+        finally:
+            free(out)
+        self.num_hashed = target
+        return 0
+
+    cdef void truncate(self, int64_t new_len, int32_t page_size) noexcept nogil:
+        """Forget tokens at and after ``new_len`` and the hashes of pages they touch."""
+        cdef int64_t pages = new_len // page_size
+        if self.num_known > new_len:
+            self.num_known = new_len
+        if self.num_hashed > pages:
+            self.num_hashed = pages
+        if self.num_registered > pages:
+            self.num_registered = pages
+
+    cdef SequenceHashes copy(self):
+        cdef SequenceHashes other = SequenceHashes.__new__(SequenceHashes)
+        other.salt = self.salt
+        other.external = self.external
+        other.lo = np.asarray(self.lo).copy()
+        other.hi = np.asarray(self.hi).copy()
+        other.token_ids = np.asarray(self.token_ids).copy()
+        other.num_hashed = self.num_hashed
+        other.num_known = self.num_known
+        other.num_registered = self.num_registered
+        return other
