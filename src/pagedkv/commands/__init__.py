@@ -1,0 +1,2 @@
+"""Subcommands of the ``pagedkv`` command line, one module each."""
+COMMANDS: list = []
