@@ -357,6 +357,11 @@ cdef class KVCache:
         return self._prefix is not None
 
     @property
+    def prefix_index(self):
+        """The prefix cache's hash -> page index (``PrefixIndex``), or None when disabled."""
+        return self._prefix
+
+    @property
     def num_sequences(self):
         """Number of sequences in the cache."""
         return len(self._tables)

@@ -263,6 +263,27 @@ cdef class PrefixIndex:
                 return False
         return True
 
+    def cached_pages(self):
+        """Ids of the pages findable by hash (int64 array, increasing)."""
+        return np.flatnonzero(np.asarray(self.cached))
+
+    def page_hash(self, page_id):
+        """The 128-bit hash of a cached page as a Python int (``hi << 64 | lo``), or None."""
+        cdef int32_t p = <int32_t>page_id
+        if p < 0 or p >= self.num_pages:
+            raise ValueError(f"Invalid value of page_id: expected 0 <= page_id < {self.num_pages}, got {page_id}")
+        if not self.cached[p]:
+            return None
+        return (int(self.page_hi[p]) << 64) | int(self.page_lo[p])
+
+    def token_table(self):
+        """The token ids kept per page for hit verification.
+
+        Returns a writable int32 view of shape ``(num_pages, page_size)``;
+        rows of pages that are not cached are meaningless.
+        """
+        return np.asarray(self.tokens)
+
     def check_invariants(self):
         """Verify the index: every cached page is found by its hash and nothing else is."""
         cdef Py_ssize_t i, count = 0
@@ -318,13 +339,12 @@ cdef class SequenceHashes:
             return 0
         while capacity < n:
             capacity *= 2
-        for name in ("lo", "hi"):
-            grown = np.zeros(capacity, dtype=np.uint64)
-            grown[:self.num_hashed] = np.asarray(getattr(self, name))[:self.num_hashed]
-            if name == "lo":
-                self.lo = grown
-            else:
-                self.hi = grown
+        grown_lo = np.zeros(capacity, dtype=np.uint64)
+        grown_hi = np.zeros(capacity, dtype=np.uint64)
+        grown_lo[:self.num_hashed] = np.asarray(self.lo)[:self.num_hashed]
+        grown_hi[:self.num_hashed] = np.asarray(self.hi)[:self.num_hashed]
+        self.lo = grown_lo
+        self.hi = grown_hi
         return 0
 
     cdef int extend_hashes(self, int algorithm, int32_t page_size) except -1:
