@@ -198,6 +198,9 @@ cdef class PagedKVCache:
         self._num_resident = 0
 
     # ------------------------------------------------------------------ C API
+    # Counters are updated as `self.x = self.x + 1`, not `self.x += 1`: with the
+    # debug build's nonecheck on, Cython rejects in-place operators on attributes
+    # in nogil code.
     cdef page_id_t page_for_write(self, int64_t logical_page) noexcept nogil:
         """Return the page id of ``logical_page``, making it resident if needed.
 
@@ -213,10 +216,10 @@ cdef class PagedKVCache:
             # position, so the new page takes it over and the head moves on.
             page_id = self._ring_page_id[self._ring_head]
             self._page_map.remove(self._ring_logical_page[self._ring_head])
-            self._num_tokens -= self._page_num_tokens[page_id]
-            self.evictions += 1
+            self._num_tokens = self._num_tokens - self._page_num_tokens[page_id]
+            self.evictions = self.evictions + 1
             self._ring_logical_page[self._ring_head] = logical_page
-            self._ring_head += 1
+            self._ring_head = self._ring_head + 1
             if self._ring_head == self.max_pages:
                 self._ring_head = 0
         else:
@@ -226,7 +229,7 @@ cdef class PagedKVCache:
                 tail -= self.max_pages
             self._ring_logical_page[tail] = logical_page
             self._ring_page_id[tail] = page_id
-            self._num_resident += 1
+            self._num_resident = self._num_resident + 1
         memset(&self._present[page_id, 0], 0, self.page_size)
         self._page_num_tokens[page_id] = 0
         self._page_map.insert(logical_page, page_id)
@@ -242,7 +245,7 @@ cdef class PagedKVCache:
         if not self._present[page_id, offset]:
             self._present[page_id, offset] = 1
             self._page_num_tokens[page_id] += 1
-            self._num_tokens += 1
+            self._num_tokens = self._num_tokens + 1
 
     cdef bint read_token(self, page_id_t page_id, Py_ssize_t offset,
                          char* key, char* value) noexcept nogil:

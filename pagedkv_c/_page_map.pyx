@@ -61,6 +61,9 @@ cdef class PageMap:
         self._values = np.full(length, NO_PAGE, dtype=np.int32)
 
     # ------------------------------------------------------------------ C API
+    # Counters are updated as `self.x = self.x + 1`, not `self.x += 1`: with the
+    # debug build's nonecheck on, Cython rejects in-place operators on attributes
+    # in nogil code.
     cdef Py_ssize_t home_slot(self, int64_t logical_page) noexcept nogil:
         """Slot where the probe for ``logical_page`` starts."""
         return <Py_ssize_t>((<uint64_t>logical_page * _FIBONACCI) >> self._shift)
@@ -91,7 +94,7 @@ cdef class PageMap:
             slot = (slot + 1) & self._mask
         self._keys[slot] = logical_page
         self._values[slot] = page_id
-        self._num_entries += 1
+        self._num_entries = self._num_entries + 1
 
     cdef bint remove(self, int64_t logical_page) noexcept nogil:
         """Remove a key if present (backward-shift deletion); return whether it was."""
@@ -115,7 +118,7 @@ cdef class PageMap:
             slot = (slot + 1) & self._mask
         self._keys[hole] = EMPTY_KEY
         self._values[hole] = NO_PAGE
-        self._num_entries -= 1
+        self._num_entries = self._num_entries - 1
         return True
 
     cdef void remove_all(self) noexcept nogil:

@@ -1,5 +1,6 @@
 # PagePool: free-list page allocator with per-page ref counts.
 from pagedkv_c._types cimport page_id_t, int32_t
+from libc.stdint cimport uint32_t
 
 
 cdef class PagePool:
@@ -12,6 +13,10 @@ cdef class PagePool:
     # links set to NO_PAGE.
     cdef int32_t[::1] _prev           # shape (num_pages + 1,)
     cdef int32_t[::1] _next           # shape (num_pages + 1,)
+    # Duplicate detection in batch calls without clearing a mark array: a page
+    # was seen in the current call iff _seen_stamp[page] == _stamp.
+    cdef uint32_t[::1] _seen_stamp    # shape (num_pages,)
+    cdef uint32_t _stamp              # stamp of the current call, never 0
 
     # C-level interface. Callers check capacity and page validity first.
     cdef page_id_t pop_free(self) noexcept nogil
@@ -23,4 +28,5 @@ cdef class PagePool:
     cdef int32_t decref_one(self, page_id_t page_id) noexcept nogil
     cdef int32_t drop_ref(self, page_id_t page_id) noexcept nogil
     cdef int32_t get_ref(self, page_id_t page_id) noexcept nogil
+    cdef bint ids_valid(self, const page_id_t* ids, Py_ssize_t n, bint forbid_duplicates) noexcept nogil
     cdef object _checked_ids(self, object page_ids, bint forbid_duplicates)
