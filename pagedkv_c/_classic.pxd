@@ -45,4 +45,4 @@ cdef class PagedKVCache:
     cdef object _vector(self, object arr, str name)
     cdef object _matrix(self, object arr, str name, Py_ssize_t num_rows)
     cdef object _token_array(self, object token_idxs)
-    cdef tuple _check_out(self, object out, Py_ssize_t num_rows)
+    cdef tuple _check_out(self, object out, object tokens)

@@ -40,6 +40,19 @@ cdef inline int64_t _token_index(object token_idx, str name) except? -1:
     return check_int(token_idx, name, 0, _INT64_MAX)
 
 
+cdef inline Py_ssize_t _run_length(const int64_t* token_idxs, Py_ssize_t start, Py_ssize_t n,
+                                   int64_t token, Py_ssize_t room) noexcept nogil:
+    """Length (>= 1) of the run token, token + 1, ... at ``token_idxs[start:]``, at most ``room``.
+
+    Compares ``token_idxs[j] - k`` with ``token`` so that nothing overflows
+    near the int64 limit (token indices are >= 0).
+    """
+    cdef Py_ssize_t run = 1
+    while run < room and start + run < n and token_idxs[start + run] - run == token:
+        run += 1
+    return run
+
+
 cdef int _raise_busy() except -1:
     raise RuntimeError(
         "PagedKVCache is in use by a batch call running in another thread; "
@@ -260,43 +273,73 @@ cdef class PagedKVCache:
 
     cdef void put_rows(self, const int64_t* token_idxs, Py_ssize_t n,
                        const char* keys, const char* values) noexcept nogil:
-        """Store ``n`` tokens in order, exactly as ``n`` calls of ``put`` would."""
-        cdef Py_ssize_t i
+        """Store ``n`` tokens in order, exactly as ``n`` calls of ``put`` would.
+
+        Runs of consecutive token indices within one page are copied with one
+        ``memcpy`` for their keys and one for their values.
+        """
+        cdef Py_ssize_t i = 0, run, slot
+        cdef Py_ssize_t offset
         cdef int64_t token, logical_page
         cdef int64_t last_logical_page = -1
         cdef page_id_t page_id = NO_PAGE
-        for i in range(n):
+        cdef char* key_dst
+        while i < n:
             token = token_idxs[i]
             logical_page = token // self.page_size
+            offset = token - logical_page * self.page_size
             # Consecutive tokens usually share a page. The cached page id stays
             # valid: evictions happen only inside page_for_write, which also
             # refreshes the cache.
             if logical_page != last_logical_page:
                 page_id = self.page_for_write(logical_page)
                 last_logical_page = logical_page
-            self.write_token(page_id, token - logical_page * self.page_size,
-                             keys + i * self._row_bytes, values + i * self._row_bytes)
+            run = _run_length(token_idxs, i, n, token, self.page_size - offset)
+            key_dst = self._kv_data + 2 * <Py_ssize_t>page_id * self._half_page_bytes + offset * self._row_bytes
+            memcpy(key_dst, keys + i * self._row_bytes, run * self._row_bytes)
+            memcpy(key_dst + self._half_page_bytes, values + i * self._row_bytes, run * self._row_bytes)
+            for slot in range(offset, offset + run):
+                if not self._present[page_id, slot]:
+                    self._present[page_id, slot] = 1
+                    self._page_num_tokens[page_id] += 1
+                    self._num_tokens = self._num_tokens + 1
+            i += run
 
     cdef void get_rows(self, const int64_t* token_idxs, Py_ssize_t n,
                        char* keys, char* values, uint8_t* present) noexcept nogil:
-        """Copy ``n`` tokens out; absent tokens get zero rows and ``present`` 0."""
-        cdef Py_ssize_t i
+        """Copy ``n`` tokens out; absent tokens get zero rows and ``present`` 0.
+
+        Runs of consecutive present tokens within one page are copied with one
+        ``memcpy`` for their keys and one for their values.
+        """
+        cdef Py_ssize_t i = 0, run, num_present
+        cdef Py_ssize_t offset
         cdef int64_t token, logical_page
         cdef int64_t last_logical_page = -1
         cdef page_id_t page_id = NO_PAGE
-        for i in range(n):
+        cdef const char* key_src
+        while i < n:
             token = token_idxs[i]
             logical_page = token // self.page_size
+            offset = token - logical_page * self.page_size
             if logical_page != last_logical_page:
                 page_id = self._page_map.lookup(logical_page)
                 last_logical_page = logical_page
-            if self.read_token(page_id, token - logical_page * self.page_size,
-                               keys + i * self._row_bytes, values + i * self._row_bytes):
-                present[i] = 1
-            else:
+            if page_id == NO_PAGE or not self._present[page_id, offset]:
                 present[i] = 0
                 memset(keys + i * self._row_bytes, 0, self._row_bytes)
                 memset(values + i * self._row_bytes, 0, self._row_bytes)
+                i += 1
+                continue
+            run = _run_length(token_idxs, i, n, token, self.page_size - offset)
+            num_present = 1
+            while num_present < run and self._present[page_id, offset + num_present]:
+                num_present += 1
+            key_src = self._kv_data + 2 * <Py_ssize_t>page_id * self._half_page_bytes + offset * self._row_bytes
+            memcpy(keys + i * self._row_bytes, key_src, num_present * self._row_bytes)
+            memcpy(values + i * self._row_bytes, key_src + self._half_page_bytes, num_present * self._row_bytes)
+            memset(present + i, 1, num_present)
+            i += num_present
 
     # ------------------------------------------------------------- validation
     cdef object _vector(self, object arr, str name):
@@ -477,9 +520,10 @@ cdef class PagedKVCache:
         out : tuple of 3 numpy.ndarray or None
             Optional ``(keys, values, present)`` to write into instead of
             allocating: C-contiguous, writeable, shapes ``(n, dim)``,
-            ``(n, dim)``, ``(n,)`` and dtypes ``dtype``, ``dtype``, bool, not
-            overlapping one another. Reusing buffers avoids the allocation and
-            first-touch page faults of fresh outputs in a decode loop.
+            ``(n, dim)``, ``(n,)`` and dtypes ``dtype``, ``dtype``, bool,
+            overlapping neither one another nor ``token_idxs``. Reusing
+            buffers avoids the allocation, and the first-touch page faults
+            of fresh outputs, in a decode loop.
 
         Returns
         -------
@@ -517,7 +561,7 @@ cdef class PagedKVCache:
             values = <cnp.ndarray>cnp.PyArray_EMPTY(2, dims, self._type_num, 0)
             present = <cnp.ndarray>cnp.PyArray_EMPTY(1, dims, cnp.NPY_BOOL, 0)
         else:
-            keys, values, present = self._check_out(out, dims[0])
+            keys, values, present = self._check_out(out, tokens)
         cdef const int64_t* token_ptr = <const int64_t*>cnp.PyArray_DATA(tokens)
         cdef char* key_ptr = <char*>cnp.PyArray_DATA(keys)
         cdef char* value_ptr = <char*>cnp.PyArray_DATA(values)
@@ -528,8 +572,13 @@ cdef class PagedKVCache:
         self._busy = False
         return keys, values, present
 
-    cdef tuple _check_out(self, object out, Py_ssize_t num_rows):
-        """Validate the ``out`` argument of get_many; return its three arrays."""
+    cdef tuple _check_out(self, object out, object tokens):
+        """Validate the ``out`` argument of get_many; return its three arrays.
+
+        The arrays must not overlap one another or ``tokens`` (the token
+        indices must not change while rows are written).
+        """
+        cdef Py_ssize_t num_rows = len(tokens)
         if not isinstance(out, tuple) or len(out) != 3:
             raise TypeError(
                 f"Invalid type of out: expected a tuple (keys, values, present), got {type(out).__name__}"
@@ -540,9 +589,14 @@ cdef class PagedKVCache:
         for name, arr in (("out[0]", keys), ("out[1]", values), ("out[2]", present)):
             if not arr.flags.writeable:
                 raise ValueError(f"Invalid value of {name}: expected a writeable array, got a read-only one")
-        if (np.may_share_memory(keys, values) or np.may_share_memory(keys, present)
-                or np.may_share_memory(values, present)):
-            raise ValueError("Invalid value of out: expected three arrays that do not overlap")
+        arrays = (tokens, keys, values, present)
+        for i in range(4):
+            for j in range(i + 1, 4):
+                if np.may_share_memory(arrays[i], arrays[j]):
+                    raise ValueError(
+                        "Invalid value of out: expected three arrays that overlap neither one "
+                        "another nor token_idxs"
+                    )
         return keys, values, present
 
     def __contains__(self, token_idx):

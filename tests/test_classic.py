@@ -226,6 +226,25 @@ def test_put_many_spanning_more_pages_than_the_limit_evicts_within_the_call():
     assert cache.get(0)[0].tolist() == [5.0] and cache.get(4)[1].tolist() == [104.0]
 
 
+def test_runs_near_the_int64_limit():
+    cache = PagedKVCache(3, 1, page_size=7)
+    tokens = np.array([INT64_MAX - k for k in range(9, -1, -1)], dtype=np.int64)  # ends at the limit
+    cache.put_many(tokens, rows(10, 1), rows(10, 1, start=100))
+    keys, values, present = cache.get_many(tokens)
+    assert present.all() and keys[:, 0].tolist() == list(range(10))
+    assert values[:, 0].tolist() == list(range(100, 110))
+    assert len(cache) == 10
+    cache.check_invariants()
+
+
+def test_get_many_run_broken_by_an_absent_slot():
+    cache = PagedKVCache(2, 1, page_size=8)
+    cache.put_many([0, 1, 3, 4], [[0], [1], [3], [4]], [[0], [1], [3], [4]])
+    keys, _, present = cache.get_many(list(range(6)))
+    assert present.tolist() == [True, True, False, True, True, False]
+    assert keys[:, 0].tolist() == [0, 1, 0, 3, 4, 0]
+
+
 def test_put_many_duplicates_last_one_wins():
     cache = PagedKVCache(2, 2)
     cache.put_many([3, 3, 3], [[1, 1], [2, 2], [3, 3]], [[4, 4], [5, 5], [6, 6]])
@@ -398,10 +417,21 @@ def test_get_many_rejects_read_only_and_overlapping_out_arrays():
     with pytest.raises(ValueError, match="overlap"):
         cache.get_many([0, 1], out=(shared, shared, present))
     assert not shared.any() and not present.any()
+    # Output rows written over the token indices would change them mid-call.
+    buffer = np.zeros(2 * DIM * 2, dtype=np.float32)
+    tokens = buffer.view(np.int64)[:2]
+    with pytest.raises(ValueError, match="token_idxs"):
+        cache.get_many(tokens, out=(buffer[:2 * DIM].reshape(2, DIM), values, present))
+    assert not buffer.any()
 
 
 # ----------------------------------------------- put_many == loop of put, any input
-tokens_strategy = st.lists(st.integers(0, 40), max_size=30)
+# Scattered tokens, or runs of consecutive tokens (which the batch calls copy
+# run by run) that cross page boundaries and overlap one another.
+runs_strategy = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), max_size=4).map(
+    lambda runs: [token for start, length in runs for token in range(start, start + length)]
+)
+tokens_strategy = st.one_of(st.lists(st.integers(0, 40), max_size=30), runs_strategy)
 
 
 @settings(max_examples=150, deadline=None)
@@ -422,7 +452,7 @@ def test_batch_calls_equal_loops_of_single_calls(tokens, max_pages, page_size, s
     batched.put_many(tokens[split:], keys[split:], values[split:])
     for token, key, value in zip(tokens, keys, values):
         looped.put(token, key, value)
-    universe = list(range(45))
+    universe = list(range(53))
     assert snapshot(batched, universe) == snapshot(looped, universe)
     got_keys, got_values, present = batched.get_many(universe)
     for i, token in enumerate(universe):
