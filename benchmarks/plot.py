@@ -22,7 +22,7 @@ def plot_core(results, path):
     """Lookup sweep of bench_core: latency and throughput against max_pages, one line per page_size."""
     sweep = results["sweep"]
     page_sizes = sorted({row["page_size"] for row in sweep})
-    fig, (ax_latency, ax_rate) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    fig, (ax_latency, ax_rate) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
     styles = {"get": "o-", "get_many": "s--", "baseline get": ":"}
     for i, page_size in enumerate(page_sizes):
         rows = sorted((r for r in sweep if r["page_size"] == page_size), key=lambda r: r["max_pages"])
@@ -47,7 +47,7 @@ def plot_core(results, path):
     handles += [Line2D([], [], color="gray", linestyle=style[1:] if style[0] in "os" else style,
                        marker=style[0] if style[0] in "os" else None, label=name)
                 for name, style in styles.items()]
-    ax_latency.legend(handles=handles, fontsize=7)
+    fig.legend(handles=handles, fontsize=7, loc="outside right upper")
     machine = results.get("machine", {})
     fig.suptitle(
         f"PagedKVCache lookups of random resident tokens, dim={results['dim']} {results['dtype']}, "
