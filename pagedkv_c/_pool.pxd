@@ -1,5 +1,6 @@
 # PagePool: free-list page allocator with per-page ref counts.
 from pagedkv_c._types cimport page_id_t, int32_t
+from libc.stdint cimport uint32_t
 from pagedkv_c._prefix cimport PrefixIndex
 
 
@@ -19,6 +20,10 @@ cdef class PagePool:
     # Prefix cache over this pool, or None. A cached page handed out again by
     # pop_free loses its hash (eviction).
     cdef public PrefixIndex prefix
+    # Duplicate detection in batch calls without clearing a mark array: a page
+    # was seen in the current call iff _seen_stamp[page] == _stamp.
+    cdef uint32_t[::1] _seen_stamp    # shape (num_pages,)
+    cdef uint32_t _stamp              # stamp of the current call, never 0
 
     # C-level interface. Callers check capacity and page validity first.
     cdef page_id_t pop_free(self) noexcept nogil
@@ -31,4 +36,5 @@ cdef class PagePool:
     cdef int32_t decref_one(self, page_id_t page_id) noexcept nogil
     cdef int32_t drop_ref(self, page_id_t page_id) noexcept nogil
     cdef int32_t get_ref(self, page_id_t page_id) noexcept nogil
+    cdef bint ids_valid(self, const page_id_t* ids, Py_ssize_t n, bint forbid_duplicates) noexcept nogil
     cdef object _checked_ids(self, object page_ids, bint forbid_duplicates)

@@ -63,8 +63,13 @@ cdef class PagePool:
             self._next[i] = i + 1 if i < n else 0
             self._prev[i] = i - 1 if i > 0 else sentinel
         self._num_free = n
+        self._seen_stamp = np.zeros(n, dtype=np.uint32)
+        self._stamp = 0
 
     # ------------------------------------------------------------------ C API
+    # Counters are updated as `self.x = self.x + 1`, not `self.x += 1`: with the
+    # debug build's nonecheck on, Cython rejects in-place operators on attributes
+    # in nogil code.
     cdef page_id_t pop_free(self) noexcept nogil:
         """Pop the head of the free queue (caller checked ``_num_free > 0``).
 
@@ -85,7 +90,7 @@ cdef class PagePool:
         self._prev[page_id] = tail
         self._next[page_id] = sentinel
         self._prev[sentinel] = page_id
-        self._num_free += 1
+        self._num_free = self._num_free + 1
 
     cdef void remove_free(self, page_id_t page_id) noexcept nogil:
         """Unlink a page from anywhere in the free queue in O(1)."""
@@ -95,7 +100,7 @@ cdef class PagePool:
         self._prev[after] = before
         self._prev[page_id] = NO_PAGE
         self._next[page_id] = NO_PAGE
-        self._num_free -= 1
+        self._num_free = self._num_free - 1
 
     cdef bint is_free_listed(self, page_id_t page_id) noexcept nogil:
         return self._next[page_id] != NO_PAGE
@@ -130,6 +135,24 @@ cdef class PagePool:
 
     cdef int32_t get_ref(self, page_id_t page_id) noexcept nogil:
         return self._ref_count[page_id]
+
+    cdef bint ids_valid(self, const page_id_t* ids, Py_ssize_t n, bint forbid_duplicates) noexcept nogil:
+        """Whether every id is in range and allocated (and, if asked, listed once)."""
+        cdef Py_ssize_t i
+        cdef page_id_t page_id
+        self._stamp = self._stamp + 1
+        if self._stamp == 0:  # wrapped around: forget every old stamp
+            self._seen_stamp[:] = 0
+            self._stamp = 1
+        for i in range(n):
+            page_id = ids[i]
+            if page_id < 0 or page_id >= self.num_pages or self._ref_count[page_id] == 0:
+                return False
+            if forbid_duplicates:
+                if self._seen_stamp[page_id] == self._stamp:
+                    return False
+                self._seen_stamp[page_id] = self._stamp
+        return True
 
     # ------------------------------------------------------------- Python API
     @property
@@ -171,7 +194,22 @@ cdef class PagePool:
         return out
 
     cdef object _checked_ids(self, object page_ids, bint forbid_duplicates):
-        """Validate page ids: in range, allocated, optionally distinct."""
+        """Validate page ids: in range, allocated, optionally distinct.
+
+        Fast path: a valid, writeable, C-contiguous int32 ndarray (what
+        ``allocate`` returns) is checked in one C pass, with the GIL held, and
+        returned as is. Anything else, and any invalid input, takes the NumPy
+        path below, which converts the input and raises the error that names
+        the first problem.
+        """
+        cdef cnp.ndarray fast
+        if (cnp.PyArray_CheckExact(page_ids) and cnp.PyArray_NDIM(<cnp.ndarray>page_ids) == 1
+                and cnp.PyArray_TYPE(<cnp.ndarray>page_ids) == cnp.NPY_INT32
+                and cnp.PyArray_ISCARRAY(<cnp.ndarray>page_ids)):
+            fast = <cnp.ndarray>page_ids
+            if self.ids_valid(<const page_id_t*>cnp.PyArray_DATA(fast),
+                              cnp.PyArray_DIMS(fast)[0], forbid_duplicates):
+                return fast
         cdef object ids = as_int_array(page_ids, "page_ids", np.int64)
         if ids.size == 0:
             return ids.astype(np.int32)

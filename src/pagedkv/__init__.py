@@ -11,9 +11,12 @@ PagePool
     Free-list page allocator with ref counts.
 OutOfPagesError
     Raised when a pool cannot satisfy a call (subclass of MemoryError).
+PagedKVCache
+    Classic single-stream KV store indexed by token, with FIFO page eviction.
 """
+from pagedkv_c._classic import PagedKVCache
 from pagedkv_c._kv_cache import KVCache, PageTableView
 from pagedkv_c._pool import OutOfPagesError, PagePool
 
-__all__ = ["KVCache", "OutOfPagesError", "PagePool", "PageTableView"]
+__all__ = ["KVCache", "OutOfPagesError", "PagePool", "PageTableView", "PagedKVCache"]
 __version__ = "0.1.0"
