@@ -21,6 +21,9 @@ from libc.stdlib cimport malloc, free
 
 cnp.import_array()
 
+cdef extern from "prefetch.h":
+    void pkv_prefetch_write(const char* p, size_t n) noexcept nogil
+
 _SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 
 
@@ -712,6 +715,8 @@ cdef class KVCache:
                 f"Invalid value of slot_mapping: expected slots in [-1, {num_slots - 1}], "
                 f"got {slot_view[bad]} at index {bad}"
             )
+        cdef Py_ssize_t v_offset = self.page_size * self._row_bytes
+        cdef char* next_dst
         with self._lock, nogil:
             for t in range(num_tokens):
                 slot = slot_view[t]
@@ -720,8 +725,15 @@ cdef class KVCache:
                 page = slot // self.page_size
                 offset = slot - page * self.page_size
                 dst = layer_base + page * self._page_bytes + offset * self._row_bytes
+                # Scattered rows defeat the hardware prefetcher: ask for the next token's lines now.
+                if t + 1 < num_tokens and slot_view[t + 1] >= 0:
+                    page = slot_view[t + 1] // self.page_size
+                    next_dst = (layer_base + page * self._page_bytes
+                                + (slot_view[t + 1] - page * self.page_size) * self._row_bytes)
+                    pkv_prefetch_write(next_dst, self._row_bytes)
+                    pkv_prefetch_write(next_dst + v_offset, self._row_bytes)
                 memcpy(dst, key_data + t * self._row_bytes, self._row_bytes)
-                memcpy(dst + self.page_size * self._row_bytes, value_data + t * self._row_bytes, self._row_bytes)
+                memcpy(dst + v_offset, value_data + t * self._row_bytes, self._row_bytes)
 
     def gather(self, layer, seq_id):
         """Copy out the cached tokens of one sequence in position order.
