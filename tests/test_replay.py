@@ -268,3 +268,12 @@ def test_cli_reports_bad_input(tmp_path, capsys):
     azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,10,2\n")
     assert main(["replay", str(azure), "--plot", str(tmp_path / "x.png"), "--no-progress"]) == 2
     assert "--plot needs a trace with block ids" in capsys.readouterr().err
+
+
+def test_sha256_page_hash_serves_the_same_hits(first_1000):
+    head = make_trace(first_1000.input_lengths[:200].tolist(), first_1000.output_lengths[:200].tolist(),
+                      [b.tolist() for b in first_1000.request_blocks()[:200]], 512)
+    fast = replay(head, 300_000, page_size=32)
+    safe = replay(head, 300_000, page_size=32, prefix_hash="sha256")
+    np.testing.assert_array_equal(fast.cached_tokens, safe.cached_tokens)
+    assert fast.prefix_evictions == safe.prefix_evictions > 0

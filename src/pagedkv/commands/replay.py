@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from pagedkv.replay import ReplayResult, replay
 from pagedkv.traces import FORMATS, MOONCAKE_BLOCK_TOKENS, load_trace
@@ -159,6 +160,6 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(results))
     if args.plot:
         plot_hit_rate(results, args.plot,
-                      f"{trace.format} trace, {len(trace):,} requests, page size {args.page_size}")
+                      f"{Path(args.trace).name}: {len(trace):,} requests, page size {args.page_size}")
         print(f"hit-rate plot written to {args.plot}")
     return 0
