@@ -228,6 +228,10 @@ def test_bad_arguments_are_rejected_before_replaying(first_1000):
         replay(first_1000, 15, page_size=16)
     with pytest.raises(TypeError, match="trace"):
         replay([1, 2, 3], 1000)
+    with pytest.raises(TypeError, match="capacity_tokens"):
+        replay(first_1000, 1e6)
+    with pytest.raises(ValueError, match="prefix_hash"):
+        replay(first_1000, 10_000, prefix_hash="md5")
 
 
 # ------------------------------------------------------------------- CLI
@@ -268,6 +272,12 @@ def test_cli_reports_bad_input(tmp_path, capsys):
     azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,10,2\n")
     assert main(["replay", str(azure), "--plot", str(tmp_path / "x.png"), "--no-progress"]) == 2
     assert "--plot needs a trace with block ids" in capsys.readouterr().err
+    assert main(["replay", str(azure), "--capacity-tokens", "1000", "8", "--no-progress"]) == 2
+    assert "Invalid value of capacity_tokens" in capsys.readouterr().err
+    mooncake = tmp_path / "trace.jsonl"
+    mooncake.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
+    assert main(["replay", str(mooncake), "--page-size", "24", "--no-progress"]) == 2
+    assert "Invalid value of --page-size" in capsys.readouterr().err
 
 
 def test_sha256_page_hash_serves_the_same_hits(first_1000):

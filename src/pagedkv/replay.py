@@ -47,6 +47,7 @@ from pagedkv import KVCache
 from pagedkv.traces import Trace
 
 _PROGRESS_CHUNK = 256  # requests between progress callbacks
+PREFIX_HASHES = ("xxh3_128", "sha256")
 
 
 @dataclass
@@ -154,13 +155,15 @@ def capacity_pages(capacity_tokens: int, page_size: int) -> int:
 
     Raises
     ------
+    TypeError
+        A non-integer argument.
     ValueError
         ``page_size < 1`` or ``capacity_tokens < page_size`` (no whole page),
         or more than ``2**31 - 2`` pages (page ids are int32).
     """
     for name, value in (("capacity_tokens", capacity_tokens), ("page_size", page_size)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"Invalid value of {name}: expected an int, got {value!r}")
+            raise TypeError(f"Invalid type of {name}: expected an int, got {type(value).__name__}")
     if page_size < 1:
         raise ValueError(f"Invalid value of page_size: expected an int >= 1, got {page_size}")
     num_pages = int(capacity_tokens) // int(page_size)
@@ -208,11 +211,13 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
         ``capacity_tokens`` or ``page_size`` out of range, ``block_tokens`` not
         a multiple of ``page_size``, or an unknown ``prefix_hash``.
     TypeError
-        ``trace`` is not a :class:`Trace`.
+        ``trace`` is not a :class:`Trace`, or a non-integer capacity or page size.
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"Invalid type of trace: expected pagedkv.traces.Trace, got {type(trace).__name__}")
     num_pages = capacity_pages(capacity_tokens, page_size)
+    if prefix_hash not in PREFIX_HASHES:
+        raise ValueError(f"Invalid value of prefix_hash: expected one of {PREFIX_HASHES}, got {prefix_hash!r}")
     with_prefix = trace.has_block_ids
     if with_prefix and trace.block_tokens % page_size:
         raise ValueError(

@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pagedkv.replay import ReplayResult, replay
+from pagedkv.replay import PREFIX_HASHES, ReplayResult, capacity_pages, replay
 from pagedkv.traces import FORMATS, MOONCAKE_BLOCK_TOKENS, load_trace
 
 DEFAULT_CAPACITIES = [1_000_000, 2_000_000, 5_000_000, 10_000_000, 20_000_000, 50_000_000]
@@ -64,7 +64,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="replay only the first N requests")
     parser.add_argument("--block-tokens", type=_positive_int, default=MOONCAKE_BLOCK_TOKENS, metavar="B",
                         help=f"tokens per hash id of a mooncake trace (default {MOONCAKE_BLOCK_TOKENS})")
-    parser.add_argument("--prefix-hash", choices=("xxh3_128", "sha256"), default="xxh3_128",
+    parser.add_argument("--prefix-hash", choices=PREFIX_HASHES, default="xxh3_128",
                         help="page hash of the prefix index (default xxh3_128)")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
                         help="draw the token hit rate against capacity (needs matplotlib and a mooncake trace)")
@@ -127,6 +127,15 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"pagedkv replay: {exc}", file=sys.stderr)
         return 2
+    try:  # every capacity is checked before the first replay starts
+        for capacity in capacities:
+            capacity_pages(capacity, args.page_size)
+        if trace.has_block_ids and trace.block_tokens % args.page_size:
+            raise ValueError(f"Invalid value of --page-size: expected a divisor of the trace's block size "
+                             f"{trace.block_tokens}, got {args.page_size}")
+    except ValueError as exc:
+        print(f"pagedkv replay: {exc}", file=sys.stderr)
+        return 2
     if args.plot and not trace.has_block_ids:
         print(f"pagedkv replay: --plot needs a trace with block ids (mooncake); {trace.format} has none",
               file=sys.stderr)
@@ -150,9 +159,6 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = replay(trace, capacity, page_size=args.page_size, prefix_hash=args.prefix_hash,
                             progress=bar.update if bar is not None else None)
-        except ValueError as exc:
-            print(f"pagedkv replay: {exc}", file=sys.stderr)
-            return 2
         finally:
             if bar is not None:
                 bar.close()
