@@ -1,2 +1,4 @@
 """Subcommands of the ``pagedkv`` command line, one module each."""
-COMMANDS: list = []
+from pagedkv.commands import replay
+
+COMMANDS: list = [replay]

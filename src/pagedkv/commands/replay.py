@@ -1,0 +1,171 @@
+"""``pagedkv replay``: replay a production trace through the page manager with prefix caching."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pagedkv.replay import PREFIX_HASHES, ReplayResult, capacity_pages, replay
+from pagedkv.traces import FORMATS, MOONCAKE_BLOCK_TOKENS, load_trace
+
+DEFAULT_CAPACITIES = [1_000_000, 2_000_000, 5_000_000, 10_000_000, 20_000_000, 50_000_000]
+
+DESCRIPTION = """\
+Replay a serving trace through a KVCache page manager (no K/V bytes), one
+request at a time in file order: add the sequence with its prompt block ids
+(prefix caching reuses the longest run of cached pages; the last prompt token
+is never served from cache), append the rest of the prompt, append the
+output, release the sequence (pages newest first). Freed pages stay findable
+by hash until the allocator hands them out again, least recently freed first.
+
+A request that needs more than the pool's pages is rejected: counted, with
+the cache left unchanged, and the replay goes on.
+
+Page operations = pages allocated (taken from the free queue for new tokens)
++ pages matched (cached pages taken for a prefix hit) + pages freed (returned
+at the end of the request); an admitted request of P prompt and O output
+tokens costs 2 * ceil((P + O) / page_size) of them. Throughput is measured
+over the request loop only (not the trace loading).
+
+Formats: mooncake (JSON Lines: timestamp, input_length, output_length,
+hash_ids of 512-token blocks) and azure (CSV: TIMESTAMP, ContextTokens,
+GeneratedTokens; no content, so no prefix caching: occupancy and allocation
+speed only).
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``replay`` subcommand to ``subparsers`` and return its parser."""
+    parser = subparsers.add_parser(
+        "replay",
+        help="replay a Mooncake or Azure trace through the page manager (prefix caching hit rate, throughput)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("trace", metavar="TRACE", help="trace file (.jsonl: mooncake, .csv: azure)")
+    parser.add_argument("--format", choices=FORMATS, default=None,
+                        help="trace format (default: from the file extension)")
+    parser.add_argument("--capacity-tokens", type=_positive_int, nargs="+", default=None, metavar="N",
+                        help="pool capacities to replay, in tokens (rounded down to whole pages); "
+                             f"default: {' '.join(str(c) for c in DEFAULT_CAPACITIES)}")
+    parser.add_argument("--page-size", type=_positive_int, default=16, metavar="P",
+                        help="tokens per page (default 16); must divide the trace's block size")
+    parser.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+                        help="replay only the first N requests")
+    parser.add_argument("--block-tokens", type=_positive_int, default=MOONCAKE_BLOCK_TOKENS, metavar="B",
+                        help=f"tokens per hash id of a mooncake trace (default {MOONCAKE_BLOCK_TOKENS})")
+    parser.add_argument("--prefix-hash", choices=PREFIX_HASHES, default="xxh3_128",
+                        help="page hash of the prefix index (default xxh3_128)")
+    parser.add_argument("--plot", default=None, metavar="OUT.png",
+                        help="draw the token hit rate against capacity (needs matplotlib and a mooncake trace)")
+    parser.add_argument("--no-progress", action="store_true", help="do not show the tqdm progress bar")
+    return parser
+
+
+def _format_row(result: ReplayResult) -> list[str]:
+    hit = f"{100 * result.hit_rate:.2f}%" if result.prefix_caching else "-"
+    return [
+        f"{result.capacity_tokens:,}",
+        f"{result.num_pages:,}",
+        f"{result.num_requests:,}",
+        f"{result.num_rejected:,}",
+        hit,
+        f"{result.pages_allocated:,}",
+        f"{result.prefix_evictions:,}" if result.prefix_caching else "-",
+        f"{result.pages_peak:,}",
+        f"{result.requests_per_second:,.0f}",
+        f"{result.page_operations_per_second / 1e6:,.2f}",
+    ]
+
+
+HEADER = ["capacity (tokens)", "pages", "requests", "rejected", "token hit rate", "pages allocated",
+          "pages evicted", "peak pages in use", "requests/s", "M page ops/s"]
+
+
+def format_table(results: list[ReplayResult]) -> str:
+    """Render replay results as an aligned text table, one row per capacity."""
+    rows = [HEADER] + [_format_row(r) for r in results]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(HEADER))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot_hit_rate(results: list[ReplayResult], path: str, title: str) -> None:
+    """Save a plot of token hit rate (%) against capacity (tokens, log scale) to ``path``."""
+    from matplotlib.figure import Figure  # optional dependency; no pyplot state or GUI backend needed
+
+    ordered = sorted(results, key=lambda r: r.capacity_tokens)
+    figure = Figure(figsize=(6, 3.6), dpi=100)
+    axes = figure.add_subplot()
+    axes.plot([r.capacity_tokens for r in ordered], [100 * r.hit_rate for r in ordered], marker="o")
+    axes.set_xscale("log")
+    axes.set_xlabel("KV cache capacity (tokens)")
+    axes.set_ylabel("prompt tokens served from cache (%)")
+    axes.set_title(title, fontsize=10)
+    axes.set_ylim(bottom=0)
+    axes.grid(True, which="both", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the trace, replay it at every capacity, print the table; return the exit status."""
+    capacities = args.capacity_tokens or DEFAULT_CAPACITIES
+    try:
+        trace = load_trace(args.trace, args.format, limit=args.limit, block_tokens=args.block_tokens)
+    except (OSError, ValueError) as exc:
+        print(f"pagedkv replay: {exc}", file=sys.stderr)
+        return 2
+    try:  # every capacity is checked before the first replay starts
+        for capacity in capacities:
+            capacity_pages(capacity, args.page_size)
+        if trace.has_block_ids and trace.block_tokens % args.page_size:
+            raise ValueError(f"Invalid value of --page-size: expected a divisor of the trace's block size "
+                             f"{trace.block_tokens}, got {args.page_size}")
+    except ValueError as exc:
+        print(f"pagedkv replay: {exc}", file=sys.stderr)
+        return 2
+    if args.plot and not trace.has_block_ids:
+        print(f"pagedkv replay: --plot needs a trace with block ids (mooncake); {trace.format} has none",
+              file=sys.stderr)
+        return 2
+    progress_bar = None
+    if not args.no_progress:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            print("pagedkv replay: tqdm is not installed, no progress bar (pip install tqdm)", file=sys.stderr)
+        else:
+            progress_bar = tqdm
+    print(f"{trace.format} trace {args.trace}: {len(trace):,} requests, "
+          f"{int(trace.input_lengths.sum()):,} prompt and {int(trace.output_lengths.sum()):,} output tokens; "
+          f"page size {args.page_size}, prefix caching {'on' if trace.has_block_ids else 'off (no block ids)'}")
+    results = []
+    for capacity in capacities:
+        bar = None
+        if progress_bar is not None:
+            bar = progress_bar(total=len(trace), unit="req", desc=f"{capacity:,} tokens", leave=False)
+        try:
+            result = replay(trace, capacity, page_size=args.page_size, prefix_hash=args.prefix_hash,
+                            progress=bar.update if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
+        results.append(result)
+    print(format_table(results))
+    if args.plot:
+        plot_hit_rate(results, args.plot,
+                      f"{Path(args.trace).name}: {len(trace):,} requests, page size {args.page_size}")
+        print(f"hit-rate plot written to {args.plot}")
+    return 0

@@ -1,0 +1,295 @@
+"""Replay of serving traces through the page manager, with prefix caching.
+
+A replay drives a :class:`pagedkv.KVCache` with ``num_layers=0`` (page
+management only, no K/V bytes) through the requests of a
+:class:`pagedkv.traces.Trace`, one request at a time in file order:
+
+1. ``add_sequence`` with the request's prompt block ids (Mooncake
+   ``hash_ids``): the sequence starts on the longest run of cached pages its
+   prompt matches (prefix caching), at most ``(P - 1) // page_size`` pages
+   for a prompt of ``P`` tokens, so the last prompt token is always computed;
+2. ``append`` of the remaining prompt tokens (their full pages become cached);
+3. ``append`` of the output tokens;
+4. ``remove_sequence``: its pages are released newest first, so they join the
+   free queue tail first and the heads of prefixes stay findable longest.
+
+Freed pages keep their content and hash; the allocator hands out the least
+recently freed page first, and handing out a cached page evicts it from the
+prefix index. Traces without block ids (Azure) replay the same steps with
+prefix caching off: they measure occupancy and allocation speed.
+
+Rejection. One request is in the cache at a time, so the whole pool is free
+when a request starts, and a request fits iff its ``ceil((P + O) /
+page_size)`` pages fit the pool. A request that does not fit is *rejected*
+before any call: it counts in ``num_rejected``, leaves the cache and its
+counters exactly as they were (no hit or query is recorded), and the replay
+goes on with the next request.
+
+Page operations. The throughput unit ``page_operations`` is the number of
+single-page steps of the manager: **pages allocated** (taken from the head of
+the free queue for new tokens; taking a cached page this way evicts it) +
+**pages matched** (cached pages taken for a prefix hit, off the free queue
+in O(1)) + **pages freed** (returned to the free queue when the request
+ends). Every page a request holds is either matched or allocated, and is
+freed once, so an admitted request of ``P`` prompt and ``O`` output tokens
+costs exactly ``2 * ceil((P + O) / page_size)`` page operations. Hash
+computations and index lookups are not counted separately.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from pagedkv import KVCache
+from pagedkv.traces import Trace
+
+_PROGRESS_CHUNK = 256  # requests between progress callbacks
+PREFIX_HASHES = ("xxh3_128", "sha256")
+
+
+@dataclass
+class ReplayResult:
+    """Counters and timing of one :func:`replay`.
+
+    Attributes
+    ----------
+    trace_format : str
+        ``"mooncake"`` or ``"azure"``.
+    prefix_caching : bool
+        True when the trace carried block ids and prefix caching was on.
+    capacity_tokens : int
+        Capacity asked for, in tokens.
+    page_size : int
+        Tokens per page.
+    num_pages : int
+        Pages in the pool, ``capacity_tokens // page_size``.
+    num_requests : int
+        Requests replayed, rejected ones included.
+    num_rejected : int
+        Requests that needed more than ``num_pages`` pages (see the module notes).
+    prompt_tokens : int
+        Prompt tokens of the admitted requests (the prefix cache's queries), in tokens.
+    hit_tokens : int
+        Prompt tokens served from cached pages, in tokens.
+    pages_allocated, pages_matched, pages_freed : int
+        Page operations by kind, in pages (see the module notes).
+    prefix_evictions : int
+        Cached pages dropped from the prefix index because the allocator
+        handed them out again.
+    prefix_cached_pages : int
+        Pages findable by hash when the replay ended.
+    pages_peak : int
+        Most pages in use at once.
+    seconds : float
+        Wall time of the request loop (manager calls only; loading the trace
+        and preparing per-request views are not timed), in seconds.
+    cached_tokens : numpy.ndarray
+        int64, shape ``[num_requests]``: tokens each request was served from
+        cache, -1 for a rejected request.
+    cache : KVCache or None
+        The cache after the replay, when :func:`replay` was asked to keep it.
+    """
+
+    trace_format: str
+    prefix_caching: bool
+    capacity_tokens: int
+    page_size: int
+    num_pages: int
+    num_requests: int
+    num_rejected: int
+    prompt_tokens: int
+    hit_tokens: int
+    pages_allocated: int
+    pages_matched: int
+    pages_freed: int
+    prefix_evictions: int
+    prefix_cached_pages: int
+    pages_peak: int
+    seconds: float
+    cached_tokens: np.ndarray = field(repr=False)
+    cache: KVCache | None = field(default=None, repr=False)
+
+    @property
+    def hit_rate(self) -> float:
+        """Token hit rate: ``hit_tokens / prompt_tokens`` (0.0 without admitted prompts)."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def page_operations(self) -> int:
+        """``pages_allocated + pages_matched + pages_freed`` (see the module notes)."""
+        return self.pages_allocated + self.pages_matched + self.pages_freed
+
+    @property
+    def requests_per_second(self) -> float:
+        """Replayed requests (rejected ones included) per second of :attr:`seconds`."""
+        return self.num_requests / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def page_operations_per_second(self) -> float:
+        """Page operations per second of :attr:`seconds`."""
+        return self.page_operations / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def peak_occupancy(self) -> float:
+        """``pages_peak / num_pages``: the largest fraction of the pool in use at once."""
+        return self.pages_peak / self.num_pages
+
+    def to_dict(self) -> dict:
+        """The counters and derived rates as a JSON-ready dict (without the per-request array and the cache)."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("cached_tokens", "cache")}
+        out.update(
+            hit_rate=self.hit_rate,
+            page_operations=self.page_operations,
+            requests_per_second=self.requests_per_second,
+            page_operations_per_second=self.page_operations_per_second,
+            peak_occupancy=self.peak_occupancy,
+        )
+        return out
+
+
+def capacity_pages(capacity_tokens: int, page_size: int) -> int:
+    """Pages of a pool of ``capacity_tokens`` tokens: ``capacity_tokens // page_size``.
+
+    Raises
+    ------
+    TypeError
+        A non-integer argument.
+    ValueError
+        ``page_size < 1`` or ``capacity_tokens < page_size`` (no whole page),
+        or more than ``2**31 - 2`` pages (page ids are int32).
+    """
+    for name, value in (("capacity_tokens", capacity_tokens), ("page_size", page_size)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"Invalid type of {name}: expected an int, got {type(value).__name__}")
+    if page_size < 1:
+        raise ValueError(f"Invalid value of page_size: expected an int >= 1, got {page_size}")
+    num_pages = int(capacity_tokens) // int(page_size)
+    if num_pages < 1 or num_pages > 2**31 - 2:
+        raise ValueError(
+            f"Invalid value of capacity_tokens: expected {page_size} <= capacity_tokens <= "
+            f"{(2**31 - 2) * page_size} (1 to 2**31 - 2 pages of {page_size} tokens), got {capacity_tokens}"
+        )
+    return num_pages
+
+
+def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_hash: str = "xxh3_128",
+           progress: Callable[[int], object] | None = None, keep_cache: bool = False) -> ReplayResult:
+    """Replay a trace through a page manager of ``capacity_tokens`` tokens.
+
+    See the module notes for the steps per request, the rejection rule and
+    the definition of page operations.
+
+    Parameters
+    ----------
+    trace : Trace
+        Requests in file order. With block ids (Mooncake) prefix caching is
+        on; without (Azure) it is off.
+    capacity_tokens : int
+        Pool capacity in tokens; the pool has ``capacity_tokens // page_size`` pages.
+    page_size : int
+        Tokens per page, ``>= 1``; with block ids, ``trace.block_tokens`` must
+        be a multiple of it (page ``j`` of a block is keyed by (block id, j)).
+    prefix_hash : str
+        ``"xxh3_128"`` (default) or ``"sha256"``: the page hash of the prefix
+        index (see :class:`pagedkv.KVCache`).
+    progress : callable or None
+        Called as ``progress(n)`` after every few hundred requests with the
+        number finished since the previous call (e.g. ``tqdm.update``).
+    keep_cache : bool
+        Keep the cache in ``ReplayResult.cache`` for inspection.
+
+    Returns
+    -------
+    ReplayResult
+
+    Raises
+    ------
+    ValueError
+        ``capacity_tokens`` or ``page_size`` out of range, ``block_tokens`` not
+        a multiple of ``page_size``, or an unknown ``prefix_hash``.
+    TypeError
+        ``trace`` is not a :class:`Trace`, or a non-integer capacity or page size.
+    """
+    if not isinstance(trace, Trace):
+        raise TypeError(f"Invalid type of trace: expected pagedkv.traces.Trace, got {type(trace).__name__}")
+    num_pages = capacity_pages(capacity_tokens, page_size)
+    if prefix_hash not in PREFIX_HASHES:
+        raise ValueError(f"Invalid value of prefix_hash: expected one of {PREFIX_HASHES}, got {prefix_hash!r}")
+    with_prefix = trace.has_block_ids
+    if with_prefix and trace.block_tokens % page_size:
+        raise ValueError(
+            f"Invalid value of page_size: expected a divisor of the trace's block_tokens "
+            f"{trace.block_tokens}, got {page_size}"
+        )
+    cache = KVCache(0, 1, 1, num_pages, page_size=page_size, enable_prefix_caching=with_prefix,
+                    prefix_hash=prefix_hash)
+
+    inputs = trace.input_lengths
+    outputs = trace.output_lengths
+    needed_pages = (inputs + outputs + (page_size - 1)) // page_size
+    admitted = needed_pages <= num_pages
+    # Python scalars and per-request views are made before the timer starts.
+    input_list = inputs.tolist()
+    output_list = outputs.tolist()
+    admitted_list = admitted.tolist()
+    blocks = trace.request_blocks() if with_prefix else None
+    block_tokens = trace.block_tokens
+    num_requests = len(trace)
+    cached_tokens = [-1] * num_requests
+    seq_ids = np.zeros(1, dtype=np.int64)   # one sequence (id 0) at a time
+    counts = np.zeros(1, dtype=np.int64)    # reused: the core takes int64 arrays as they are
+    add_sequence, append, remove_sequence = cache.add_sequence, cache.append, cache.remove_sequence
+
+    start = time.perf_counter()
+    for chunk_start in range(0, num_requests, _PROGRESS_CHUNK):
+        chunk_stop = min(num_requests, chunk_start + _PROGRESS_CHUNK)
+        for i in range(chunk_start, chunk_stop):
+            if not admitted_list[i]:
+                continue
+            if with_prefix:
+                cached = add_sequence(0, block_hashes=blocks[i], block_tokens=block_tokens,
+                                      num_prompt_tokens=input_list[i])
+            else:
+                cached = add_sequence(0)
+            counts[0] = input_list[i] - cached
+            append(seq_ids, counts)
+            if output_list[i]:
+                counts[0] = output_list[i]
+                append(seq_ids, counts)
+            remove_sequence(0)
+            cached_tokens[i] = cached
+        if progress is not None:
+            progress(chunk_stop - chunk_start)
+    seconds = time.perf_counter() - start
+
+    stats = cache.stats()
+    admitted_inputs = int(inputs[admitted].sum())
+    if stats["pages_in_use"] or stats["num_sequences"] or \
+            (with_prefix and stats["prefix_queries"] != admitted_inputs):
+        raise RuntimeError(f"replay left the cache inconsistent: {stats}")
+    hit_tokens = stats["prefix_hits"] if with_prefix else 0
+    total_pages = int(needed_pages[admitted].sum())
+    pages_matched = hit_tokens // page_size
+    return ReplayResult(
+        trace_format=trace.format,
+        prefix_caching=with_prefix,
+        capacity_tokens=int(capacity_tokens),
+        page_size=int(page_size),
+        num_pages=num_pages,
+        num_requests=num_requests,
+        num_rejected=int(num_requests - admitted.sum()),
+        prompt_tokens=admitted_inputs,
+        hit_tokens=hit_tokens,
+        pages_allocated=total_pages - pages_matched,
+        pages_matched=pages_matched,
+        pages_freed=total_pages,
+        prefix_evictions=stats.get("prefix_evictions", 0),
+        prefix_cached_pages=stats.get("prefix_cached_pages", 0),
+        pages_peak=stats["pages_peak"],
+        seconds=seconds,
+        cached_tokens=np.asarray(cached_tokens, dtype=np.int64),
+        cache=cache if keep_cache else None,
+    )
