@@ -25,6 +25,8 @@ cdef extern from "prefetch.h":
     void pkv_prefetch_write(const char* p, size_t n) noexcept nogil
 
 _SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
+# Lookups ahead whose prefix-index slot is prefetched in batch loops.
+cdef Py_ssize_t _PREFETCH_DISTANCE = 8
 
 
 cdef class PageTableView:
@@ -267,15 +269,24 @@ cdef class KVCache:
         cdef int64_t k, m = 0, lead = 0, run = 0, low, first_window = num_sink_pages
         cdef hash128 h
         cdef page_id_t page_id
-        found = np.empty(servable, dtype=np.int32)
+        found = np.full(servable, -1, dtype=np.int32)
         cdef int32_t[::1] hit = found
+        cdef bint windowed = self._window is not None
+        cdef hash128 ahead
         for k in range(servable):
+            if k + _PREFETCH_DISTANCE < servable:
+                # The index outgrows the CPU caches: overlap the misses of the next lookups.
+                ahead.lo = hashes.lo[k + _PREFETCH_DISTANCE]
+                ahead.hi = hashes.hi[k + _PREFETCH_DISTANCE]
+                index.prefetch(ahead)
             h.lo = hashes.lo[k]
             h.hi = hashes.hi[k]
             page_id = index.find(h)
             if page_id != -1 and prompt != NULL and not index.tokens_match(page_id, prompt + k * ps):
                 page_id = -1  # a hash collision: never serve a page whose tokens differ
             hit[k] = page_id
+            if page_id == -1 and not windowed:
+                break  # without a window only the leading run counts
         while lead < servable and hit[lead] != -1:
             lead += 1
         if self._window is None:
@@ -320,13 +331,17 @@ cdef class KVCache:
         cdef hash128 h
         cdef Py_ssize_t t
         for k in range(hashes.num_registered, upto):
+            if k + _PREFETCH_DISTANCE < upto:
+                h.lo = hashes.lo[k + _PREFETCH_DISTANCE]
+                h.hi = hashes.hi[k + _PREFETCH_DISTANCE]
+                index.prefetch(h)
             if k < table.num_sink_pages:
                 if k >= table.sink_count:
                     continue
             elif k < table.ring_first or k >= table.ring_first + table.ring_count:
                 continue  # released by the window, or not held
             page_id = table.page_at(k)
-            if index.cached[page_id]:
+            if index.is_cached(page_id):
                 continue
             h.lo = hashes.lo[k]
             h.hi = hashes.hi[k]

@@ -16,9 +16,10 @@ cdef class PageTable:
     cdef int32_t[::1] sinks             # shape (num_sink_pages,), page ids; valid up to sink_count
     cdef int32_t sink_count             # sink pages held (< num_sink_pages only while the sequence is short)
     # Ring of window pages: logical pages ring_first .. ring_first+ring_count-1,
-    # stored at ring[(ring_head + i) % capacity]. Grows (doubling) when a
+    # stored at ring[(ring_head + i) & ring_mask]. Grows (doubling) when a
     # chunk longer than the window is in flight or without a window.
-    cdef int32_t[::1] ring              # shape (capacity,), page ids
+    cdef int32_t[::1] ring              # shape (capacity,), page ids; capacity is a power of two
+    cdef Py_ssize_t ring_mask           # capacity - 1
     cdef Py_ssize_t ring_head           # index in ring of logical page ring_first
     cdef Py_ssize_t ring_count          # pages in the ring
     cdef int64_t ring_first             # logical index of the oldest ring page, >= num_sink_pages

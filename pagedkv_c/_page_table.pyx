@@ -79,10 +79,13 @@ cdef class PageTable:
         if w != NO_WINDOW:
             self.num_sink_pages = <int32_t>_ceil_div(self.sink_tokens, self.page_size)
         self.sinks = np.empty(self.num_sink_pages, dtype=np.int32)
-        cdef Py_ssize_t capacity = _INITIAL_RING
+        cdef Py_ssize_t wanted = _INITIAL_RING, capacity = 1
         if w != NO_WINDOW:
-            capacity = min(<Py_ssize_t>(_ceil_div(w - 1, self.page_size) + 1), 1 << 16)
-        self.ring = np.empty(max(capacity, 1), dtype=np.int32)
+            wanted = min(<Py_ssize_t>(_ceil_div(w - 1, self.page_size) + 1), 1 << 16)
+        while capacity < wanted:  # a power of two: ring indices wrap with a mask
+            capacity *= 2
+        self.ring = np.empty(capacity, dtype=np.int32)
+        self.ring_mask = capacity - 1
         self.length = 0
         self.sink_count = 0
         self.ring_head = 0
@@ -101,11 +104,11 @@ cdef class PageTable:
         """Page id of a held logical page (caller checked that it is held)."""
         if logical < self.num_sink_pages:
             return self.sinks[logical]
-        return self.ring[(self.ring_head + (logical - self.ring_first)) % self.ring.shape[0]]
+        return self.ring[(self.ring_head + (logical - self.ring_first)) & self.ring_mask]
 
     cdef page_id_t ring_page(self, Py_ssize_t i) noexcept nogil:
         """The i-th oldest window page."""
-        return self.ring[(self.ring_head + i) % self.ring.shape[0]]
+        return self.ring[(self.ring_head + i) & self.ring_mask]
 
     cdef Py_ssize_t num_to_release(self, int64_t num_new_tokens) noexcept nogil:
         """Window pages an append of ``num_new_tokens`` releases first (release rule)."""
@@ -123,7 +126,7 @@ cdef class PageTable:
     cdef page_id_t pop_oldest(self) noexcept nogil:
         """Remove the oldest window page from the ring and return it."""
         cdef page_id_t page_id = self.ring[self.ring_head]
-        self.ring_head = (self.ring_head + 1) % self.ring.shape[0]
+        self.ring_head = (self.ring_head + 1) & self.ring_mask
         self.ring_count -= 1
         self.ring_first += 1
         return page_id
@@ -145,6 +148,7 @@ cdef class PageTable:
         for i in range(self.ring_count):
             grown[i] = self.ring_page(i)
         self.ring = grown
+        self.ring_mask = capacity - 1
         self.ring_head = 0
         return 0
 
@@ -157,21 +161,21 @@ cdef class PageTable:
             self.sinks[self.sink_count] = page_id
             self.sink_count += 1
             return
-        self.ring[(self.ring_head + self.ring_count) % self.ring.shape[0]] = page_id
+        self.ring[(self.ring_head + self.ring_count) & self.ring_mask] = page_id
         self.ring_count += 1
 
     cdef page_id_t pop_newest(self) noexcept nogil:
         """Remove the newest held page (ring tail, else the last sink page) and return it."""
         if self.ring_count > 0:
             self.ring_count -= 1
-            return self.ring[(self.ring_head + self.ring_count) % self.ring.shape[0]]
+            return self.ring[(self.ring_head + self.ring_count) & self.ring_mask]
         self.sink_count -= 1
         return self.sinks[self.sink_count]
 
     cdef void replace_last(self, page_id_t page_id) noexcept nogil:
         """Swap the page of the newest held logical page (copy-on-write)."""
         if self.ring_count > 0:
-            self.ring[(self.ring_head + self.ring_count - 1) % self.ring.shape[0]] = page_id
+            self.ring[(self.ring_head + self.ring_count - 1) & self.ring_mask] = page_id
         else:
             self.sinks[self.sink_count - 1] = page_id
 
@@ -208,7 +212,7 @@ cdef class PageTable:
             positions[i] = <pos_t>i * self.page_size
         cdef Py_ssize_t base = self.sink_count
         for i in range(self.ring_count):
-            indices[base + i] = self.ring[(self.ring_head + i) % self.ring.shape[0]]
+            indices[base + i] = self.ring[(self.ring_head + i) & self.ring_mask]
             positions[base + i] = (self.ring_first + i) * self.page_size
 
     cdef int64_t min_truncate_len(self) noexcept nogil:
@@ -243,6 +247,7 @@ cdef class PageTable:
         """Make this (empty) table share every page of ``other`` (ref counts +1)."""
         self.sinks = np.asarray(other.sinks).copy()
         self.ring = np.asarray(other.ring).copy()
+        self.ring_mask = other.ring_mask
         self.sink_count = other.sink_count
         self.ring_head = other.ring_head
         self.ring_count = other.ring_count
@@ -464,7 +469,7 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
         for i in range(table.num_to_release(num_tokens[b])):
             page_id = table.pop_oldest()
             if pool.drop_ref(page_id) == 0:
-                if pool.prefix is not None and pool.prefix.cached[page_id]:
+                if pool.prefix is not None and pool.prefix.is_cached(page_id):
                     pool.push_free(page_id)  # stays findable until handed out again
                 else:
                     scratch.spare[num_spare] = page_id
@@ -503,7 +508,7 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
             k += 1
         elif num_tokens[b] and table.last_page_is_partial() and pool.prefix is not None:
             old = table.page_at(table.num_logical() - 1)
-            if pool.prefix.cached[old]:
+            if pool.prefix.is_cached(old):
                 pool.prefix.remove(old)  # its content is about to change
         while k < cursor + scratch.need[b]:
             table.push_page(scratch.taken[k])

@@ -14,6 +14,8 @@ from pagedkv_c._checks cimport check_int, as_int_array
 cnp.import_array()
 
 _INT32_MAX = 2**31 - 2
+# Pages ahead whose prefix-index slots take() prefetches while evicting.
+cdef Py_ssize_t _EVICT_PREFETCH_DISTANCE = 16
 
 
 class OutOfPagesError(MemoryError):
@@ -78,7 +80,7 @@ cdef class PagePool:
         """
         cdef page_id_t page_id = self._next[self.num_pages]
         self.remove_free(page_id)
-        if self.prefix is not None and self.prefix.cached[page_id]:
+        if self.prefix is not None and self.prefix.is_cached(page_id):
             self.prefix.evict(page_id)
         return page_id
 
@@ -106,13 +108,29 @@ cdef class PagePool:
         return self._next[page_id] != NO_PAGE
 
     cdef void take(self, page_id_t* out, Py_ssize_t n) noexcept nogil:
-        """Pop ``n`` pages into ``out`` with ref count 1 (caller checked capacity)."""
+        """Pop ``n`` pages into ``out`` with ref count 1 (caller checked capacity).
+
+        Popped pages that still held a cached prefix are evicted from the
+        prefix index in a second pass that prefetches the index slots of the
+        pages a few places ahead (the index is larger than the CPU caches).
+        """
         cdef Py_ssize_t i
         cdef page_id_t page_id
+        cdef int32_t sentinel = self.num_pages
         for i in range(n):
-            page_id = self.pop_free()
+            page_id = self._next[sentinel]
+            self.remove_free(page_id)
             self._ref_count[page_id] = 1
             out[i] = page_id
+        if self.prefix is None:
+            return
+        for i in range(min(n, _EVICT_PREFETCH_DISTANCE)):
+            self.prefix.prefetch_page(out[i])
+        for i in range(n):
+            if i + _EVICT_PREFETCH_DISTANCE < n:
+                self.prefix.prefetch_page(out[i + _EVICT_PREFETCH_DISTANCE])
+            if self.prefix.is_cached(out[i]):
+                self.prefix.evict(out[i])
 
     cdef void incref_one(self, page_id_t page_id) noexcept nogil:
         self._ref_count[page_id] += 1

@@ -1,6 +1,6 @@
 # Prefix caching: chained 128-bit page hashes, the hash -> page index, and
 # the per-sequence hash chain.
-from libc.stdint cimport uint8_t, uint64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from pagedkv_c._types cimport page_id_t, int32_t, int64_t
 
 
@@ -22,23 +22,30 @@ cdef int hash_block_pages(int algorithm, hash128 parent, hash128 salt, const int
 cdef hash128 hash_salt(int algorithm, object extra_key) except *
 
 
+cdef struct index_slot:
+    uint64_t lo                          # hash, low 64 bits (also picks the home slot)
+    uint32_t hi32                        # hash, bits 64..95: filters before the full check
+    int32_t page                         # page id, or NO_PAGE for an empty slot
+
+
 cdef class PrefixIndex:
     cdef readonly int32_t num_pages
     cdef readonly int32_t page_size      # tokens per page
     cdef readonly int algorithm          # a HashAlgorithm
-    cdef uint64_t[::1] page_lo           # (num_pages,) hash of each cached page (low 64 bits)
-    cdef uint64_t[::1] page_hi           # (num_pages,) high 64 bits
-    cdef uint8_t[::1] cached             # (num_pages,) 1: the page is findable by its hash
+    # Open-addressing table (linear probing, backward-shift deletion), power-of-two
+    # capacity >= 2 * num_pages, so at most half full; 16-byte slots, four per cache line.
+    cdef index_slot* slots               # (capacity,)
+    cdef Py_ssize_t mask                 # capacity - 1
+    cdef int32_t[::1] page_slot          # (num_pages,) slot of each cached page, -1 if not cached
+    cdef uint64_t[::1] page_hi           # (num_pages,) high 64 bits of each cached page's hash
     cdef uint8_t[::1] has_tokens         # (num_pages,) 1: tokens[page] holds its token ids
     cdef int32_t[:, ::1] tokens          # (num_pages, page_size) token ids, compared on every hit
-    # Open-addressing table (linear probing, power-of-two capacity >= 2 * num_pages).
-    cdef uint64_t[::1] slot_lo
-    cdef uint64_t[::1] slot_hi
-    cdef int32_t[::1] slot_page          # page id, or NO_PAGE for an empty slot
-    cdef Py_ssize_t mask
     cdef readonly Py_ssize_t num_cached  # pages in the index
     cdef readonly int64_t evictions      # cached pages dropped because the allocator reused them
 
+    cdef bint is_cached(self, page_id_t page_id) noexcept nogil
+    cdef void prefetch(self, hash128 h) noexcept nogil
+    cdef void prefetch_page(self, page_id_t page_id) noexcept nogil
     cdef page_id_t find(self, hash128 h) noexcept nogil
     cdef bint insert(self, hash128 h, page_id_t page_id) noexcept nogil
     cdef void remove(self, page_id_t page_id) noexcept nogil

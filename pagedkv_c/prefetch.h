@@ -9,7 +9,10 @@ static inline void pkv_prefetch_write(const char *p, size_t n)
     for (size_t i = 0; i < n; i += 64)
         __builtin_prefetch(p + i, 1, 3);
 }
+/* Prefetch the line holding p for reading. */
+static inline void pkv_prefetch_read(const char *p) { __builtin_prefetch(p, 0, 3); }
 #else
 static inline void pkv_prefetch_write(const char *p, size_t n) { (void)p; (void)n; }
+static inline void pkv_prefetch_read(const char *p) { (void)p; }
 #endif
 #endif
