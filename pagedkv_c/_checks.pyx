@@ -17,6 +17,15 @@ cdef int64_t check_int(object value, str name, int64_t low, int64_t high) except
     Raises TypeError for a non-integer (bools and floats included) and
     ValueError for an integer outside the range.
     """
+    cdef int64_t fast
+    if type(value) is int:  # the common case, without the generic checks
+        try:
+            fast = value
+        except OverflowError:
+            pass
+        else:
+            if low <= fast <= high:
+                return fast
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(
             f"Invalid type of {name}: expected an integer, got {type(value).__name__}"
