@@ -181,6 +181,8 @@ static inline float v8_hmax(pkv_v8 a)
         (out)[6] = v8_hsum(a6); (out)[7] = v8_hsum(a7);                             \
     } while (0)
 #define PKV_PV_WIDE 0
+#define PKV_DOT_WIDE 0
+#define VKEEP(v) ((void)0)
 
 #define PKV_SUFFIX scalar_f32
 #define KV_T float
@@ -219,6 +221,8 @@ static inline float v8_hmax(pkv_v8 a)
 #undef VHMAX
 #undef VHSUM8
 #undef PKV_PV_WIDE
+#undef PKV_DOT_WIDE
+#undef VKEEP
 
 #if PKV_X86_DISPATCH
 /* ------------------------------------------------- x86-64 AVX2 + FMA + F16C */
@@ -294,6 +298,8 @@ PKV_AVX2 static inline void pkv_hsum8_avx2(__m256 a0, __m256 a1, __m256 a2, __m2
 #define VHMAX(a) pkv_hmax_avx2(a)
 #define VHSUM8(a0, a1, a2, a3, a4, a5, a6, a7, out) pkv_hsum8_avx2(a0, a1, a2, a3, a4, a5, a6, a7, out)
 #define PKV_PV_WIDE 0
+#define PKV_DOT_WIDE 0
+#define VKEEP(v) __asm__("" : "+x"(v))
 
 #define PKV_SUFFIX avx2_f32
 #define KV_T float
@@ -332,6 +338,8 @@ PKV_AVX2 static inline void pkv_hsum8_avx2(__m256 a0, __m256 a1, __m256 a2, __m2
 #undef VHMAX
 #undef VHSUM8
 #undef PKV_PV_WIDE
+#undef PKV_DOT_WIDE
+#undef VKEEP
 
 /* ------------------------------------------------------------ x86-64 AVX-512 */
 
@@ -412,6 +420,8 @@ PKV_AVX512 static inline void pkv_hsum8_avx512(__m512 a0, __m512 a1, __m512 a2, 
 #define VHMAX(a) pkv_hmax_avx512(a)
 #define VHSUM8(a0, a1, a2, a3, a4, a5, a6, a7, out) pkv_hsum8_avx512(a0, a1, a2, a3, a4, a5, a6, a7, out)
 #define PKV_PV_WIDE 1
+#define PKV_DOT_WIDE 1
+#define VKEEP(v) __asm__("" : "+v"(v))
 
 #define PKV_SUFFIX avx512_f32
 #define KV_T float
@@ -450,6 +460,8 @@ PKV_AVX512 static inline void pkv_hsum8_avx512(__m512 a0, __m512 a1, __m512 a2, 
 #undef VHMAX
 #undef VHSUM8
 #undef PKV_PV_WIDE
+#undef PKV_DOT_WIDE
+#undef VKEEP
 
 #endif /* PKV_X86_DISPATCH */
 

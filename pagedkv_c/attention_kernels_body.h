@@ -13,6 +13,9 @@
  *   VHSUM(v) VHMAX(v)   horizontal sum / max, fixed order
  *   VHSUM8(a0, ..., a7, out)  out[i] = horizontal sum of ai, fixed order
  *   PKV_PV_WIDE  1: the V accumulation keeps 16 vectors in registers
+ *   PKV_DOT_WIDE 1: scores 4 rows x 4 tokens at once (16 accumulators)
+ *   VKEEP(v)     keeps a loaded vector in a register (not refolded into
+ *                every FMA as a memory operand), or nothing
  *
  * Algorithm: one pass over the pages with the online softmax of
  * FlashAttention (Dao et al. 2022; Milakov & Gimelshein 2018): tokens are
@@ -25,6 +28,7 @@
 #define PKV_CAT2_(a, b) a##_##b
 #define PKV_CAT_(a, b) PKV_CAT2_(a, b)
 #define FN(name) PKV_CAT_(name, PKV_SUFFIX)
+#define PKV_DOT_TOKENS (PKV_DOT_WIDE ? 4 : 2)
 
 /* Walks the cache lines of the K and V rows of the next chunk, a few lines
  * per scoring step, so that memory requests overlap the arithmetic instead of
@@ -40,16 +44,23 @@ typedef struct {
 
 PKV_TARGET static inline void FN(prefetch_step)(FN(prefetcher) *pf)
 {
-    int64_t c;
-    for (c = 0; c < pf->per_step && pf->token < pf->token_end; c++) {
-        const KV_T *row = pf->v_half ? pf->v_rows[pf->token] : pf->k_rows[pf->token];
-        PKV_PREFETCH((const char *)row + pf->line * 64);
-        if (++pf->line == pf->row_lines) {
-            pf->line = 0;
-            pf->token += pf->v_half;
-            pf->v_half ^= 1;
+    int64_t budget = pf->per_step, token = pf->token, line = pf->line;
+    int v_half = pf->v_half;
+    while (budget > 0 && token < pf->token_end) {
+        const char *row = (const char *)(v_half ? pf->v_rows[token] : pf->k_rows[token]);
+        int64_t stop = line + budget < pf->row_lines ? line + budget : pf->row_lines;
+        budget -= stop - line;
+        for (; line < stop; line++)
+            PKV_PREFETCH(row + line * 64);
+        if (line == pf->row_lines) {
+            line = 0;
+            token += v_half;
+            v_half ^= 1;
         }
     }
+    pf->token = token;
+    pf->line = line;
+    pf->v_half = v_half;
 }
 
 /* Scores of 4 query rows (stride q_stride) against 2 key rows. */
@@ -67,15 +78,19 @@ PKV_TARGET static inline void FN(dot_4x2)(const float *q, int64_t q_stride,
         const vf x0 = VLOAD_KV(k0 + d);
         const vf x1 = VLOAD_KV(k1 + d);
         vf w = VLOAD(q0 + d);
+        VKEEP(w);
         a00 = VFMA(w, x0, a00);
         a01 = VFMA(w, x1, a01);
         w = VLOAD(q1 + d);
+        VKEEP(w);
         a10 = VFMA(w, x0, a10);
         a11 = VFMA(w, x1, a11);
         w = VLOAD(q2 + d);
+        VKEEP(w);
         a20 = VFMA(w, x0, a20);
         a21 = VFMA(w, x1, a21);
         w = VLOAD(q3 + d);
+        VKEEP(w);
         a30 = VFMA(w, x0, a30);
         a31 = VFMA(w, x1, a31);
     }
@@ -92,6 +107,55 @@ PKV_TARGET static inline void FN(dot_4x2)(const float *q, int64_t q_stride,
     s[2 * s_stride] = r[4]; s[2 * s_stride + 1] = r[5];
     s[3 * s_stride] = r[6]; s[3 * s_stride + 1] = r[7];
 }
+
+#if PKV_DOT_WIDE
+/* Scores of 4 query rows against 4 key rows: 16 accumulators, so each q and
+ * K load feeds 4 FMAs (needs 32 vector registers). */
+PKV_TARGET static inline void FN(dot_4x4)(const float *q, int64_t q_stride,
+                                          const KV_T *const *k, int64_t dim, int64_t dim_vec,
+                                          float *s, int64_t s_stride)
+{
+    vf a00 = VZERO(), a01 = VZERO(), a02 = VZERO(), a03 = VZERO();
+    vf a10 = VZERO(), a11 = VZERO(), a12 = VZERO(), a13 = VZERO();
+    vf a20 = VZERO(), a21 = VZERO(), a22 = VZERO(), a23 = VZERO();
+    vf a30 = VZERO(), a31 = VZERO(), a32 = VZERO(), a33 = VZERO();
+    const float *q0 = q, *q1 = q + q_stride, *q2 = q + 2 * q_stride, *q3 = q + 3 * q_stride;
+    const KV_T *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
+    float r0[8], r1[8];
+    int64_t d, i;
+    for (d = 0; d < dim_vec; d += VW) {
+        const vf x0 = VLOAD_KV(k0 + d), x1 = VLOAD_KV(k1 + d);
+        const vf x2 = VLOAD_KV(k2 + d), x3 = VLOAD_KV(k3 + d);
+        vf w = VLOAD(q0 + d);
+        VKEEP(w);
+        a00 = VFMA(w, x0, a00); a01 = VFMA(w, x1, a01); a02 = VFMA(w, x2, a02); a03 = VFMA(w, x3, a03);
+        w = VLOAD(q1 + d);
+        VKEEP(w);
+        a10 = VFMA(w, x0, a10); a11 = VFMA(w, x1, a11); a12 = VFMA(w, x2, a12); a13 = VFMA(w, x3, a13);
+        w = VLOAD(q2 + d);
+        VKEEP(w);
+        a20 = VFMA(w, x0, a20); a21 = VFMA(w, x1, a21); a22 = VFMA(w, x2, a22); a23 = VFMA(w, x3, a23);
+        w = VLOAD(q3 + d);
+        VKEEP(w);
+        a30 = VFMA(w, x0, a30); a31 = VFMA(w, x1, a31); a32 = VFMA(w, x2, a32); a33 = VFMA(w, x3, a33);
+    }
+    VHSUM8(a00, a01, a02, a03, a10, a11, a12, a13, r0);
+    VHSUM8(a20, a21, a22, a23, a30, a31, a32, a33, r1);
+    for (; d < dim; d++) {
+        for (i = 0; i < 4; i++) {
+            const float x = KV_TO_F(k[i][d]);
+            r0[i] += q0[d] * x; r0[4 + i] += q1[d] * x;
+            r1[i] += q2[d] * x; r1[4 + i] += q3[d] * x;
+        }
+    }
+    for (i = 0; i < 4; i++) {
+        s[i] = r0[i];
+        s[s_stride + i] = r0[4 + i];
+        s[2 * s_stride + i] = r1[i];
+        s[3 * s_stride + i] = r1[4 + i];
+    }
+}
+#endif
 
 /* Scores of 1 query row against 8 key rows k[0..7]. */
 PKV_TARGET static inline void FN(dot_1x8)(const float *q, const KV_T *const *k,
@@ -254,12 +318,23 @@ PKV_TARGET static void FN(process_chunk)(const FN(pkv_state) *st, const KV_T *co
     for (; r + 4 <= rows; r += 4) {
         const float *q = st->qs + r * dim_pad;
         float *s = st->s + r * ch;
+#if PKV_DOT_WIDE
+        for (t = 0; t < n; t += 4) {
+            const KV_T *k4[4];
+            int u;
+            for (u = 0; u < 4; u++)
+                k4[u] = (t + u < n ? k_rows[t + u] : k_rows[t]) + head_offset;
+            FN(prefetch_step)(pf);
+            FN(dot_4x4)(q, dim_pad, k4, dim, dim_vec, s + t, ch);
+        }
+#else
         for (t = 0; t < n; t += 2) {
             const KV_T *k1 = t + 1 < n ? k_rows[t + 1] : k_rows[t];
             FN(prefetch_step)(pf);
             FN(dot_4x2)(q, dim_pad, k_rows[t] + head_offset, k1 + head_offset, dim, dim_vec,
                         s + t, ch);
         }
+#endif
     }
     for (; r < rows; r++) {
         const float *q = st->qs + r * dim_pad;
@@ -348,7 +423,8 @@ PKV_TARGET static void FN(process_heads)(const FN(pkv_state) *heads, int64_t num
                                          int64_t n, int64_t n_next)
 {
     const int64_t rows = heads[0].rows;
-    const int64_t steps = num_heads * ((rows / 4) * ((n + 1) / 2) + (rows % 4) * ((n + 7) / 8));
+    const int64_t steps = num_heads * ((rows / 4) * ((n + PKV_DOT_TOKENS - 1) / PKV_DOT_TOKENS) +
+                                       (rows % 4) * ((n + 7) / 8));
     FN(prefetcher) pf;
     pf.k_rows = k_rows;
     pf.v_rows = v_rows;
@@ -509,5 +585,6 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
 }
 
 #undef FN
+#undef PKV_DOT_TOKENS
 #undef PKV_CAT_
 #undef PKV_CAT2_
