@@ -32,9 +32,16 @@
 #else
 #define PKV_PREFETCH(p) ((void)(p))
 #endif
-/* 1: prefetch the next chunk's K/V rows while computing this one. */
+/* 1: prefetch the K/V rows of the chunk PKV_PREFETCH_AHEAD chunks ahead
+ * while computing this one. */
 #ifndef PKV_PREFETCH_CHUNKS
 #define PKV_PREFETCH_CHUNKS 1
+#endif
+#ifndef PKV_PREFETCH_K
+#define PKV_PREFETCH_K 1
+#endif
+#ifndef PKV_PREFETCH_AHEAD
+#define PKV_PREFETCH_AHEAD 1
 #endif
 
 int64_t pkv_scratch_floats(int64_t max_rows, int64_t head_dim)

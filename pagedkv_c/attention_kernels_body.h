@@ -28,7 +28,6 @@
 #define PKV_CAT2_(a, b) a##_##b
 #define PKV_CAT_(a, b) PKV_CAT2_(a, b)
 #define FN(name) PKV_CAT_(name, PKV_SUFFIX)
-#define PKV_DOT_TOKENS (PKV_DOT_WIDE ? 4 : 2)
 
 /* Walks the cache lines of the K and V rows of the next chunk, a few lines
  * per scoring step, so that memory requests overlap the arithmetic instead of
@@ -50,8 +49,10 @@ PKV_TARGET static inline void FN(prefetch_step)(FN(prefetcher) *pf)
         const char *row = (const char *)(v_half ? pf->v_rows[token] : pf->k_rows[token]);
         int64_t stop = line + budget < pf->row_lines ? line + budget : pf->row_lines;
         budget -= stop - line;
-        for (; line < stop; line++)
-            PKV_PREFETCH(row + line * 64);
+        if (PKV_PREFETCH_K || v_half)
+            for (; line < stop; line++)
+                PKV_PREFETCH(row + line * 64);
+        line = stop;
         if (line == pf->row_lines) {
             line = 0;
             token += v_half;
@@ -302,54 +303,47 @@ typedef struct {
     float *l;                /* [rows] running sum of 2**(s - m) */
 } FN(pkv_state);
 
-/* One chunk of n tokens for one KV head: score, mask, update the online
- * softmax, accumulate V. Rows of the head start at k_rows[t] + head_offset. */
-PKV_TARGET static void FN(process_chunk)(const FN(pkv_state) *st, const KV_T *const *k_rows,
-                                         const KV_T *const *v_rows, const int64_t *positions,
-                                         int64_t n, int64_t head_offset, FN(prefetcher) *pf)
+/* Scores of tokens t .. t+7 of a chunk of n (tokens past n repeat token t and
+ * fill padding slots) for every row of one KV head; its rows start at
+ * k_rows[u] + head_offset. */
+PKV_TARGET static inline void FN(score_tokens)(const FN(pkv_state) *st, const KV_T *const *k_rows,
+                                               int64_t t, int64_t n, int64_t head_offset)
+{
+    const int64_t rows = st->rows, dim = st->dim, dim_vec = st->dim_vec, dim_pad = st->dim_pad;
+    const int64_t ch = PKV_CHUNK_TOKENS;
+    const KV_T *k8[8];
+    int64_t r;
+    int u;
+    for (u = 0; u < 8; u++)
+        k8[u] = (t + u < n ? k_rows[t + u] : k_rows[t]) + head_offset;
+    for (r = 0; r + 4 <= rows; r += 4) {
+        const float *q = st->qs + r * dim_pad;
+        float *s = st->s + r * ch + t;
+#if PKV_DOT_WIDE
+        FN(dot_4x4)(q, dim_pad, k8, dim, dim_vec, s, ch);
+        FN(dot_4x4)(q, dim_pad, k8 + 4, dim, dim_vec, s + 4, ch);
+#else
+        FN(dot_4x2)(q, dim_pad, k8[0], k8[1], dim, dim_vec, s, ch);
+        FN(dot_4x2)(q, dim_pad, k8[2], k8[3], dim, dim_vec, s + 2, ch);
+        FN(dot_4x2)(q, dim_pad, k8[4], k8[5], dim, dim_vec, s + 4, ch);
+        FN(dot_4x2)(q, dim_pad, k8[6], k8[7], dim, dim_vec, s + 6, ch);
+#endif
+    }
+    for (; r < rows; r++)
+        FN(dot_1x8)(st->qs + r * dim_pad, k8, dim, dim_vec, st->s + r * ch + t);
+}
+
+/* After scoring a chunk of n tokens for one KV head: mask, update the online
+ * softmax, accumulate the V rows (at v_rows[t] + head_offset). */
+PKV_TARGET static void FN(finish_chunk)(const FN(pkv_state) *st, const KV_T *const *v_rows,
+                                        const int64_t *positions, int64_t n, int64_t head_offset)
 {
     const int64_t rows = st->rows, dim = st->dim, dim_vec = st->dim_vec, dim_pad = st->dim_pad;
     const int64_t ch = PKV_CHUNK_TOKENS;
     const int64_t n_pad = (n + VW - 1) / VW * VW;
     int64_t r, t;
 
-    /* 1. scores; odd tails reuse the last token and write padding slots. */
-    r = 0;
-    for (; r + 4 <= rows; r += 4) {
-        const float *q = st->qs + r * dim_pad;
-        float *s = st->s + r * ch;
-#if PKV_DOT_WIDE
-        for (t = 0; t < n; t += 4) {
-            const KV_T *k4[4];
-            int u;
-            for (u = 0; u < 4; u++)
-                k4[u] = (t + u < n ? k_rows[t + u] : k_rows[t]) + head_offset;
-            FN(prefetch_step)(pf);
-            FN(dot_4x4)(q, dim_pad, k4, dim, dim_vec, s + t, ch);
-        }
-#else
-        for (t = 0; t < n; t += 2) {
-            const KV_T *k1 = t + 1 < n ? k_rows[t + 1] : k_rows[t];
-            FN(prefetch_step)(pf);
-            FN(dot_4x2)(q, dim_pad, k_rows[t] + head_offset, k1 + head_offset, dim, dim_vec,
-                        s + t, ch);
-        }
-#endif
-    }
-    for (; r < rows; r++) {
-        const float *q = st->qs + r * dim_pad;
-        float *s = st->s + r * ch;
-        for (t = 0; t < n; t += 8) {
-            const KV_T *k8[8];
-            int u;
-            for (u = 0; u < 8; u++)
-                k8[u] = (t + u < n ? k_rows[t + u] : k_rows[t]) + head_offset;
-            FN(prefetch_step)(pf);
-            FN(dot_1x8)(q, k8, dim, dim_vec, s + t);
-        }
-    }
-
-    /* 2. mask, only where some token may fall outside some row's range. */
+    /* mask, only where some token may fall outside some row's range */
     const int64_t pmin = st->first_position;
     const int64_t pmax = st->first_position + rows / st->group_size - 1;
     const int64_t first = positions[0], last = positions[n - 1];
@@ -369,7 +363,7 @@ PKV_TARGET static void FN(process_chunk)(const FN(pkv_state) *st, const KV_T *co
         }
     }
 
-    /* 3. online softmax update per row. */
+    /* online softmax update per row */
     for (r = 0; r < rows; r++) {
         float *s = st->s + r * ch;
         for (t = n; t < n_pad; t++)
@@ -406,7 +400,7 @@ PKV_TARGET static void FN(process_chunk)(const FN(pkv_state) *st, const KV_T *co
         st->m[r] = m_new;
     }
 
-    /* 4. acc += p @ V */
+    /* acc += p @ V */
     r = 0;
     for (; r + 4 <= rows; r += 4)
         FN(pv_4rows)(st->acc + r * dim_pad, dim_pad, st->s + r * ch, ch, v_rows, head_offset,
@@ -415,28 +409,34 @@ PKV_TARGET static void FN(process_chunk)(const FN(pkv_state) *st, const KV_T *co
         FN(pv_1row)(st->acc + r * dim_pad, st->s + r * ch, v_rows, head_offset, n, dim, dim_vec);
 }
 
-/* Run every KV head of the item over one chunk of n tokens while the n_next
- * tokens after it in the lists (the next chunk) are prefetched. */
+/* Run every KV head of the item over one chunk of n tokens while the tokens
+ * [pf_begin, pf_end) of the lists (a later chunk) are prefetched. Scoring
+ * goes token-major (8 tokens, all heads, then the next 8), so K is read as
+ * one sequential stream; V is then read head by head from cache. */
 PKV_TARGET static void FN(process_heads)(const FN(pkv_state) *heads, int64_t num_heads,
                                          int64_t head_dim, const KV_T *const *k_rows,
                                          const KV_T *const *v_rows, const int64_t *positions,
-                                         int64_t n, int64_t n_next)
+                                         int64_t n, int64_t pf_begin, int64_t pf_end)
 {
-    const int64_t rows = heads[0].rows;
-    const int64_t steps = num_heads * ((rows / 4) * ((n + PKV_DOT_TOKENS - 1) / PKV_DOT_TOKENS) +
-                                       (rows % 4) * ((n + 7) / 8));
+    const int64_t steps = num_heads * ((n + 7) / 8);
     FN(prefetcher) pf;
     pf.k_rows = k_rows;
     pf.v_rows = v_rows;
-    pf.token = n;
-    pf.token_end = PKV_PREFETCH_CHUNKS ? n + n_next : n;
+    pf.token = pf_begin;
+    pf.token_end = PKV_PREFETCH_CHUNKS && pf_end > pf_begin ? pf_end : pf_begin;
     pf.line = 0;
     pf.row_lines = (num_heads * head_dim * (int64_t)sizeof(KV_T) + 63) / 64;
-    pf.per_step = (2 * n_next * pf.row_lines + steps - 1) / steps;
+    pf.per_step = (2 * (pf.token_end - pf.token) * pf.row_lines + steps - 1) / steps;
     pf.v_half = 0;
-    int64_t hh;
+    int64_t hh, t;
+    for (t = 0; t < n; t += 8) {
+        for (hh = 0; hh < num_heads; hh++) {
+            FN(prefetch_step)(&pf);
+            FN(score_tokens)(&heads[hh], k_rows, t, n, hh * head_dim);
+        }
+    }
     for (hh = 0; hh < num_heads; hh++)
-        FN(process_chunk)(&heads[hh], k_rows, v_rows, positions, n, hh * head_dim, &pf);
+        FN(finish_chunk)(&heads[hh], v_rows, positions, n, hh * head_dim);
 }
 
 /* The item kernel: see pkv_item_kernel in attention_kernels.h. */
@@ -500,12 +500,13 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
     const int64_t lo = a->window > 0 ? pmin - a->window + 1 : 0;
     const int64_t sink_end = a->window > 0 ? a->sink_tokens : 0;
 
-    /* Tokens are listed one chunk ahead of the one being processed, so that
-     * the next chunk can be prefetched while this one is computed. Rows point
-     * at the item's first KV head. */
-    const KV_T *k_rows[2 * PKV_CHUNK_TOKENS];
-    const KV_T *v_rows[2 * PKV_CHUNK_TOKENS];
-    int64_t positions[2 * PKV_CHUNK_TOKENS];
+    /* Tokens are listed PKV_PREFETCH_AHEAD chunks ahead of the one being
+     * processed; that chunk is prefetched while this one is computed. Rows
+     * point at the item's first KV head. */
+    enum { CH = PKV_CHUNK_TOKENS, CAP = (PKV_PREFETCH_AHEAD + 1) * PKV_CHUNK_TOKENS };
+    const KV_T *k_rows[CAP];
+    const KV_T *v_rows[CAP];
+    int64_t positions[CAP];
     int64_t n = 0;
 
     for (j = a->indptr[seq]; j < a->indptr[seq + 1]; j++) {
@@ -538,26 +539,24 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
                 k_rows[n] = k;
                 v_rows[n] = k + v_offset;
                 positions[n] = pos;
-                if (++n == 2 * PKV_CHUNK_TOKENS) {
-                    FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions,
-                                      PKV_CHUNK_TOKENS, PKV_CHUNK_TOKENS);
-                    memcpy(k_rows, k_rows + PKV_CHUNK_TOKENS, PKV_CHUNK_TOKENS * sizeof k_rows[0]);
-                    memcpy(v_rows, v_rows + PKV_CHUNK_TOKENS, PKV_CHUNK_TOKENS * sizeof v_rows[0]);
-                    memcpy(positions, positions + PKV_CHUNK_TOKENS,
-                           PKV_CHUNK_TOKENS * sizeof positions[0]);
-                    n = PKV_CHUNK_TOKENS;
+                if (++n == CAP) {
+                    FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, CH,
+                                      CAP - CH, CAP);
+                    memmove(k_rows, k_rows + CH, (CAP - CH) * sizeof k_rows[0]);
+                    memmove(v_rows, v_rows + CH, (CAP - CH) * sizeof v_rows[0]);
+                    memmove(positions, positions + CH, (CAP - CH) * sizeof positions[0]);
+                    n -= CH;
                 }
             }
         }
     }
-    if (n > PKV_CHUNK_TOKENS) {
-        FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, PKV_CHUNK_TOKENS,
-                          n - PKV_CHUNK_TOKENS);
-        FN(process_heads)(heads, num_heads, D, k_rows + PKV_CHUNK_TOKENS,
-                          v_rows + PKV_CHUNK_TOKENS, positions + PKV_CHUNK_TOKENS,
-                          n - PKV_CHUNK_TOKENS, 0);
-    } else if (n > 0) {
-        FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, n, 0);
+    while (n > 0) {
+        const int64_t m = n < CH ? n : CH;
+        FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, m, CAP - CH, n);
+        memmove(k_rows, k_rows + m, (n - m) * sizeof k_rows[0]);
+        memmove(v_rows, v_rows + m, (n - m) * sizeof v_rows[0]);
+        memmove(positions, positions + m, (n - m) * sizeof positions[0]);
+        n -= m;
     }
 
     for (hh = 0; hh < num_heads; hh++) {
@@ -585,6 +584,5 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
 }
 
 #undef FN
-#undef PKV_DOT_TOKENS
 #undef PKV_CAT_
 #undef PKV_CAT2_
