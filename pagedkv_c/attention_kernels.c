@@ -13,8 +13,12 @@
 #include <stddef.h>
 #include <string.h>
 
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+/* Define PKV_PORTABLE_ONLY to build the portable path alone (as MSVC and
+ * non-x86 builds get it). */
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && \
+    !defined(PKV_PORTABLE_ONLY)
 #define PKV_X86_DISPATCH 1
+#include <cpuid.h>
 #include <immintrin.h>
 #else
 #define PKV_X86_DISPATCH 0
@@ -474,6 +478,16 @@ PKV_AVX512 static inline void pkv_hsum8_avx512(__m512 a0, __m512 a1, __m512 a2, 
 
 /* ------------------------------------------------------------------ dispatch */
 
+#if PKV_X86_DISPATCH
+static int pkv_cpuid1_ecx_has(unsigned int bits)
+{
+    unsigned int eax, ebx, ecx, edx;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx))
+        return 0;
+    return (ecx & bits) == bits;
+}
+#endif
+
 int pkv_isa_available(pkv_isa isa)
 {
     switch (isa) {
@@ -481,9 +495,11 @@ int pkv_isa_available(pkv_isa isa)
         return 1;
 #if PKV_X86_DISPATCH
     case PKV_ISA_AVX2:
+        /* __builtin_cpu_supports checks that the OS saves the AVX state; FMA
+         * and F16C are read from CPUID leaf 1 (ECX bits 12 and 29), as not
+         * every compiler knows those feature names. */
         __builtin_cpu_init();
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
+        return __builtin_cpu_supports("avx2") && pkv_cpuid1_ecx_has((1u << 12) | (1u << 29));
     case PKV_ISA_AVX512:
         return pkv_isa_available(PKV_ISA_AVX2) && __builtin_cpu_supports("avx512f");
 #endif
