@@ -44,6 +44,10 @@
 #ifndef PKV_PREFETCH_K
 #define PKV_PREFETCH_K 1
 #endif
+/* Eighths of a chunk's prefetches issued while scoring (rest: during V). */
+#ifndef PKV_PREFETCH_SCORE_SHARE
+#define PKV_PREFETCH_SCORE_SHARE 6
+#endif
 #ifndef PKV_PREFETCH_AHEAD
 #define PKV_PREFETCH_AHEAD 1
 #endif
@@ -198,21 +202,25 @@ static inline float v8_hmax(pkv_v8 a)
 #define PKV_SUFFIX scalar_f32
 #define KV_T float
 #define KV_TO_F(x) (x)
+#define KV_CHUNK (PKV_CHUNK_TOKENS / 2)
 #define VLOAD_KV(p) v8_load(p)
 #include "attention_kernels_body.h"
 #undef PKV_SUFFIX
 #undef KV_T
 #undef KV_TO_F
+#undef KV_CHUNK
 #undef VLOAD_KV
 
 #define PKV_SUFFIX scalar_f16
 #define KV_T uint16_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
 #define KV_TO_F(x) pkv_h2f(x)
 #define VLOAD_KV(p) v8_load_f16(p)
 #include "attention_kernels_body.h"
 #undef PKV_SUFFIX
 #undef KV_T
 #undef KV_TO_F
+#undef KV_CHUNK
 #undef VLOAD_KV
 
 #undef PKV_TARGET
@@ -315,21 +323,25 @@ PKV_AVX2 static inline void pkv_hsum8_avx2(__m256 a0, __m256 a1, __m256 a2, __m2
 #define PKV_SUFFIX avx2_f32
 #define KV_T float
 #define KV_TO_F(x) (x)
+#define KV_CHUNK (PKV_CHUNK_TOKENS / 2)
 #define VLOAD_KV(p) _mm256_loadu_ps(p)
 #include "attention_kernels_body.h"
 #undef PKV_SUFFIX
 #undef KV_T
 #undef KV_TO_F
+#undef KV_CHUNK
 #undef VLOAD_KV
 
 #define PKV_SUFFIX avx2_f16
 #define KV_T uint16_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
 #define KV_TO_F(x) pkv_h2f_f16c(x)
 #define VLOAD_KV(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p)))
 #include "attention_kernels_body.h"
 #undef PKV_SUFFIX
 #undef KV_T
 #undef KV_TO_F
+#undef KV_CHUNK
 #undef VLOAD_KV
 
 #undef PKV_TARGET
@@ -437,21 +449,25 @@ PKV_AVX512 static inline void pkv_hsum8_avx512(__m512 a0, __m512 a1, __m512 a2, 
 #define PKV_SUFFIX avx512_f32
 #define KV_T float
 #define KV_TO_F(x) (x)
+#define KV_CHUNK (PKV_CHUNK_TOKENS / 2)
 #define VLOAD_KV(p) _mm512_loadu_ps(p)
 #include "attention_kernels_body.h"
 #undef PKV_SUFFIX
 #undef KV_T
 #undef KV_TO_F
+#undef KV_CHUNK
 #undef VLOAD_KV
 
 #define PKV_SUFFIX avx512_f16
 #define KV_T uint16_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
 #define KV_TO_F(x) pkv_h2f_f16c512(x)
 #define VLOAD_KV(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p)))
 #include "attention_kernels_body.h"
 #undef PKV_SUFFIX
 #undef KV_T
 #undef KV_TO_F
+#undef KV_CHUNK
 #undef VLOAD_KV
 
 #undef PKV_TARGET

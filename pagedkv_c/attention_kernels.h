@@ -26,7 +26,8 @@ extern "C" {
 
 /* Largest supported head dimension (elements). */
 #define PKV_MAX_HEAD_DIM 256
-/* Tokens scored together before one online-softmax update. */
+/* Most tokens scored together before one online-softmax update (float16
+ * pools; float32 pools use half as many, as their rows are twice as long). */
 #ifndef PKV_CHUNK_TOKENS
 #define PKV_CHUNK_TOKENS 32
 #endif

@@ -6,6 +6,8 @@
  *   PKV_SUFFIX   name suffix, e.g. avx2_f16
  *   KV_T         pool element type (float or uint16_t)
  *   KV_TO_F(x)   one pool element -> float
+ *   KV_CHUNK     tokens per chunk (<= PKV_CHUNK_TOKENS, a multiple of 16):
+ *                smaller for float32, whose rows are twice as many bytes
  *   vf, VW       vector type of VW float32 lanes
  *   VZERO() VSET1(x) VLOAD(p) VSTORE(p, v) VLOAD_KV(p)
  *   VADD VSUB VMAX VFMA(a, b, c) = a * b + c, VMULS(v, x) = v * x
@@ -19,7 +21,7 @@
  *
  * Algorithm: one pass over the pages with the online softmax of
  * FlashAttention (Dao et al. 2022; Milakov & Gimelshein 2018): tokens are
- * scored in chunks of PKV_CHUNK_TOKENS, each chunk updates every row's running
+ * scored in chunks of KV_CHUNK tokens, each chunk updates every row's running
  * max m and running sum l, rescales its accumulator once, then adds the
  * chunk's probability-weighted V rows. Scores live in the log2 domain (q is
  * pre-scaled by scale * log2(e)) so that the exponentials are exp2.
@@ -426,7 +428,11 @@ PKV_TARGET static void FN(process_heads)(const FN(pkv_state) *heads, int64_t num
     pf.token_end = PKV_PREFETCH_CHUNKS && pf_end > pf_begin ? pf_end : pf_begin;
     pf.line = 0;
     pf.row_lines = (num_heads * head_dim * (int64_t)sizeof(KV_T) + 63) / 64;
-    pf.per_step = (2 * (pf.token_end - pf.token) * pf.row_lines + steps - 1) / steps;
+    /* Spread the prefetches over the whole chunk: a share while scoring, the
+     * rest before each head's V accumulation, so memory never idles. */
+    const int64_t lines = 2 * (pf.token_end - pf.token) * pf.row_lines;
+    const int64_t score_lines = lines * PKV_PREFETCH_SCORE_SHARE / 8;
+    pf.per_step = (score_lines + steps - 1) / steps;
     pf.v_half = 0;
     int64_t hh, t;
     for (t = 0; t < n; t += 8) {
@@ -435,8 +441,11 @@ PKV_TARGET static void FN(process_heads)(const FN(pkv_state) *heads, int64_t num
             FN(score_tokens)(&heads[hh], k_rows, t, n, hh * head_dim);
         }
     }
-    for (hh = 0; hh < num_heads; hh++)
+    pf.per_step = (lines - score_lines + num_heads - 1) / num_heads;
+    for (hh = 0; hh < num_heads; hh++) {
+        FN(prefetch_step)(&pf);
         FN(finish_chunk)(&heads[hh], v_rows, positions, n, hh * head_dim);
+    }
 }
 
 /* The item kernel: see pkv_item_kernel in attention_kernels.h. */
@@ -503,7 +512,7 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
     /* Tokens are listed PKV_PREFETCH_AHEAD chunks ahead of the one being
      * processed; that chunk is prefetched while this one is computed. Rows
      * point at the item's first KV head. */
-    enum { CH = PKV_CHUNK_TOKENS, CAP = (PKV_PREFETCH_AHEAD + 1) * PKV_CHUNK_TOKENS };
+    enum { CH = KV_CHUNK, CAP = (PKV_PREFETCH_AHEAD + 1) * KV_CHUNK };
     const KV_T *k_rows[CAP];
     const KV_T *v_rows[CAP];
     int64_t positions[CAP];
