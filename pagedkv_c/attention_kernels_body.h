@@ -31,8 +31,8 @@
 #define PKV_CAT_(a, b) PKV_CAT2_(a, b)
 #define FN(name) PKV_CAT_(name, PKV_SUFFIX)
 
-/* Walks the cache lines of the K and V rows of the next chunk, a few lines
- * per scoring step, so that memory requests overlap the arithmetic instead of
+/* Walks the cache lines of the K and V rows of a later chunk, a budget of
+ * lines per step, so that memory requests overlap the arithmetic instead of
  * queueing up in one burst. */
 typedef struct {
     const KV_T *const *k_rows;
@@ -51,10 +51,8 @@ PKV_TARGET static inline void FN(prefetch_step)(FN(prefetcher) *pf)
         const char *row = (const char *)(v_half ? pf->v_rows[token] : pf->k_rows[token]);
         int64_t stop = line + budget < pf->row_lines ? line + budget : pf->row_lines;
         budget -= stop - line;
-        if (PKV_PREFETCH_K || v_half)
-            for (; line < stop; line++)
-                PKV_PREFETCH(row + line * 64);
-        line = stop;
+        for (; line < stop; line++)
+            PKV_PREFETCH(row + line * 64);
         if (line == pf->row_lines) {
             line = 0;
             token += v_half;
