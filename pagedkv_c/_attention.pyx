@@ -1,10 +1,11 @@
 """Paged attention over the KV pool: validation, work items, OpenMP dispatch.
 
 The arithmetic lives in ``attention_kernels.c`` (one work item = the queries
-of one KV-head group of one sequence); this module checks every argument,
-builds the work items and runs them with ``prange``. Each output element is
-produced by exactly one work item on one thread, so results do not depend on
-the number of threads.
+of a block of KV-head groups of one sequence, each group computed on its own);
+this module checks every argument, builds the work items and runs them with
+``prange``. Each output element is produced by exactly one work item on one
+thread, with arithmetic that does not depend on how heads are grouped, so
+results do not depend on the number of threads.
 """
 import math
 import numbers
