@@ -35,12 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedkv import attention
-
-# The caches come from the test suite's stand-in for pagedkv.KVCache (same
-# attention contract), so the benchmark needs no other part of the library.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _fake_cache import FakeCache  # noqa: E402
+from pagedkv import KVCache, attention
 
 BATCH, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 16, 32, 8, 128, 16
 
@@ -73,14 +68,32 @@ def interleaved_medians(tasks, repeats, min_seconds=0.05):
     return medians
 
 
+def fill_random(cache, rng):
+    """Random K/V in every page of the pool (layer 0), written in blocks to bound memory."""
+    pool = cache.kv[0]
+    for start in range(0, pool.shape[0], 256):
+        block = pool[start:start + 256]
+        block[...] = rng.standard_normal(block.shape, dtype=np.float32).astype(pool.dtype)
+
+
 def build_cache(context, dtype, window=None, seed=0):
+    """A KVCache of BATCH sequences of ``context`` tokens, appended as a server does.
+
+    The sequences grow round-robin one page at a time, so their pages
+    interleave in the pool as they do under batched serving; with a window
+    the ring releases and reuses pages along the way.
+    """
     pages_per_seq = -(-context // PAGE_SIZE)
     if window is not None:
-        pages_per_seq = -(-window // PAGE_SIZE) + 1
-    cache = FakeCache(1, NUM_KV_HEADS, HEAD_DIM, BATCH * pages_per_seq, PAGE_SIZE, dtype,
-                      window=window, seed=seed)
+        pages_per_seq = -(-(window - 1) // PAGE_SIZE) + 2
+    cache = KVCache(1, NUM_KV_HEADS, HEAD_DIM, BATCH * pages_per_seq, page_size=PAGE_SIZE, dtype=dtype,
+                    window=window)
+    seq_ids = np.arange(BATCH)
     for seq_id in range(BATCH):
-        cache.add_sequence(seq_id, context)
+        cache.add_sequence(seq_id)
+    for start in range(0, context, PAGE_SIZE):
+        cache.append(seq_ids, np.full(BATCH, min(PAGE_SIZE, context - start)))
+    fill_random(cache, np.random.default_rng(seed))
     return cache
 
 
@@ -213,10 +226,12 @@ def window_case(dtype, repeats, window=1024, long_context=16384):
 def hot_case(dtype, repeats):
     """Decode over 16 forks sharing one sequence's pages (K/V stays in L2)."""
     context = 512 * 1024 // (NUM_KV_HEADS * HEAD_DIM * 2 * np.dtype(dtype).itemsize)
-    cache = FakeCache(1, NUM_KV_HEADS, HEAD_DIM, -(-context // PAGE_SIZE), PAGE_SIZE, dtype, seed=5)
-    cache.add_sequence(0, context)
+    cache = KVCache(1, NUM_KV_HEADS, HEAD_DIM, -(-context // PAGE_SIZE), page_size=PAGE_SIZE, dtype=dtype)
+    cache.add_sequence(0)
+    cache.append([0], [context])
+    fill_random(cache, np.random.default_rng(5))
     for seq_id in range(1, BATCH):
-        cache.fork(0, seq_id, 0)
+        cache.fork(0, seq_id)
     seq_ids = list(range(BATCH))
     q = np.random.default_rng(6).standard_normal((BATCH, NUM_QO_HEADS, HEAD_DIM), dtype=np.float32)
     nbytes = kv_bytes(cache, seq_ids)
