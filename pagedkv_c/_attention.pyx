@@ -307,6 +307,7 @@ cdef class _Problem:
     cdef int num_threads
     cdef object q                # float32 C-contiguous
     cdef object indptr, indices, page_positions, seq_lens
+    cdef int64_t num_pages
 
 
 cdef _Problem _validate_common(object q, object cache, object layer, object seq_ids,
@@ -380,27 +381,11 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
     batch_size = p.indptr.shape[0] - 1
     if batch_size < 0:
         raise ValueError("Invalid shape of page_table(seq_ids).indptr: expected (B + 1,), got (0,)")
-    nnz = int(p.indptr[batch_size])
     p.indices = check_array(view.indices, "page_table(seq_ids).indices", np.int32, (-1,))
     p.page_positions = check_array(view.page_positions, "page_table(seq_ids).page_positions",
                                    np.int64, (p.indices.shape[0],))
     p.seq_lens = check_array(view.seq_lens, "page_table(seq_ids).seq_lens", np.int64, (batch_size,))
-    if int(p.indptr[0]) != 0 or nnz != p.indices.shape[0] or (
-            batch_size > 0 and bool((np.diff(p.indptr) < 0).any())):
-        raise ValueError(
-            "Invalid value of page_table(seq_ids).indptr: expected non-decreasing offsets from 0 "
-            f"to len(indices)={p.indices.shape[0]}, got {p.indptr.tolist()[:8]}..."
-        )
-    if nnz > 0:
-        lo, hi = int(p.indices.min()), int(p.indices.max())
-        if lo < 0 or hi >= num_pages:
-            raise ValueError(
-                f"Invalid value of page_table(seq_ids).indices: expected page ids in "
-                f"[0, {num_pages - 1}], got range [{lo}, {hi}]"
-            )
-    if batch_size > 0 and int(p.seq_lens.min()) < 0:
-        raise ValueError("Invalid value of page_table(seq_ids).seq_lens: expected lengths >= 0")
-
+    p.num_pages = num_pages
     p.pool_layer = kv[layer_index]
     p.pool_is_f16 = kv.dtype == np.float16
     p.page_size = page_size
@@ -410,6 +395,79 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
     p.batch_size = batch_size
     p.q = np.ascontiguousarray(q, dtype=np.float32)
     return p
+
+
+
+cdef bint _table_ok(_Problem p, const int64_t* qo, int64_t num_tokens) noexcept:
+    """One pass over the page table: True when every value check passes.
+
+    Checks offsets, page ids, lengths and that each sequence holds the
+    positions of its queries (decode: the last token; prefill, with ``qo``:
+    its last ``qo_len`` tokens). Only when this fails do the NumPy checks of
+    ``_explain_table_error`` run, to name what is wrong.
+    """
+    cdef const int32_t* indptr = <const int32_t*>cnp.PyArray_DATA(p.indptr)
+    cdef const int32_t* indices = <const int32_t*>cnp.PyArray_DATA(p.indices)
+    cdef const int64_t* starts = <const int64_t*>cnp.PyArray_DATA(p.page_positions)
+    cdef const int64_t* seq_lens = <const int64_t*>cnp.PyArray_DATA(p.seq_lens)
+    cdef int64_t nnz = cnp.PyArray_DIM(p.indices, 0)
+    cdef int64_t b, j, first, need, held, lo, hi
+    if indptr[0] != 0 or indptr[p.batch_size] != nnz:
+        return False
+    if qo != NULL and (qo[0] != 0 or qo[p.batch_size] != num_tokens):
+        return False
+    for j in range(nnz):
+        if indices[j] < 0 or indices[j] >= p.num_pages:
+            return False
+    for b in range(p.batch_size):
+        if indptr[b + 1] < indptr[b] or seq_lens[b] < 0:
+            return False
+        if qo == NULL:
+            need = 1
+        else:
+            need = qo[b + 1] - qo[b]
+            if need < 0:
+                return False
+            if need == 0:
+                continue
+        if need > seq_lens[b]:
+            return False
+        first = seq_lens[b] - need
+        held = 0
+        for j in range(indptr[b], indptr[b + 1]):
+            lo = max(starts[j], first)
+            hi = min(starts[j] + p.page_size, seq_lens[b])
+            if hi > lo:
+                held += hi - lo
+        if held != need:
+            return False
+    return True
+
+
+cdef int _explain_table_error(_Problem p, object seq_ids, object qo) except -1:
+    """Raise the ValueError that names the first failed check of the page table."""
+    cdef Py_ssize_t batch_size = p.batch_size
+    nnz = int(p.indptr[batch_size])
+    if int(p.indptr[0]) != 0 or nnz != p.indices.shape[0] or (
+            batch_size > 0 and bool((np.diff(p.indptr) < 0).any())):
+        raise ValueError(
+            "Invalid value of page_table(seq_ids).indptr: expected non-decreasing offsets from 0 "
+            f"to len(indices)={p.indices.shape[0]}, got {p.indptr.tolist()[:8]}..."
+        )
+    if nnz > 0:
+        lo, hi = int(p.indices.min()), int(p.indices.max())
+        if lo < 0 or hi >= p.num_pages:
+            raise ValueError(
+                f"Invalid value of page_table(seq_ids).indices: expected page ids in "
+                f"[0, {p.num_pages - 1}], got range [{lo}, {hi}]"
+            )
+    if batch_size > 0 and int(p.seq_lens.min()) < 0:
+        raise ValueError("Invalid value of page_table(seq_ids).seq_lens: expected lengths >= 0")
+    if qo is None:
+        _explain_decode(p, seq_ids)
+    else:
+        _explain_prefill(p, seq_ids, qo)
+    raise ValueError("Invalid value of page_table(seq_ids): inconsistent page table")
 
 
 cdef object _cached_from(_Problem p, object first_positions):
@@ -422,13 +480,7 @@ cdef object _cached_from(_Problem p, object first_positions):
     return np.bincount(owner, weights=held, minlength=p.batch_size).astype(np.int64)
 
 
-def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=False):
-    """Paged decode attention. See ``pagedkv.attention.decode``."""
-    cdef _Problem p = _validate_common(q, cache, layer, seq_ids, scale, num_threads, return_lse)
-    if p.q.shape[0] != p.batch_size:
-        raise ValueError(
-            f"Invalid shape of q: expected ({p.batch_size}, Hq, D) (one query per sequence), got {p.q.shape}"
-        )
+cdef int _explain_decode(_Problem p, object seq_ids) except -1:
     if p.batch_size > 0:
         empty = p.seq_lens <= 0
         if empty.any():
@@ -441,37 +493,11 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
                 f"Invalid value of seq_ids: sequence {_describe(seq_ids, b)} does not hold its last "
                 f"token (position {int(p.seq_lens[b]) - 1}) in its page table"
             )
-    out = np.empty((p.batch_size, p.num_qo_heads, p.head_dim), dtype=np.float32)
-    lse = np.empty((p.batch_size, p.num_qo_heads), dtype=np.float32) if return_lse else None
-    _call_decode(p, out, lse)
-    return (out, lse) if return_lse else out
-
-
-cdef int _call_decode(_Problem p, object out, object lse) except -1:
-    cdef const void* pool = cnp.PyArray_DATA(p.pool_layer)
-    cdef const int32_t* indptr = <const int32_t*>cnp.PyArray_DATA(p.indptr)
-    cdef const int32_t* indices = <const int32_t*>cnp.PyArray_DATA(p.indices)
-    cdef const int64_t* positions = <const int64_t*>cnp.PyArray_DATA(p.page_positions)
-    cdef const int64_t* seq_lens = <const int64_t*>cnp.PyArray_DATA(p.seq_lens)
-    cdef const float* q = <const float*>cnp.PyArray_DATA(p.q)
-    cdef float* out_ptr = <float*>cnp.PyArray_DATA(out)
-    cdef float* lse_ptr = NULL if lse is None else <float*>cnp.PyArray_DATA(lse)
-    with nogil:
-        paged_decode(pool, p.pool_is_f16, p.page_size, p.num_kv_heads, p.head_dim,
-                     p.num_qo_heads, p.batch_size, indptr, indices, positions, seq_lens,
-                     p.window, p.sink_tokens, p.scale, q, out_ptr, lse_ptr, p.num_threads)
     return 0
 
 
-def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, return_lse=False):
-    """Paged prefill attention. See ``pagedkv.attention.prefill``."""
-    cdef _Problem p = _validate_common(q, cache, layer, seq_ids, scale, num_threads, return_lse)
-    qo = as_int_array(qo_indptr, "qo_indptr", np.int64)
+cdef int _explain_prefill(_Problem p, object seq_ids, object qo) except -1:
     num_tokens = p.q.shape[0]
-    if qo.shape[0] != p.batch_size + 1:
-        raise ValueError(
-            f"Invalid shape of qo_indptr: expected ({p.batch_size + 1},) (number of sequences + 1), got {qo.shape}"
-        )
     if int(qo[0]) != 0:
         raise ValueError(f"Invalid value of qo_indptr: expected qo_indptr[0] == 0, got {int(qo[0])}")
     qo_lens = np.diff(qo)
@@ -505,6 +531,51 @@ def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, r
                 f"{int(qo_lens[b])} new tokens (positions {int(p.seq_lens[b] - qo_lens[b])}.."
                 f"{int(p.seq_lens[b]) - 1}) in its page table"
             )
+    return 0
+
+
+def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=False):
+    """Paged decode attention. See ``pagedkv.attention.decode``."""
+    cdef _Problem p = _validate_common(q, cache, layer, seq_ids, scale, num_threads, return_lse)
+    if p.q.shape[0] != p.batch_size:
+        raise ValueError(
+            f"Invalid shape of q: expected ({p.batch_size}, Hq, D) (one query per sequence), got {p.q.shape}"
+        )
+    if not _table_ok(p, NULL, 0):
+        _explain_table_error(p, seq_ids, None)
+    out = np.empty((p.batch_size, p.num_qo_heads, p.head_dim), dtype=np.float32)
+    lse = np.empty((p.batch_size, p.num_qo_heads), dtype=np.float32) if return_lse else None
+    _call_decode(p, out, lse)
+    return (out, lse) if return_lse else out
+
+
+cdef int _call_decode(_Problem p, object out, object lse) except -1:
+    cdef const void* pool = cnp.PyArray_DATA(p.pool_layer)
+    cdef const int32_t* indptr = <const int32_t*>cnp.PyArray_DATA(p.indptr)
+    cdef const int32_t* indices = <const int32_t*>cnp.PyArray_DATA(p.indices)
+    cdef const int64_t* positions = <const int64_t*>cnp.PyArray_DATA(p.page_positions)
+    cdef const int64_t* seq_lens = <const int64_t*>cnp.PyArray_DATA(p.seq_lens)
+    cdef const float* q = <const float*>cnp.PyArray_DATA(p.q)
+    cdef float* out_ptr = <float*>cnp.PyArray_DATA(out)
+    cdef float* lse_ptr = NULL if lse is None else <float*>cnp.PyArray_DATA(lse)
+    with nogil:
+        paged_decode(pool, p.pool_is_f16, p.page_size, p.num_kv_heads, p.head_dim,
+                     p.num_qo_heads, p.batch_size, indptr, indices, positions, seq_lens,
+                     p.window, p.sink_tokens, p.scale, q, out_ptr, lse_ptr, p.num_threads)
+    return 0
+
+
+def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, return_lse=False):
+    """Paged prefill attention. See ``pagedkv.attention.prefill``."""
+    cdef _Problem p = _validate_common(q, cache, layer, seq_ids, scale, num_threads, return_lse)
+    qo = as_int_array(qo_indptr, "qo_indptr", np.int64)
+    num_tokens = p.q.shape[0]
+    if qo.shape[0] != p.batch_size + 1:
+        raise ValueError(
+            f"Invalid shape of qo_indptr: expected ({p.batch_size + 1},) (number of sequences + 1), got {qo.shape}"
+        )
+    if not _table_ok(p, <const int64_t*>cnp.PyArray_DATA(qo), num_tokens):
+        _explain_table_error(p, seq_ids, qo)
     out = np.empty((num_tokens, p.num_qo_heads, p.head_dim), dtype=np.float32)
     lse = np.empty((num_tokens, p.num_qo_heads), dtype=np.float32) if return_lse else None
     _call_prefill(p, qo, out, lse)
