@@ -29,42 +29,26 @@ import argparse
 import json
 import os
 import platform
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
+from _timing import compare
 from pagedkv import KVCache, attention
 
 BATCH, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 16, 32, 8, 128, 16
 
 
-def calibrate(fn, min_seconds):
-    """Calls per round so that one round lasts at least ``min_seconds``."""
-    start = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - start, 1e-7)
-    return max(1, int(min_seconds / once))
-
-
 def interleaved_medians(tasks, repeats, min_seconds=0.05):
     """Median seconds per call of each task, timing the tasks in turn each round.
 
-    Interleaving keeps a slow phase of a shared machine from landing on one
-    task only. Also returns ``<name>_min``, the fastest round, for the JSON.
+    Interleaving (``_timing.compare``) keeps a slow phase of a shared machine
+    from landing on one task only. Also returns ``<name>_min``, the fastest
+    round, for the JSON.
     """
-    numbers = {name: calibrate(fn, min_seconds) for name, fn in tasks.items()}
-    times = {name: [] for name in tasks}
-    for _ in range(repeats):
-        for name, fn in tasks.items():
-            n = numbers[name]
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            times[name].append((time.perf_counter() - start) / n)
-    medians = {name: float(np.median(t)) for name, t in times.items()}
-    medians.update({f"{name}_min": float(np.min(t)) for name, t in times.items()})
+    stats = compare(tasks, repeats=repeats, min_seconds=min_seconds)
+    medians = {name: s["median"] for name, s in stats.items()}
+    medians.update({f"{name}_min": s["min"] for name, s in stats.items()})
     return medians
 
 
