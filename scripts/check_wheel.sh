@@ -68,7 +68,7 @@ if bash "$ROOT/scripts/install_xxhash.sh" --check; then
 else
     export PAGEDKV_XXHASH=0 EXPECT_XXH3=0
 fi
-"$TOOLS/python" -m build --outdir "$WORK/dist" "$ROOT" 2>&1 | tee "$WORK/build.log" | grep -E "^(\* |  [A-Za-z]|Successfully|pagedkv:)" || true
+"$TOOLS/python" -m build --outdir "$WORK/dist" "$ROOT" 2>&1 | tee "$WORK/build.log" | grep -E "^(\* |  - |Successfully|pagedkv:)" || true
 grep -q "^Successfully built" "$WORK/build.log" || { tail -40 "$WORK/build.log"; fail "python -m build"; }
 grep -q "Building wheel from sdist" "$WORK/build.log" || fail "the wheel was not built from the sdist"
 SDIST=$(ls "$WORK"/dist/*.tar.gz)
@@ -160,7 +160,8 @@ for module in (pagedkv, pagedkv_c, pagedkv_c._pool):
     print(f"{module.__name__}: {where}")
     if where.is_relative_to(root):
         sys.exit(f"{module.__name__} was imported from the checkout {root}, not from the installed wheel")
-print("build:", pagedkv.build_info())
+import numpy
+print("build:", pagedkv.build_info(), "| numpy", numpy.__version__, "at run time")
 PY
 PAGEDKV_EXPECT_INSTALLED=1 PAGEDKV_EXPECT_OPENMP=1 PAGEDKV_EXPECT_XXH3_IN_C="$EXPECT_XXH3" \
     "$VENV/pytest" -p no:cacheprovider -ra
