@@ -148,6 +148,10 @@ with tarfile.open(sdist) as tar:
             members.append(m)
     tar.extractall(run, members=members, filter="data")
 PY
+# Tests that read real data look in <tests>/../../shared/data, as from a checkout.
+if [ -d "$ROOT/../shared/data" ]; then
+    ln -s "$(cd "$ROOT/../shared" && pwd)" "$WORK/shared"
+fi
 cd "$RUN"
 ls
 "$VENV/python" -P - "$ROOT" <<'PY'
