@@ -148,10 +148,18 @@ with tarfile.open(sdist) as tar:
             members.append(m)
     tar.extractall(run, members=members, filter="data")
 PY
-# Tests that read real data look in <tests>/../../shared/data, as from a checkout.
-if [ -d "$ROOT/../shared/data" ]; then
-    ln -s "$(cd "$ROOT/../shared" && pwd)" "$WORK/shared"
-fi
+# Tests that read real data look for shared/data beside the tree they run from or
+# beside one of its ancestors: link the one the checkout sees (nothing is copied).
+dir=$(dirname "$ROOT")
+while :; do
+    if [ -d "$dir/shared/data" ]; then
+        ln -s "$dir/shared" "$WORK/shared"
+        echo "shared data: $dir/shared/data"
+        break
+    fi
+    [ "$dir" = / ] && break
+    dir=$(dirname "$dir")
+done
 cd "$RUN"
 ls
 "$VENV/python" -P - "$ROOT" <<'PY'
