@@ -100,7 +100,7 @@ for stem in stems:
         problems.append(f"wheel lacks the compiled module pagedkv_c.{stem}")
 for f in tracked:
     if ((f.startswith("pagedkv_c/") and f.endswith((".pyi", "py.typed")))
-            or (f.startswith("src/pagedkv/") and f.endswith((".py", "py.typed")))):
+            or (f.startswith("src/pagedkv/") and f.endswith((".py", ".pyi", "py.typed")))):
         name = f.removeprefix("src/")
         if name not in wheel:
             problems.append(f"wheel lacks {name}")

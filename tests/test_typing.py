@@ -120,6 +120,10 @@ def test_stubs_match_the_compiled_modules(run_mypy):
     """mypy's stubtest: every public runtime name is in a stub, with the same parameters."""
     package_dir, modules = _compiled_modules()
     stubbed = [f"pagedkv_c.{m}" for m in modules if (package_dir / f"{m}.pyi").is_file()]
+    # Python modules of the facade that carry a stub beside them (e.g. pagedkv/attention.pyi).
+    facade_dir = Path(pagedkv.__file__).parent
+    stubbed += [f"pagedkv.{'.'.join(stub.relative_to(facade_dir).with_suffix('').parts)}"
+                for stub in sorted(facade_dir.rglob("*.pyi"))]
     cmd = [sys.executable, "-m", "mypy.stubtest", "--allowlist", str(HERE / "stubtest_allowlist.txt"),
            *stubbed]
     result = subprocess.run(cmd, cwd=run_mypy.work, env=_mypy_env(), capture_output=True, text=True, timeout=900)

@@ -101,6 +101,29 @@ def use_classic_cache() -> None:
     cache.clear()
 
 
+def use_attention() -> None:
+    cache = pagedkv.KVCache(num_layers=1, num_kv_heads=2, head_dim=8, num_pages=8, page_size=4,
+                            dtype=np.float32)
+    for seq_id in (0, 1):
+        cache.add_sequence(seq_id)
+    slots = cache.append([0, 1], [3, 5])
+    k = np.ones((8, 2, 8), dtype=np.float32)
+    cache.store(0, slots, k, k)
+    q = np.ones((2, 4, 8), dtype=np.float32)
+    out = pagedkv.attention.decode(q, cache, 0, [0, 1])
+    assert_type(out, NDArray[np.float32])
+    assert out.dtype == np.float32 and out.shape == (2, 4, 8)
+    out, lse = pagedkv.attention.decode(q, cache, 0, [0, 1], return_lse=True)
+    assert_type(lse, NDArray[np.float32])
+    assert lse.dtype == np.float32 and lse.shape == (2, 4)
+    q_chunk = np.ones((8, 4, 8), dtype=np.float16)
+    chunk = pagedkv.attention.prefill(q_chunk, cache, 0, [0, 1], qo_indptr=[0, 3, 8], num_threads=1)
+    assert_type(chunk, NDArray[np.float32])
+    assert chunk.dtype == np.float32 and chunk.shape == (8, 4, 8)
+    info = pagedkv.attention.kernel_info()
+    assert info["openmp"] is pagedkv.openmp_enabled()
+
+
 def use_build_info() -> None:
     enabled = pagedkv.openmp_enabled()
     assert_type(enabled, bool)
@@ -116,6 +139,7 @@ def main() -> None:
     use_page_table()
     use_kv_cache()
     use_classic_cache()
+    use_attention()
     use_build_info()
 
 
