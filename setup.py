@@ -9,11 +9,16 @@ PAGEDKV_DEBUG=1
 PAGEDKV_OPENMP=0 / 1
     Force OpenMP off or on. Default: on with GCC/Clang on Linux and with MSVC on
     Windows, off on macOS (Apple Clang ships no OpenMP runtime).
-PAGEDKV_XXHASH=0, XXHASH_INCLUDE_DIR=...
-    Where to find xxhash.h (Debian: libxxhash-dev); 0 disables the search.
+PAGEDKV_XXHASH=0 / 1, XXHASH_INCLUDE_DIR=...
+    XXH3-128 for prefix caching, compiled in from xxhash.h (version 0.8.0 or
+    later; Debian: libxxhash-dev) when the build finds it, else computed by the
+    Python ``xxhash`` package. 0: never compile it in; 1: require it (the build
+    fails without a suitable xxhash.h); unset: use it when found.
+    XXHASH_INCLUDE_DIR names the directory to look in first.
 """
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -54,19 +59,45 @@ else:
 
 
 
+# XXH3's output is frozen from xxHash 0.8.0 on; older headers hash differently
+# from the Python xxhash package, so they are never used.
+XXH3_MIN_VERSION = (0, 8, 0)
+
+
+def _xxhash_version(header: str) -> tuple[int, ...] | None:
+    """(major, minor, release) from the XXH_VERSION_* macros of an xxhash.h."""
+    text = Path(header).read_text(errors="replace")
+    parts = [re.search(rf"#\s*define\s+XXH_VERSION_{part}\s+(\d+)", text) for part in ("MAJOR", "MINOR", "RELEASE")]
+    return tuple(int(m.group(1)) for m in parts) if all(parts) else None
+
+
 def _find_xxhash_include() -> str | None:
-    """Directory holding xxhash.h (XXH3-128 for prefix caching), if any.
+    """Directory holding a usable xxhash.h (XXH3-128 for prefix caching), if any.
 
     Without it the build still works: page hashes then go through the Python
     ``xxhash`` package, which computes the same values, one call per page.
     """
-    if os.environ.get("PAGEDKV_XXHASH", "1") == "0":
+    mode = os.environ.get("PAGEDKV_XXHASH", "")
+    if mode == "0":
         return None
     candidates = [os.environ.get("XXHASH_INCLUDE_DIR", ""), "/usr/include", "/usr/local/include",
                   "/opt/homebrew/include", os.path.join(sys.prefix, "include")]
+    rejected = []
     for directory in candidates:
-        if directory and os.path.isfile(os.path.join(directory, "xxhash.h")):
-            return directory
+        header = os.path.join(directory, "xxhash.h") if directory else ""
+        if header and os.path.isfile(header):
+            version = _xxhash_version(header)
+            if version is not None and version >= XXH3_MIN_VERSION:
+                print(f"pagedkv: XXH3-128 compiled in from {header} (xxHash {'.'.join(map(str, version))})",
+                      file=sys.stderr)
+                return directory
+            rejected.append(f"{header} (version {version})")
+    if mode == "1":
+        raise SystemExit(
+            "PAGEDKV_XXHASH=1 but no xxhash.h >= 0.8.0 was found (install libxxhash-dev / xxhash-devel / "
+            f"xxhash-dev, or set XXHASH_INCLUDE_DIR); looked in {[c for c in candidates if c]}, "
+            f"rejected {rejected or 'nothing'}"
+        )
     return None
 
 

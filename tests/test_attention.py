@@ -160,7 +160,8 @@ def test_kernel_info_reports_the_selected_path():
 def test_environment_variable_caps_the_path(cap):
     env = dict(os.environ, PAGEDKV_ATTENTION_ISA=cap)
     code = "from pagedkv import attention; print(attention.kernel_info()['isa'])"
-    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    # -P: a checkout's pagedkv_c/ source directory in the working directory must not shadow the package.
+    got = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.strip()
     expected = cap if cap in AVAILABLE_ISAS else "scalar"
     assert got == expected

@@ -252,7 +252,8 @@ def test_cli_replays_a_mooncake_prefix_and_plots(mooncake_path, tmp_path, capsys
 
 def test_cli_replays_an_azure_prefix_with_progress():
     path = shared_data_file(AZURE)
-    done = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(path), "--limit", "100",
+    # -P: a checkout's pagedkv_c/ source directory in the working directory must not shadow the package.
+    done = subprocess.run([sys.executable, "-P", "-m", "pagedkv", "replay", str(path), "--limit", "100",
                            "--capacity-tokens", "50000"], capture_output=True, text=True, check=True)
     assert "azure trace" in done.stdout and "prefix caching off" in done.stdout
     assert "50,000" in done.stdout

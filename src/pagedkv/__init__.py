@@ -15,11 +15,16 @@ PagedKVCache
     Classic single-stream KV store indexed by token, with FIFO page eviction.
 attention
     Paged attention kernels (``decode``, ``prefill``, ``kernel_info``).
+openmp_enabled, build_info
+    Whether the compiled core uses OpenMP (not in macOS wheels), and the
+    other facts of its build.
 """
+from pagedkv_c._build_info import build_info, openmp_enabled
 from pagedkv_c._classic import PagedKVCache
 from pagedkv_c._kv_cache import KVCache, PageTableView
 from pagedkv_c._pool import OutOfPagesError, PagePool
 from pagedkv import attention
 
-__all__ = ["KVCache", "OutOfPagesError", "PagePool", "PageTableView", "PagedKVCache", "attention"]
+__all__ = ["KVCache", "OutOfPagesError", "PagePool", "PageTableView", "PagedKVCache", "attention",
+           "build_info", "openmp_enabled"]
 __version__ = "0.1.0"

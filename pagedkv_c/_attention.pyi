@@ -1,0 +1,57 @@
+# Type stub of the compiled module pagedkv_c._attention (see _attention.pyx and
+# pagedkv/attention.py for the documentation).
+from collections.abc import Hashable, Sequence
+from typing import Any, Literal, Protocol, TypeAlias, overload
+
+import numpy as np
+from numpy.typing import NDArray
+
+_Int: TypeAlias = int | np.integer[Any]
+_F32: TypeAlias = NDArray[np.float32]
+_Query: TypeAlias = NDArray[np.float32] | NDArray[np.float16]
+
+class _PageTableLike(Protocol):
+    """The CSR page table that ``cache.page_table(seq_ids)`` returns."""
+    @property
+    def indptr(self) -> NDArray[np.int32]: ...
+    @property
+    def indices(self) -> NDArray[np.int32]: ...
+    @property
+    def page_positions(self) -> NDArray[np.int64]: ...
+    @property
+    def seq_lens(self) -> NDArray[np.int64]: ...
+
+class _AttentionCache(Protocol):
+    """What the kernels read from a cache (``pagedkv.KVCache`` has it all)."""
+    @property
+    def kv(self) -> NDArray[np.floating[Any]]: ...
+    @property
+    def window(self) -> int | None: ...
+    @property
+    def sink_tokens(self) -> int: ...
+    def page_table(self, seq_ids: Sequence[int]) -> _PageTableLike: ...
+
+def kernel_info() -> dict[str, Any]: ...
+@overload
+def decode(q: _Query, cache: _AttentionCache, layer: _Int, seq_ids: Sequence[Hashable],
+           scale: float | None = None, num_threads: _Int | None = None,
+           return_lse: Literal[False] = False) -> _F32: ...
+@overload
+def decode(q: _Query, cache: _AttentionCache, layer: _Int, seq_ids: Sequence[Hashable],
+           scale: float | None, num_threads: _Int | None, return_lse: Literal[True]) -> tuple[_F32, _F32]: ...
+@overload
+def decode(q: _Query, cache: _AttentionCache, layer: _Int, seq_ids: Sequence[Hashable],
+           scale: float | None = None, num_threads: _Int | None = None, *,
+           return_lse: Literal[True]) -> tuple[_F32, _F32]: ...
+@overload
+def prefill(q: _Query, cache: _AttentionCache, layer: _Int, seq_ids: Sequence[Hashable],
+            qo_indptr: Sequence[_Int] | NDArray[np.integer[Any]], scale: float | None = None,
+            num_threads: _Int | None = None, return_lse: Literal[False] = False) -> _F32: ...
+@overload
+def prefill(q: _Query, cache: _AttentionCache, layer: _Int, seq_ids: Sequence[Hashable],
+            qo_indptr: Sequence[_Int] | NDArray[np.integer[Any]], scale: float | None,
+            num_threads: _Int | None, return_lse: Literal[True]) -> tuple[_F32, _F32]: ...
+@overload
+def prefill(q: _Query, cache: _AttentionCache, layer: _Int, seq_ids: Sequence[Hashable],
+            qo_indptr: Sequence[_Int] | NDArray[np.integer[Any]], scale: float | None = None,
+            num_threads: _Int | None = None, *, return_lse: Literal[True]) -> tuple[_F32, _F32]: ...
