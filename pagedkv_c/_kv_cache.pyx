@@ -21,8 +21,10 @@ from libc.stdlib cimport malloc, free
 
 cnp.import_array()
 
-cdef extern from "prefetch.h":
-    void pkv_prefetch_write(const char* p, size_t n) noexcept nogil
+cdef extern from "stream_copy.h":
+    void pkv_stream_copy(char* dst, const char* src, size_t n) noexcept nogil
+    void pkv_stream_fence() noexcept nogil
+
 
 _SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 # Lookups ahead whose prefix-index slot is prefetched in batch loops.
@@ -705,6 +707,12 @@ cdef class KVCache:
             ``[-1, num_pages * page_size)``. Nothing is written.
         TypeError
             Non-array or non-float ``k``/``v``.
+
+        Notes
+        -----
+        On x86-64 the rows are written with non-temporal (streaming) stores:
+        a decode step writes one row per sequence into lines no cache holds,
+        and streaming them skips reading those lines first.
         """
         cdef int64_t layer_index = _check_layer(layer, self.num_layers)
         cdef object slots = as_int_array(slot_mapping, "slot_mapping", np.int64)
@@ -731,7 +739,6 @@ cdef class KVCache:
                 f"got {slot_view[bad]} at index {bad}"
             )
         cdef Py_ssize_t v_offset = self.page_size * self._row_bytes
-        cdef char* next_dst
         with self._lock, nogil:
             for t in range(num_tokens):
                 slot = slot_view[t]
@@ -740,15 +747,9 @@ cdef class KVCache:
                 page = slot // self.page_size
                 offset = slot - page * self.page_size
                 dst = layer_base + page * self._page_bytes + offset * self._row_bytes
-                # Scattered rows defeat the hardware prefetcher: ask for the next token's lines now.
-                if t + 1 < num_tokens and slot_view[t + 1] >= 0:
-                    page = slot_view[t + 1] // self.page_size
-                    next_dst = (layer_base + page * self._page_bytes
-                                + (slot_view[t + 1] - page * self.page_size) * self._row_bytes)
-                    pkv_prefetch_write(next_dst, self._row_bytes)
-                    pkv_prefetch_write(next_dst + v_offset, self._row_bytes)
-                memcpy(dst, key_data + t * self._row_bytes, self._row_bytes)
-                memcpy(dst + v_offset, value_data + t * self._row_bytes, self._row_bytes)
+                pkv_stream_copy(dst, key_data + t * self._row_bytes, self._row_bytes)
+                pkv_stream_copy(dst + v_offset, value_data + t * self._row_bytes, self._row_bytes)
+            pkv_stream_fence()
 
     def gather(self, layer, seq_id):
         """Copy out the cached tokens of one sequence in position order.
