@@ -81,7 +81,11 @@ define_macros = [
 ]
 
 # Extra C sources per module (hand-written kernels called from Cython).
-EXTRA_SOURCES: dict[str, list[str]] = {}
+EXTRA_SOURCES: dict[str, list[str]] = {
+    "_attention": ["pagedkv_c/attention_kernels.c"],
+}
+# Hand-written C headers: rebuild on change and ship them in the sdist.
+C_HEADERS = sorted(f"pagedkv_c/{h.name}" for h in (HERE / "pagedkv_c").glob("*.h"))
 
 extensions = []
 for pyx in sorted((HERE / "pagedkv_c").glob("*.pyx")):
@@ -90,6 +94,7 @@ for pyx in sorted((HERE / "pagedkv_c").glob("*.pyx")):
         Extension(
             f"pagedkv_c.{name}",
             sources=[f"pagedkv_c/{pyx.name}", *EXTRA_SOURCES.get(name, [])],
+            depends=C_HEADERS if name in EXTRA_SOURCES else [],
             include_dirs=[np.get_include(), "pagedkv_c", *EXTRA_INCLUDES],
             define_macros=define_macros,
             extra_compile_args=compile_args,

@@ -13,10 +13,13 @@ OutOfPagesError
     Raised when a pool cannot satisfy a call (subclass of MemoryError).
 PagedKVCache
     Classic single-stream KV store indexed by token, with FIFO page eviction.
+attention
+    Paged attention kernels (``decode``, ``prefill``, ``kernel_info``).
 """
 from pagedkv_c._classic import PagedKVCache
 from pagedkv_c._kv_cache import KVCache, PageTableView
 from pagedkv_c._pool import OutOfPagesError, PagePool
+from pagedkv import attention
 
-__all__ = ["KVCache", "OutOfPagesError", "PagePool", "PageTableView", "PagedKVCache"]
+__all__ = ["KVCache", "OutOfPagesError", "PagePool", "PageTableView", "PagedKVCache", "attention"]
 __version__ = "0.1.0"

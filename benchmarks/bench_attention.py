@@ -1,0 +1,289 @@
+"""Paged attention benchmark: decode over float16 and float32 pools.
+
+Decode with B=16 sequences, Hq=32 query heads, Hkv=8 KV heads, head_dim=128,
+page size 16, contexts 512 / 4096 / 16384 tokens. Every figure is timed in
+the same run, interleaved round by round with its baselines (median of the
+rounds):
+
+- ``pagedkv`` decode with 1 and 2 OpenMP threads: microseconds per call and
+  achieved K/V read bandwidth (bytes of the cached K and V rows / time);
+- NumPy read-bandwidth probe: ``np.max`` over a float32 array with as many
+  bytes as the call reads (streams memory at the rate one core can read);
+- NumPy dense reference: gather each sequence's pages with fancy indexing,
+  then ``np.einsum`` scores, softmax, ``np.einsum`` with V (float32);
+- ``torch.nn.functional.scaled_dot_product_attention`` (when torch is
+  installed) on dense contiguous K/V tensors ``[B, Hkv, context, D]`` of the
+  pool dtype with ``enable_gqa=True``, at the same thread count;
+- windowed decode: context 16384 with window 1024 against full attention
+  over context 1024 (cost should follow the window, not the length);
+- arithmetic ceiling: the 16 sequences are forks of one short sequence that
+  share its pages (512 KiB of K/V, resident in the core's L2), so the rate
+  at which decode consumes K/V there is what the arithmetic allows when
+  memory costs nothing.
+
+Writes benchmarks/results/bench_attention.json and prints a table.
+
+Run: python benchmarks/bench_attention.py [--quick] [--repeats N]
+"""
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pagedkv import attention
+
+# The caches come from the test suite's stand-in for pagedkv.KVCache (same
+# attention contract), so the benchmark needs no other part of the library.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _fake_cache import FakeCache  # noqa: E402
+
+BATCH, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 16, 32, 8, 128, 16
+
+
+def calibrate(fn, min_seconds):
+    """Calls per round so that one round lasts at least ``min_seconds``."""
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-7)
+    return max(1, int(min_seconds / once))
+
+
+def interleaved_medians(tasks, repeats, min_seconds=0.05):
+    """Median seconds per call of each task, timing the tasks in turn each round.
+
+    Interleaving keeps a slow phase of a shared machine from landing on one
+    task only.
+    """
+    numbers = {name: calibrate(fn, min_seconds) for name, fn in tasks.items()}
+    times = {name: [] for name in tasks}
+    for _ in range(repeats):
+        for name, fn in tasks.items():
+            n = numbers[name]
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times[name].append((time.perf_counter() - start) / n)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def build_cache(context, dtype, window=None, seed=0):
+    pages_per_seq = -(-context // PAGE_SIZE)
+    if window is not None:
+        pages_per_seq = -(-window // PAGE_SIZE) + 1
+    cache = FakeCache(1, NUM_KV_HEADS, HEAD_DIM, BATCH * pages_per_seq, PAGE_SIZE, dtype,
+                      window=window, seed=seed)
+    for seq_id in range(BATCH):
+        cache.add_sequence(seq_id, context)
+    return cache
+
+
+def kv_bytes(cache, seq_ids):
+    """Bytes of K and V a decode call reads: every attended cached row, once."""
+    view = cache.page_table(seq_ids)
+    tokens = 0
+    for b, seq_len in enumerate(view.seq_lens.tolist()):
+        lo = 0 if cache.window is None else max(0, seq_len - cache.window)
+        tokens += seq_len - lo
+    return tokens * NUM_KV_HEADS * HEAD_DIM * 2 * cache.kv.itemsize
+
+
+def numpy_reference(cache, q, seq_ids):
+    """Dense NumPy decode: gather the pages of each sequence, then einsum/softmax/einsum."""
+    view = cache.page_table(seq_ids)
+    group = NUM_QO_HEADS // NUM_KV_HEADS
+    scale = 1.0 / np.sqrt(HEAD_DIM)
+    out = np.empty((len(seq_ids), NUM_QO_HEADS, HEAD_DIM), np.float32)
+    pool = cache.kv[0]
+    for b in range(len(seq_ids)):
+        pages = view.indices[view.indptr[b]:view.indptr[b + 1]]
+        n = int(view.seq_lens[b])
+        k = pool[pages, 0].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:n].astype(np.float32)
+        v = pool[pages, 1].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:n].astype(np.float32)
+        qh = q[b].reshape(NUM_KV_HEADS, group, HEAD_DIM)
+        scores = np.einsum("hgd,nhd->hgn", qh, k) * scale
+        scores -= scores.max(axis=-1, keepdims=True)
+        weights = np.exp(scores)
+        weights /= weights.sum(axis=-1, keepdims=True)
+        out[b] = np.einsum("hgn,nhd->hgd", weights, v).reshape(NUM_QO_HEADS, HEAD_DIM)
+    return out
+
+
+def torch_task(cache, q, seq_ids, threads):
+    """SDPA on dense contiguous K/V of the same length, or None without torch."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None, None
+    view = cache.page_table(seq_ids)
+    pool = cache.kv[0]
+    ks, vs = [], []
+    for b in range(len(seq_ids)):
+        pages = view.indices[view.indptr[b]:view.indptr[b + 1]]
+        n = int(view.seq_lens[b])
+        ks.append(pool[pages, 0].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:n].transpose(1, 0, 2))
+        vs.append(pool[pages, 1].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:n].transpose(1, 0, 2))
+    k = torch.from_numpy(np.ascontiguousarray(np.stack(ks)))  # [B, Hkv, L, D]
+    v = torch.from_numpy(np.ascontiguousarray(np.stack(vs)))
+    tq = torch.from_numpy(q[:, :, None, :].astype(cache.kv.dtype))  # [B, Hq, 1, D]
+
+    def run():
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            return F.scaled_dot_product_attention(tq, k, v, enable_gqa=True)
+
+    return run, torch.__version__
+
+
+def decode_case(context, dtype, repeats, thread_counts):
+    cache = build_cache(context, dtype)
+    seq_ids = list(range(BATCH))
+    q = np.random.default_rng(1).standard_normal((BATCH, NUM_QO_HEADS, HEAD_DIM), dtype=np.float32)
+    nbytes = kv_bytes(cache, seq_ids)
+    probe = np.ones(nbytes // 4, np.float32)
+
+    # Correctness guard: the figures below are only worth something if the
+    # kernel agrees with the reference it is compared with.
+    got = attention.decode(q, cache, 0, seq_ids)
+    want = numpy_reference(cache, q, seq_ids)
+    max_err = float(np.abs(got - want).max())
+    assert max_err < 1e-4, f"decode disagrees with the NumPy reference: {max_err}"
+
+    tasks = {"probe": lambda: probe.max()}
+    for t in thread_counts:
+        tasks[f"pagedkv_{t}t"] = lambda t=t: attention.decode(q, cache, 0, seq_ids, num_threads=t)
+    torch_version = None
+    for t in thread_counts:
+        run, torch_version = torch_task(cache, q, seq_ids, t)
+        if run is not None:
+            tasks[f"torch_{t}t"] = run
+    medians = interleaved_medians(tasks, repeats)
+    # The dense reference is slow; time it apart, fewer calls per round.
+    medians.update(interleaved_medians({"numpy_ref": lambda: numpy_reference(cache, q, seq_ids)},
+                                       repeats, min_seconds=0.0))
+    del cache, probe
+
+    row = {
+        "dtype": np.dtype(dtype).name,
+        "context": context,
+        "kv_bytes": nbytes,
+        "max_abs_err_vs_numpy": max_err,
+        "seconds": medians,
+        "probe_gbs": nbytes / medians["probe"] / 1e9,
+        "numpy_ref_ms": medians["numpy_ref"] * 1e3,
+        "torch_version": torch_version,
+    }
+    for t in thread_counts:
+        s = medians[f"pagedkv_{t}t"]
+        row[f"us_{t}t"] = s * 1e6
+        row[f"gbs_{t}t"] = nbytes / s / 1e9
+        row[f"frac_probe_{t}t"] = medians["probe"] / s
+        row[f"speedup_vs_numpy_{t}t"] = medians["numpy_ref"] / s
+        if f"torch_{t}t" in medians:
+            row[f"torch_over_pagedkv_{t}t"] = medians[f"torch_{t}t"] / s
+    return row
+
+
+def window_case(dtype, repeats, window=1024, long_context=16384):
+    seq_ids = list(range(BATCH))
+    q = np.random.default_rng(2).standard_normal((BATCH, NUM_QO_HEADS, HEAD_DIM), dtype=np.float32)
+    windowed = build_cache(long_context, dtype, window=window, seed=3)
+    full = build_cache(window, dtype, seed=4)
+    medians = interleaved_medians({
+        "windowed": lambda: attention.decode(q, windowed, 0, seq_ids, num_threads=1),
+        "full": lambda: attention.decode(q, full, 0, seq_ids, num_threads=1),
+    }, repeats)
+    return {
+        "dtype": np.dtype(dtype).name,
+        "window": window,
+        "long_context": long_context,
+        "us_windowed": medians["windowed"] * 1e6,
+        "us_full_window_length": medians["full"] * 1e6,
+        "ratio": medians["windowed"] / medians["full"],
+    }
+
+
+def hot_case(dtype, repeats):
+    """Decode over 16 forks sharing one sequence's pages (K/V stays in L2)."""
+    context = 512 * 1024 // (NUM_KV_HEADS * HEAD_DIM * 2 * np.dtype(dtype).itemsize)
+    cache = FakeCache(1, NUM_KV_HEADS, HEAD_DIM, -(-context // PAGE_SIZE), PAGE_SIZE, dtype, seed=5)
+    cache.add_sequence(0, context)
+    for seq_id in range(1, BATCH):
+        cache.fork(0, seq_id, 0)
+    seq_ids = list(range(BATCH))
+    q = np.random.default_rng(6).standard_normal((BATCH, NUM_QO_HEADS, HEAD_DIM), dtype=np.float32)
+    nbytes = kv_bytes(cache, seq_ids)
+    medians = interleaved_medians({
+        "hot": lambda: attention.decode(q, cache, 0, seq_ids, num_threads=1)}, repeats)
+    return {"dtype": np.dtype(dtype).name, "context": context, "kv_bytes": nbytes,
+            "us": medians["hot"] * 1e6, "gbs": nbytes / medians["hot"] / 1e9}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="contexts 512 and 4096 only, 5 rounds")
+    parser.add_argument("--repeats", type=int, default=7, help="rounds per figure (median; >= 5)")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parent / "results" / "bench_attention.json")
+    args = parser.parse_args()
+    repeats = 5 if args.quick else max(5, args.repeats)
+    contexts = [512, 4096] if args.quick else [512, 4096, 16384]
+    thread_counts = [1, 2]
+    load_before = os.getloadavg()
+
+    rows = [decode_case(c, dtype, repeats, thread_counts)
+            for dtype in (np.float16, np.float32) for c in contexts]
+    windows = [window_case(dtype, repeats) for dtype in (np.float16, np.float32)]
+    hot = [hot_case(dtype, repeats) for dtype in (np.float16, np.float32)]
+
+    info = attention.kernel_info()
+    print(f"pagedkv decode, B={BATCH} Hq={NUM_QO_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} "
+          f"page_size={PAGE_SIZE}; kernel {info['isa']}, OpenMP {info['openmp']}; "
+          f"medians of {repeats} rounds; load average {load_before[0]:.1f} on {os.cpu_count()} CPUs")
+    header = ("| pool | context | us 1T | us 2T | GB/s 1T | probe GB/s | 1T/probe | 2T speedup "
+              "| NumPy ref ms | vs NumPy 1T | torch/pagedkv 1T | torch/pagedkv 2T |")
+    print(header)
+    print("|" + "|".join(["---"] * 12) + "|")
+    for r in rows:
+        torch1 = f"{r['torch_over_pagedkv_1t']:.2f}x" if "torch_over_pagedkv_1t" in r else "n/a"
+        torch2 = f"{r['torch_over_pagedkv_2t']:.2f}x" if "torch_over_pagedkv_2t" in r else "n/a"
+        print(f"| {r['dtype']} | {r['context']} | {r['us_1t']:.0f} | {r['us_2t']:.0f} "
+              f"| {r['gbs_1t']:.1f} | {r['probe_gbs']:.1f} | {100 * r['frac_probe_1t']:.0f}% "
+              f"| {r['us_1t'] / r['us_2t']:.2f}x | {r['numpy_ref_ms']:.1f} "
+              f"| {r['speedup_vs_numpy_1t']:.1f}x | {torch1} | {torch2} |")
+    print()
+    print("| pool | windowed: context 16384, window 1024 | full: context 1024 | ratio |")
+    print("|---|---|---|---|")
+    for w in windows:
+        print(f"| {w['dtype']} | {w['us_windowed']:.0f} us | {w['us_full_window_length']:.0f} us "
+              f"| {w['ratio']:.2f} |")
+    print()
+    print("| pool | L2-resident K/V (arithmetic ceiling, 1 thread) |")
+    print("|---|---|")
+    for h in hot:
+        print(f"| {h['dtype']} | {h['gbs']:.1f} GB/s ({h['us']:.0f} us per call, 16 x 512 KiB) |")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "benchmark": "bench_attention",
+        "shape": {"batch": BATCH, "num_qo_heads": NUM_QO_HEADS, "num_kv_heads": NUM_KV_HEADS,
+                  "head_dim": HEAD_DIM, "page_size": PAGE_SIZE},
+        "repeats": repeats,
+        "kernel_info": info,
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                    "load_average_before": load_before, "load_average_after": os.getloadavg()},
+        "decode": rows,
+        "window": windows,
+        "l2_resident": hot,
+    }
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,527 @@
+"""Paged attention over the KV pool: validation, work items, OpenMP dispatch.
+
+The arithmetic lives in ``attention_kernels.c`` (one work item = the queries
+of one KV-head group of one sequence); this module checks every argument,
+builds the work items and runs them with ``prange``. Each output element is
+produced by exactly one work item on one thread, so results do not depend on
+the number of threads.
+"""
+import math
+import numbers
+import os
+
+import numpy as np
+
+cimport numpy as cnp
+from cython.parallel cimport prange, threadid
+from libc.stdint cimport int32_t, int64_t, uint16_t
+from libc.stdlib cimport malloc, free
+
+from pagedkv_c._checks cimport check_int, check_array, as_int_array
+
+cnp.import_array()
+
+
+cdef extern from "attention_kernels.h" nogil:
+    enum: PKV_MAX_HEAD_DIM
+    enum: PKV_MAX_ITEM_HEADS
+    ctypedef enum pkv_isa:
+        PKV_ISA_SCALAR
+        PKV_ISA_AVX2
+        PKV_ISA_AVX512
+    ctypedef struct pkv_attention_args:
+        const void* pool
+        int32_t pool_is_f16
+        int64_t page_size
+        int64_t num_kv_heads
+        int64_t head_dim
+        int64_t group_size
+        const int32_t* indptr
+        const int32_t* indices
+        const int64_t* page_positions
+        const int64_t* seq_lens
+        int64_t window
+        int64_t sink_tokens
+        float scale
+        const float* q
+        float* out
+        float* lse
+    ctypedef struct pkv_work_item:
+        int64_t seq
+        int64_t kv_head
+        int64_t num_kv_heads
+        int64_t first_token
+        int64_t num_tokens
+        int64_t first_position
+    ctypedef void (*pkv_item_kernel)(const pkv_attention_args* args,
+                                     const pkv_work_item* item, float* scratch) noexcept nogil
+    int64_t pkv_scratch_floats(int64_t max_rows, int64_t head_dim)
+    pkv_isa pkv_best_isa()
+    int pkv_isa_available(pkv_isa isa)
+    const char* pkv_isa_name(pkv_isa isa)
+    pkv_item_kernel pkv_get_kernel(pkv_isa isa, int pool_is_f16)
+    float pkv_half_to_float_portable(uint16_t h)
+
+
+cdef extern from *:
+    """
+    #if defined(_OPENMP)
+    #include <omp.h>
+    static int pkv_omp_max_threads(void) { return omp_get_max_threads(); }
+    static int pkv_have_openmp(void) { return 1; }
+    #else
+    static int pkv_omp_max_threads(void) { return 1; }
+    static int pkv_have_openmp(void) { return 0; }
+    #endif
+    """
+    int pkv_omp_max_threads() nogil
+    int pkv_have_openmp() nogil
+
+
+# Rows (query, head pairs) per prefill work item: enough to reuse each K/V row
+# many times while the accumulators stay in L1.
+cdef int64_t PREFILL_ROWS = 16
+_MAX_THREADS_ARG = 1024
+_ISA_BY_NAME = {"scalar": PKV_ISA_SCALAR, "avx2": PKV_ISA_AVX2, "avx512": PKV_ISA_AVX512}
+
+cdef pkv_isa _isa = PKV_ISA_SCALAR
+
+
+cdef pkv_isa _capped_isa(str cap):
+    """Best available path not above ``cap`` (a name from _ISA_BY_NAME)."""
+    cdef pkv_isa best = pkv_best_isa()
+    cdef int limit = <int>_ISA_BY_NAME.get(cap, <int>best)
+    cdef int i
+    for i in range(min(<int>best, limit), -1, -1):
+        if pkv_isa_available(<pkv_isa>i):
+            return <pkv_isa>i
+    return PKV_ISA_SCALAR
+
+
+_isa = _capped_isa(os.environ.get("PAGEDKV_ATTENTION_ISA", "").strip().lower())
+
+
+def kernel_info():
+    """Describe the kernels this process uses. See ``pagedkv.attention.kernel_info``."""
+    return {
+        "isa": pkv_isa_name(_isa).decode(),
+        "available_isas": [
+            pkv_isa_name(<pkv_isa>i).decode() for i in range(3) if pkv_isa_available(<pkv_isa>i)
+        ],
+        "float16_conversion": "f16c" if _isa != PKV_ISA_SCALAR else "portable",
+        "openmp": bool(pkv_have_openmp()),
+        "max_threads": pkv_omp_max_threads(),
+        "max_head_dim": PKV_MAX_HEAD_DIM,
+    }
+
+
+def _set_isa(name):
+    """Select the kernel path by name; returns the previous name (tests, benchmarks).
+
+    Raises ValueError if the path is unknown or this CPU/build cannot run it.
+    """
+    global _isa
+    if name not in _ISA_BY_NAME or not pkv_isa_available(<pkv_isa><int>_ISA_BY_NAME[name]):
+        raise ValueError(
+            f"Invalid value of name: expected one of {kernel_info()['available_isas']}, got {name!r}"
+        )
+    previous = pkv_isa_name(_isa).decode()
+    _isa = <pkv_isa><int>_ISA_BY_NAME[name]
+    return previous
+
+
+def _half_to_float_portable(bits):
+    """Convert uint16 float16 bit patterns with the portable C conversion (tests)."""
+    cdef uint16_t[::1] src = check_array(bits, "bits", np.uint16, (-1,))
+    out = np.empty(src.shape[0], dtype=np.float32)
+    cdef float[::1] dst = out
+    cdef Py_ssize_t i
+    with nogil:
+        for i in range(src.shape[0]):
+            dst[i] = pkv_half_to_float_portable(src[i])
+    return out
+
+
+# --------------------------------------------------------------- C kernels
+
+cdef int _run_items(const pkv_attention_args* args, const pkv_work_item* items,
+                    Py_ssize_t num_items, int64_t max_rows, int num_threads) except -1 nogil:
+    """Run work items over OpenMP threads, one scratch block per thread."""
+    cdef pkv_item_kernel kernel = pkv_get_kernel(_isa, args.pool_is_f16)
+    # Per-thread scratch rounded to 64 bytes so threads never share a line.
+    cdef int64_t stride = (pkv_scratch_floats(max_rows, args.head_dim) + 15) // 16 * 16
+    cdef float* scratch = <float*>malloc(<size_t>(stride * num_threads + 16) * sizeof(float))
+    cdef Py_ssize_t i
+    if scratch == NULL:
+        with gil:
+            raise MemoryError("cannot allocate attention scratch memory")
+    for i in prange(num_items, schedule="dynamic", num_threads=num_threads):
+        kernel(args, &items[i], scratch + threadid() * stride)
+    free(scratch)
+    return 0
+
+
+cdef void _fill_args(pkv_attention_args* args, const void* pool_layer, bint pool_is_f16,
+                     int64_t page_size, int64_t num_kv_heads, int64_t head_dim,
+                     int64_t num_qo_heads, const int32_t* indptr, const int32_t* indices,
+                     const int64_t* page_positions, const int64_t* seq_lens, int64_t window,
+                     int64_t sink_tokens, float scale, const float* q, float* out,
+                     float* lse) noexcept nogil:
+    args.pool = pool_layer
+    args.pool_is_f16 = 1 if pool_is_f16 else 0
+    args.page_size = page_size
+    args.num_kv_heads = num_kv_heads
+    args.head_dim = head_dim
+    args.group_size = num_qo_heads // num_kv_heads
+    args.indptr = indptr
+    args.indices = indices
+    args.page_positions = page_positions
+    args.seq_lens = seq_lens
+    args.window = window
+    args.sink_tokens = sink_tokens
+    args.scale = scale
+    args.q = q
+    args.out = out
+    args.lse = lse
+
+
+cdef int paged_decode(
+    const void* pool_layer, bint pool_is_f16, int64_t page_size, int64_t num_kv_heads,
+    int64_t head_dim, int64_t num_qo_heads, int64_t batch_size, const int32_t* indptr,
+    const int32_t* indices, const int64_t* page_positions, const int64_t* seq_lens,
+    int64_t window, int64_t sink_tokens, float scale, const float* q, float* out,
+    float* lse, int num_threads,
+) except -1 nogil:
+    """One query per sequence at position seq_len - 1.
+
+    Work item = (sequence, block of KV heads). A block holds all KV heads
+    unless that leaves fewer than 4 items per thread; then blocks shrink
+    down to one KV head. Reading all heads of a token row in one run keeps
+    the memory stream sequential inside a page (FlashInfer's NHD layout puts
+    the heads of a token next to each other). Each head's arithmetic is the
+    same whatever the block size, so results do not depend on num_threads.
+    """
+    cdef pkv_attention_args args
+    _fill_args(&args, pool_layer, pool_is_f16, page_size, num_kv_heads, head_dim,
+               num_qo_heads, indptr, indices, page_positions, seq_lens, window, sink_tokens,
+               scale, q, out, lse)
+    if batch_size == 0:
+        return 0
+    cdef int64_t wanted_blocks = (4 * num_threads + batch_size - 1) // batch_size
+    cdef int64_t heads_per_item = num_kv_heads
+    if wanted_blocks > 1:
+        heads_per_item = (num_kv_heads + wanted_blocks - 1) // wanted_blocks
+    if heads_per_item > PKV_MAX_ITEM_HEADS:
+        heads_per_item = PKV_MAX_ITEM_HEADS
+    cdef int64_t blocks = (num_kv_heads + heads_per_item - 1) // heads_per_item
+    cdef Py_ssize_t num_items = batch_size * blocks
+    cdef pkv_work_item* items = <pkv_work_item*>malloc(num_items * sizeof(pkv_work_item))
+    if items == NULL:
+        with gil:
+            raise MemoryError("cannot allocate attention work items")
+    cdef Py_ssize_t i
+    cdef int64_t b, first_head
+    for i in range(num_items):
+        b = i // blocks
+        first_head = (i % blocks) * heads_per_item
+        items[i].seq = b
+        items[i].kv_head = first_head
+        items[i].num_kv_heads = min(heads_per_item, num_kv_heads - first_head)
+        items[i].first_token = b
+        items[i].num_tokens = 1
+        items[i].first_position = seq_lens[b] - 1
+    try:
+        _run_items(&args, items, num_items, heads_per_item * args.group_size, num_threads)
+    finally:
+        free(items)
+    return 0
+
+
+cdef int paged_prefill(
+    const void* pool_layer, bint pool_is_f16, int64_t page_size, int64_t num_kv_heads,
+    int64_t head_dim, int64_t num_qo_heads, int64_t batch_size, const int32_t* indptr,
+    const int32_t* indices, const int64_t* page_positions, const int64_t* seq_lens,
+    const int64_t* qo_indptr, int64_t window, int64_t sink_tokens, float scale,
+    const float* q, float* out, float* lse, int num_threads,
+) except -1 nogil:
+    """Ragged causal prefill; work item = (sequence, KV head, tile of consecutive queries).
+
+    Prefill is bound by arithmetic, not memory, so items take one KV head and
+    a tile of queries (PREFILL_ROWS rows) that share every K/V row they read.
+    """
+    cdef pkv_attention_args args
+    _fill_args(&args, pool_layer, pool_is_f16, page_size, num_kv_heads, head_dim,
+               num_qo_heads, indptr, indices, page_positions, seq_lens, window, sink_tokens,
+               scale, q, out, lse)
+    cdef int64_t group = args.group_size
+    cdef int64_t tile = PREFILL_ROWS // group if PREFILL_ROWS // group > 1 else 1
+    cdef Py_ssize_t num_items = 0
+    cdef int64_t b, h, start, qo_len
+    for b in range(batch_size):
+        qo_len = qo_indptr[b + 1] - qo_indptr[b]
+        num_items += (qo_len + tile - 1) // tile * num_kv_heads
+    if num_items == 0:
+        return 0
+    cdef pkv_work_item* items = <pkv_work_item*>malloc(num_items * sizeof(pkv_work_item))
+    if items == NULL:
+        with gil:
+            raise MemoryError("cannot allocate attention work items")
+    cdef Py_ssize_t i = 0
+    for b in range(batch_size):
+        qo_len = qo_indptr[b + 1] - qo_indptr[b]
+        start = 0
+        while start < qo_len:
+            for h in range(num_kv_heads):
+                items[i].seq = b
+                items[i].kv_head = h
+                items[i].num_kv_heads = 1
+                items[i].first_token = qo_indptr[b] + start
+                items[i].num_tokens = tile if qo_len - start > tile else qo_len - start
+                items[i].first_position = seq_lens[b] - qo_len + start
+                i += 1
+            start += tile
+    try:
+        _run_items(&args, items, num_items, tile * group, num_threads)
+    finally:
+        free(items)
+    return 0
+
+
+# ------------------------------------------------------------- validation
+
+cdef str _describe(object seq_ids, Py_ssize_t b):
+    try:
+        return repr(seq_ids[b])
+    except Exception:
+        return f"at index {b}"
+
+
+cdef class _Problem:
+    """Validated arguments of one call, ready for the nogil kernels."""
+    cdef object pool_layer       # kv[layer], C-contiguous view
+    cdef bint pool_is_f16
+    cdef int64_t page_size, num_kv_heads, head_dim, num_qo_heads, batch_size
+    cdef int64_t window, sink_tokens
+    cdef float scale
+    cdef int num_threads
+    cdef object q                # float32 C-contiguous
+    cdef object indptr, indices, page_positions, seq_lens
+
+
+cdef _Problem _validate_common(object q, object cache, object layer, object seq_ids,
+                               object scale, object num_threads, object return_lse):
+    cdef _Problem p = _Problem()
+    if not isinstance(q, np.ndarray):
+        raise TypeError(f"Invalid type of q: expected numpy.ndarray, got {type(q).__name__}")
+    if q.dtype != np.float32 and q.dtype != np.float16:
+        raise ValueError(f"Invalid dtype of q: expected float32 or float16, got {q.dtype}")
+    if q.ndim != 3:
+        raise ValueError(f"Invalid shape of q: expected a 3-D array (tokens, Hq, D), got {q.shape}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"Invalid type of return_lse: expected bool, got {type(return_lse).__name__}")
+
+    kv = getattr(cache, "kv", None)
+    if not isinstance(kv, np.ndarray):
+        raise TypeError(f"Invalid type of cache.kv: expected numpy.ndarray, got {type(kv).__name__}")
+    if kv.dtype != np.float32 and kv.dtype != np.float16:
+        raise ValueError(f"Invalid dtype of cache.kv: expected float32 or float16, got {kv.dtype}")
+    if kv.ndim != 6 or kv.shape[2] != 2:
+        raise ValueError(
+            "Invalid shape of cache.kv: expected (num_layers, num_pages, 2, page_size, "
+            f"num_kv_heads, head_dim), got {kv.shape}"
+        )
+    if not kv.flags.c_contiguous:
+        raise ValueError(f"Invalid layout of cache.kv: expected a C-contiguous array, got strides {kv.strides}")
+    num_layers, num_pages, _, page_size, num_kv_heads, head_dim = kv.shape
+    for name, expected in (("num_layers", num_layers), ("page_size", page_size),
+                           ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        got = getattr(cache, name, expected)
+        if got != expected:
+            raise ValueError(f"Invalid value of cache.{name}: expected {expected} (from cache.kv.shape), got {got}")
+    if head_dim < 1 or head_dim > PKV_MAX_HEAD_DIM:
+        raise ValueError(
+            f"Invalid value of cache.head_dim: expected 1 <= head_dim <= {PKV_MAX_HEAD_DIM}, got {head_dim}"
+        )
+    if num_pages < 1 or page_size < 1 or num_kv_heads < 1 or num_layers < 1:
+        raise ValueError(f"Invalid shape of cache.kv: expected every dimension >= 1, got {kv.shape}")
+    window = getattr(cache, "window", None)
+    p.window = 0 if window is None else check_int(window, "cache.window", 1, 2**62)
+    p.sink_tokens = check_int(getattr(cache, "sink_tokens", 0), "cache.sink_tokens", 0, 2**62)
+
+    cdef int64_t layer_index = check_int(layer, "layer", 0, num_layers - 1)
+    num_qo_heads = q.shape[1]
+    if q.shape[2] != head_dim:
+        raise ValueError(
+            f"Invalid shape of q: expected (*, Hq, {head_dim}) (head_dim of the cache), got {q.shape}"
+        )
+    if num_qo_heads < 1 or num_qo_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"Invalid shape of q: expected Hq = q.shape[1] a positive multiple of "
+            f"num_kv_heads={num_kv_heads}, got Hq={num_qo_heads}"
+        )
+    if scale is None:
+        p.scale = 1.0 / math.sqrt(head_dim)
+    else:
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"Invalid type of scale: expected a real number or None, got {type(scale).__name__}")
+        if not math.isfinite(float(scale)):
+            raise ValueError(f"Invalid value of scale: expected a finite number, got {scale}")
+        p.scale = float(scale)
+    if num_threads is None:
+        p.num_threads = pkv_omp_max_threads()
+    else:
+        p.num_threads = <int>check_int(num_threads, "num_threads", 1, _MAX_THREADS_ARG)
+    if not pkv_have_openmp():
+        p.num_threads = 1
+
+    view = cache.page_table(seq_ids)
+    p.indptr = check_array(view.indptr, "page_table(seq_ids).indptr", np.int32, (-1,))
+    batch_size = p.indptr.shape[0] - 1
+    if batch_size < 0:
+        raise ValueError("Invalid shape of page_table(seq_ids).indptr: expected (B + 1,), got (0,)")
+    nnz = int(p.indptr[batch_size])
+    p.indices = check_array(view.indices, "page_table(seq_ids).indices", np.int32, (-1,))
+    p.page_positions = check_array(view.page_positions, "page_table(seq_ids).page_positions",
+                                   np.int64, (p.indices.shape[0],))
+    p.seq_lens = check_array(view.seq_lens, "page_table(seq_ids).seq_lens", np.int64, (batch_size,))
+    if int(p.indptr[0]) != 0 or nnz != p.indices.shape[0] or (
+            batch_size > 0 and bool((np.diff(p.indptr) < 0).any())):
+        raise ValueError(
+            "Invalid value of page_table(seq_ids).indptr: expected non-decreasing offsets from 0 "
+            f"to len(indices)={p.indices.shape[0]}, got {p.indptr.tolist()[:8]}..."
+        )
+    if nnz > 0:
+        lo, hi = int(p.indices.min()), int(p.indices.max())
+        if lo < 0 or hi >= num_pages:
+            raise ValueError(
+                f"Invalid value of page_table(seq_ids).indices: expected page ids in "
+                f"[0, {num_pages - 1}], got range [{lo}, {hi}]"
+            )
+    if batch_size > 0 and int(p.seq_lens.min()) < 0:
+        raise ValueError("Invalid value of page_table(seq_ids).seq_lens: expected lengths >= 0")
+
+    p.pool_layer = kv[layer_index]
+    p.pool_is_f16 = kv.dtype == np.float16
+    p.page_size = page_size
+    p.num_kv_heads = num_kv_heads
+    p.head_dim = head_dim
+    p.num_qo_heads = num_qo_heads
+    p.batch_size = batch_size
+    p.q = np.ascontiguousarray(q, dtype=np.float32)
+    return p
+
+
+cdef object _cached_from(_Problem p, object first_positions):
+    """Number of tokens each sequence holds at positions >= first_positions[b]."""
+    counts = np.diff(p.indptr).astype(np.int64)
+    owner = np.repeat(np.arange(p.batch_size), counts)
+    starts = p.page_positions
+    ends = np.minimum(starts + p.page_size, p.seq_lens[owner])
+    held = np.clip(ends - np.maximum(starts, first_positions[owner]), 0, None)
+    return np.bincount(owner, weights=held, minlength=p.batch_size).astype(np.int64)
+
+
+def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=False):
+    """Paged decode attention. See ``pagedkv.attention.decode``."""
+    cdef _Problem p = _validate_common(q, cache, layer, seq_ids, scale, num_threads, return_lse)
+    if p.q.shape[0] != p.batch_size:
+        raise ValueError(
+            f"Invalid shape of q: expected ({p.batch_size}, Hq, D) (one query per sequence), got {p.q.shape}"
+        )
+    if p.batch_size > 0:
+        empty = p.seq_lens <= 0
+        if empty.any():
+            b = int(np.flatnonzero(empty)[0])
+            raise ValueError(f"Invalid value of seq_ids: sequence {_describe(seq_ids, b)} has no cached token")
+        held = _cached_from(p, p.seq_lens - 1)
+        if (held != 1).any():
+            b = int(np.flatnonzero(held != 1)[0])
+            raise ValueError(
+                f"Invalid value of seq_ids: sequence {_describe(seq_ids, b)} does not hold its last "
+                f"token (position {int(p.seq_lens[b]) - 1}) in its page table"
+            )
+    out = np.empty((p.batch_size, p.num_qo_heads, p.head_dim), dtype=np.float32)
+    lse = np.empty((p.batch_size, p.num_qo_heads), dtype=np.float32) if return_lse else None
+    _call_decode(p, out, lse)
+    return (out, lse) if return_lse else out
+
+
+cdef int _call_decode(_Problem p, object out, object lse) except -1:
+    cdef const void* pool = cnp.PyArray_DATA(p.pool_layer)
+    cdef const int32_t* indptr = <const int32_t*>cnp.PyArray_DATA(p.indptr)
+    cdef const int32_t* indices = <const int32_t*>cnp.PyArray_DATA(p.indices)
+    cdef const int64_t* positions = <const int64_t*>cnp.PyArray_DATA(p.page_positions)
+    cdef const int64_t* seq_lens = <const int64_t*>cnp.PyArray_DATA(p.seq_lens)
+    cdef const float* q = <const float*>cnp.PyArray_DATA(p.q)
+    cdef float* out_ptr = <float*>cnp.PyArray_DATA(out)
+    cdef float* lse_ptr = NULL if lse is None else <float*>cnp.PyArray_DATA(lse)
+    with nogil:
+        paged_decode(pool, p.pool_is_f16, p.page_size, p.num_kv_heads, p.head_dim,
+                     p.num_qo_heads, p.batch_size, indptr, indices, positions, seq_lens,
+                     p.window, p.sink_tokens, p.scale, q, out_ptr, lse_ptr, p.num_threads)
+    return 0
+
+
+def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, return_lse=False):
+    """Paged prefill attention. See ``pagedkv.attention.prefill``."""
+    cdef _Problem p = _validate_common(q, cache, layer, seq_ids, scale, num_threads, return_lse)
+    qo = as_int_array(qo_indptr, "qo_indptr", np.int64)
+    num_tokens = p.q.shape[0]
+    if qo.shape[0] != p.batch_size + 1:
+        raise ValueError(
+            f"Invalid shape of qo_indptr: expected ({p.batch_size + 1},) (number of sequences + 1), got {qo.shape}"
+        )
+    if int(qo[0]) != 0:
+        raise ValueError(f"Invalid value of qo_indptr: expected qo_indptr[0] == 0, got {int(qo[0])}")
+    qo_lens = np.diff(qo)
+    if (qo_lens < 0).any():
+        b = int(np.flatnonzero(qo_lens < 0)[0])
+        raise ValueError(
+            f"Invalid value of qo_indptr: expected non-decreasing offsets, got qo_indptr[{b + 1}]="
+            f"{int(qo[b + 1])} < qo_indptr[{b}]={int(qo[b])}"
+        )
+    if int(qo[p.batch_size]) != num_tokens:
+        raise ValueError(
+            f"Invalid value of qo_indptr: expected qo_indptr[-1] == q.shape[0] == {num_tokens}, "
+            f"got {int(qo[p.batch_size])}"
+        )
+    if p.batch_size > 0:
+        too_long = qo_lens > p.seq_lens
+        if too_long.any():
+            b = int(np.flatnonzero(too_long)[0])
+            raise ValueError(
+                f"Invalid value of qo_indptr: expected at most seq_len={int(p.seq_lens[b])} new tokens "
+                f"for sequence {_describe(seq_ids, b)}, got {int(qo_lens[b])}"
+            )
+        held = _cached_from(p, p.seq_lens - qo_lens)
+        missing = (qo_lens > 0) & (held != qo_lens)
+        if missing.any():
+            b = int(np.flatnonzero(missing)[0])
+            if int(p.seq_lens[b]) == 0 or held[b] == 0:
+                raise ValueError(f"Invalid value of seq_ids: sequence {_describe(seq_ids, b)} has no cached token")
+            raise ValueError(
+                f"Invalid value of qo_indptr: sequence {_describe(seq_ids, b)} does not hold all of its "
+                f"{int(qo_lens[b])} new tokens (positions {int(p.seq_lens[b] - qo_lens[b])}.."
+                f"{int(p.seq_lens[b]) - 1}) in its page table"
+            )
+    out = np.empty((num_tokens, p.num_qo_heads, p.head_dim), dtype=np.float32)
+    lse = np.empty((num_tokens, p.num_qo_heads), dtype=np.float32) if return_lse else None
+    _call_prefill(p, qo, out, lse)
+    return (out, lse) if return_lse else out
+
+
+cdef int _call_prefill(_Problem p, object qo, object out, object lse) except -1:
+    cdef const void* pool = cnp.PyArray_DATA(p.pool_layer)
+    cdef const int32_t* indptr = <const int32_t*>cnp.PyArray_DATA(p.indptr)
+    cdef const int32_t* indices = <const int32_t*>cnp.PyArray_DATA(p.indices)
+    cdef const int64_t* positions = <const int64_t*>cnp.PyArray_DATA(p.page_positions)
+    cdef const int64_t* seq_lens = <const int64_t*>cnp.PyArray_DATA(p.seq_lens)
+    cdef const int64_t* qo_ptr = <const int64_t*>cnp.PyArray_DATA(qo)
+    cdef const float* q = <const float*>cnp.PyArray_DATA(p.q)
+    cdef float* out_ptr = <float*>cnp.PyArray_DATA(out)
+    cdef float* lse_ptr = NULL if lse is None else <float*>cnp.PyArray_DATA(lse)
+    with nogil:
+        paged_prefill(pool, p.pool_is_f16, p.page_size, p.num_kv_heads, p.head_dim,
+                      p.num_qo_heads, p.batch_size, indptr, indices, positions, seq_lens, qo_ptr,
+                      p.window, p.sink_tokens, p.scale, q, out_ptr, lse_ptr, p.num_threads)
+    return 0

@@ -1,0 +1,560 @@
+/* Paged attention item kernels: a portable path plus x86-64 AVX2 and AVX-512
+ * paths chosen at run time (see attention_kernels.h).
+ *
+ * Wheels are built for the baseline ISA of their platform (no -march flags);
+ * the x86 paths are compiled with GCC/Clang function target attributes and
+ * taken only when __builtin_cpu_supports says the CPU (and OS) has them.
+ * Other compilers (MSVC) and other CPUs (arm64) get the portable path, whose
+ * 8-lane loops compilers auto-vectorize.
+ */
+#include "attention_kernels.h"
+
+#include <math.h>
+#include <stddef.h>
+#include <string.h>
+
+/* Define PKV_PORTABLE_ONLY to build the portable path alone (as MSVC and
+ * non-x86 builds get it). */
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && \
+    !defined(PKV_PORTABLE_ONLY)
+#define PKV_X86_DISPATCH 1
+#include <cpuid.h>
+#include <immintrin.h>
+#else
+#define PKV_X86_DISPATCH 0
+#endif
+
+/* Software prefetch: a hint only, so compilers without it simply skip it. */
+#if defined(__GNUC__) || defined(__clang__)
+#ifndef PKV_PREFETCH_LOCALITY
+#define PKV_PREFETCH_LOCALITY 2
+#endif
+#define PKV_PREFETCH(p) __builtin_prefetch((p), 0, PKV_PREFETCH_LOCALITY)
+#elif defined(_MSC_VER) && (defined(_M_X64) || defined(_M_IX86))
+#include <xmmintrin.h>
+#define PKV_PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
+#else
+#define PKV_PREFETCH(p) ((void)(p))
+#endif
+/* 1: prefetch the K/V rows of the chunk PKV_PREFETCH_AHEAD chunks ahead
+ * while computing this one. */
+#ifndef PKV_PREFETCH_CHUNKS
+#define PKV_PREFETCH_CHUNKS 1
+#endif
+#ifndef PKV_PREFETCH_K
+#define PKV_PREFETCH_K 1
+#endif
+/* Eighths of a chunk's prefetches issued while scoring (rest: during V). */
+#ifndef PKV_PREFETCH_SCORE_SHARE
+#define PKV_PREFETCH_SCORE_SHARE 6
+#endif
+#ifndef PKV_PREFETCH_AHEAD
+#define PKV_PREFETCH_AHEAD 1
+#endif
+
+int64_t pkv_scratch_floats(int64_t max_rows, int64_t head_dim)
+{
+    const int64_t dim_pad = (head_dim + 15) / 16 * 16;
+    return 2 * max_rows * dim_pad + max_rows * PKV_CHUNK_TOKENS + 2 * max_rows;
+}
+
+/* ------------------------------------------------------------------ float16 */
+
+float pkv_half_to_float_portable(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exponent = (h >> 10) & 0x1fu;
+    uint32_t mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13); /* inf, NaN (payload kept) */
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13); /* rebias 15 -> 127 */
+    } else if (mantissa == 0) {
+        bits = sign; /* signed zero */
+    } else {
+        /* subnormal half: mantissa * 2**-24; normalise into a float32 normal */
+        uint32_t e = 113u;
+        while ((mantissa & 0x400u) == 0) {
+            mantissa <<= 1;
+            e--;
+        }
+        bits = sign | (e << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__aarch64__)
+/* AArch64 converts float16 in hardware (ACLE __fp16). */
+static inline float pkv_h2f(uint16_t h)
+{
+    __fp16 x;
+    memcpy(&x, &h, sizeof x);
+    return (float)x;
+}
+#else
+#define pkv_h2f pkv_half_to_float_portable
+#endif
+
+/* ------------------------------------------------------------ portable path */
+
+typedef struct {
+    float v[8];
+} pkv_v8;
+
+static inline pkv_v8 v8_set1(float x)
+{
+    pkv_v8 r;
+    int i;
+    for (i = 0; i < 8; i++) r.v[i] = x;
+    return r;
+}
+static inline pkv_v8 v8_load(const float *p)
+{
+    pkv_v8 r;
+    memcpy(r.v, p, sizeof r.v);
+    return r;
+}
+static inline void v8_store(float *p, pkv_v8 a) { memcpy(p, a.v, sizeof a.v); }
+static inline pkv_v8 v8_load_f16(const uint16_t *p)
+{
+    pkv_v8 r;
+    int i;
+    for (i = 0; i < 8; i++) r.v[i] = pkv_h2f(p[i]);
+    return r;
+}
+static inline pkv_v8 v8_add(pkv_v8 a, pkv_v8 b)
+{
+    int i;
+    for (i = 0; i < 8; i++) a.v[i] += b.v[i];
+    return a;
+}
+static inline pkv_v8 v8_sub(pkv_v8 a, pkv_v8 b)
+{
+    int i;
+    for (i = 0; i < 8; i++) a.v[i] -= b.v[i];
+    return a;
+}
+static inline pkv_v8 v8_max(pkv_v8 a, pkv_v8 b)
+{
+    int i;
+    for (i = 0; i < 8; i++) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+    return a;
+}
+static inline pkv_v8 v8_fma(pkv_v8 a, pkv_v8 b, pkv_v8 c)
+{
+    int i;
+    for (i = 0; i < 8; i++) c.v[i] += a.v[i] * b.v[i];
+    return c;
+}
+static inline pkv_v8 v8_muls(pkv_v8 a, float x)
+{
+    int i;
+    for (i = 0; i < 8; i++) a.v[i] *= x;
+    return a;
+}
+static inline pkv_v8 v8_exp2(pkv_v8 a)
+{
+    int i;
+    for (i = 0; i < 8; i++) a.v[i] = a.v[i] < -126.0f ? 0.0f : exp2f(a.v[i]);
+    return a;
+}
+static inline float v8_hsum(pkv_v8 a)
+{
+    return ((a.v[0] + a.v[4]) + (a.v[1] + a.v[5])) + ((a.v[2] + a.v[6]) + (a.v[3] + a.v[7]));
+}
+static inline float v8_hmax(pkv_v8 a)
+{
+    float m = a.v[0];
+    int i;
+    for (i = 1; i < 8; i++) m = a.v[i] > m ? a.v[i] : m;
+    return m;
+}
+
+#define PKV_TARGET
+#define vf pkv_v8
+#define VW 8
+#define VZERO() v8_set1(0.0f)
+#define VSET1(x) v8_set1(x)
+#define VLOAD(p) v8_load(p)
+#define VSTORE(p, a) v8_store((p), (a))
+#define VADD(a, b) v8_add((a), (b))
+#define VSUB(a, b) v8_sub((a), (b))
+#define VMAX(a, b) v8_max((a), (b))
+#define VFMA(a, b, c) v8_fma((a), (b), (c))
+#define VMULS(a, x) v8_muls((a), (x))
+#define VEXP2(a) v8_exp2(a)
+#define VHSUM(a) v8_hsum(a)
+#define VHMAX(a) v8_hmax(a)
+#define VHSUM8(a0, a1, a2, a3, a4, a5, a6, a7, out)                                  \
+    do {                                                                            \
+        (out)[0] = v8_hsum(a0); (out)[1] = v8_hsum(a1);                             \
+        (out)[2] = v8_hsum(a2); (out)[3] = v8_hsum(a3);                             \
+        (out)[4] = v8_hsum(a4); (out)[5] = v8_hsum(a5);                             \
+        (out)[6] = v8_hsum(a6); (out)[7] = v8_hsum(a7);                             \
+    } while (0)
+#define PKV_PV_WIDE 0
+#define PKV_DOT_WIDE 0
+#define VKEEP(v) ((void)0)
+
+#define PKV_SUFFIX scalar_f32
+#define KV_T float
+#define KV_TO_F(x) (x)
+#define KV_CHUNK (PKV_CHUNK_TOKENS / 2)
+#define VLOAD_KV(p) v8_load(p)
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_TO_F
+#undef KV_CHUNK
+#undef VLOAD_KV
+
+#define PKV_SUFFIX scalar_f16
+#define KV_T uint16_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_TO_F(x) pkv_h2f(x)
+#define VLOAD_KV(p) v8_load_f16(p)
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_TO_F
+#undef KV_CHUNK
+#undef VLOAD_KV
+
+#undef PKV_TARGET
+#undef vf
+#undef VW
+#undef VZERO
+#undef VSET1
+#undef VLOAD
+#undef VSTORE
+#undef VADD
+#undef VSUB
+#undef VMAX
+#undef VFMA
+#undef VMULS
+#undef VEXP2
+#undef VHSUM
+#undef VHMAX
+#undef VHSUM8
+#undef PKV_PV_WIDE
+#undef PKV_DOT_WIDE
+#undef VKEEP
+
+#if PKV_X86_DISPATCH
+/* ------------------------------------------------- x86-64 AVX2 + FMA + F16C */
+
+#define PKV_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+/* 2**x for x <= 0: x = n + f, n integer, f in [-0.5, 0.5]; 2**f by its
+ * degree-7 Taylor polynomial (relative error < 1e-8), 2**n in the exponent. */
+PKV_AVX2 static inline __m256 pkv_exp2_avx2(__m256 x)
+{
+    const __m256 lowest = _mm256_set1_ps(-126.0f);
+    const __m256 keep = _mm256_cmp_ps(x, lowest, _CMP_GE_OQ);
+    const __m256 xc = _mm256_max_ps(x, lowest);
+    const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(xc, n);
+    __m256 p = _mm256_set1_ps(1.5252733804059841e-05f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+PKV_AVX2 static inline float pkv_hsum_avx2(__m256 v)
+{
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+PKV_AVX2 static inline float pkv_hmax_avx2(__m256 v)
+{
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+PKV_AVX2 static inline float pkv_h2f_f16c(uint16_t h) { return _cvtsh_ss(h); }
+/* out[i] = sum of the lanes of ai: pairwise unpack/shuffle tree (11 adds). */
+PKV_AVX2 static inline void pkv_hsum8_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
+                                           __m256 a5, __m256 a6, __m256 a7, float *out)
+{
+    const __m256 t0 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+    const __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+    const __m256 t2 = _mm256_add_ps(_mm256_unpacklo_ps(a4, a5), _mm256_unpackhi_ps(a4, a5));
+    const __m256 t3 = _mm256_add_ps(_mm256_unpacklo_ps(a6, a7), _mm256_unpackhi_ps(a6, a7));
+    const __m256 u0 = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 u1 = _mm256_add_ps(_mm256_shuffle_ps(t2, t3, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm256_shuffle_ps(t2, t3, _MM_SHUFFLE(3, 2, 3, 2)));
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                        _mm256_permute2f128_ps(u0, u1, 0x31)));
+}
+
+#define PKV_TARGET PKV_AVX2
+#define vf __m256
+#define VW 8
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(x) _mm256_set1_ps(x)
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, a) _mm256_storeu_ps((p), (a))
+#define VADD(a, b) _mm256_add_ps((a), (b))
+#define VSUB(a, b) _mm256_sub_ps((a), (b))
+#define VMAX(a, b) _mm256_max_ps((a), (b))
+#define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define VMULS(a, x) _mm256_mul_ps((a), _mm256_set1_ps(x))
+#define VEXP2(a) pkv_exp2_avx2(a)
+#define VHSUM(a) pkv_hsum_avx2(a)
+#define VHMAX(a) pkv_hmax_avx2(a)
+#define VHSUM8(a0, a1, a2, a3, a4, a5, a6, a7, out) pkv_hsum8_avx2(a0, a1, a2, a3, a4, a5, a6, a7, out)
+#define PKV_PV_WIDE 0
+#define PKV_DOT_WIDE 0
+#define VKEEP(v) __asm__("" : "+x"(v))
+
+#define PKV_SUFFIX avx2_f32
+#define KV_T float
+#define KV_TO_F(x) (x)
+#define KV_CHUNK (PKV_CHUNK_TOKENS / 2)
+#define VLOAD_KV(p) _mm256_loadu_ps(p)
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_TO_F
+#undef KV_CHUNK
+#undef VLOAD_KV
+
+#define PKV_SUFFIX avx2_f16
+#define KV_T uint16_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_TO_F(x) pkv_h2f_f16c(x)
+#define VLOAD_KV(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p)))
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_TO_F
+#undef KV_CHUNK
+#undef VLOAD_KV
+
+#undef PKV_TARGET
+#undef vf
+#undef VW
+#undef VZERO
+#undef VSET1
+#undef VLOAD
+#undef VSTORE
+#undef VADD
+#undef VSUB
+#undef VMAX
+#undef VFMA
+#undef VMULS
+#undef VEXP2
+#undef VHSUM
+#undef VHMAX
+#undef VHSUM8
+#undef PKV_PV_WIDE
+#undef PKV_DOT_WIDE
+#undef VKEEP
+
+/* ------------------------------------------------------------ x86-64 AVX-512 */
+
+#define PKV_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+PKV_AVX512 static inline __m512 pkv_exp2_avx512(__m512 x)
+{
+    const __m512 lowest = _mm512_set1_ps(-126.0f);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, lowest, _CMP_GE_OQ);
+    const __m512 xc = _mm512_max_ps(x, lowest);
+    const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(xc, n);
+    __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+PKV_AVX512 static inline float pkv_hsum_avx512(__m512 v)
+{
+    __m256 y = _mm256_add_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+PKV_AVX512 static inline float pkv_hmax_avx512(__m512 v)
+{
+    __m256 y = _mm256_max_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+PKV_AVX512 static inline float pkv_h2f_f16c512(uint16_t h) { return _cvtsh_ss(h); }
+/* out[i] = sum of the lanes of ai: within 128-bit lanes as in the AVX2
+ * version, then across the four lanes. */
+PKV_AVX512 static inline void pkv_hsum8_avx512(__m512 a0, __m512 a1, __m512 a2, __m512 a3,
+                                               __m512 a4, __m512 a5, __m512 a6, __m512 a7,
+                                               float *out)
+{
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 t2 = _mm512_add_ps(_mm512_unpacklo_ps(a4, a5), _mm512_unpackhi_ps(a4, a5));
+    const __m512 t3 = _mm512_add_ps(_mm512_unpacklo_ps(a6, a7), _mm512_unpackhi_ps(a6, a7));
+    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_ps(t2, t3, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(t2, t3, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* u0 lane j = [a0, a1, a2, a3] partial sums of 128-bit lane j; u1 for a4..a7 */
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(z, z, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(z, z, _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(w));
+}
+
+#define PKV_TARGET PKV_AVX512
+#define vf __m512
+#define VW 16
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(x) _mm512_set1_ps(x)
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, a) _mm512_storeu_ps((p), (a))
+#define VADD(a, b) _mm512_add_ps((a), (b))
+#define VSUB(a, b) _mm512_sub_ps((a), (b))
+#define VMAX(a, b) _mm512_max_ps((a), (b))
+#define VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define VMULS(a, x) _mm512_mul_ps((a), _mm512_set1_ps(x))
+#define VEXP2(a) pkv_exp2_avx512(a)
+#define VHSUM(a) pkv_hsum_avx512(a)
+#define VHMAX(a) pkv_hmax_avx512(a)
+#define VHSUM8(a0, a1, a2, a3, a4, a5, a6, a7, out) pkv_hsum8_avx512(a0, a1, a2, a3, a4, a5, a6, a7, out)
+#define PKV_PV_WIDE 1
+#define PKV_DOT_WIDE 1
+#define VKEEP(v) __asm__("" : "+v"(v))
+
+#define PKV_SUFFIX avx512_f32
+#define KV_T float
+#define KV_TO_F(x) (x)
+#define KV_CHUNK (PKV_CHUNK_TOKENS / 2)
+#define VLOAD_KV(p) _mm512_loadu_ps(p)
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_TO_F
+#undef KV_CHUNK
+#undef VLOAD_KV
+
+#define PKV_SUFFIX avx512_f16
+#define KV_T uint16_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_TO_F(x) pkv_h2f_f16c512(x)
+#define VLOAD_KV(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p)))
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_TO_F
+#undef KV_CHUNK
+#undef VLOAD_KV
+
+#undef PKV_TARGET
+#undef vf
+#undef VW
+#undef VZERO
+#undef VSET1
+#undef VLOAD
+#undef VSTORE
+#undef VADD
+#undef VSUB
+#undef VMAX
+#undef VFMA
+#undef VMULS
+#undef VEXP2
+#undef VHSUM
+#undef VHMAX
+#undef VHSUM8
+#undef PKV_PV_WIDE
+#undef PKV_DOT_WIDE
+#undef VKEEP
+
+#endif /* PKV_X86_DISPATCH */
+
+/* ------------------------------------------------------------------ dispatch */
+
+#if PKV_X86_DISPATCH
+static int pkv_cpuid1_ecx_has(unsigned int bits)
+{
+    unsigned int eax, ebx, ecx, edx;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx))
+        return 0;
+    return (ecx & bits) == bits;
+}
+#endif
+
+int pkv_isa_available(pkv_isa isa)
+{
+    switch (isa) {
+    case PKV_ISA_SCALAR:
+        return 1;
+#if PKV_X86_DISPATCH
+    case PKV_ISA_AVX2:
+        /* __builtin_cpu_supports checks that the OS saves the AVX state; FMA
+         * and F16C are read from CPUID leaf 1 (ECX bits 12 and 29), as not
+         * every compiler knows those feature names. */
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && pkv_cpuid1_ecx_has((1u << 12) | (1u << 29));
+    case PKV_ISA_AVX512:
+        return pkv_isa_available(PKV_ISA_AVX2) && __builtin_cpu_supports("avx512f");
+#endif
+    default:
+        return 0;
+    }
+}
+
+pkv_isa pkv_best_isa(void)
+{
+    if (pkv_isa_available(PKV_ISA_AVX512))
+        return PKV_ISA_AVX512;
+    if (pkv_isa_available(PKV_ISA_AVX2))
+        return PKV_ISA_AVX2;
+    return PKV_ISA_SCALAR;
+}
+
+const char *pkv_isa_name(pkv_isa isa)
+{
+    switch (isa) {
+    case PKV_ISA_AVX2:
+        return "avx2";
+    case PKV_ISA_AVX512:
+        return "avx512";
+    default:
+        return "scalar";
+    }
+}
+
+pkv_item_kernel pkv_get_kernel(pkv_isa isa, int pool_is_f16)
+{
+    switch (isa) {
+#if PKV_X86_DISPATCH
+    case PKV_ISA_AVX512:
+        return pool_is_f16 ? attend_item_avx512_f16 : attend_item_avx512_f32;
+    case PKV_ISA_AVX2:
+        return pool_is_f16 ? attend_item_avx2_f16 : attend_item_avx2_f32;
+#endif
+    default:
+        return pool_is_f16 ? attend_item_scalar_f16 : attend_item_scalar_f32;
+    }
+}

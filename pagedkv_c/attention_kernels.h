@@ -1,0 +1,102 @@
+/* Paged attention kernels over a KV pool, with run-time SIMD dispatch.
+ *
+ * The C side computes one work item: the queries of one KV-head group of one
+ * sequence (all query heads that share that KV head, for one or more
+ * consecutive query tokens) against the pages of that sequence. The Cython
+ * module `pagedkv_c._attention` builds the work items, spreads them over
+ * OpenMP threads and owns all validation; nothing here allocates or checks.
+ *
+ * Pool layout (FlashInfer's NHD paged layout, one layer):
+ *   pool[num_pages][2][page_size][num_kv_heads][head_dim], index 0 of axis 1
+ *   is K, 1 is V; float32 or IEEE float16 (stored as uint16_t).
+ *
+ * Mask: the query at position p attends to the cached key at position k iff
+ *   k <= p and (window <= 0 or k >= p - window + 1 or k < sink_tokens).
+ *
+ * Portable C99 outside the x86 dispatch section, which needs GCC or Clang.
+ */
+#ifndef PAGEDKV_ATTENTION_KERNELS_H
+#define PAGEDKV_ATTENTION_KERNELS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Largest supported head dimension (elements). */
+#define PKV_MAX_HEAD_DIM 256
+/* Most tokens scored together before one online-softmax update (float16
+ * pools; float32 pools use half as many, as their rows are twice as long). */
+#ifndef PKV_CHUNK_TOKENS
+#define PKV_CHUNK_TOKENS 32
+#endif
+/* Most KV heads in one work item. */
+#define PKV_MAX_ITEM_HEADS 64
+
+/* Instruction-set paths, in increasing order of preference. */
+typedef enum {
+    PKV_ISA_SCALAR = 0,  /* portable C, any compiler and CPU */
+    PKV_ISA_AVX2 = 1,    /* x86-64 AVX2 + FMA + F16C */
+    PKV_ISA_AVX512 = 2   /* x86-64 AVX-512F (+ AVX2, FMA, F16C) */
+} pkv_isa;
+
+/* Everything a work item reads, shared by all items of one call. */
+typedef struct {
+    const void *pool;              /* pool of one layer, layout above */
+    int32_t pool_is_f16;           /* 1: float16 pool, 0: float32 pool */
+    int64_t page_size;             /* tokens per page */
+    int64_t num_kv_heads;          /* Hkv */
+    int64_t head_dim;              /* D, 1 <= D <= PKV_MAX_HEAD_DIM */
+    int64_t group_size;            /* query heads per KV head, Hq / Hkv */
+    const int32_t *indptr;         /* [B + 1] CSR offsets into indices */
+    const int32_t *indices;        /* [nnz] page ids, position order */
+    const int64_t *page_positions; /* [nnz] first token position per listed page */
+    const int64_t *seq_lens;       /* [B] tokens appended so far */
+    int64_t window;                /* W in tokens; <= 0 means full attention */
+    int64_t sink_tokens;           /* S in tokens, used only with a window */
+    float scale;                   /* multiplies q.k before the softmax */
+    const float *q;                /* [num_tokens, Hq, D] float32 queries */
+    float *out;                    /* [num_tokens, Hq, D] float32 output */
+    float *lse;                    /* [num_tokens, Hq] natural-log LSE, or NULL */
+} pkv_attention_args;
+
+/* One work item: tokens first_token .. first_token + num_tokens - 1 of q, at
+ * positions first_position + i, all query heads of KV heads kv_head ..
+ * kv_head + num_kv_heads - 1, reading the pages of sequence seq. The KV heads
+ * of an item are computed independently of each other (same arithmetic as
+ * one head per item); grouping them only makes the item read each token's
+ * K/V row as one contiguous run. */
+typedef struct {
+    int64_t seq;
+    int64_t kv_head;
+    int64_t num_kv_heads;
+    int64_t first_token;
+    int64_t num_tokens;
+    int64_t first_position;
+} pkv_work_item;
+
+typedef void (*pkv_item_kernel)(const pkv_attention_args *args,
+                                const pkv_work_item *item, float *scratch);
+
+/* Floats of scratch one work item of at most max_rows (query, head) rows
+ * needs; rows = num_kv_heads * num_tokens * group_size. */
+int64_t pkv_scratch_floats(int64_t max_rows, int64_t head_dim);
+
+/* Best path this CPU and build support. */
+pkv_isa pkv_best_isa(void);
+/* 1 if this CPU and build can run the path. */
+int pkv_isa_available(pkv_isa isa);
+/* Short lower-case name: "scalar", "avx2", "avx512". */
+const char *pkv_isa_name(pkv_isa isa);
+/* Item kernel of a path for a pool dtype (path must be available). */
+pkv_item_kernel pkv_get_kernel(pkv_isa isa, int pool_is_f16);
+
+/* Portable IEEE float16 -> float32 conversion (exact, all 65536 inputs). */
+float pkv_half_to_float_portable(uint16_t h);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PAGEDKV_ATTENTION_KERNELS_H */

@@ -1,0 +1,597 @@
+/* Body of the paged attention item kernel, included once per (path, pool
+ * dtype) by attention_kernels.c. Not a header of its own: no include guard.
+ *
+ * The including file defines:
+ *   PKV_TARGET   function attributes of the path (empty for portable C)
+ *   PKV_SUFFIX   name suffix, e.g. avx2_f16
+ *   KV_T         pool element type (float or uint16_t)
+ *   KV_TO_F(x)   one pool element -> float
+ *   KV_CHUNK     tokens per chunk (<= PKV_CHUNK_TOKENS, a multiple of 16):
+ *                smaller for float32, whose rows are twice as many bytes
+ *   vf, VW       vector type of VW float32 lanes
+ *   VZERO() VSET1(x) VLOAD(p) VSTORE(p, v) VLOAD_KV(p)
+ *   VADD VSUB VMAX VFMA(a, b, c) = a * b + c, VMULS(v, x) = v * x
+ *   VEXP2(x)     2**x lane-wise for x <= 0, exactly 0 where x < -126 or -inf
+ *   VHSUM(v) VHMAX(v)   horizontal sum / max, fixed order
+ *   VHSUM8(a0, ..., a7, out)  out[i] = horizontal sum of ai, fixed order
+ *   PKV_PV_WIDE  1: the V accumulation keeps 16 vectors in registers
+ *   PKV_DOT_WIDE 1: scores 4 rows x 4 tokens at once (16 accumulators)
+ *   VKEEP(v)     keeps a loaded vector in a register (not refolded into
+ *                every FMA as a memory operand), or nothing
+ *
+ * Algorithm: one pass over the pages with the online softmax of
+ * FlashAttention (Dao et al. 2022; Milakov & Gimelshein 2018): tokens are
+ * scored in chunks of KV_CHUNK tokens, each chunk updates every row's running
+ * max m and running sum l, rescales its accumulator once, then adds the
+ * chunk's probability-weighted V rows. Scores live in the log2 domain (q is
+ * pre-scaled by scale * log2(e)) so that the exponentials are exp2.
+ */
+
+#define PKV_CAT2_(a, b) a##_##b
+#define PKV_CAT_(a, b) PKV_CAT2_(a, b)
+#define FN(name) PKV_CAT_(name, PKV_SUFFIX)
+
+/* Walks the cache lines of the K and V rows of the next chunk, a few lines
+ * per scoring step, so that memory requests overlap the arithmetic instead of
+ * queueing up in one burst. */
+typedef struct {
+    const KV_T *const *k_rows;
+    const KV_T *const *v_rows;
+    int64_t token, token_end;   /* next token to fetch, end of the list */
+    int64_t line, row_lines;    /* next 64-byte line in the row, lines per row */
+    int64_t per_step;           /* lines per call of prefetch_step */
+    int v_half;                 /* 0: K row of the token, 1: its V row */
+} FN(prefetcher);
+
+PKV_TARGET static inline void FN(prefetch_step)(FN(prefetcher) *pf)
+{
+    int64_t budget = pf->per_step, token = pf->token, line = pf->line;
+    int v_half = pf->v_half;
+    while (budget > 0 && token < pf->token_end) {
+        const char *row = (const char *)(v_half ? pf->v_rows[token] : pf->k_rows[token]);
+        int64_t stop = line + budget < pf->row_lines ? line + budget : pf->row_lines;
+        budget -= stop - line;
+        if (PKV_PREFETCH_K || v_half)
+            for (; line < stop; line++)
+                PKV_PREFETCH(row + line * 64);
+        line = stop;
+        if (line == pf->row_lines) {
+            line = 0;
+            token += v_half;
+            v_half ^= 1;
+        }
+    }
+    pf->token = token;
+    pf->line = line;
+    pf->v_half = v_half;
+}
+
+/* Scores of 4 query rows (stride q_stride) against 2 key rows. */
+PKV_TARGET static inline void FN(dot_4x2)(const float *q, int64_t q_stride,
+                                          const KV_T *k0, const KV_T *k1,
+                                          int64_t dim, int64_t dim_vec,
+                                          float *s, int64_t s_stride)
+{
+    vf a00 = VZERO(), a01 = VZERO(), a10 = VZERO(), a11 = VZERO();
+    vf a20 = VZERO(), a21 = VZERO(), a30 = VZERO(), a31 = VZERO();
+    const float *q0 = q, *q1 = q + q_stride, *q2 = q + 2 * q_stride, *q3 = q + 3 * q_stride;
+    float r[8];
+    int64_t d;
+    for (d = 0; d < dim_vec; d += VW) {
+        const vf x0 = VLOAD_KV(k0 + d);
+        const vf x1 = VLOAD_KV(k1 + d);
+        vf w = VLOAD(q0 + d);
+        VKEEP(w);
+        a00 = VFMA(w, x0, a00);
+        a01 = VFMA(w, x1, a01);
+        w = VLOAD(q1 + d);
+        VKEEP(w);
+        a10 = VFMA(w, x0, a10);
+        a11 = VFMA(w, x1, a11);
+        w = VLOAD(q2 + d);
+        VKEEP(w);
+        a20 = VFMA(w, x0, a20);
+        a21 = VFMA(w, x1, a21);
+        w = VLOAD(q3 + d);
+        VKEEP(w);
+        a30 = VFMA(w, x0, a30);
+        a31 = VFMA(w, x1, a31);
+    }
+    VHSUM8(a00, a01, a10, a11, a20, a21, a30, a31, r);
+    for (; d < dim; d++) {
+        const float x0 = KV_TO_F(k0[d]), x1 = KV_TO_F(k1[d]);
+        r[0] += q0[d] * x0; r[1] += q0[d] * x1;
+        r[2] += q1[d] * x0; r[3] += q1[d] * x1;
+        r[4] += q2[d] * x0; r[5] += q2[d] * x1;
+        r[6] += q3[d] * x0; r[7] += q3[d] * x1;
+    }
+    s[0] = r[0]; s[1] = r[1];
+    s[s_stride] = r[2]; s[s_stride + 1] = r[3];
+    s[2 * s_stride] = r[4]; s[2 * s_stride + 1] = r[5];
+    s[3 * s_stride] = r[6]; s[3 * s_stride + 1] = r[7];
+}
+
+#if PKV_DOT_WIDE
+/* Scores of 4 query rows against 4 key rows: 16 accumulators, so each q and
+ * K load feeds 4 FMAs (needs 32 vector registers). */
+PKV_TARGET static inline void FN(dot_4x4)(const float *q, int64_t q_stride,
+                                          const KV_T *const *k, int64_t dim, int64_t dim_vec,
+                                          float *s, int64_t s_stride)
+{
+    vf a00 = VZERO(), a01 = VZERO(), a02 = VZERO(), a03 = VZERO();
+    vf a10 = VZERO(), a11 = VZERO(), a12 = VZERO(), a13 = VZERO();
+    vf a20 = VZERO(), a21 = VZERO(), a22 = VZERO(), a23 = VZERO();
+    vf a30 = VZERO(), a31 = VZERO(), a32 = VZERO(), a33 = VZERO();
+    const float *q0 = q, *q1 = q + q_stride, *q2 = q + 2 * q_stride, *q3 = q + 3 * q_stride;
+    const KV_T *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
+    float r0[8], r1[8];
+    int64_t d, i;
+    for (d = 0; d < dim_vec; d += VW) {
+        const vf x0 = VLOAD_KV(k0 + d), x1 = VLOAD_KV(k1 + d);
+        const vf x2 = VLOAD_KV(k2 + d), x3 = VLOAD_KV(k3 + d);
+        vf w = VLOAD(q0 + d);
+        VKEEP(w);
+        a00 = VFMA(w, x0, a00); a01 = VFMA(w, x1, a01); a02 = VFMA(w, x2, a02); a03 = VFMA(w, x3, a03);
+        w = VLOAD(q1 + d);
+        VKEEP(w);
+        a10 = VFMA(w, x0, a10); a11 = VFMA(w, x1, a11); a12 = VFMA(w, x2, a12); a13 = VFMA(w, x3, a13);
+        w = VLOAD(q2 + d);
+        VKEEP(w);
+        a20 = VFMA(w, x0, a20); a21 = VFMA(w, x1, a21); a22 = VFMA(w, x2, a22); a23 = VFMA(w, x3, a23);
+        w = VLOAD(q3 + d);
+        VKEEP(w);
+        a30 = VFMA(w, x0, a30); a31 = VFMA(w, x1, a31); a32 = VFMA(w, x2, a32); a33 = VFMA(w, x3, a33);
+    }
+    VHSUM8(a00, a01, a02, a03, a10, a11, a12, a13, r0);
+    VHSUM8(a20, a21, a22, a23, a30, a31, a32, a33, r1);
+    for (; d < dim; d++) {
+        for (i = 0; i < 4; i++) {
+            const float x = KV_TO_F(k[i][d]);
+            r0[i] += q0[d] * x; r0[4 + i] += q1[d] * x;
+            r1[i] += q2[d] * x; r1[4 + i] += q3[d] * x;
+        }
+    }
+    for (i = 0; i < 4; i++) {
+        s[i] = r0[i];
+        s[s_stride + i] = r0[4 + i];
+        s[2 * s_stride + i] = r1[i];
+        s[3 * s_stride + i] = r1[4 + i];
+    }
+}
+#endif
+
+/* Scores of 1 query row against 8 key rows k[0..7]. */
+PKV_TARGET static inline void FN(dot_1x8)(const float *q, const KV_T *const *k,
+                                          int64_t dim, int64_t dim_vec, float *s)
+{
+    vf a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
+    vf a4 = VZERO(), a5 = VZERO(), a6 = VZERO(), a7 = VZERO();
+    int64_t d, i;
+    for (d = 0; d < dim_vec; d += VW) {
+        const vf w = VLOAD(q + d);
+        a0 = VFMA(w, VLOAD_KV(k[0] + d), a0);
+        a1 = VFMA(w, VLOAD_KV(k[1] + d), a1);
+        a2 = VFMA(w, VLOAD_KV(k[2] + d), a2);
+        a3 = VFMA(w, VLOAD_KV(k[3] + d), a3);
+        a4 = VFMA(w, VLOAD_KV(k[4] + d), a4);
+        a5 = VFMA(w, VLOAD_KV(k[5] + d), a5);
+        a6 = VFMA(w, VLOAD_KV(k[6] + d), a6);
+        a7 = VFMA(w, VLOAD_KV(k[7] + d), a7);
+    }
+    VHSUM8(a0, a1, a2, a3, a4, a5, a6, a7, s);
+    for (; d < dim; d++)
+        for (i = 0; i < 8; i++)
+            s[i] += q[d] * KV_TO_F(k[i][d]);
+}
+
+/* acc[4 rows] += sum_t p[row][t] * v_t, rows at stride acc_stride / p_stride. */
+PKV_TARGET static inline void FN(pv_4rows)(float *acc, int64_t acc_stride,
+                                           const float *p, int64_t p_stride,
+                                           const KV_T *const *v_rows, int64_t head_offset,
+                                           int64_t num_tokens, int64_t dim, int64_t dim_vec)
+{
+    float *c0 = acc, *c1 = acc + acc_stride, *c2 = acc + 2 * acc_stride, *c3 = acc + 3 * acc_stride;
+    const float *p0 = p, *p1 = p + p_stride, *p2 = p + 2 * p_stride, *p3 = p + 3 * p_stride;
+    int64_t d = 0, t;
+#if PKV_PV_WIDE
+    /* 16 accumulators: 4 rows x 4 vectors, each V load feeds 4 FMAs. */
+    for (; d + 4 * VW <= dim_vec; d += 4 * VW) {
+        vf a00 = VLOAD(c0 + d), a01 = VLOAD(c0 + d + VW), a02 = VLOAD(c0 + d + 2 * VW), a03 = VLOAD(c0 + d + 3 * VW);
+        vf a10 = VLOAD(c1 + d), a11 = VLOAD(c1 + d + VW), a12 = VLOAD(c1 + d + 2 * VW), a13 = VLOAD(c1 + d + 3 * VW);
+        vf a20 = VLOAD(c2 + d), a21 = VLOAD(c2 + d + VW), a22 = VLOAD(c2 + d + 2 * VW), a23 = VLOAD(c2 + d + 3 * VW);
+        vf a30 = VLOAD(c3 + d), a31 = VLOAD(c3 + d + VW), a32 = VLOAD(c3 + d + 2 * VW), a33 = VLOAD(c3 + d + 3 * VW);
+        for (t = 0; t < num_tokens; t++) {
+            const KV_T *v = (v_rows[t] + head_offset) + d;
+            const vf x0 = VLOAD_KV(v), x1 = VLOAD_KV(v + VW);
+            const vf x2 = VLOAD_KV(v + 2 * VW), x3 = VLOAD_KV(v + 3 * VW);
+            vf w = VSET1(p0[t]);
+            a00 = VFMA(w, x0, a00); a01 = VFMA(w, x1, a01); a02 = VFMA(w, x2, a02); a03 = VFMA(w, x3, a03);
+            w = VSET1(p1[t]);
+            a10 = VFMA(w, x0, a10); a11 = VFMA(w, x1, a11); a12 = VFMA(w, x2, a12); a13 = VFMA(w, x3, a13);
+            w = VSET1(p2[t]);
+            a20 = VFMA(w, x0, a20); a21 = VFMA(w, x1, a21); a22 = VFMA(w, x2, a22); a23 = VFMA(w, x3, a23);
+            w = VSET1(p3[t]);
+            a30 = VFMA(w, x0, a30); a31 = VFMA(w, x1, a31); a32 = VFMA(w, x2, a32); a33 = VFMA(w, x3, a33);
+        }
+        VSTORE(c0 + d, a00); VSTORE(c0 + d + VW, a01); VSTORE(c0 + d + 2 * VW, a02); VSTORE(c0 + d + 3 * VW, a03);
+        VSTORE(c1 + d, a10); VSTORE(c1 + d + VW, a11); VSTORE(c1 + d + 2 * VW, a12); VSTORE(c1 + d + 3 * VW, a13);
+        VSTORE(c2 + d, a20); VSTORE(c2 + d + VW, a21); VSTORE(c2 + d + 2 * VW, a22); VSTORE(c2 + d + 3 * VW, a23);
+        VSTORE(c3 + d, a30); VSTORE(c3 + d + VW, a31); VSTORE(c3 + d + 2 * VW, a32); VSTORE(c3 + d + 3 * VW, a33);
+    }
+#endif
+    for (; d + 2 * VW <= dim_vec; d += 2 * VW) {
+        vf a00 = VLOAD(c0 + d), a01 = VLOAD(c0 + d + VW);
+        vf a10 = VLOAD(c1 + d), a11 = VLOAD(c1 + d + VW);
+        vf a20 = VLOAD(c2 + d), a21 = VLOAD(c2 + d + VW);
+        vf a30 = VLOAD(c3 + d), a31 = VLOAD(c3 + d + VW);
+        for (t = 0; t < num_tokens; t++) {
+            vf x0 = VLOAD_KV((v_rows[t] + head_offset) + d);
+            vf x1 = VLOAD_KV((v_rows[t] + head_offset) + d + VW);
+            vf w = VSET1(p0[t]);
+            a00 = VFMA(w, x0, a00); a01 = VFMA(w, x1, a01);
+            w = VSET1(p1[t]);
+            a10 = VFMA(w, x0, a10); a11 = VFMA(w, x1, a11);
+            w = VSET1(p2[t]);
+            a20 = VFMA(w, x0, a20); a21 = VFMA(w, x1, a21);
+            w = VSET1(p3[t]);
+            a30 = VFMA(w, x0, a30); a31 = VFMA(w, x1, a31);
+        }
+        VSTORE(c0 + d, a00); VSTORE(c0 + d + VW, a01);
+        VSTORE(c1 + d, a10); VSTORE(c1 + d + VW, a11);
+        VSTORE(c2 + d, a20); VSTORE(c2 + d + VW, a21);
+        VSTORE(c3 + d, a30); VSTORE(c3 + d + VW, a31);
+    }
+    for (; d < dim_vec; d += VW) {
+        vf a0 = VLOAD(c0 + d), a1 = VLOAD(c1 + d), a2 = VLOAD(c2 + d), a3 = VLOAD(c3 + d);
+        for (t = 0; t < num_tokens; t++) {
+            vf x = VLOAD_KV((v_rows[t] + head_offset) + d);
+            a0 = VFMA(VSET1(p0[t]), x, a0);
+            a1 = VFMA(VSET1(p1[t]), x, a1);
+            a2 = VFMA(VSET1(p2[t]), x, a2);
+            a3 = VFMA(VSET1(p3[t]), x, a3);
+        }
+        VSTORE(c0 + d, a0); VSTORE(c1 + d, a1); VSTORE(c2 + d, a2); VSTORE(c3 + d, a3);
+    }
+    for (; d < dim; d++) {
+        for (t = 0; t < num_tokens; t++) {
+            float x = KV_TO_F((v_rows[t] + head_offset)[d]);
+            c0[d] += p0[t] * x; c1[d] += p1[t] * x; c2[d] += p2[t] * x; c3[d] += p3[t] * x;
+        }
+    }
+}
+
+/* acc[1 row] += sum_t p[t] * v_t. */
+PKV_TARGET static inline void FN(pv_1row)(float *acc, const float *p,
+                                          const KV_T *const *v_rows, int64_t head_offset,
+                                          int64_t num_tokens, int64_t dim, int64_t dim_vec)
+{
+    int64_t d = 0, t;
+    for (; d + 4 * VW <= dim_vec; d += 4 * VW) {
+        vf a0 = VLOAD(acc + d), a1 = VLOAD(acc + d + VW);
+        vf a2 = VLOAD(acc + d + 2 * VW), a3 = VLOAD(acc + d + 3 * VW);
+        for (t = 0; t < num_tokens; t++) {
+            const KV_T *v = (v_rows[t] + head_offset) + d;
+            vf w = VSET1(p[t]);
+            a0 = VFMA(w, VLOAD_KV(v), a0);
+            a1 = VFMA(w, VLOAD_KV(v + VW), a1);
+            a2 = VFMA(w, VLOAD_KV(v + 2 * VW), a2);
+            a3 = VFMA(w, VLOAD_KV(v + 3 * VW), a3);
+        }
+        VSTORE(acc + d, a0); VSTORE(acc + d + VW, a1);
+        VSTORE(acc + d + 2 * VW, a2); VSTORE(acc + d + 3 * VW, a3);
+    }
+    for (; d < dim_vec; d += VW) {
+        vf a0 = VLOAD(acc + d);
+        for (t = 0; t < num_tokens; t++)
+            a0 = VFMA(VSET1(p[t]), VLOAD_KV((v_rows[t] + head_offset) + d), a0);
+        VSTORE(acc + d, a0);
+    }
+    for (; d < dim; d++)
+        for (t = 0; t < num_tokens; t++)
+            acc[d] += p[t] * KV_TO_F((v_rows[t] + head_offset)[d]);
+}
+
+/* State of one KV head of a work item, updated chunk by chunk. */
+typedef struct {
+    int64_t rows;            /* (query, head) rows: num_tokens * group_size */
+    int64_t group_size;
+    int64_t dim, dim_vec, dim_pad;
+    int64_t first_position;  /* position of the item's first query */
+    int64_t window, sink_tokens;
+    float *qs;               /* [rows, dim_pad] q * scale * log2(e) */
+    float *acc;              /* [rows, dim_pad] running sum of p * v */
+    float *s;                /* [rows, PKV_CHUNK_TOKENS] scores, then probabilities */
+    float *m;                /* [rows] running max (log2 domain) */
+    float *l;                /* [rows] running sum of 2**(s - m) */
+} FN(pkv_state);
+
+/* Scores of tokens t .. t+7 of a chunk of n (tokens past n repeat token t and
+ * fill padding slots) for every row of one KV head; its rows start at
+ * k_rows[u] + head_offset. */
+PKV_TARGET static inline void FN(score_tokens)(const FN(pkv_state) *st, const KV_T *const *k_rows,
+                                               int64_t t, int64_t n, int64_t head_offset)
+{
+    const int64_t rows = st->rows, dim = st->dim, dim_vec = st->dim_vec, dim_pad = st->dim_pad;
+    const int64_t ch = PKV_CHUNK_TOKENS;
+    const KV_T *k8[8];
+    int64_t r;
+    int u;
+    for (u = 0; u < 8; u++)
+        k8[u] = (t + u < n ? k_rows[t + u] : k_rows[t]) + head_offset;
+    for (r = 0; r + 4 <= rows; r += 4) {
+        const float *q = st->qs + r * dim_pad;
+        float *s = st->s + r * ch + t;
+#if PKV_DOT_WIDE
+        FN(dot_4x4)(q, dim_pad, k8, dim, dim_vec, s, ch);
+        FN(dot_4x4)(q, dim_pad, k8 + 4, dim, dim_vec, s + 4, ch);
+#else
+        FN(dot_4x2)(q, dim_pad, k8[0], k8[1], dim, dim_vec, s, ch);
+        FN(dot_4x2)(q, dim_pad, k8[2], k8[3], dim, dim_vec, s + 2, ch);
+        FN(dot_4x2)(q, dim_pad, k8[4], k8[5], dim, dim_vec, s + 4, ch);
+        FN(dot_4x2)(q, dim_pad, k8[6], k8[7], dim, dim_vec, s + 6, ch);
+#endif
+    }
+    for (; r < rows; r++)
+        FN(dot_1x8)(st->qs + r * dim_pad, k8, dim, dim_vec, st->s + r * ch + t);
+}
+
+/* After scoring a chunk of n tokens for one KV head: mask, update the online
+ * softmax, accumulate the V rows (at v_rows[t] + head_offset). */
+PKV_TARGET static void FN(finish_chunk)(const FN(pkv_state) *st, const KV_T *const *v_rows,
+                                        const int64_t *positions, int64_t n, int64_t head_offset)
+{
+    const int64_t rows = st->rows, dim = st->dim, dim_vec = st->dim_vec, dim_pad = st->dim_pad;
+    const int64_t ch = PKV_CHUNK_TOKENS;
+    const int64_t n_pad = (n + VW - 1) / VW * VW;
+    int64_t r, t;
+
+    /* mask, only where some token may fall outside some row's range */
+    const int64_t pmin = st->first_position;
+    const int64_t pmax = st->first_position + rows / st->group_size - 1;
+    const int64_t first = positions[0], last = positions[n - 1];
+    const int all_valid = last <= pmin && (st->window <= 0 || first >= pmax - st->window + 1 ||
+                                           last < st->sink_tokens);
+    if (!all_valid) {
+        for (r = 0; r < rows; r++) {
+            const int64_t p = st->first_position + r / st->group_size;
+            float *s = st->s + r * ch;
+            for (t = 0; t < n; t++) {
+                const int64_t k = positions[t];
+                const int ok = k <= p && (st->window <= 0 || k >= p - st->window + 1 ||
+                                          k < st->sink_tokens);
+                if (!ok)
+                    s[t] = -INFINITY;
+            }
+        }
+    }
+
+    /* online softmax update per row */
+    for (r = 0; r < rows; r++) {
+        float *s = st->s + r * ch;
+        for (t = n; t < n_pad; t++)
+            s[t] = -INFINITY;
+        vf vmax = VSET1(-INFINITY);
+        for (t = 0; t < n_pad; t += VW)
+            vmax = VMAX(vmax, VLOAD(s + t));
+        const float chunk_max = VHMAX(vmax);
+        if (chunk_max == -INFINITY) {
+            /* every token masked for this row: it takes nothing from the chunk */
+            const vf zero = VZERO();
+            for (t = 0; t < n_pad; t += VW)
+                VSTORE(s + t, zero);
+            continue;
+        }
+        const float m_old = st->m[r];
+        const float m_new = m_old > chunk_max ? m_old : chunk_max;
+        const vf vm = VSET1(m_new);
+        vf vsum = VZERO();
+        for (t = 0; t < n_pad; t += VW) {
+            const vf e = VEXP2(VSUB(VLOAD(s + t), vm));
+            VSTORE(s + t, e);
+            vsum = VADD(vsum, e);
+        }
+        if (m_new != m_old) {
+            const float alpha = exp2f(m_old - m_new); /* 0 for the first chunk */
+            float *acc = st->acc + r * dim_pad;
+            int64_t d;
+            for (d = 0; d < dim_pad; d += VW)
+                VSTORE(acc + d, VMULS(VLOAD(acc + d), alpha));
+            st->l[r] *= alpha;
+        }
+        st->l[r] += VHSUM(vsum);
+        st->m[r] = m_new;
+    }
+
+    /* acc += p @ V */
+    r = 0;
+    for (; r + 4 <= rows; r += 4)
+        FN(pv_4rows)(st->acc + r * dim_pad, dim_pad, st->s + r * ch, ch, v_rows, head_offset,
+                     n, dim, dim_vec);
+    for (; r < rows; r++)
+        FN(pv_1row)(st->acc + r * dim_pad, st->s + r * ch, v_rows, head_offset, n, dim, dim_vec);
+}
+
+/* Run every KV head of the item over one chunk of n tokens while the tokens
+ * [pf_begin, pf_end) of the lists (a later chunk) are prefetched. Scoring
+ * goes token-major (8 tokens, all heads, then the next 8), so K is read as
+ * one sequential stream; V is then read head by head from cache. */
+PKV_TARGET static void FN(process_heads)(const FN(pkv_state) *heads, int64_t num_heads,
+                                         int64_t head_dim, const KV_T *const *k_rows,
+                                         const KV_T *const *v_rows, const int64_t *positions,
+                                         int64_t n, int64_t pf_begin, int64_t pf_end)
+{
+    const int64_t steps = num_heads * ((n + 7) / 8);
+    FN(prefetcher) pf;
+    pf.k_rows = k_rows;
+    pf.v_rows = v_rows;
+    pf.token = pf_begin;
+    pf.token_end = PKV_PREFETCH_CHUNKS && pf_end > pf_begin ? pf_end : pf_begin;
+    pf.line = 0;
+    pf.row_lines = (num_heads * head_dim * (int64_t)sizeof(KV_T) + 63) / 64;
+    /* Spread the prefetches over the whole chunk: a share while scoring, the
+     * rest before each head's V accumulation, so memory never idles. */
+    const int64_t lines = 2 * (pf.token_end - pf.token) * pf.row_lines;
+    const int64_t score_lines = lines * PKV_PREFETCH_SCORE_SHARE / 8;
+    pf.per_step = (score_lines + steps - 1) / steps;
+    pf.v_half = 0;
+    int64_t hh, t;
+    for (t = 0; t < n; t += 8) {
+        for (hh = 0; hh < num_heads; hh++) {
+            FN(prefetch_step)(&pf);
+            FN(score_tokens)(&heads[hh], k_rows, t, n, hh * head_dim);
+        }
+    }
+    pf.per_step = (lines - score_lines + num_heads - 1) / num_heads;
+    for (hh = 0; hh < num_heads; hh++) {
+        FN(prefetch_step)(&pf);
+        FN(finish_chunk)(&heads[hh], v_rows, positions, n, hh * head_dim);
+    }
+}
+
+/* The item kernel: see pkv_item_kernel in attention_kernels.h. */
+PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_work_item *item,
+                                       float *scratch)
+{
+    const int64_t G = a->group_size, D = a->head_dim, Hkv = a->num_kv_heads;
+    const int64_t Hq = Hkv * G;
+    const int64_t num_heads = item->num_kv_heads;
+    const int64_t rows = item->num_tokens * G; /* per KV head */
+    const int64_t dim_pad = (D + 15) / 16 * 16;
+    const int64_t ps = a->page_size;
+    const int64_t token_stride = Hkv * D;       /* elements between tokens */
+    const int64_t v_offset = ps * token_stride; /* K half -> V half of a page */
+    const int64_t page_stride = 2 * v_offset;   /* elements per page */
+    const float qscale = a->scale * 1.4426950408889634f; /* log2(e) */
+    const KV_T *pool = (const KV_T *)a->pool;
+    const int64_t seq = item->seq;
+    const int64_t seq_len = a->seq_lens[seq];
+    int64_t r, d, j, hh;
+
+    /* Per-head state; heads[] lives at the end of the scratch block. */
+    float *next = scratch;
+    FN(pkv_state) heads[PKV_MAX_ITEM_HEADS];
+    for (hh = 0; hh < num_heads; hh++) {
+        FN(pkv_state) *st = &heads[hh];
+        const int64_t kv_head = item->kv_head + hh;
+        st->rows = rows;
+        st->group_size = G;
+        st->dim = D;
+        st->dim_vec = D / VW * VW;
+        st->dim_pad = dim_pad;
+        st->first_position = item->first_position;
+        st->window = a->window;
+        st->sink_tokens = a->window > 0 ? a->sink_tokens : 0;
+        st->qs = next;
+        st->acc = st->qs + rows * dim_pad;
+        st->s = st->acc + rows * dim_pad;
+        st->m = st->s + rows * PKV_CHUNK_TOKENS;
+        st->l = st->m + rows;
+        next = st->l + rows;
+        for (r = 0; r < rows; r++) {
+            const int64_t i = r / G, g = r % G;
+            const float *q = a->q + (item->first_token + i) * Hq * D + (kv_head * G + g) * D;
+            float *qs = st->qs + r * dim_pad;
+            float *acc = st->acc + r * dim_pad;
+            for (d = 0; d < D; d++)
+                qs[d] = q[d] * qscale;
+            for (; d < dim_pad; d++)
+                qs[d] = 0.0f;
+            for (d = 0; d < dim_pad; d++)
+                acc[d] = 0.0f;
+            st->m[r] = -INFINITY;
+            st->l[r] = 0.0f;
+        }
+    }
+
+    /* Keys any row may need: position <= pmax and (>= lo or < sink). */
+    const int64_t pmin = item->first_position;
+    const int64_t pmax = item->first_position + item->num_tokens - 1;
+    const int64_t lo = a->window > 0 ? pmin - a->window + 1 : 0;
+    const int64_t sink_end = a->window > 0 ? a->sink_tokens : 0;
+
+    /* Tokens are listed PKV_PREFETCH_AHEAD chunks ahead of the one being
+     * processed; that chunk is prefetched while this one is computed. Rows
+     * point at the item's first KV head. */
+    enum { CH = KV_CHUNK, CAP = (PKV_PREFETCH_AHEAD + 1) * KV_CHUNK };
+    const KV_T *k_rows[CAP];
+    const KV_T *v_rows[CAP];
+    int64_t positions[CAP];
+    int64_t n = 0;
+
+    for (j = a->indptr[seq]; j < a->indptr[seq + 1]; j++) {
+        const int64_t page_start = a->page_positions[j];
+        int64_t end = page_start + ps;
+        if (end > seq_len) end = seq_len;
+        if (end > pmax + 1) end = pmax + 1;
+        if (end <= page_start) continue;
+        /* Up to two ranges: sink part [page_start, sink_end) and window part [lo, end). */
+        int64_t range_lo[2], range_hi[2];
+        int num_ranges = 0;
+        const int64_t sink_hi = sink_end < end ? sink_end : end;
+        const int64_t win_lo = lo > page_start ? lo : page_start;
+        if (sink_hi > page_start && sink_hi >= win_lo) {
+            range_lo[0] = page_start; range_hi[0] = end; num_ranges = 1;
+        } else {
+            if (sink_hi > page_start) {
+                range_lo[num_ranges] = page_start; range_hi[num_ranges] = sink_hi; num_ranges++;
+            }
+            if (win_lo < end) {
+                range_lo[num_ranges] = win_lo; range_hi[num_ranges] = end; num_ranges++;
+            }
+        }
+        const KV_T *page_k = pool + (int64_t)a->indices[j] * page_stride + item->kv_head * D;
+        int ri;
+        for (ri = 0; ri < num_ranges; ri++) {
+            int64_t pos;
+            for (pos = range_lo[ri]; pos < range_hi[ri]; pos++) {
+                const KV_T *k = page_k + (pos - page_start) * token_stride;
+                k_rows[n] = k;
+                v_rows[n] = k + v_offset;
+                positions[n] = pos;
+                if (++n == CAP) {
+                    FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, CH,
+                                      CAP - CH, CAP);
+                    memmove(k_rows, k_rows + CH, (CAP - CH) * sizeof k_rows[0]);
+                    memmove(v_rows, v_rows + CH, (CAP - CH) * sizeof v_rows[0]);
+                    memmove(positions, positions + CH, (CAP - CH) * sizeof positions[0]);
+                    n -= CH;
+                }
+            }
+        }
+    }
+    while (n > 0) {
+        const int64_t m = n < CH ? n : CH;
+        FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, m, CAP - CH, n);
+        memmove(k_rows, k_rows + m, (n - m) * sizeof k_rows[0]);
+        memmove(v_rows, v_rows + m, (n - m) * sizeof v_rows[0]);
+        memmove(positions, positions + m, (n - m) * sizeof positions[0]);
+        n -= m;
+    }
+
+    for (hh = 0; hh < num_heads; hh++) {
+        const FN(pkv_state) *st = &heads[hh];
+        const int64_t kv_head = item->kv_head + hh;
+        for (r = 0; r < rows; r++) {
+            const int64_t i = r / G, g = r % G;
+            float *out = a->out + (item->first_token + i) * Hq * D + (kv_head * G + g) * D;
+            const float *acc = st->acc + r * dim_pad;
+            const float l = st->l[r];
+            if (l > 0.0f) {
+                const float inv = 1.0f / l;
+                for (d = 0; d < D; d++)
+                    out[d] = acc[d] * inv;
+            } else {
+                for (d = 0; d < D; d++)
+                    out[d] = 0.0f;
+            }
+            if (a->lse != NULL) {
+                float *lse = a->lse + (item->first_token + i) * Hq + kv_head * G + g;
+                *lse = l > 0.0f ? (st->m[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+            }
+        }
+    }
+}
+
+#undef FN
+#undef PKV_CAT_
+#undef PKV_CAT2_

@@ -1,0 +1,176 @@
+"""Paged attention on the CPU: decode and prefill that read K/V straight from the pool.
+
+The kernels read the pages of a KV cache in place (no gather copy), the way
+vLLM's PagedAttention (Kwon et al., SOSP 2023) and FlashInfer's paged
+kernels do on GPUs. They work on any object with the attention contract of
+:class:`pagedkv.KVCache`:
+
+- ``cache.kv``: C-contiguous ndarray of shape ``(num_layers, num_pages, 2,
+  page_size, num_kv_heads, head_dim)``, float16 or float32; ``kv[layer]`` is
+  FlashInfer's NHD paged layout, index 0 of axis 2 is K, 1 is V;
+- ``cache.window`` (tokens, or None for full attention) and
+  ``cache.sink_tokens`` (tokens);
+- ``cache.page_table(seq_ids)``: FlashInfer CSR arrays ``indptr`` int32[B+1]
+  and ``indices`` int32[nnz] (the pages each sequence holds, in position
+  order), ``page_positions`` int64[nnz] (first token position of each listed
+  page) and ``seq_lens`` int64[B] (tokens appended so far).
+
+Mask
+----
+The query at position ``p`` attends to the cached key at position ``k`` iff
+``k <= p`` and, with a window ``W``, ``k >= p - W + 1`` or ``k < S`` (the
+``S = sink_tokens`` attention-sink positions). This is FlashInfer's
+``window_left = W - 1`` and Hugging Face's ``sliding_window = W``.
+
+Algorithm
+---------
+One pass over the pages with the online softmax of FlashAttention (Dao et
+al., NeurIPS 2022; Milakov & Gimelshein 2018): tokens are scored in chunks,
+each chunk updates a running maximum and running sum per query row and
+rescales its accumulator once. Arithmetic is float32. GQA/MQA: query head
+``h`` reads KV head ``h // (Hq // Hkv)``; the query heads that share a KV
+head are computed together, so each K/V row is read once per group.
+
+Work is split into items (a sequence and a block of KV heads; for prefill
+also a tile of queries) that OpenMP threads take one at a time. Every output
+element comes from one item on one thread, in a fixed order, so the results
+are bit-identical for any ``num_threads``.
+
+SIMD paths (x86-64 AVX-512, AVX2 + FMA + F16C, portable C) are chosen once at
+import from what the CPU supports; :func:`kernel_info` reports the choice.
+The environment variable ``PAGEDKV_ATTENTION_ISA`` (``scalar``, ``avx2``,
+``avx512``), read at import, caps the choice, e.g. to compare paths.
+"""
+from pagedkv_c import _attention
+
+__all__ = ["decode", "prefill", "kernel_info"]
+
+
+def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=False):
+    """Attention of one new query per sequence over its cached tokens (decode step).
+
+    Parameters
+    ----------
+    q : numpy.ndarray, shape ``(B, Hq, D)``, float32 or float16
+        One query per sequence; float16 is converted to float32. ``Hq`` must
+        be a positive multiple of ``cache.num_kv_heads`` and ``D`` equal to
+        ``cache.head_dim`` (at most 256).
+    cache : KVCache-like
+        Object with the attention contract described in the module docstring
+        (``pagedkv.KVCache``).
+    layer : int
+        Layer index, ``0 <= layer < cache.num_layers``.
+    seq_ids : sequence of hashable, length ``B``
+        Sequences to attend for; each must hold at least one token. Query
+        ``b`` sits at position ``seq_len(seq_ids[b]) - 1``, the last token
+        appended (already stored).
+    scale : float, optional
+        Multiplies ``q . k`` before the softmax. Default ``1 / sqrt(D)``.
+    num_threads : int, optional
+        OpenMP threads, ``1 <= num_threads <= 1024``; default: OpenMP's
+        maximum (``kernel_info()["max_threads"]``). Results do not depend on it.
+    return_lse : bool, default False
+        Also return the log-sum-exp of the scaled scores.
+
+    Returns
+    -------
+    out : numpy.ndarray, shape ``(B, Hq, D)``, float32
+        Softmax-weighted sum of the V rows.
+    lse : numpy.ndarray, shape ``(B, Hq)``, float32
+        Only if ``return_lse``: natural-log ``log(sum_k exp(scale * q . k))``
+        over the attended keys, as FlashInfer returns it (in natural log, not
+        base 2).
+
+    Raises
+    ------
+    KeyError
+        A sequence id is unknown (raised by ``cache.page_table``).
+    ValueError
+        ``q`` has the wrong dtype or shape (``B`` not ``len(seq_ids)``, ``D``
+        not ``head_dim``, ``Hq`` not a multiple of ``num_kv_heads``), ``layer``
+        is out of range, ``cache.head_dim > 256``, ``scale`` is not finite,
+        ``num_threads`` is out of range, a sequence holds no cached token, or
+        the page table the cache returned is malformed. Nothing is computed.
+    TypeError
+        ``q`` is not an ndarray, or ``layer``, ``num_threads``, ``scale`` or
+        ``return_lse`` has the wrong type.
+
+    Notes
+    -----
+    Each call reads every cached K/V row of the listed sequences that the
+    mask admits exactly once per KV head, so its cost follows the number of
+    tokens in the window (plus sinks), not the sequence length.
+    """
+    return _attention.decode(q, cache, layer, seq_ids, scale, num_threads, return_lse)
+
+
+def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, return_lse=False):
+    """Causal attention of a ragged chunk of new tokens per sequence (prefill / extend).
+
+    The new tokens must already be appended and stored in the cache. The
+    ``qo_len_b = qo_indptr[b+1] - qo_indptr[b]`` queries of sequence ``b``
+    are its last ``qo_len_b`` tokens, at positions ``seq_len_b - qo_len_b ...
+    seq_len_b - 1``; each attends under its own causal, window and sink mask.
+
+    Parameters
+    ----------
+    q : numpy.ndarray, shape ``(T, Hq, D)``, float32 or float16
+        The queries of all sequences, sequence after sequence (FlashInfer's
+        ragged layout); ``T = qo_indptr[B]``. Same head rules as
+        :func:`decode`.
+    cache : KVCache-like
+        See :func:`decode`.
+    layer : int
+        Layer index, ``0 <= layer < cache.num_layers``.
+    seq_ids : sequence of hashable, length ``B``
+        Sequences of the batch.
+    qo_indptr : sequence of int or numpy.ndarray of integers, shape ``(B + 1,)``
+        Offsets of each sequence's queries in ``q``: starts at 0, never
+        decreases, ends at ``T``, and ``qo_len_b <= seq_len_b``. A sequence
+        may have ``qo_len_b = 0``.
+    scale, num_threads, return_lse
+        As in :func:`decode`.
+
+    Returns
+    -------
+    out : numpy.ndarray, shape ``(T, Hq, D)``, float32
+    lse : numpy.ndarray, shape ``(T, Hq)``, float32
+        Only if ``return_lse``; natural log.
+
+    Raises
+    ------
+    KeyError
+        A sequence id is unknown.
+    ValueError
+        As in :func:`decode`, and: ``qo_indptr`` has the wrong length, does
+        not start at 0, decreases, does not end at ``T``, or gives a sequence
+        more new tokens than it has (``qo_len_b > seq_len_b``) or than it
+        still holds in its page table; a sequence with queries holds no
+        cached token. Nothing is computed.
+    TypeError
+        As in :func:`decode`, or ``qo_indptr`` is not a 1-D sequence of
+        integers.
+
+    Notes
+    -----
+    Prefill does ``O(T x context)`` arithmetic; its work items take one KV
+    head and a tile of consecutive queries so that each K/V row read serves
+    every query of the tile.
+    """
+    return _attention.prefill(q, cache, layer, seq_ids, qo_indptr, scale, num_threads, return_lse)
+
+
+def kernel_info():
+    """Report the kernel path this process uses.
+
+    Returns
+    -------
+    dict
+        ``isa`` (str): ``"avx512"``, ``"avx2"`` (AVX2 + FMA + F16C) or
+        ``"scalar"`` (portable C); ``available_isas`` (list of str): paths
+        this CPU and build can run; ``float16_conversion`` (str): ``"f16c"``
+        (hardware conversion in the SIMD paths) or ``"portable"``; ``openmp``
+        (bool): whether the core was built with OpenMP; ``max_threads``
+        (int): OpenMP's default thread count; ``max_head_dim`` (int): 256.
+    """
+    return _attention.kernel_info()

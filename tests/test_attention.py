@@ -1,0 +1,472 @@
+"""Paged attention against a dense float64 NumPy reference with explicit masks.
+
+The caches come from tests/_fake_cache.py, a NumPy stand-in with the attention
+contract of pagedkv.KVCache (shuffled page ids, windows that released early
+pages, sink pages listed first, forks that share page ids). Every pool slot
+that no query may read is overwritten with NaN first, so a kernel that reads
+outside the mask, outside a sequence, or a page it does not list, fails.
+"""
+import contextlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from pagedkv import attention
+from pagedkv_c import _attention
+
+from _fake_cache import FakeCache, FakePageTableView
+
+AVAILABLE_ISAS = attention.kernel_info()["available_isas"]
+TOLERANCE = {np.float32: 1e-5, np.float16: 2e-3}
+
+
+# ---------------------------------------------------------------- reference
+
+def attends(key_positions, p, window, sink_tokens):
+    """Mask of DESIGN.md: k <= p and (k >= p - W + 1 or k < S); no window: k <= p."""
+    mask = key_positions <= p
+    if window is not None:
+        mask &= (key_positions >= p - window + 1) | (key_positions < sink_tokens)
+    return mask
+
+
+def reference(cache, layer, seq_id, q, positions, scale):
+    """Dense float64 attention of queries q[n, Hq, D] at ``positions`` over the gathered K/V."""
+    k, v, key_pos = cache.gather(layer, seq_id)
+    k, v = k.astype(np.float64), v.astype(np.float64)
+    n, num_qo_heads, dim = q.shape
+    num_kv_heads = cache.num_kv_heads
+    group = num_qo_heads // num_kv_heads
+    window, sinks = cache.window, cache.sink_tokens
+    out = np.empty((n, num_qo_heads, dim))
+    lse = np.empty((n, num_qo_heads))
+    for i, p in enumerate(positions):
+        mask = attends(key_pos, p, window, sinks)
+        if window is None:
+            expected = p + 1
+        else:
+            expected = min(p + 1, window) + min(sinks, max(0, p - window + 1))
+        assert mask.sum() == expected, "the test cache lost a key that the query needs"
+        qh = q[i].astype(np.float64).reshape(num_kv_heads, group, dim)
+        scores = np.einsum("hgd,mhd->hgm", qh, k[mask]) * scale
+        top = scores.max(axis=-1, keepdims=True)
+        weights = np.exp(scores - top)
+        total = weights.sum(axis=-1, keepdims=True)
+        out[i] = (np.einsum("hgm,mhd->hgd", weights, v[mask]) / total).reshape(num_qo_heads, dim)
+        lse[i] = (top + np.log(total)).reshape(num_qo_heads)
+    return out, lse
+
+
+def poison_unread_slots(cache, query_positions):
+    """Set every pool slot that no query may attend to NaN (all layers, K and V).
+
+    ``query_positions``: {seq_id: positions of its queries}. Covers slots past
+    a sequence's length, out-of-window tokens of held pages, and every page
+    no sequence lists.
+    """
+    ps = cache.page_size
+    needed = np.zeros((cache.kv.shape[1], ps), dtype=bool)
+    seq_ids = list(query_positions)
+    view = cache.page_table(seq_ids)
+    for b, seq_id in enumerate(seq_ids):
+        seq_len = int(view.seq_lens[b])
+        for j in range(view.indptr[b], view.indptr[b + 1]):
+            pos = view.page_positions[j] + np.arange(ps)
+            cached = pos < seq_len
+            for p in query_positions[seq_id]:
+                needed[view.indices[j]] |= cached & attends(pos, p, cache.window, cache.sink_tokens)
+    pages, slots = np.nonzero(~needed)
+    cache.kv[:, pages, :, slots] = np.nan
+
+
+def assert_close(got, want, dtype):
+    assert np.isfinite(got).all(), "output has NaN/inf: a kernel read a slot outside the mask"
+    err = np.abs(got - want).max(initial=0.0)
+    assert err <= TOLERANCE[dtype], f"max abs error {err:.3g} > {TOLERANCE[dtype]}"
+
+
+@contextlib.contextmanager
+def kernel_path(isa):
+    previous = _attention._set_isa(isa)
+    try:
+        yield
+    finally:
+        _attention._set_isa(previous)
+
+
+def random_q(rng, n, num_qo_heads, dim):
+    return rng.standard_normal((n, num_qo_heads, dim), dtype=np.float32)
+
+
+def check_decode(cache, seq_ids, num_qo_heads, rng, layer=0, scale=None, threads=(1, 2)):
+    lens = [cache.seq_len(s) for s in seq_ids]
+    poison_unread_slots(cache, {s: [n - 1] for s, n in zip(seq_ids, lens)})
+    q = random_q(rng, len(seq_ids), num_qo_heads, cache.head_dim)
+    results = [attention.decode(q, cache, layer, seq_ids, scale=scale, num_threads=t, return_lse=True)
+               for t in threads]
+    out, lse = results[0]
+    for other_out, other_lse in results[1:]:
+        np.testing.assert_array_equal(out, other_out)
+        np.testing.assert_array_equal(lse, other_lse)
+    used_scale = 1.0 / np.sqrt(cache.head_dim) if scale is None else scale
+    dtype = cache.kv.dtype.type
+    for b, (seq_id, n) in enumerate(zip(seq_ids, lens)):
+        ref_out, ref_lse = reference(cache, layer, seq_id, q[b:b + 1], [n - 1], used_scale)
+        assert_close(out[b], ref_out[0], dtype)
+        assert_close(lse[b], ref_lse[0], dtype)
+    return out
+
+
+def check_prefill(cache, seq_ids, qo_lens, num_qo_heads, rng, layer=0, threads=(1, 2)):
+    lens = [cache.seq_len(s) for s in seq_ids]
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int64)
+    queries = {}
+    for s, n, m in zip(seq_ids, lens, qo_lens):
+        queries.setdefault(s, []).extend(range(n - m, n))
+    poison_unread_slots(cache, queries)
+    q = random_q(rng, int(qo_indptr[-1]), num_qo_heads, cache.head_dim)
+    results = [attention.prefill(q, cache, layer, seq_ids, qo_indptr, num_threads=t, return_lse=True)
+               for t in threads]
+    out, lse = results[0]
+    for other_out, other_lse in results[1:]:
+        np.testing.assert_array_equal(out, other_out)
+        np.testing.assert_array_equal(lse, other_lse)
+    scale = 1.0 / np.sqrt(cache.head_dim)
+    dtype = cache.kv.dtype.type
+    for b, (seq_id, n, m) in enumerate(zip(seq_ids, lens, qo_lens)):
+        rows = slice(qo_indptr[b], qo_indptr[b + 1])
+        ref_out, ref_lse = reference(cache, layer, seq_id, q[rows], list(range(n - m, n)), scale)
+        assert_close(out[rows], ref_out, dtype)
+        assert_close(lse[rows], ref_lse, dtype)
+    return out
+
+
+# ------------------------------------------------------------- named cases
+
+def test_kernel_info_reports_the_selected_path():
+    info = attention.kernel_info()
+    assert info["isa"] in info["available_isas"]
+    assert "scalar" in info["available_isas"]
+    assert info["float16_conversion"] == ("portable" if info["isa"] == "scalar" else "f16c")
+    assert isinstance(info["openmp"], bool) and info["max_threads"] >= 1
+    assert info["max_head_dim"] == 256
+
+
+@pytest.mark.parametrize("cap", ["scalar", "avx2"])
+def test_environment_variable_caps_the_path(cap):
+    env = dict(os.environ, PAGEDKV_ATTENTION_ISA=cap)
+    code = "from pagedkv import attention; print(attention.kernel_info()['isa'])"
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    expected = cap if cap in AVAILABLE_ISAS else "scalar"
+    assert got == expected
+
+
+def test_set_isa_rejects_unknown_path():
+    with pytest.raises(ValueError, match="name"):
+        _attention._set_isa("sse9")
+
+
+def test_portable_float16_conversion_matches_numpy_for_every_bit_pattern():
+    bits = np.arange(2**16, dtype=np.uint16)
+    got = _attention._half_to_float_portable(bits)
+    want = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+SHAPES = [
+    # (num_kv_heads, group, head_dim, page_size, window, sinks)
+    (2, 4, 128, 16, None, 0),   # GQA, full attention
+    (1, 8, 64, 16, 40, 4),      # MQA, window + sinks
+    (4, 1, 32, 3, 7, 2),        # MHA, window not a multiple of the page size
+    (2, 3, 80, 1, 5, 3),        # page size 1
+    (1, 2, 256, 16, 5, 0),      # largest head dim, window smaller than a page
+    (3, 2, 100, 16, 20, 17),    # head dim with a vector tail, sinks past a page
+    (1, 5, 1, 3, None, 0),      # head dim 1, odd group
+]
+
+
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_matches_reference_on_every_path(isa, dtype, shape):
+    num_kv_heads, group, dim, ps, window, sinks = shape
+    rng = np.random.default_rng(1)
+    cache = FakeCache(2, num_kv_heads, dim, 200, ps, dtype, window, sinks, seed=2)
+    lengths = [1, ps, 3 * ps, 2 * ps + 1, 70, 129]
+    for i, n in enumerate(lengths):
+        cache.add_sequence(i, n)
+    with kernel_path(isa):
+        check_decode(cache, list(range(len(lengths))), num_kv_heads * group, rng, layer=1)
+
+
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefill_matches_reference_on_every_path(isa, dtype, shape):
+    num_kv_heads, group, dim, ps, window, sinks = shape
+    rng = np.random.default_rng(3)
+    cache = FakeCache(1, num_kv_heads, dim, 200, ps, dtype, window, sinks, seed=4)
+    lengths = [1, 2 * ps, 50, 70, 33]
+    qo_lens = [1, 2 * ps, 50, 0, 9]  # whole prompts, an empty chunk, a chunk after context
+    for i, (n, m) in enumerate(zip(lengths, qo_lens)):
+        hold_from = None if window is None else n - m - window + 1
+        cache.add_sequence(i, n, hold_from=hold_from)
+    with kernel_path(isa):
+        check_prefill(cache, list(range(len(lengths))), qo_lens, num_kv_heads * group, rng)
+
+
+def test_windowed_cost_skips_released_and_out_of_window_pages():
+    # A long windowed sequence holds sinks + a few pages; everything else is
+    # NaN (released pages are simply not listed, out-of-window slots poisoned).
+    rng = np.random.default_rng(5)
+    cache = FakeCache(1, 2, 16, 64, 16, np.float32, window=24, sink_tokens=5, seed=6)
+    cache.add_sequence("long", 5000)
+    view = cache.page_table(["long"])
+    assert view.indices.size == 3  # 1 sink page + 2 window pages, not 313 pages
+    assert view.page_positions[0] == 0 and view.page_positions[1] > 16
+    check_decode(cache, ["long"], 4, rng)
+
+
+def forked_cache(dtype):
+    cache = FakeCache(1, 2, 32, 64, 3, dtype, window=None, seed=8)
+    cache.add_sequence("parent", 20)
+    cache.fork("parent", "same", 0)         # shares every page, partial page too
+    cache.fork("parent", "longer", 11)      # shares full pages, copies the partial one
+    cache.fork("longer", "grandchild", 4)
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_forked_sequences_share_pages_and_diverge(dtype):
+    rng = np.random.default_rng(7)
+    cache = forked_cache(dtype)
+    view = cache.page_table(["parent", "same", "longer", "grandchild"])
+    pages = [set(view.indices[view.indptr[b]:view.indptr[b + 1]].tolist()) for b in range(4)]
+    assert pages[1] == pages[0]
+    assert len(pages[0] & pages[2]) == 20 // 3
+    assert len(pages[2] & pages[3]) == 31 // 3
+    check_decode(cache, ["parent", "same", "longer", "grandchild"], 6, rng)
+    check_prefill(forked_cache(dtype), ["parent", "longer", "grandchild"], [20, 3, 35], 6, rng)
+
+
+def windowed_batch():
+    cache = FakeCache(1, 4, 64, 400, 16, np.float16, window=100, sink_tokens=4, seed=10)
+    for i, n in enumerate([300, 17, 1000, 64, 5, 450]):
+        cache.add_sequence(i, n, hold_from=n - 40 - 100 + 1)
+    return cache
+
+
+def test_results_identical_for_any_thread_count():
+    rng = np.random.default_rng(9)
+    seq_ids = list(range(6))
+    check_decode(windowed_batch(), seq_ids, 8, rng, threads=(1, 2, 3, 7))
+    check_prefill(windowed_batch(), seq_ids, [40, 17, 33, 1, 5, 40], 8, rng, threads=(1, 2, 3, 7))
+
+
+def test_scale_and_float16_queries():
+    rng = np.random.default_rng(11)
+    cache = FakeCache(1, 2, 16, 32, 16, np.float32, seed=12)
+    cache.add_sequence(0, 40)
+    check_decode(cache, [0], 4, rng, scale=0.7)
+    q16 = rng.standard_normal((1, 4, 16)).astype(np.float16)
+    np.testing.assert_array_equal(attention.decode(q16, cache, 0, [0]),
+                                  attention.decode(q16.astype(np.float32), cache, 0, [0]))
+    # A strided view is accepted and copied, not misread.
+    q = rng.standard_normal((1, 4, 32), dtype=np.float32)
+    np.testing.assert_array_equal(attention.decode(q[:, :, ::2], cache, 0, [0]),
+                                  attention.decode(np.ascontiguousarray(q[:, :, ::2]), cache, 0, [0]))
+
+
+def test_decode_equals_the_last_row_of_prefill():
+    rng = np.random.default_rng(13)
+    cache = FakeCache(1, 2, 48, 64, 16, np.float32, window=30, sink_tokens=3, seed=14)
+    cache.add_sequence(0, 77, hold_from=77 - 5 - 30 + 1)
+    q = random_q(rng, 5, 4, 48)
+    full = attention.prefill(q, cache, 0, [0], [0, 5])
+    np.testing.assert_allclose(attention.decode(q[4:], cache, 0, [0]), full[4:], rtol=0, atol=1e-6)
+
+
+def test_empty_batches():
+    cache = FakeCache(1, 2, 16, 8, 16, np.float32, seed=15)
+    cache.add_sequence(0, 3)
+    out, lse = attention.decode(np.zeros((0, 4, 16), np.float32), cache, 0, [], return_lse=True)
+    assert out.shape == (0, 4, 16) and lse.shape == (0, 4)
+    out = attention.prefill(np.zeros((0, 4, 16), np.float32), cache, 0, [0], [0, 0])
+    assert out.shape == (0, 4, 16) and out.dtype == np.float32
+
+
+# ------------------------------------------------------------- hypothesis
+
+@st.composite
+def problems(draw, prefill):
+    ps = draw(st.sampled_from([1, 3, 16]))
+    num_kv_heads = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    dim = draw(st.sampled_from([1, 4, 8, 16, 24, 40, 64]))
+    dtype = draw(st.sampled_from([np.float32, np.float16]))
+    window = draw(st.one_of(st.none(), st.integers(1, 40)))
+    sinks = draw(st.integers(0, 12))
+    isa = draw(st.sampled_from(AVAILABLE_ISAS))
+    length = st.one_of(st.integers(1, 90), st.integers(1, 6).map(lambda k: k * ps))
+    num_roots = draw(st.integers(1, 4))
+    specs = [("root", draw(length), None) for _ in range(num_roots)]
+    for _ in range(draw(st.integers(0, 3))):
+        parent = draw(st.integers(0, len(specs) - 1))
+        specs.append(("fork", draw(st.integers(0, 40)), parent))
+    seed = draw(st.integers(0, 2**16))
+    return ps, num_kv_heads, group, dim, dtype, window, sinks, isa, specs, seed, prefill, draw
+
+
+def build(problem):
+    ps, num_kv_heads, group, dim, dtype, window, sinks, isa, specs, seed, prefill, draw = problem
+    cache = FakeCache(2, num_kv_heads, dim, 400, ps, dtype, window, sinks, seed=seed)
+    lengths, qo_lens = [], []
+    for i, (kind, tokens, parent) in enumerate(specs):
+        n = tokens if kind == "root" else lengths[parent] + tokens
+        m = draw(st.integers(0, n)) if prefill else 1
+        # Hold what the queries need, plus up to 2 pages of not-yet-released slack.
+        slack = draw(st.integers(0, 2)) * ps
+        hold_from = None if window is None else n - m - window + 1 - slack
+        if kind == "root":
+            cache.add_sequence(i, n, hold_from=hold_from)
+        else:
+            cache.fork(parent, i, tokens, hold_from=hold_from)
+        lengths.append(n)
+        qo_lens.append(m)
+    return cache, num_kv_heads * group, isa, seed, qo_lens
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(prefill=False))
+def test_decode_hypothesis(problem):
+    cache, num_qo_heads, isa, seed, _ = build(problem)
+    with kernel_path(isa):
+        check_decode(cache, list(range(len(problem[8]))), num_qo_heads, np.random.default_rng(seed),
+                     layer=seed % 2)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(prefill=True))
+def test_prefill_hypothesis(problem):
+    cache, num_qo_heads, isa, seed, qo_lens = build(problem)
+    with kernel_path(isa):
+        check_prefill(cache, list(range(len(problem[8]))), qo_lens, num_qo_heads,
+                      np.random.default_rng(seed), layer=seed % 2)
+
+
+# ------------------------------------------------------------- bad input
+
+class BrokenTableCache(FakeCache):
+    """Returns a page table with a page id outside the pool."""
+
+    def page_table(self, seq_ids):
+        view = super().page_table(seq_ids)
+        indices = view.indices.copy()
+        indices[-1] = self.kv.shape[1]
+        return FakePageTableView(view.indptr, indices, view.last_page_len, view.page_positions,
+                                 view.seq_lens)
+
+
+def make_cache(**kw):
+    args = dict(num_layers=2, num_kv_heads=2, head_dim=8, num_pages=16, page_size=4,
+                dtype=np.float32, window=None, sink_tokens=0, seed=16)
+    args.update(kw)
+    cls = args.pop("cls", FakeCache)
+    cache = cls(**args)
+    cache.add_sequence("a", 9)
+    cache.add_sequence("b", 5)
+    cache.add_sequence("empty", 0)
+    return cache
+
+
+GOOD_Q = np.zeros((2, 4, 8), np.float32)
+
+DECODE_BAD = [
+    (dict(q=[[0.0]]), TypeError, "type of q"),
+    (dict(q=GOOD_Q.astype(np.float64)), ValueError, "dtype of q"),
+    (dict(q=GOOD_Q.astype(np.int32)), ValueError, "dtype of q"),
+    (dict(q=GOOD_Q[0]), ValueError, "shape of q"),
+    (dict(q=np.zeros((3, 4, 8), np.float32)), ValueError, "shape of q"),
+    (dict(q=np.zeros((2, 4, 9), np.float32)), ValueError, "shape of q"),
+    (dict(q=np.zeros((2, 3, 8), np.float32)), ValueError, "multiple of num_kv_heads"),
+    (dict(q=np.zeros((2, 0, 8), np.float32)), ValueError, "multiple of num_kv_heads"),
+    (dict(layer=2), ValueError, "layer"),
+    (dict(layer=-1), ValueError, "layer"),
+    (dict(layer=1.0), TypeError, "layer"),
+    (dict(seq_ids=["a", "empty"]), ValueError, "'empty' has no cached token"),
+    (dict(seq_ids=["a", "zzz"]), KeyError, "zzz"),
+    (dict(scale=float("nan")), ValueError, "scale"),
+    (dict(scale="1"), TypeError, "scale"),
+    (dict(num_threads=0), ValueError, "num_threads"),
+    (dict(num_threads=2.0), TypeError, "num_threads"),
+    (dict(return_lse=1), TypeError, "return_lse"),
+]
+
+
+@pytest.mark.parametrize("change, exc, match", DECODE_BAD)
+def test_decode_bad_input(change, exc, match):
+    cache = make_cache()
+    kv_before = cache.kv.copy()
+    args = dict(q=GOOD_Q, cache=cache, layer=0, seq_ids=["a", "b"])
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        attention.decode(**args)
+    np.testing.assert_array_equal(cache.kv, kv_before)
+
+
+def test_bad_caches():
+    with pytest.raises(ValueError, match="head_dim"):
+        attention.decode(np.zeros((2, 2, 257), np.float32), make_cache(head_dim=257), 0, ["a", "b"])
+    with pytest.raises(ValueError, match="indices"):
+        attention.decode(GOOD_Q, make_cache(cls=BrokenTableCache), 0, ["a", "b"])
+    cache = make_cache()
+    cache.kv = np.asfortranarray(cache.kv)
+    with pytest.raises(ValueError, match="layout of cache.kv"):
+        attention.decode(GOOD_Q, cache, 0, ["a", "b"])
+    cache = make_cache()
+    cache.kv = cache.kv.astype(np.float64)
+    with pytest.raises(ValueError, match="dtype of cache.kv"):
+        attention.decode(GOOD_Q, cache, 0, ["a", "b"])
+
+
+PREFILL_BAD = [
+    (dict(qo_indptr=[1, 3, 5]), ValueError, r"qo_indptr\[0\] == 0"),
+    (dict(qo_indptr=[0, 5, 4]), ValueError, "non-decreasing"),
+    (dict(qo_indptr=[0, 2, 4]), ValueError, r"qo_indptr\[-1\] == q.shape\[0\] == 5"),
+    (dict(qo_indptr=[0, 5]), ValueError, r"shape of qo_indptr: expected \(3,\)"),
+    (dict(qo_indptr=[0.0, 2.0, 5.0]), TypeError, "qo_indptr"),
+    (dict(q=np.zeros((7, 4, 8), np.float32), qo_indptr=[0, 1, 7]), ValueError,
+     "at most seq_len=5 new tokens for sequence 'b', got 6"),
+    (dict(seq_ids=["a", "empty"], qo_indptr=[0, 5, 5]), None, None),  # empty chunk: fine
+    (dict(seq_ids=["empty", "a"], q=np.zeros((1, 4, 8), np.float32), qo_indptr=[0, 1, 1]),
+     ValueError, "at most seq_len=0"),
+]
+
+
+@pytest.mark.parametrize("change, exc, match", PREFILL_BAD)
+def test_prefill_bad_input(change, exc, match):
+    cache = make_cache()
+    args = dict(q=np.zeros((5, 4, 8), np.float32), cache=cache, layer=0, seq_ids=["a", "b"],
+                qo_indptr=[0, 2, 5])
+    args.update(change)
+    if exc is None:
+        attention.prefill(**args)
+        return
+    with pytest.raises(exc, match=match):
+        attention.prefill(**args)
+
+
+def test_prefill_rejects_queries_whose_tokens_were_released():
+    cache = FakeCache(1, 1, 8, 16, 4, np.float32, window=3, seed=17)
+    cache.add_sequence("s", 20)  # holds only what a decode query needs: positions >= 16
+    q = np.zeros((6, 1, 8), np.float32)
+    with pytest.raises(ValueError, match="does not hold all of its 6 new tokens"):
+        attention.prefill(q, cache, 0, ["s"], [0, 6])
+    attention.prefill(q[:3], cache, 0, ["s"], [0, 3])
