@@ -83,6 +83,8 @@ cdef extern from *:
 # many times while the accumulators stay in L1.
 cdef int64_t PREFILL_ROWS = 16
 _MAX_THREADS_ARG = 1024
+# Bytes of K/V each thread should read before num_threads=None adds a thread.
+cdef int64_t _BYTES_PER_THREAD = 2 * 1024 * 1024
 _ISA_BY_NAME = {"scalar": PKV_ISA_SCALAR, "avx2": PKV_ISA_AVX2, "avx512": PKV_ISA_AVX512}
 
 cdef pkv_isa _isa = PKV_ISA_SCALAR
@@ -305,6 +307,7 @@ cdef class _Problem:
     cdef int64_t window, sink_tokens
     cdef float scale
     cdef int num_threads
+    cdef bint auto_threads       # num_threads=None: choose from the amount of work
     cdef object q                # float32 C-contiguous
     cdef object indptr, indices, page_positions, seq_lens
     cdef int64_t num_pages
@@ -369,8 +372,9 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
         if not math.isfinite(float(scale)):
             raise ValueError(f"Invalid value of scale: expected a finite number, got {scale}")
         p.scale = float(scale)
+    p.auto_threads = num_threads is None
     if num_threads is None:
-        p.num_threads = pkv_omp_max_threads()
+        p.num_threads = pkv_omp_max_threads()  # capped by _cap_threads once the work is known
     else:
         p.num_threads = <int>check_int(num_threads, "num_threads", 1, _MAX_THREADS_ARG)
     if not pkv_have_openmp():
@@ -396,6 +400,23 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
     p.q = np.ascontiguousarray(q, dtype=np.float32)
     return p
 
+
+
+cdef void _cap_threads(_Problem p, int64_t query_tiles) noexcept:
+    """With num_threads=None, give each thread at least _BYTES_PER_THREAD of work.
+
+    Waking idle OpenMP threads costs tens of microseconds, more than a small
+    call saves, and much more on a machine whose other cores are busy.
+    ``query_tiles`` scales the K/V bytes by how often prefill reads them.
+    """
+    if not p.auto_threads:
+        return
+    cdef int64_t itemsize = 2 if p.pool_is_f16 else 4
+    cdef int64_t work = (cnp.PyArray_DIM(p.indices, 0) * p.page_size * p.num_kv_heads * p.head_dim
+                         * 2 * itemsize * max(query_tiles, 1))
+    cdef int64_t wanted = 1 + work // _BYTES_PER_THREAD
+    if wanted < p.num_threads:
+        p.num_threads = <int>wanted
 
 
 cdef bint _table_ok(_Problem p, const int64_t* qo, int64_t num_tokens) noexcept:
@@ -543,6 +564,7 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
         )
     if not _table_ok(p, NULL, 0):
         _explain_table_error(p, seq_ids, None)
+    _cap_threads(p, 1)
     out = np.empty((p.batch_size, p.num_qo_heads, p.head_dim), dtype=np.float32)
     lse = np.empty((p.batch_size, p.num_qo_heads), dtype=np.float32) if return_lse else None
     _call_decode(p, out, lse)
@@ -576,6 +598,7 @@ def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, r
         )
     if not _table_ok(p, <const int64_t*>cnp.PyArray_DATA(qo), num_tokens):
         _explain_table_error(p, seq_ids, qo)
+    _cap_threads(p, (num_tokens // max(p.batch_size, 1) + 15) // 16)
     out = np.empty((num_tokens, p.num_qo_heads, p.head_dim), dtype=np.float32)
     lse = np.empty((num_tokens, p.num_qo_heads), dtype=np.float32) if return_lse else None
     _call_prefill(p, qo, out, lse)

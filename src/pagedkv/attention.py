@@ -68,7 +68,10 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
         Multiplies ``q . k`` before the softmax. Default ``1 / sqrt(D)``.
     num_threads : int, optional
         OpenMP threads, ``1 <= num_threads <= 1024``; default: OpenMP's
-        maximum (``kernel_info()["max_threads"]``). Results do not depend on it.
+        maximum (``kernel_info()["max_threads"]``), lowered so that each
+        thread reads at least 2 MiB of K/V (small calls run on one thread:
+        waking idle threads costs more than they save). Results do not
+        depend on it.
     return_lse : bool, default False
         Also return the log-sum-exp of the scaled scores.
 
