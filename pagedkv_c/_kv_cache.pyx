@@ -593,7 +593,7 @@ cdef class KVCache:
             return _cached_tokens(table)
 
     # ---------------------------------------------------------------- paging
-    def append(self, seq_ids, num_tokens, token_ids=None):
+    def append(self, seq_ids, num_tokens, token_ids=None, *, bint return_slot_mapping=True):
         """Reserve slots for the next tokens of each sequence.
 
         For each sequence in order: pages that left the window are released
@@ -611,13 +611,18 @@ cdef class KVCache:
             Token ids of the new tokens, in the same order as the slots. Used
             by prefix caching only: pages they fill become cached (prompt
             tokens given to :meth:`add_sequence` need not be passed again).
+        return_slot_mapping : bool
+            False skips building the slot mapping (8 bytes per token) and
+            returns None: for callers that manage pages only, such as a
+            scheduler or a trace replay with ``num_layers=0``.
 
         Returns
         -------
-        numpy.ndarray
+        numpy.ndarray or None
             int64, shape ``[sum(num_tokens)]``: the slot mapping,
             ``page_id * page_size + offset`` for each new token in sequence
-            order (vLLM's ``slot_mapping``). Pass it to :meth:`store`.
+            order (vLLM's ``slot_mapping``). Pass it to :meth:`store`. None
+            when ``return_slot_mapping`` is False.
 
         Raises
         ------
@@ -665,12 +670,13 @@ cdef class KVCache:
                     table = <PageTable>tables[i]
                     if table.hashes is not None and not table.hashes.external:
                         table.hashes.reserve_tokens(table.length + count_view[i])
-            slots = np.empty(total, dtype=np.int64)
+            slots = np.empty(total, dtype=np.int64) if return_slot_mapping else None
             cow_src = np.empty(batch + 1, dtype=np.int32)
             cow_dst = np.empty(batch + 1, dtype=np.int32)
             first_positions = [(<PageTable>t).length for t in tables] if self._prefix is not None else None
             append_batch(self.pool, tables, &count_view[0] if batch else NULL,
-                         <slot_t*>cnp.PyArray_DATA(slots), &cow_src[0], &cow_dst[0],
+                         <slot_t*>cnp.PyArray_DATA(slots) if return_slot_mapping else NULL,
+                         &cow_src[0], &cow_dst[0],
                          &num_cow, &num_released)
             with nogil:
                 for i in range(num_cow):

@@ -401,7 +401,7 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
     OutOfPagesError leaves everything unchanged.
 
     ``num_tokens`` has one entry per table; ``slots_out`` receives
-    ``sum(num_tokens)`` slots in table order; ``cow_src``/``cow_dst`` need
+    ``sum(num_tokens)`` slots in table order (NULL: no slot mapping wanted); ``cow_src``/``cow_dst`` need
     room for one entry per table.
     """
     cdef Py_ssize_t num_tables = len(tables)
@@ -514,7 +514,8 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
             table.push_page(scratch.taken[k])
             k += 1
         cursor += scratch.need[b]
-        table.write_slots(table.length, num_tokens[b], slots_out + slot_offset)
+        if slots_out != NULL:
+            table.write_slots(table.length, num_tokens[b], slots_out + slot_offset)
         table.length += num_tokens[b]
         slot_offset += num_tokens[b]
     num_cow[0] = pairs

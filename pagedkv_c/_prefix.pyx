@@ -45,6 +45,10 @@ cdef extern from "prefetch.h":
     void pkv_prefetch_write(const char* p, size_t n) noexcept nogil
     void pkv_prefetch_read(const char* p) noexcept nogil
 
+cdef extern from "huge_alloc.h":
+    void* pkv_huge_alloc(size_t n) noexcept nogil
+    void pkv_huge_free(void* p) noexcept nogil
+
 cdef extern from "hash128.h":
     int PKV_XXH3_IN_C
     int pkv_xxh3_128(const void* data, size_t length, uint64_t* lo, uint64_t* hi) noexcept nogil
@@ -200,7 +204,7 @@ cdef class PrefixIndex:
         while capacity < 2 * <Py_ssize_t>num_pages:
             capacity *= 2
         self.mask = capacity - 1
-        self.slots = <index_slot*>malloc(capacity * sizeof(index_slot))
+        self.slots = <index_slot*>pkv_huge_alloc(capacity * sizeof(index_slot))
         if self.slots == NULL:
             raise MemoryError()
         for i in range(capacity):
@@ -209,7 +213,7 @@ cdef class PrefixIndex:
         self.evictions = 0
 
     def __dealloc__(self):
-        free(self.slots)
+        pkv_huge_free(self.slots)
 
     @property
     def algorithm_name(self):

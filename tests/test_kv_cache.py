@@ -192,6 +192,31 @@ def test_append_longer_than_window_keeps_all_tokens_until_next_append():
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("window, sinks", [(None, 0), (6, 2)])
+def test_append_without_slot_mapping_does_the_same_page_work(window, sinks):
+    """return_slot_mapping=False returns None and leaves the cache as the default call does."""
+    caches = [KVCache(1, HEADS, DIM, num_pages=24, page_size=4, window=window, sink_tokens=sinks,
+                      enable_prefix_caching=True) for _ in range(2)]
+    rng = np.random.default_rng(7)
+    steps = [(int(rng.integers(0, 3)), int(rng.integers(0, 9))) for _ in range(40)]
+    for cache in caches:
+        cache.add_sequence(0, prompt_token_ids=list(range(10)))
+        cache.add_sequence(1, prompt_token_ids=list(range(7)))
+    for seq_id, n in steps:
+        seq_ids, counts = [seq_id % 2], [n]
+        slots = caches[0].append(seq_ids, counts)
+        assert slots.shape == (n,)
+        assert caches[1].append(seq_ids, counts, return_slot_mapping=False) is None
+        if seq_id == 2:  # now and then a sequence ends and a new one reuses its cached pages
+            for cache in caches:
+                cache.remove_sequence(0)
+                cache.add_sequence(0, prompt_token_ids=list(range(10)))
+    for cache in caches:
+        cache.check_invariants()
+    a, b = snapshot(caches[0]), snapshot(caches[1])
+    assert a == b
+
+
 def test_window_at_least_the_length_is_full_attention():
     full = KVCache(1, HEADS, DIM, num_pages=16, page_size=4)
     windowed = KVCache(1, HEADS, DIM, num_pages=16, page_size=4, window=1000, sink_tokens=3)

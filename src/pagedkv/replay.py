@@ -255,10 +255,10 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
             else:
                 cached = add_sequence(0)
             counts[0] = input_list[i] - cached
-            append(seq_ids, counts)
+            append(seq_ids, counts, return_slot_mapping=False)
             if output_list[i]:
                 counts[0] = output_list[i]
-                append(seq_ids, counts)
+                append(seq_ids, counts, return_slot_mapping=False)
             remove_sequence(0)
             cached_tokens[i] = cached
         if progress is not None:
