@@ -1,6 +1,6 @@
 # KVCache: paged K/V storage for many sequences and layers over one pool array.
 cimport cython
-from pagedkv_c._types cimport int32_t, int64_t
+from pagedkv_c._types cimport int32_t, int64_t, page_id_t
 from pagedkv_c._pool cimport PagePool
 from pagedkv_c._prefix cimport PrefixIndex
 from pagedkv_c._page_table cimport PageTable
@@ -36,4 +36,6 @@ cdef class KVCache:
     cdef void _note_usage(self) noexcept nogil
     cdef int64_t _match_prefix(self, PageTable table, const int32_t* prompt, int64_t prompt_len,
                                int64_t num_hashable) except -1
+    cdef int64_t _serve_prefix(self, PageTable table, const int32_t* prompt, int64_t prompt_len,
+                               int64_t servable, page_id_t* hit) except -1
     cdef int _register_full_pages(self, PageTable table) except -1

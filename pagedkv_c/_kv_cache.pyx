@@ -263,16 +263,30 @@ cdef class KVCache:
         the query at position ``m * page_size`` can see, so the largest m for
         which those are all cached wins, and only they are taken.
         """
+        cdef int64_t ps = self.page_size
+        cdef int64_t servable = min((prompt_len - 1) // ps if prompt_len > 0 else 0, num_hashable)
+        if servable <= 0:
+            self._prefix_queries += prompt_len
+            table.hashes.num_registered = 0
+            return 0
+        cdef page_id_t* hit = <page_id_t*>malloc(servable * sizeof(page_id_t))
+        if hit == NULL:
+            raise MemoryError()
+        try:
+            return self._serve_prefix(table, prompt, prompt_len, servable, hit)
+        finally:
+            free(hit)
+
+    cdef int64_t _serve_prefix(self, PageTable table, const int32_t* prompt, int64_t prompt_len,
+                               int64_t servable, page_id_t* hit) except -1:
+        """Body of :meth:`_match_prefix` over ``servable >= 1`` pages, ``hit`` a scratch of that length."""
         cdef PrefixIndex index = self._prefix
         cdef SequenceHashes hashes = table.hashes
         cdef int64_t ps = self.page_size
-        cdef int64_t servable = min((prompt_len - 1) // ps if prompt_len > 0 else 0, num_hashable)
         cdef int64_t num_sink_pages = table.num_sink_pages
         cdef int64_t k, m = 0, lead = 0, run = 0, low, first_window = num_sink_pages
         cdef hash128 h
         cdef page_id_t page_id
-        found = np.full(servable, -1, dtype=np.int32)
-        cdef int32_t[::1] hit = found
         cdef bint windowed = self._window is not None
         cdef hash128 ahead
         for k in range(servable):

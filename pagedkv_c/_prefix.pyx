@@ -60,6 +60,10 @@ except ImportError:  # only needed when xxhash.h was not compiled in
 
 ALGORITHMS = {"xxh3_128": HASH_XXH3_128, "sha256": HASH_SHA256}
 _MASK64 = (1 << 64) - 1
+# Shared zero-length buffers of a new SequenceHashes (never written: every
+# write goes through reserve_*, which replaces them first).
+_NO_HASHES = np.zeros(0, dtype=np.uint64)
+_NO_TOKENS = np.zeros(0, dtype=np.int32)
 # Domain tag of pages keyed by external block ids (never a token id).
 cdef int32_t _BLOCK_TAG = -1
 
@@ -350,9 +354,10 @@ cdef class SequenceHashes:
     """
 
     def __cinit__(self):
-        self.lo = np.zeros(4, dtype=np.uint64)
-        self.hi = np.zeros(4, dtype=np.uint64)
-        self.token_ids = np.zeros(16, dtype=np.int32)
+        # Empty until reserved: callers size them at once for the prompt.
+        self.lo = _NO_HASHES
+        self.hi = _NO_HASHES
+        self.token_ids = _NO_TOKENS
         self.num_hashed = 0
         self.num_known = 0
         self.num_registered = 0
@@ -364,10 +369,12 @@ cdef class SequenceHashes:
         cdef int64_t capacity = self.token_ids.shape[0]
         if n <= capacity:
             return 0
+        capacity = max(capacity, 16)
         while capacity < n:
             capacity *= 2
         grown = np.zeros(capacity, dtype=np.int32)
-        grown[:self.num_known] = np.asarray(self.token_ids)[:self.num_known]
+        if self.num_known:
+            grown[:self.num_known] = np.asarray(self.token_ids)[:self.num_known]
         self.token_ids = grown
         return 0
 
@@ -375,12 +382,14 @@ cdef class SequenceHashes:
         cdef int64_t capacity = self.lo.shape[0]
         if n <= capacity:
             return 0
+        capacity = max(capacity, 4)
         while capacity < n:
             capacity *= 2
         grown_lo = np.zeros(capacity, dtype=np.uint64)
         grown_hi = np.zeros(capacity, dtype=np.uint64)
-        grown_lo[:self.num_hashed] = np.asarray(self.lo)[:self.num_hashed]
-        grown_hi[:self.num_hashed] = np.asarray(self.hi)[:self.num_hashed]
+        if self.num_hashed:
+            grown_lo[:self.num_hashed] = np.asarray(self.lo)[:self.num_hashed]
+            grown_hi[:self.num_hashed] = np.asarray(self.hi)[:self.num_hashed]
         self.lo = grown_lo
         self.hi = grown_hi
         return 0
