@@ -13,6 +13,8 @@ from libc.stdint cimport INT64_MAX, INT64_MIN
 from libc.string cimport memcpy
 from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t, PAD_SLOT
 from pagedkv_c._pool cimport PagePool
+from pagedkv_c._pool import OutOfPagesError
+from pagedkv_c._prefix import ALGORITHMS as _PREFIX_HASHES
 from pagedkv_c._page_table cimport PageTable, append_batch
 from pagedkv_c._checks cimport check_int, check_float_array, as_int_array
 from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash128, hash_salt,
@@ -151,7 +153,10 @@ cdef class KVCache:
         num_kv_heads, head_dim)``; ``kv[layer]`` is FlashInfer's NHD paged
         layout, index 0 of axis 2 is K and 1 is V.
     pool : PagePool
-        The page allocator.
+        The page allocator, read-only here (``pool.owner == "KVCache"``):
+        ``num_free``, ``ref_count``, ``free_pages`` and ``check_invariants``
+        work; ``allocate``, ``free`` and ``incref`` raise RuntimeError, as
+        pages are taken and released through the sequences.
 
     Raises
     ------
@@ -183,6 +188,8 @@ cdef class KVCache:
         self.head_dim = <int32_t>check_int(head_dim, "head_dim", 1, 2**16)
         self.page_size = <int32_t>check_int(page_size, "page_size", 1, 2**20)
         check_int(num_pages, "num_pages", 1, 2**31 - 2)
+        if dtype is None:  # np.dtype(None) would silently mean float64
+            raise TypeError("Invalid dtype of dtype: expected float16 or float32, got None")
         try:
             np_dtype = np.dtype(dtype)
         except TypeError as exc:
@@ -194,7 +201,18 @@ cdef class KVCache:
             window = int(window)
         self._window = window
         self.sink_tokens = check_int(sink_tokens, "sink_tokens", 0, INT64_MAX)
+        if not isinstance(enable_prefix_caching, (bool, np.bool_)):
+            raise TypeError(
+                f"Invalid type of enable_prefix_caching: expected a bool, got {type(enable_prefix_caching).__name__}"
+            )
+        if not isinstance(prefix_hash, str):
+            raise TypeError(f"Invalid type of prefix_hash: expected str, got {type(prefix_hash).__name__}")
+        if prefix_hash not in _PREFIX_HASHES:
+            raise ValueError(
+                f"Invalid value of prefix_hash: expected one of {sorted(_PREFIX_HASHES)}, got {prefix_hash!r}"
+            )
         self.pool = PagePool(num_pages)
+        self.pool.owner = "KVCache"
         # np.zeros maps untouched pages lazily: a large pool costs memory only as it fills.
         self.kv = np.zeros(
             (self.num_layers, num_pages, 2, self.page_size, self.num_kv_heads, self.head_dim),
@@ -213,19 +231,17 @@ cdef class KVCache:
         self._prefix_queries = 0
         self._prefix_hits = 0
         if enable_prefix_caching:
-            if not isinstance(prefix_hash, str):
-                raise TypeError(f"Invalid type of prefix_hash: expected str, got {type(prefix_hash).__name__}")
             self._prefix = PrefixIndex(self.pool.num_pages, self.page_size, prefix_hash)
             self.pool.prefix = self._prefix
 
     # ------------------------------------------------------------ internals
     cdef object _table(self, object seq_id):
+        """The table of a known sequence id (an integer: bools and floats are refused, not matched by value)."""
+        cdef object key = _seq_key(seq_id)
         try:
-            return self._tables[seq_id]
+            return self._tables[key]
         except KeyError:
             raise KeyError(f"unknown sequence id {seq_id!r}") from None
-        except TypeError:
-            raise TypeError(f"Invalid type of seq_id: expected an integer, got {type(seq_id).__name__}") from None
 
     cdef list _tables_for(self, object seq_ids):
         """Tables of a batch of distinct, known sequence ids, in order."""
@@ -401,6 +417,9 @@ cdef class KVCache:
         return len(self._tables)
 
     def __contains__(self, seq_id):
+        if type(seq_id) is not int and (isinstance(seq_id, (bool, np.bool_))
+                                        or not isinstance(seq_id, (int, np.integer))):
+            return False  # only integers are sequence ids
         return seq_id in self._tables
 
     def __len__(self):
@@ -456,9 +475,21 @@ cdef class KVCache:
             ``seq_id`` already exists; both or neither of ``prompt_token_ids``
             and ``block_hashes`` style arguments are inconsistent; token ids
             outside int32; ``block_tokens`` not a positive multiple of
-            ``page_size``; ``num_prompt_tokens`` beyond what the blocks cover.
+            ``page_size``; ``num_prompt_tokens`` beyond what the blocks cover;
+            ``block_tokens`` or ``num_prompt_tokens`` without ``block_hashes``.
         TypeError
             Non-integer ids, or an ``extra_key`` of another type.
+
+        Notes
+        -----
+        With prefix caching, a page becomes findable as soon as an append
+        fills it, before its K/V is stored, as in vLLM, where a step's
+        blocks are cached at scheduling time. A sequence that starts on such
+        a page reads whatever its K/V holds, so store every layer of the
+        appended tokens before another sequence's attention reads them: the
+        order of one forward pass (append, then per layer store, then
+        attention). Threads sharing one cache must keep that order between
+        them.
         """
         cdef int64_t key = check_int(seq_id, "seq_id", INT64_MIN, INT64_MAX)
         cdef PageTable table = PageTable(self.pool, self.page_size, self._window, self.sink_tokens)
@@ -469,6 +500,9 @@ cdef class KVCache:
         cdef hash128 zero
         if prompt_token_ids is not None and block_hashes is not None:
             raise ValueError("Invalid value of block_hashes: give prompt_token_ids or block_hashes, not both")
+        if block_hashes is None and (block_tokens is not None or num_prompt_tokens is not None):
+            name = "block_tokens" if block_tokens is not None else "num_prompt_tokens"
+            raise ValueError(f"Invalid value of {name}: it describes block_hashes, which were not given")
         if prompt_token_ids is not None:
             prompt = as_int_array(prompt_token_ids, "prompt_token_ids", np.int32)
             prompt_len = prompt.shape[0]
@@ -530,7 +564,7 @@ cdef class KVCache:
         with self._lock:
             table = self._table(seq_id)
             table.drop_tail(0)
-            del self._tables[seq_id]
+            del self._tables[_seq_key(seq_id)]
 
     def fork(self, parent_id, child_id):
         """Create ``child_id`` sharing every page of ``parent_id`` (ref counts +1).
@@ -659,9 +693,17 @@ cdef class KVCache:
         cdef int64_t[::1] count_view = counts
         cdef int64_t total = 0
         cdef Py_ssize_t num_cow = 0, num_released = 0, i
+        # No call can place more tokens than every page of the pool plus the free
+        # room of each sequence's last page: refuse early, before sizing any output.
+        cdef int64_t most = (<int64_t>self.pool.num_pages + batch) * self.page_size
         for i in range(batch):
             if count_view[i] < 0:
                 raise ValueError(f"Invalid value of num_tokens: expected counts >= 0, got {count_view[i]}")
+            if count_view[i] > most - total:
+                raise OutOfPagesError(
+                    f"cannot append: num_tokens asks for more than {most} tokens in one call, more than "
+                    f"the {self.pool.num_pages} pages of {self.page_size} tokens can hold"
+                )
             total += count_view[i]
         cdef object ids = None
         if token_ids is not None:
@@ -942,6 +984,15 @@ cdef class KVCache:
         return (f"KVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, num_pages={self.pool.num_pages}, page_size={self.page_size}, "
                 f"dtype={self.kv.dtype}, window={self._window}, sink_tokens={self.sink_tokens})")
+
+
+cdef object _seq_key(object seq_id):
+    """A sequence id as the Python int keying the tables; TypeError for anything but an integer."""
+    if type(seq_id) is int:
+        return seq_id
+    if isinstance(seq_id, (bool, np.bool_)) or not isinstance(seq_id, (int, np.integer)):
+        raise TypeError(f"Invalid type of seq_id: expected an integer, got {type(seq_id).__name__}")
+    return int(seq_id)
 
 
 cdef int _record_tokens(list tables, list first_positions, int64_t[::1] counts, object ids,

@@ -8,7 +8,7 @@ sliding window of ``W`` tokens and ``S`` sink tokens, the table holds:
   the sequence's lifetime (StreamingLLM attention sinks, Xiao et al. 2023);
 * the window pages, a contiguous run of logical pages kept in a ring buffer.
 
-Release rule (DESIGN.md; vLLM's sliding-window manager works the same way):
+Release rule (vLLM's sliding-window manager works the same way):
 an append of ``T >= 1`` tokens starting at position ``n0`` first releases
 every window page whose positions are all ``< n0 - W + 1``, then takes new
 pages. A released page whose ref count drops to 0 is reused in place for the
@@ -366,8 +366,9 @@ cdef class PageTable:
         if n > sink_end and n < low:
             raise ValueError(
                 f"Invalid value of new_len: the window already released keys that a query at "
-                f"position {n} needs; expected new_len <= {sink_end} or {low} <= new_len <= "
-                f"{self.length}, got {n}"
+                f"position {n} needs; expected "
+                f"{'new_len == 0' if sink_end == 0 else f'new_len <= {sink_end}'} or "
+                f"{low} <= new_len <= {self.length}, got {n}"
             )
         self.drop_tail(n)
 

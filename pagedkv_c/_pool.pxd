@@ -19,7 +19,11 @@ cdef class PagePool:
     cdef int32_t[::1] _pending        # shape (num_pages,)
     # Prefix cache over this pool, or None. A cached page handed out again by
     # pop_free loses its hash (eviction).
-    cdef public PrefixIndex prefix
+    cdef readonly PrefixIndex prefix
+    # Name of the structure whose page tables own this pool's references
+    # ("KVCache"), or None for a standalone pool. The public allocate, free
+    # and incref refuse to run on an owned pool: they would desynchronise it.
+    cdef readonly object owner
     # Duplicate detection in batch calls without clearing a mark array: a page
     # was seen in the current call iff _seen_stamp[page] == _stamp.
     cdef uint32_t[::1] _seen_stamp    # shape (num_pages,)
@@ -38,3 +42,4 @@ cdef class PagePool:
     cdef int32_t get_ref(self, page_id_t page_id) noexcept nogil
     cdef bint ids_valid(self, const page_id_t* ids, Py_ssize_t n, bint forbid_duplicates) noexcept nogil
     cdef object _checked_ids(self, object page_ids, bint forbid_duplicates)
+    cdef int _check_unowned(self, str method) except -1

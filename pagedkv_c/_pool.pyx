@@ -49,6 +49,14 @@ cdef class PagePool:
 
     Every batch call is all-or-nothing: it validates everything first and
     raises before changing anything.
+
+    Attributes
+    ----------
+    owner : str or None
+        ``"KVCache"`` for the pool of a :class:`pagedkv.KVCache`, whose page
+        tables hold the references: there the pool is read-only (``num_free``,
+        ``ref_count``, ``free_pages``, ``check_invariants``) and ``allocate``,
+        ``free`` and ``incref`` raise RuntimeError. None for a standalone pool.
     """
 
     def __cinit__(self, num_pages):
@@ -67,6 +75,7 @@ cdef class PagePool:
         self._num_free = n
         self._seen_stamp = np.zeros(n, dtype=np.uint32)
         self._stamp = 0
+        self.owner = None
 
     # ------------------------------------------------------------------ C API
     # Counters are updated as `self.x = self.x + 1`, not `self.x += 1`: with the
@@ -199,7 +208,10 @@ cdef class PagePool:
             ``n`` is negative or larger than ``num_pages``.
         OutOfPagesError
             Fewer than ``n`` pages are free; nothing is allocated.
+        RuntimeError
+            The pool belongs to a ``KVCache`` (see :attr:`owner`).
         """
+        self._check_unowned("allocate")
         cdef Py_ssize_t count = <Py_ssize_t>check_int(n, "n", 0, self.num_pages)
         if count > self._num_free:
             raise OutOfPagesError(
@@ -210,6 +222,14 @@ cdef class PagePool:
         with nogil:
             self.take(out_ptr, count)
         return out
+
+    cdef int _check_unowned(self, str method) except -1:
+        if self.owner is not None:
+            raise RuntimeError(
+                f"PagePool.{method} cannot be used on the pool of a {self.owner}: its page tables "
+                f"hold the references; use the {self.owner} methods instead (this pool is read-only)"
+            )
+        return 0
 
     cdef object _checked_ids(self, object page_ids, bint forbid_duplicates):
         """Validate page ids: in range, allocated, optionally distinct.
@@ -266,12 +286,15 @@ cdef class PagePool:
             is freed.
         TypeError
             ``page_ids`` is not a 1-D sequence of integers.
+        RuntimeError
+            The pool belongs to a ``KVCache`` (see :attr:`owner`).
 
         Notes
         -----
         Pages reaching ref count 0 join the tail of the free queue in the order
         given, so the first page listed is the first to be handed out again.
         """
+        self._check_unowned("free")
         cdef int32_t[::1] ids = self._checked_ids(page_ids, True)
         cdef Py_ssize_t i
         with nogil:
@@ -292,7 +315,10 @@ cdef class PagePool:
             A page id is out of range or not allocated; nothing changes.
         TypeError
             ``page_ids`` is not a 1-D sequence of integers.
+        RuntimeError
+            The pool belongs to a ``KVCache`` (see :attr:`owner`).
         """
+        self._check_unowned("incref")
         cdef int32_t[::1] ids = self._checked_ids(page_ids, False)
         cdef Py_ssize_t i
         with nogil:

@@ -2,7 +2,7 @@
 
 It keeps, per sequence, which logical pages are held (as abstract page
 objects shared by forks), and the K/V of every cached position per layer.
-It follows the rules of DESIGN.md directly, without rings, free queues or
+It follows the window, sink and release rules directly, without rings, free queues or
 slot arithmetic:
 
 * a sequence's position p lives in logical page p // page_size;

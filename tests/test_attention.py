@@ -27,7 +27,7 @@ TOLERANCE = {np.float32: 1e-5, np.float16: 2e-3}
 # ---------------------------------------------------------------- reference
 
 def attends(key_positions, p, window, sink_tokens):
-    """Mask of DESIGN.md: k <= p and (k >= p - W + 1 or k < S); no window: k <= p."""
+    """Window and sink mask: k <= p and (k >= p - W + 1 or k < S); no window: k <= p."""
     mask = key_positions <= p
     if window is not None:
         mask &= (key_positions >= p - window + 1) | (key_positions < sink_tokens)

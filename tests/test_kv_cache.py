@@ -156,7 +156,7 @@ def test_window_releases_pages_and_keeps_what_queries_need(page_size, window, si
         assert needed <= set(positions.tolist())
         for row, pos in zip(keys, positions):
             np.testing.assert_array_equal(row, stored[pos].astype(np.float16))
-        # Memory bound of DESIGN.md after an append of n tokens.
+        # Memory bound of a windowed sequence after an append of n tokens.
         view = cache.page_table([0])
         num_sink_pages = math.ceil(sinks / page_size)
         window_pages = view.indices.size - min(num_sink_pages, math.ceil(length / page_size))
@@ -368,6 +368,25 @@ ERROR_CASES = [
     ("gather bad layer", lambda c: c.gather(5, 0), IndexError, "layer"),
     ("gather unknown", lambda c: c.gather(0, 4), KeyError, "unknown sequence"),
     ("page_table unknown", lambda c: c.page_table([0, 4]), KeyError, "unknown sequence"),
+    # Ids are integers: a float or bool equal to a known id must not select it.
+    ("remove float id", lambda c: c.remove_sequence(1.0), TypeError, "seq_id"),
+    ("remove bool id", lambda c: c.remove_sequence(True), TypeError, "seq_id"),
+    ("remove numpy float id", lambda c: c.remove_sequence(np.float64(1)), TypeError, "seq_id"),
+    ("fork float parent", lambda c: c.fork(1.0, 7), TypeError, "seq_id"),
+    ("truncate float id", lambda c: c.truncate(1.0, 1), TypeError, "seq_id"),
+    ("gather float id", lambda c: c.gather(0, 1.0), TypeError, "seq_id"),
+    ("seq_len float id", lambda c: c.seq_len(np.float64(1)), TypeError, "seq_id"),
+    # Counts no pool could hold are refused before any output is sized.
+    ("append 2**31 tokens", lambda c: c.append([0], [2**31]), OutOfPagesError, "num_tokens"),
+    ("append 2**33 tokens", lambda c: c.append([0], [2**33]), OutOfPagesError, "num_tokens"),
+    ("append 2**62 tokens", lambda c: c.append([0, 1], [2**62, 2**62]), OutOfPagesError, "num_tokens"),
+    ("block_tokens without blocks", lambda c: c.add_sequence(5, block_tokens=16), ValueError, "block_tokens"),
+    ("prompt length without blocks", lambda c: c.add_sequence(5, num_prompt_tokens=5), ValueError,
+     "num_prompt_tokens"),
+    # The pool of a KVCache is read-only: its page tables hold the references.
+    ("pool.free", lambda c: c.pool.free([0]), RuntimeError, "KVCache"),
+    ("pool.incref", lambda c: c.pool.incref([0]), RuntimeError, "KVCache"),
+    ("pool.allocate", lambda c: c.pool.allocate(1), RuntimeError, "KVCache"),
 ]
 
 
@@ -394,6 +413,10 @@ def test_bad_input_raises_before_any_change(name, call, exc, match):
         ({"dtype": np.int8}, TypeError),
         ({"dtype": "float64"}, TypeError),
         ({"page_size": 2.0}, TypeError),
+        ({"dtype": None}, TypeError),
+        ({"prefix_hash": "md5"}, ValueError),  # checked even with prefix caching off
+        ({"prefix_hash": None}, TypeError),
+        ({"enable_prefix_caching": "yes"}, TypeError),
     ],
 )
 def test_bad_constructor_arguments(kwargs, exc):
@@ -586,3 +609,11 @@ class CacheMachine(RuleBasedStateMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+def test_membership_is_by_integer_id_only():
+    cache = KVCache(1, HEADS, DIM, num_pages=4, page_size=4)
+    cache.add_sequence(1)
+    assert 1 in cache and np.int64(1) in cache
+    assert 1.0 not in cache and True not in cache and "1" not in cache
+    assert 2 not in cache

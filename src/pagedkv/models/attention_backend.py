@@ -19,7 +19,7 @@ This shape maps one-to-one onto a paged cache: ``begin_forward`` is one append p
 sequence (returning the slot mapping), ``store`` is a scatter of ``k``/``v`` through that
 slot mapping, and ``attend`` is a paged prefill or decode kernel.
 
-Window semantics (DESIGN.md): with ``window=W`` and ``sink_tokens=S`` the query at
+Window semantics (as in ``pagedkv.KVCache``): with ``window=W`` and ``sink_tokens=S`` the query at
 position ``p`` attends to the keys at positions ``[p-W+1, p]`` plus ``[0, S)``; without
 a window it attends to ``[0, p]`` (causal).
 """

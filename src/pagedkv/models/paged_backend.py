@@ -59,7 +59,7 @@ def max_pages_per_sequence(
     -------
     int
         Pages. Without a window ``ceil(num_tokens / page_size)``. With a window the
-        DESIGN.md bound after an append of T tokens,
+        window bound after an append of T tokens,
         ``ceil((W + T - 2) / page_size) + 1`` window pages plus ``ceil(S / page_size)``
         sink pages (T = ``max_append_tokens``; a decode step has T = 1), and never more
         than ``ceil(num_tokens / page_size)``.
@@ -83,7 +83,7 @@ def max_pages_per_sequence(
 
 
 def decode_page_bound(page_size: int, window: int, sink_tokens: int = 0) -> int:
-    """DESIGN.md's bound on the pages a windowed sequence holds during decode.
+    """The bound on the pages a windowed sequence holds during decode.
 
     Parameters
     ----------
