@@ -92,6 +92,8 @@ cdef object as_int_array(object values, str name, object dtype):
             raise TypeError(f"Invalid type of {name}: expected a 1-D sequence of integers, got {type(values).__name__}") from exc
         if arr.size == 0:
             arr = arr.astype(dtype)
+    if arr.ndim == 0 and not isinstance(values, (np.ndarray, np.generic, numbers.Number)):  # None, a string
+        raise TypeError(f"Invalid type of {name}: expected a 1-D sequence of integers, got {type(values).__name__}")
     if arr.ndim != 1:
         raise ValueError(f"Invalid shape of {name}: expected a 1-D sequence, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":

@@ -214,10 +214,14 @@ cdef class KVCache:
         self.pool = PagePool(num_pages)
         self.pool.owner = "KVCache"
         # np.zeros maps untouched pages lazily: a large pool costs memory only as it fills.
-        self.kv = np.zeros(
-            (self.num_layers, num_pages, 2, self.page_size, self.num_kv_heads, self.head_dim),
-            dtype=np_dtype,
-        )
+        shape = (self.num_layers, num_pages, 2, self.page_size, self.num_kv_heads, self.head_dim)
+        try:
+            self.kv = np.zeros(shape, dtype=np_dtype)
+        except (ValueError, MemoryError) as exc:  # NumPy: "array is too big" or no memory
+            raise MemoryError(
+                f"Invalid value of num_pages: a pool of shape {shape} ({np.prod(shape, dtype=object) * np_dtype.itemsize} "
+                f"bytes) cannot be allocated; use fewer pages, layers or heads"
+            ) from exc
         self._data = <char*>cnp.PyArray_DATA(self.kv)
         self._row_bytes = <Py_ssize_t>self.num_kv_heads * self.head_dim * np_dtype.itemsize
         self._page_bytes = 2 * <Py_ssize_t>self.page_size * self._row_bytes

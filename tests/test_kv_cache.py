@@ -377,6 +377,8 @@ ERROR_CASES = [
     ("gather float id", lambda c: c.gather(0, 1.0), TypeError, "seq_id"),
     ("seq_len float id", lambda c: c.seq_len(np.float64(1)), TypeError, "seq_id"),
     # Counts no pool could hold are refused before any output is sized.
+    ("append None ids", lambda c: c.append(None, [1]), TypeError, "seq_ids"),
+    ("append str ids", lambda c: c.append("0", [1]), TypeError, "seq_ids"),
     ("append 2**31 tokens", lambda c: c.append([0], [2**31]), OutOfPagesError, "num_tokens"),
     ("append 2**33 tokens", lambda c: c.append([0], [2**33]), OutOfPagesError, "num_tokens"),
     ("append 2**62 tokens", lambda c: c.append([0, 1], [2**62, 2**62]), OutOfPagesError, "num_tokens"),
@@ -617,3 +619,8 @@ def test_membership_is_by_integer_id_only():
     assert 1 in cache and np.int64(1) in cache
     assert 1.0 not in cache and True not in cache and "1" not in cache
     assert 2 not in cache
+
+
+def test_pool_too_large_for_memory_names_num_pages():
+    with pytest.raises(MemoryError, match="num_pages"):
+        KVCache(2**20, 2**16, 2**16, 2**31 - 2)

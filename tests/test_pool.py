@@ -67,6 +67,8 @@ def test_out_of_pages_changes_nothing():
         ("free", ([0, 0],), ValueError, "listed more than once"),
         ("free", ([0, 3],), ValueError, "page 3 is not allocated"),
         ("free", ([0.5],), TypeError, "expected integers"),
+        ("free", (None,), TypeError, "page_ids"),
+        ("incref", ("0",), TypeError, "page_ids"),
         ("free", ([[0]],), ValueError, "1-D"),
         ("incref", ([3],), ValueError, "page 3 is not allocated"),
         ("incref", ([4],), ValueError, "got 4"),
