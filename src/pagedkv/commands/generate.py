@@ -108,6 +108,8 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
         lines = Path(args.prompts).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise CommandError(f"cannot read --prompts {args.prompts!r}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise CommandError(f"cannot parse --prompts {args.prompts!r}: {exc}") from exc
     prompts = [line for line in lines if line.strip()]
     if not prompts:
         raise CommandError(f"--prompts {args.prompts!r} holds no prompt (one per line, blank lines skipped)")
