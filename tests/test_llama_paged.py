@@ -292,6 +292,50 @@ def test_commands_check_input_files_before_loading(tmp_path, capsys, no_model_lo
         assert f"error: argument --gguf: cannot read {tmp_path}: it is a directory" in err
 
 
+def test_generate_checks_the_pool_before_generating(smollm2, capsys, monkeypatch):
+    model, tokenizer = smollm2
+    monkeypatch.setattr(LlamaModel, "from_gguf", classmethod(lambda cls, path=None: (model, tokenizer)))
+    prompt = "The capital of France is"
+    needed = -(-(len(tokenizer.encode(prompt)) + 40) // 16)
+    err = usage_error(["generate", prompt, "--max-new-tokens", "40", "--num-pages", "1"], capsys)
+    assert (f"error: argument --num-pages: the run may hold up to {needed} pages of 16 tokens at once, "
+            f"got 1; omit it or give at least {needed}") in err
+
+
+def test_generate_ends_the_streamed_line_before_a_late_error(smollm2, capsys, monkeypatch):
+    """Should the pool still run out mid-stream, the error does not continue the generated text's line."""
+    import pagedkv.models.paged_backend
+
+    model, tokenizer = smollm2
+    monkeypatch.setattr(LlamaModel, "from_gguf", classmethod(lambda cls, path=None: (model, tokenizer)))
+    # An underestimate of the pages, so that the pool is too small.
+    monkeypatch.setattr(pagedkv.models.paged_backend, "max_pages_per_sequence", lambda *args: 1)
+    # Pages of 5 tokens: the pool runs out in the middle of the first line (" Paris").
+    assert cli.main(["generate", "The capital of France is", "--max-new-tokens", "16", "--page-size", "5"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.strip() and captured.out.endswith("\n") and not captured.out.endswith("\n\n")
+    assert captured.err.splitlines()[-1].startswith("pagedkv generate: the pool of 1 pages ran out")
+
+
+def test_perplexity_checks_the_pool_of_every_setting_before_scoring(smollm2, tmp_path, capsys, monkeypatch):
+    import pagedkv.commands.perplexity as command
+
+    model, tokenizer = smollm2
+    monkeypatch.setattr(LlamaModel, "from_gguf", classmethod(lambda cls, path=None: (model, tokenizer)))
+
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("no setting may be scored with a pool too small for one of them")
+
+    monkeypatch.setattr(command, "score_setting", no_scoring)
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(list(range(100, 164))))
+    # window=16 needs 2 pages of 16 tokens, the full cache 4 for 64 tokens.
+    err = usage_error(["perplexity", str(ids), "--token-ids", "--num-pages", "2", "--setting", "window=16",
+                       "--setting", "full"], capsys)
+    assert ("error: argument --num-pages: full cache needs 4 pages of 16 tokens for 64 tokens, got 2; "
+            "omit it or give at least 4") in err
+
+
 def test_setting_specs_and_segments():
     assert parse_setting("full").window is None
     assert parse_setting("window=256").label == "window 256"

@@ -271,6 +271,13 @@ def load_token_ids(path: str, tokenizer, num_tokens: int, *, json_ids: bool) -> 
     return first_token_ids(read_input(path, json_ids=json_ids), tokenizer, num_tokens, path)
 
 
+def pages_needed(num_tokens: int, setting: CacheSetting, page_size: int) -> int:
+    """Most pages one sequence of ``num_tokens`` tokens, scored one decode step per token, holds at once."""
+    from pagedkv.models.paged_backend import max_pages_per_sequence
+
+    return max_pages_per_sequence(num_tokens, page_size, setting.window, setting.sink_tokens, 1)
+
+
 def score_setting(model, token_ids: np.ndarray, setting: CacheSetting, *, page_size: int, dtype,
                   num_pages: int | None, num_threads: int, progress: bool) -> PerplexityResult:
     """Score ``token_ids`` one decode step per token through a paged cache of ``setting``.
@@ -302,10 +309,9 @@ def score_setting(model, token_ids: np.ndarray, setting: CacheSetting, *, page_s
         If ``num_pages`` is too small.
     """
     from pagedkv.models import score_tokens
-    from pagedkv.models.paged_backend import PagedBackend, max_pages_per_sequence
+    from pagedkv.models.paged_backend import PagedBackend
 
-    needed = max_pages_per_sequence(token_ids.size, page_size, setting.window, setting.sink_tokens, 1)
-    pages = num_pages or needed
+    pages = num_pages or pages_needed(token_ids.size, setting, page_size)
     backend = PagedBackend.for_config(model.config, pages, page_size=page_size, dtype=dtype,
                                       window=setting.window, sink_tokens=setting.sink_tokens,
                                       num_threads=num_threads)
@@ -422,6 +428,14 @@ def _run(args: argparse.Namespace) -> int:
     from pagedkv.models.threads import blas_threads
 
     num_tokens = int(token_ids.size)
+    if args.num_pages is not None:
+        # Every setting is checked before the first is scored (which may take minutes).
+        for setting in settings:
+            needed = pages_needed(num_tokens, setting, args.page_size)
+            if args.num_pages < needed:
+                args.parser.error(f"argument --num-pages: {setting.label} needs {needed} pages of {args.page_size} "
+                                  f"tokens for {num_tokens} tokens, got {args.num_pages}; "
+                                  f"omit it or give at least {needed}")
     print(f"scoring {num_tokens} tokens of {args.file} ({num_tokens - 1} decode steps per setting), "
           f"{args.dtype} cache, page size {args.page_size}", file=sys.stderr)
     results = []
