@@ -363,6 +363,18 @@ def test_cli_reports_a_plot_that_cannot_be_written(tmp_path, capsys, monkeypatch
     assert capsys.readouterr().err == f"pagedkv replay: cannot write --plot {str(plot)!r}: No space left on device\n"
 
 
+def test_cli_stops_quietly_when_stdout_is_closed(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
+    # -P: a checkout's pagedkv_c/ source directory in the working directory must not shadow the package.
+    with subprocess.Popen([sys.executable, "-P", "-m", "pagedkv", "replay", str(trace), "--no-progress"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        process.stdout.close()  # the reader goes away before the first line, as `| head -c 0` does
+        err = process.stderr.read()
+    assert process.returncode == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
 def test_sha256_page_hash_serves_the_same_hits(first_1000):
     head = make_trace(first_1000.input_lengths[:200].tolist(), first_1000.output_lengths[:200].tolist(),
                       [b.tolist() for b in first_1000.request_blocks()[:200]], 512)
