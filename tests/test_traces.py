@@ -127,6 +127,29 @@ def test_malformed_mooncake_lines_are_named(tmp_path, line, message):
     assert f"{path}:2" in str(info.value)
 
 
+def test_invalid_json_names_the_column_once(tmp_path):
+    good = '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}'
+    # json's own message for a control character ends in "at"; the column completes it.
+    for line, reason in (('{"timestamp": "a\tb"}', "Invalid control character at column 17"),
+                         ("{not json", "Expecting property name enclosed in double quotes at column 2")):
+        path = write(tmp_path, "t.jsonl", good + "\n" + line + "\n")
+        with pytest.raises(TraceFormatError) as info:
+            load_mooncake(path)
+        assert str(info.value) == f"{path}:2: not valid JSON ({reason})"
+
+
+def test_bytes_that_are_not_utf8_are_a_format_error(tmp_path):
+    good = b'{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
+    mooncake = tmp_path / "t.jsonl"
+    mooncake.write_bytes(good + b'{"timestamp": 0, "x": "\xff"}\n')
+    azure = tmp_path / "t.csv"
+    azure.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n\xfe,1,2\n")
+    for path, load in ((mooncake, load_mooncake), (azure, load_azure)):
+        with pytest.raises(TraceFormatError, match="invalid text: expected UTF-8, got the byte 0x") as info:
+            load(path)
+        assert str(info.value).startswith(f"{path}: ")
+
+
 def test_small_azure_file_is_read_exactly(tmp_path):
     path = write(tmp_path, "t.csv",
                  "TIMESTAMP,ContextTokens,GeneratedTokens\n"

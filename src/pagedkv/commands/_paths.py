@@ -1,0 +1,65 @@
+"""argparse types for the file options of the commands.
+
+They run while the command line is parsed, so a path that cannot work is a usage error
+(``argument --plot: ...``, exit status 2) before a model is loaded or a trace replayed,
+rather than a failure once the work is done.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def input_file(text: str) -> str:
+    """argparse type: an existing file this process may read; returns ``text``."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"cannot read {text}: no such file")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot read {text}: it is a directory")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"cannot read {text}: permission denied")
+    return text
+
+
+def output_file(text: str) -> str:
+    """argparse type: a file path that can be written (its directory exists); returns ``text``.
+
+    The file itself is neither created nor truncated here.
+    """
+    path = Path(text)
+    directory = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: it is a directory")
+    if not directory.exists():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: directory {directory} does not exist")
+    if not directory.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {directory} is not a directory")
+    writable = os.access(path, os.W_OK) if path.exists() else os.access(directory, os.W_OK | os.X_OK)
+    if not writable:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied")
+    return text
+
+
+def plot_file(text: str) -> str:
+    """argparse type: an :func:`output_file` whose extension names an image format matplotlib writes.
+
+    matplotlib picks the format from the extension (and appends ``.png`` to a name without
+    one), so the extension must be one of its supported formats.
+    """
+    try:
+        # The canvas base class lists the formats; no pyplot state or GUI backend is needed.
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise argparse.ArgumentTypeError("needs matplotlib: pip install 'pagedkv[cli]'") from None
+    output_file(text)
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    extension = Path(text).suffix[1:].lower()
+    if extension not in formats:
+        got = f"'.{extension}'" if extension else "no extension"
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text}: expected an image file name ending in one of "
+            f"{', '.join('.' + f for f in formats)}, got {got}"
+        )
+    return text
