@@ -603,15 +603,17 @@ GOOD_Q = np.zeros((2, 4, 8), np.float32)
 
 DECODE_BAD = [
     (dict(q=[[0.0]]), TypeError, "type of q"),
-    (dict(q=GOOD_Q.astype(np.float64)), ValueError, "dtype of q"),
-    (dict(q=GOOD_Q.astype(np.int32)), ValueError, "dtype of q"),
+    (dict(q=GOOD_Q.astype(np.float64)), TypeError, "dtype of q"),
+    (dict(q=GOOD_Q.astype(np.int32)), TypeError, "dtype of q"),
     (dict(q=GOOD_Q[0]), ValueError, "shape of q"),
     (dict(q=np.zeros((3, 4, 8), np.float32)), ValueError, "shape of q"),
     (dict(q=np.zeros((2, 4, 9), np.float32)), ValueError, "shape of q"),
     (dict(q=np.zeros((2, 3, 8), np.float32)), ValueError, "multiple of num_kv_heads"),
     (dict(q=np.zeros((2, 0, 8), np.float32)), ValueError, "multiple of num_kv_heads"),
-    (dict(layer=2), ValueError, "layer"),
-    (dict(layer=-1), ValueError, "layer"),
+    (dict(layer=2), IndexError, r"Invalid value of layer: expected 0 <= layer < 2, got 2"),
+    (dict(layer=-1), IndexError, r"Invalid value of layer: expected 0 <= layer < 2, got -1"),
+    (dict(layer=np.int64(5)), IndexError, r"expected 0 <= layer < 2, got 5"),
+    (dict(layer=True), TypeError, "type of layer"),
     (dict(layer=1.0), TypeError, "layer"),
     (dict(seq_ids=["a", "empty"]), ValueError, "'empty' has no cached token"),
     (dict(seq_ids=["a", "zzz"]), KeyError, "zzz"),
@@ -645,7 +647,7 @@ def test_bad_caches():
         attention.decode(GOOD_Q, cache, 0, ["a", "b"])
     cache = make_cache()
     cache.kv = cache.kv.astype(np.float64)
-    with pytest.raises(ValueError, match="dtype of cache.kv"):
+    with pytest.raises(TypeError, match="dtype of cache.kv"):
         attention.decode(GOOD_Q, cache, 0, ["a", "b"])
 
 

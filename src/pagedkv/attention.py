@@ -102,15 +102,20 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
     ------
     KeyError
         A sequence id is unknown (raised by ``cache.page_table``).
+    IndexError
+        ``layer`` is out of range (as in ``KVCache.store``/``gather``).
     ValueError
-        ``q`` has the wrong dtype or shape (``B`` not ``len(seq_ids)``, ``D``
-        not ``head_dim``, ``Hq`` not a multiple of ``num_kv_heads``), ``layer``
-        is out of range, ``cache.head_dim > 256``, ``scale`` is not finite,
-        ``num_threads`` is out of range, a sequence holds no cached token, or
-        the page table the cache returned is malformed. Nothing is computed.
+        ``q`` has the wrong shape (``B`` not ``len(seq_ids)``, ``D`` not
+        ``head_dim``, ``Hq`` not a multiple of ``num_kv_heads``),
+        ``cache.head_dim > 256``, ``scale`` is not finite, ``num_threads`` is
+        out of range, a sequence holds no cached token, or the page table the
+        cache returned is malformed.
     TypeError
-        ``q`` is not an ndarray, or ``layer``, ``num_threads``, ``scale`` or
-        ``return_lse`` has the wrong type.
+        ``q`` is not an ndarray, ``q`` or ``cache.kv`` is neither float32 nor
+        float16, or ``layer``, ``num_threads``, ``scale`` or ``return_lse`` has
+        the wrong type.
+
+    Every check runs before any work: nothing is computed when one fails.
 
     Notes
     -----
@@ -161,15 +166,19 @@ def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, r
     ------
     KeyError
         A sequence id is unknown.
+    IndexError
+        ``layer`` is out of range.
     ValueError
         As in :func:`decode`, and: ``qo_indptr`` has the wrong length, does
         not start at 0, decreases, does not end at ``T``, or gives a sequence
         more new tokens than it has (``qo_len_b > seq_len_b``) or than it
         still holds in its page table; a sequence with queries holds no
-        cached token. Nothing is computed.
+        cached token.
     TypeError
         As in :func:`decode`, or ``qo_indptr`` is not a 1-D sequence of
         integers.
+
+    Every check runs before any work: nothing is computed when one fails.
 
     Notes
     -----
