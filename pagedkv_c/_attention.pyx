@@ -18,7 +18,7 @@ from cython.parallel cimport prange, threadid
 from libc.stdint cimport int32_t, int64_t, uint16_t
 from libc.stdlib cimport malloc, free
 
-from pagedkv_c._checks cimport check_int, check_array, as_int_array
+from pagedkv_c._checks cimport check_int, check_index, check_array, as_int_array
 
 cnp.import_array()
 
@@ -319,7 +319,7 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
     if not isinstance(q, np.ndarray):
         raise TypeError(f"Invalid type of q: expected numpy.ndarray, got {type(q).__name__}")
     if q.dtype != np.float32 and q.dtype != np.float16:
-        raise ValueError(f"Invalid dtype of q: expected float32 or float16, got {q.dtype}")
+        raise TypeError(f"Invalid dtype of q: expected float16 or float32, got {q.dtype}")
     if q.ndim != 3:
         raise ValueError(f"Invalid shape of q: expected a 3-D array (tokens, Hq, D), got {q.shape}")
     if not isinstance(return_lse, (bool, np.bool_)):
@@ -329,7 +329,7 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
     if not isinstance(kv, np.ndarray):
         raise TypeError(f"Invalid type of cache.kv: expected numpy.ndarray, got {type(kv).__name__}")
     if kv.dtype != np.float32 and kv.dtype != np.float16:
-        raise ValueError(f"Invalid dtype of cache.kv: expected float32 or float16, got {kv.dtype}")
+        raise TypeError(f"Invalid dtype of cache.kv: expected float16 or float32, got {kv.dtype}")
     if kv.ndim != 6 or kv.shape[2] != 2:
         raise ValueError(
             "Invalid shape of cache.kv: expected (num_layers, num_pages, 2, page_size, "
@@ -353,7 +353,7 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
     p.window = 0 if window is None else check_int(window, "cache.window", 1, 2**62)
     p.sink_tokens = check_int(getattr(cache, "sink_tokens", 0), "cache.sink_tokens", 0, 2**62)
 
-    cdef int64_t layer_index = check_int(layer, "layer", 0, num_layers - 1)
+    cdef int64_t layer_index = check_index(layer, "layer", num_layers)
     num_qo_heads = q.shape[1]
     if q.shape[2] != head_dim:
         raise ValueError(

@@ -36,6 +36,31 @@ cdef int64_t check_int(object value, str name, int64_t low, int64_t high) except
     return <int64_t>v
 
 
+cdef int64_t check_index(object value, str name, int64_t size) except? -1:
+    """Return ``value`` as a C integer in ``[0, size)`` (an index, e.g. a layer).
+
+    Raises TypeError for a non-integer (bools and floats included) and
+    IndexError for an integer outside the range.
+    """
+    cdef int64_t fast
+    if type(value) is int:  # the common case, without the generic checks
+        try:
+            fast = value
+        except OverflowError:
+            pass
+        else:
+            if 0 <= fast < size:
+                return fast
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"Invalid type of {name}: expected an integer, got {type(value).__name__}"
+        )
+    cdef object v = operator.index(value)
+    if v < 0 or v >= size:
+        raise IndexError(f"Invalid value of {name}: expected 0 <= {name} < {size}, got {v}")
+    return <int64_t>v
+
+
 cdef str _shape_text(tuple shape):
     return "(" + ", ".join(["*" if d < 0 else str(d) for d in shape]) + (",)" if len(shape) == 1 else ")")
 

@@ -16,7 +16,7 @@ from pagedkv_c._pool cimport PagePool
 from pagedkv_c._pool import OutOfPagesError
 from pagedkv_c._prefix import ALGORITHMS as _PREFIX_HASHES
 from pagedkv_c._page_table cimport PageTable, append_batch
-from pagedkv_c._checks cimport check_int, check_float_array, as_int_array
+from pagedkv_c._checks cimport check_int, check_index, check_float_array, as_int_array
 from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash128, hash_salt,
                                 hash_block_pages)
 from libc.stdlib cimport malloc, free
@@ -780,7 +780,7 @@ cdef class KVCache:
         a decode step writes one row per sequence into lines no cache holds,
         and streaming them skips reading those lines first.
         """
-        cdef int64_t layer_index = _check_layer(layer, self.num_layers)
+        cdef int64_t layer_index = check_index(layer, "layer", self.num_layers)
         cdef object slots = as_int_array(slot_mapping, "slot_mapping", np.int64)
         cdef Py_ssize_t num_tokens = slots.shape[0]
         shape = (num_tokens, self.num_kv_heads, self.head_dim)
@@ -840,7 +840,7 @@ cdef class KVCache:
         KeyError
             Unknown ``seq_id``.
         """
-        cdef int64_t layer_index = _check_layer(layer, self.num_layers)
+        cdef int64_t layer_index = check_index(layer, "layer", self.num_layers)
         cdef PageTable table
         cdef Py_ssize_t num_pages, n
         cdef int64_t length
@@ -1063,14 +1063,6 @@ cdef int _hash_external(int algorithm, SequenceHashes hashes, object blocks, int
         free(out)
     hashes.num_hashed = num_pages
     return 0
-
-
-cdef int64_t _check_layer(object layer, int32_t num_layers) except? -1:
-    if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
-        raise TypeError(f"Invalid type of layer: expected an integer, got {type(layer).__name__}")
-    if layer < 0 or layer >= num_layers:
-        raise IndexError(f"Invalid value of layer: expected 0 <= layer < {num_layers}, got {layer}")
-    return <int64_t>layer
 
 
 cdef int64_t _cached_tokens(PageTable table) noexcept:

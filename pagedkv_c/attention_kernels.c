@@ -249,12 +249,14 @@ static inline float v8_hmax(pkv_v8 a)
 #define PKV_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 /* 2**x for x <= 0: x = n + f, n integer, f in [-0.5, 0.5]; 2**f by its
- * degree-7 Taylor polynomial (relative error < 1e-8), 2**n in the exponent. */
+ * degree-7 Taylor polynomial (relative error < 1e-8), 2**n in the exponent.
+ * NaN stays NaN: the compare is unordered and max returns its second
+ * operand, x, when x is NaN. */
 PKV_AVX2 static inline __m256 pkv_exp2_avx2(__m256 x)
 {
     const __m256 lowest = _mm256_set1_ps(-126.0f);
-    const __m256 keep = _mm256_cmp_ps(x, lowest, _CMP_GE_OQ);
-    const __m256 xc = _mm256_max_ps(x, lowest);
+    const __m256 keep = _mm256_cmp_ps(x, lowest, _CMP_NLT_UQ);
+    const __m256 xc = _mm256_max_ps(lowest, x);
     const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(xc, n);
     __m256 p = _mm256_set1_ps(1.5252733804059841e-05f);
@@ -368,11 +370,12 @@ PKV_AVX2 static inline void pkv_hsum8_avx2(__m256 a0, __m256 a1, __m256 a2, __m2
 
 #define PKV_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
+/* As pkv_exp2_avx2, NaN included. */
 PKV_AVX512 static inline __m512 pkv_exp2_avx512(__m512 x)
 {
     const __m512 lowest = _mm512_set1_ps(-126.0f);
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, lowest, _CMP_GE_OQ);
-    const __m512 xc = _mm512_max_ps(x, lowest);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, lowest, _CMP_NLT_UQ);
+    const __m512 xc = _mm512_max_ps(lowest, x);
     const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(xc, n);
     __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);

@@ -11,7 +11,8 @@
  *   vf, VW       vector type of VW float32 lanes
  *   VZERO() VSET1(x) VLOAD(p) VSTORE(p, v) VLOAD_KV(p)
  *   VADD VSUB VMAX VFMA(a, b, c) = a * b + c, VMULS(v, x) = v * x
- *   VEXP2(x)     2**x lane-wise for x <= 0, exactly 0 where x < -126 or -inf
+ *   VEXP2(x)     2**x lane-wise for x <= 0, exactly 0 where x < -126 or -inf,
+ *                NaN where x is NaN
  *   VHSUM(v) VHMAX(v)   horizontal sum / max, fixed order
  *   VHSUM8(a0, ..., a7, out)  out[i] = horizontal sum of ai, fixed order
  *   PKV_PV_WIDE  1: the V accumulation keeps 16 vectors in registers
@@ -25,6 +26,11 @@
  * max m and running sum l, rescales its accumulator once, then adds the
  * chunk's probability-weighted V rows. Scores live in the log2 domain (q is
  * pre-scaled by scale * log2(e)) so that the exponentials are exp2.
+ *
+ * Non-finite values give what dense softmax attention over the admitted keys
+ * gives: a NaN or +inf score among a row's admitted keys makes its output and
+ * LSE NaN, -inf scores weigh 0, and inf or NaN in V reach the output through
+ * the weighted sum. Keys the mask excludes take no part, whatever they hold.
  */
 
 #define PKV_CAT2_(a, b) a##_##b
@@ -300,8 +306,68 @@ typedef struct {
     float *acc;              /* [rows, dim_pad] running sum of p * v */
     float *s;                /* [rows, PKV_CHUNK_TOKENS] scores, then probabilities */
     float *m;                /* [rows] running max (log2 domain) */
-    float *l;                /* [rows] running sum of 2**(s - m) */
+    float *l;                /* [rows] running sum of 2**(s - m); NaN once the row
+                                met a NaN or +inf score; -0.0 while it has admitted
+                                keys but all scored -inf, +0.0 before any key */
 } FN(pkv_state);
+
+/* 1 if the query at position p attends to the key at position k (the mask
+ * of attention_kernels.h). */
+static inline int FN(admits)(const FN(pkv_state) *st, int64_t p, int64_t k)
+{
+    return k <= p && (st->window <= 0 || k >= p - st->window + 1 || k < st->sink_tokens);
+}
+
+/* 1 if a token of the chunk that some row's mask excludes has an inf or NaN
+ * in its V row (at v_rows[t] + head_offset). */
+PKV_TARGET static int FN(masked_v_nonfinite)(const FN(pkv_state) *st, const KV_T *const *v_rows,
+                                             const int64_t *positions, int64_t n,
+                                             int64_t head_offset)
+{
+    const int64_t pmin = st->first_position;
+    const int64_t pmax = st->first_position + st->rows / st->group_size - 1;
+    const vf zero = VZERO();
+    int64_t t, d;
+    for (t = 0; t < n; t++) {
+        /* admitted by the first and the last row: admitted by every row */
+        if (FN(admits)(st, pmin, positions[t]) && FN(admits)(st, pmax, positions[t]))
+            continue;
+        const KV_T *v = v_rows[t] + head_offset;
+        vf acc = zero; /* 0 * x is 0, or NaN for an inf or NaN x */
+        for (d = 0; d < st->dim_vec; d += VW)
+            acc = VFMA(zero, VLOAD_KV(v + d), acc);
+        float sum = VHSUM(acc);
+        for (; d < st->dim; d++)
+            sum += 0.0f * KV_TO_F(v[d]);
+        if (isnan(sum))
+            return 1;
+    }
+    return 0;
+}
+
+/* acc += p @ V, each row over the tokens it admits only. A function of its
+ * own: it runs rarely, and its arrays would enlarge finish_chunk's frame. */
+PKV_TARGET static void FN(pv_admitted)(const FN(pkv_state) *st, const KV_T *const *v_rows,
+                                       const int64_t *positions, int64_t n, int64_t head_offset)
+{
+    const KV_T *kept_v[PKV_CHUNK_TOKENS];
+    float kept_p[PKV_CHUNK_TOKENS];
+    int64_t r, t;
+    for (r = 0; r < st->rows; r++) {
+        const int64_t p = st->first_position + r / st->group_size;
+        const float *pr = st->s + r * PKV_CHUNK_TOKENS;
+        int64_t kept = 0;
+        for (t = 0; t < n; t++) {
+            if (FN(admits)(st, p, positions[t])) {
+                kept_v[kept] = v_rows[t];
+                kept_p[kept] = pr[t];
+                kept++;
+            }
+        }
+        FN(pv_1row)(st->acc + r * st->dim_pad, kept_p, kept_v, head_offset, kept, st->dim,
+                    st->dim_vec);
+    }
+}
 
 /* Scores of tokens t .. t+7 of a chunk of n (tokens past n repeat token t and
  * fill padding slots) for every row of one KV head; its rows start at
@@ -354,10 +420,7 @@ PKV_TARGET static void FN(finish_chunk)(const FN(pkv_state) *st, const KV_T *con
             const int64_t p = st->first_position + r / st->group_size;
             float *s = st->s + r * ch;
             for (t = 0; t < n; t++) {
-                const int64_t k = positions[t];
-                const int ok = k <= p && (st->window <= 0 || k >= p - st->window + 1 ||
-                                          k < st->sink_tokens);
-                if (!ok)
+                if (!FN(admits)(st, p, positions[t]))
                     s[t] = -INFINITY;
             }
         }
@@ -373,16 +436,37 @@ PKV_TARGET static void FN(finish_chunk)(const FN(pkv_state) *st, const KV_T *con
             vmax = VMAX(vmax, VLOAD(s + t));
         const float chunk_max = VHMAX(vmax);
         if (chunk_max == -INFINITY) {
-            /* every token masked for this row: it takes nothing from the chunk */
+            /* No finite score: the row takes nothing from the chunk. Max may
+             * have hidden a NaN score (x86 max returns its second operand when
+             * either is NaN), so sum the scores: NaN if any is. */
             const vf zero = VZERO();
-            for (t = 0; t < n_pad; t += VW)
+            vf vsum = zero;
+            for (t = 0; t < n_pad; t += VW) {
+                vsum = VADD(vsum, VLOAD(s + t));
                 VSTORE(s + t, zero);
+            }
+            if (isnan(VHSUM(vsum))) {
+                st->l[r] = NAN;
+            } else if (st->l[r] == 0.0f) {
+                /* Admitted keys that all score -inf: 0/0 in dense softmax
+                 * unless a later chunk brings a finite score. */
+                const int64_t p = st->first_position + r / st->group_size;
+                for (t = 0; t < n; t++) {
+                    if (all_valid || FN(admits)(st, p, positions[t])) {
+                        st->l[r] = -0.0f;
+                        break;
+                    }
+                }
+            }
             continue;
         }
         const float m_old = st->m[r];
         const float m_new = m_old > chunk_max ? m_old : chunk_max;
         const vf vm = VSET1(m_new);
         vf vsum = VZERO();
+        /* s - m is NaN for a NaN score and for a +inf one (inf - inf), where
+         * dense softmax is NaN: VEXP2 keeps the NaN, so l becomes NaN and
+         * stays NaN through later rescaling and sums. */
         for (t = 0; t < n_pad; t += VW) {
             const vf e = VEXP2(VSUB(VLOAD(s + t), vm));
             VSTORE(s + t, e);
@@ -400,7 +484,13 @@ PKV_TARGET static void FN(finish_chunk)(const FN(pkv_state) *st, const KV_T *con
         st->m[r] = m_new;
     }
 
-    /* acc += p @ V */
+    /* acc += p @ V. A token the mask excludes for a row has p = 0 there,
+     * which adds exactly nothing unless its V row holds an inf or NaN
+     * (0 * inf is NaN): then each row takes only the tokens it admits. */
+    if (!all_valid && FN(masked_v_nonfinite)(st, v_rows, positions, n, head_offset)) {
+        FN(pv_admitted)(st, v_rows, positions, n, head_offset);
+        return;
+    }
     r = 0;
     for (; r + 4 <= rows; r += 4)
         FN(pv_4rows)(st->acc + r * dim_pad, dim_pad, st->s + r * ch, ch, v_rows, head_offset,
@@ -574,18 +664,25 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
             float *out = a->out + (item->first_token + i) * Hq * D + (kv_head * G + g) * D;
             const float *acc = st->acc + r * dim_pad;
             const float l = st->l[r];
+            float row_lse;
             if (l > 0.0f) {
                 const float inv = 1.0f / l;
                 for (d = 0; d < D; d++)
                     out[d] = acc[d] * inv;
-            } else {
+                row_lse = (st->m[r] + log2f(l)) * 0.6931471805599453f;
+            } else if (l == 0.0f && !signbit(l)) {
+                /* no key admitted */
                 for (d = 0; d < D; d++)
                     out[d] = 0.0f;
+                row_lse = -INFINITY;
+            } else {
+                /* a NaN or +inf score, or every admitted score -inf */
+                for (d = 0; d < D; d++)
+                    out[d] = NAN;
+                row_lse = NAN;
             }
-            if (a->lse != NULL) {
-                float *lse = a->lse + (item->first_token + i) * Hq + kv_head * G + g;
-                *lse = l > 0.0f ? (st->m[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;
-            }
+            if (a->lse != NULL)
+                a->lse[(item->first_token + i) * Hq + kv_head * G + g] = row_lse;
         }
     }
 }

@@ -303,6 +303,218 @@ def test_empty_batches():
     assert out.shape == (0, 4, 16) and out.dtype == np.float32
 
 
+# ------------------------------------------------------ non-finite values
+#
+# The reference masks first (it takes only the admitted keys), then computes
+# the softmax in float64: a NaN or +inf score among a row's keys makes the row
+# and its LSE NaN (exp(inf - inf)), a -inf score weighs 0, and inf/NaN in V go
+# through the weighted sum (0 * NaN is NaN). The kernels must give the same,
+# NaN for NaN.
+
+def nonfinite_cache(dtype, mode, window=None, sink_tokens=0, extra=()):
+    """Sequences "s" (70 tokens) and "t" (37), queries: the last token or the last 12.
+
+    2 KV heads of 3 query heads each, head_dim 40 (a vector tail on every
+    path), pages of 4 tokens. With a window, each sequence holds one page more
+    than its queries need, so held slots lie outside every window. ``extra``:
+    more (seq_id, length, qo_len) sequences. Slots no query may read are NaN
+    already (poison_unread_slots).
+    """
+    cache = FakeCache(1, 2, 40, 96, 4, dtype, window, sink_tokens, seed=21)
+    qo_len = 1 if mode == "decode" else 12
+    specs = [("s", 70, qo_len), ("t", 37, qo_len), *extra]
+    for seq_id, n, m in specs:
+        hold_from = None if window is None else n - m - window + 1 - cache.page_size
+        cache.add_sequence(seq_id, n, hold_from=hold_from)
+    poison_unread_slots(cache, {seq_id: range(n - m, n) for seq_id, n, m in specs})
+    return cache, [seq_id for seq_id, _, _ in specs], [m for _, _, m in specs]
+
+
+def set_kv(cache, seq_id, position, half, kv_head, value, dims=slice(None)):
+    """Write ``value`` into the K (half 0) or V (half 1) row of a cached position, layer 0."""
+    view = cache.page_table([seq_id])
+    j = int(np.searchsorted(view.page_positions, position, side="right")) - 1
+    offset = position - int(view.page_positions[j])
+    assert 0 <= offset < cache.page_size, "position not in a held page"
+    cache.kv[0, view.indices[j], half, offset, kv_head, dims] = value
+
+
+def attend_and_compare(cache, seq_ids, qo_lens, q, threads=(1, 2)):
+    """Decode (every qo_len 1) or prefill, compared NaN for NaN with the reference.
+
+    Returns (out, lse, ref_out, ref_lse) over all query rows.
+    """
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int64)
+    decode = all(m == 1 for m in qo_lens) and len(q) == len(seq_ids)
+    if decode:
+        results = [attention.decode(q, cache, 0, seq_ids, num_threads=t, return_lse=True) for t in threads]
+    else:
+        results = [attention.prefill(q, cache, 0, seq_ids, qo_indptr, num_threads=t, return_lse=True)
+                   for t in threads]
+    out, lse = results[0]
+    for other_out, other_lse in results[1:]:
+        np.testing.assert_array_equal(out, other_out)  # NaN where the other has NaN
+        np.testing.assert_array_equal(lse, other_lse)
+    ref_out, ref_lse = np.empty(out.shape), np.empty(lse.shape)
+    scale = 1.0 / np.sqrt(cache.head_dim)
+    for b, seq_id in enumerate(seq_ids):
+        n = cache.seq_len(seq_id)
+        rows = slice(qo_indptr[b], qo_indptr[b + 1])
+        with np.errstate(invalid="ignore"):  # inf - inf and 0 * inf are the point here
+            ref_out[rows], ref_lse[rows] = reference(cache, 0, seq_id, q[rows],
+                                                     list(range(n - qo_lens[b], n)), scale)
+    tol = TOLERANCE[cache.kv.dtype.type]
+    np.testing.assert_allclose(out, ref_out, rtol=0, atol=tol, equal_nan=True)
+    np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=tol, equal_nan=True)
+    return out, lse, ref_out, ref_lse
+
+
+NONFINITE_CASES = [(isa, dtype, mode) for isa in AVAILABLE_ISAS for dtype in (np.float32, np.float16)
+                   for mode in ("decode", "prefill")]
+
+
+@pytest.mark.parametrize("isa, dtype, mode", NONFINITE_CASES)
+def test_nan_in_one_query_element_gives_exactly_that_row_nan(isa, dtype, mode):
+    cache, seq_ids, qo_lens = nonfinite_cache(dtype, mode)
+    rng = np.random.default_rng(22)
+    q = random_q(rng, sum(qo_lens), 6, 40)
+    row = len(q) - 1 if mode == "decode" else 5
+    q[row, 4, 17] = np.nan
+    with kernel_path(isa):
+        out, lse, _, _ = attend_and_compare(cache, seq_ids, qo_lens, q)
+    expected = np.zeros(lse.shape, bool)
+    expected[row, 4] = True
+    np.testing.assert_array_equal(np.isnan(lse), expected)
+    np.testing.assert_array_equal(np.isnan(out).any(axis=-1), expected)
+    assert np.isnan(out[row, 4]).all()
+
+
+@pytest.mark.parametrize("isa, dtype, mode", NONFINITE_CASES)
+def test_nan_score_among_minus_infinite_scores_gives_nan(isa, dtype, mode):
+    # KV head 0 of "s": a NaN score at position 0, -inf at 1..31, so the first
+    # chunk (16 or 32 tokens) has no finite score and its lanes put -inf after
+    # the NaN, an order in which x86 max returns -inf, not NaN. Later chunks
+    # are finite.
+    cache, seq_ids, qo_lens = nonfinite_cache(dtype, mode)
+    set_kv(cache, "s", 0, 0, 0, np.nan, dims=0)
+    for position in range(1, 32):
+        set_kv(cache, "s", position, 0, 0, -np.inf)  # q > 0
+    rng = np.random.default_rng(28)
+    q = np.abs(random_q(rng, sum(qo_lens), 6, 40))
+    with kernel_path(isa):
+        out, lse, _, _ = attend_and_compare(cache, seq_ids, qo_lens, q)
+    expected = np.zeros(lse.shape, bool)
+    expected[:qo_lens[0], :3] = True
+    np.testing.assert_array_equal(np.isnan(lse), expected)
+    np.testing.assert_array_equal(np.isnan(out).all(axis=-1), expected)
+    assert np.isfinite(out[~expected]).all()
+
+
+@pytest.mark.parametrize("isa, dtype, mode", NONFINITE_CASES)
+def test_nan_in_an_admitted_key_gives_its_query_group_nan(isa, dtype, mode):
+    cache, seq_ids, qo_lens = nonfinite_cache(dtype, mode)
+    set_kv(cache, "s", 62, 0, 1, np.nan, dims=9)  # KV head 1 = query heads 3..5
+    rng = np.random.default_rng(23)
+    q = random_q(rng, sum(qo_lens), 6, 40)
+    with kernel_path(isa):
+        out, lse, _, _ = attend_and_compare(cache, seq_ids, qo_lens, q)
+    # Rows of "s" at positions >= 62 (decode: position 69; prefill: 62..69 of
+    # queries 58..69), heads 3..5; nothing else.
+    expected = np.zeros(lse.shape, bool)
+    if mode == "decode":
+        expected[0, 3:6] = True
+    else:
+        expected[62 - 58:12, 3:6] = True
+    np.testing.assert_array_equal(np.isnan(lse), expected)
+    np.testing.assert_array_equal(np.isnan(out).all(axis=-1), expected)
+    assert np.isfinite(out[~expected]).all()
+
+
+@pytest.mark.parametrize("isa, dtype, mode", NONFINITE_CASES)
+def test_nonfinite_key_and_value_outside_the_mask_are_ignored(isa, dtype, mode):
+    # Window 20, 2 sinks. Position 45 of "s" lies in a held page: outside the
+    # window of every query in decode (69), inside the window of queries
+    # 58..64 only in prefill. Position 66 is admitted by queries >= 66 only
+    # (causal), which share work items with earlier queries.
+    cache, seq_ids, qo_lens = nonfinite_cache(dtype, mode, window=20, sink_tokens=2)
+    for position in (45, 66):
+        set_kv(cache, "s", position, 0, 0, np.nan, dims=3)
+        set_kv(cache, "s", position, 1, 0, np.nan, dims=5)
+        set_kv(cache, "s", position, 1, 1, np.inf, dims=6)
+    rng = np.random.default_rng(24)
+    q = random_q(rng, sum(qo_lens), 6, 40)
+    with kernel_path(isa):
+        out, lse, _, ref_lse = attend_and_compare(cache, seq_ids, qo_lens, q)
+    if mode == "decode":
+        assert np.isnan(lse[0, :3]).all() and np.isfinite(lse[:, 3:]).all()  # 66 is admitted by 69
+    else:
+        positions = np.arange(58, 70)
+        admits = ((positions - 20 + 1 <= 45) & (positions >= 45)) | (positions >= 66)
+        np.testing.assert_array_equal(np.isnan(ref_lse[:12, 0]), admits)
+        assert not admits.all() and admits.any()
+        assert np.isfinite(out[12:]).all()
+
+
+@pytest.mark.parametrize("isa, dtype, mode", NONFINITE_CASES)
+def test_positive_infinite_score_gives_nan(isa, dtype, mode):
+    cache, seq_ids, qo_lens = nonfinite_cache(dtype, mode)
+    set_kv(cache, "t", 30, 0, 0, np.inf, dims=11)  # q > 0: score +inf for heads 0..2
+    rng = np.random.default_rng(25)
+    q = np.abs(random_q(rng, sum(qo_lens), 6, 40))
+    with kernel_path(isa):
+        out, lse, _, _ = attend_and_compare(cache, seq_ids, qo_lens, q)
+    # Rows of "t" at positions >= 30 (decode: 36; prefill: 30..36 of queries 25..36).
+    nan_rows = slice(1, 2) if mode == "decode" else slice(12 + 30 - 25, 24)
+    assert np.isnan(lse[nan_rows, :3]).all() and np.isnan(out[nan_rows, :3]).all()
+    assert np.isfinite(lse[nan_rows, 3:]).all() and np.isfinite(out[nan_rows, 3:]).all()
+    assert np.isfinite(out[:nan_rows.start]).all()
+
+
+@pytest.mark.parametrize("isa, dtype, mode", NONFINITE_CASES)
+def test_negative_infinite_scores_weigh_zero(isa, dtype, mode):
+    # "u": decode: one token, the only key of its query; prefill: 3 tokens, all
+    # queries, the first of which sees only its own key.
+    u = ("u", 1, 1) if mode == "decode" else ("u", 3, 3)
+    cache, seq_ids, qo_lens = nonfinite_cache(dtype, mode, extra=[u])
+    set_kv(cache, "u", 0, 0, 0, -np.inf)  # q > 0: score -inf for heads 0..2
+    set_kv(cache, "s", 65, 0, 0, -np.inf)  # one -inf key among finite ones: weight 0
+    set_kv(cache, "s", 66, 0, 1, -np.inf)
+    set_kv(cache, "s", 66, 1, 1, np.nan, dims=2)  # weight 0 times NaN is NaN
+    for position in range(32):  # a first chunk of -inf scores only, then finite ones
+        set_kv(cache, "s", position, 0, 0, -np.inf)
+    rng = np.random.default_rng(26)
+    q = np.abs(random_q(rng, sum(qo_lens), 6, 40))
+    with kernel_path(isa):
+        out, lse, ref_out, _ = attend_and_compare(cache, seq_ids, qo_lens, q)
+    s_last = 0 if mode == "decode" else 11
+    u_first = len(q) - qo_lens[-1]
+    assert np.isfinite(out[:s_last + 1, :3]).all()
+    assert np.isnan(out[s_last, 3:, 2]).all() and np.isfinite(np.delete(out[s_last, 3:], 2, axis=-1)).all()
+    # All admitted scores -inf: dense softmax is 0/0.
+    assert np.isnan(out[u_first, :3]).all() and np.isnan(lse[u_first, :3]).all()
+    assert np.isfinite(out[u_first + 1:]).all() and np.isfinite(out[u_first, 3:]).all()
+
+
+@pytest.mark.parametrize("isa, dtype, mode", NONFINITE_CASES)
+def test_nonfinite_values_of_admitted_tokens_reach_the_output(isa, dtype, mode):
+    cache, seq_ids, qo_lens = nonfinite_cache(dtype, mode)
+    set_kv(cache, "s", 63, 1, 1, np.nan, dims=7)
+    set_kv(cache, "s", 68, 1, 0, np.inf, dims=1)
+    set_kv(cache, "t", 36, 1, 0, -np.inf, dims=39)  # the last element: the scalar tail
+    rng = np.random.default_rng(27)
+    q = random_q(rng, sum(qo_lens), 6, 40)
+    with kernel_path(isa):
+        out, lse, _, _ = attend_and_compare(cache, seq_ids, qo_lens, q)
+    assert np.isfinite(lse).all()
+    s_last, t_last = (0, 1) if mode == "decode" else (11, 23)
+    assert np.isnan(out[s_last, 3:, 7]).all()
+    assert np.isposinf(out[s_last, :3, 1]).all()
+    assert np.isneginf(out[t_last, :3, 39]).all()
+    if mode == "prefill":  # earlier queries of the same work items do not see them
+        assert np.isfinite(out[:63 - 58]).all()
+        assert np.isfinite(out[12:23]).all()
+
+
 # ------------------------------------------------------------- hypothesis
 
 @st.composite
@@ -391,15 +603,17 @@ GOOD_Q = np.zeros((2, 4, 8), np.float32)
 
 DECODE_BAD = [
     (dict(q=[[0.0]]), TypeError, "type of q"),
-    (dict(q=GOOD_Q.astype(np.float64)), ValueError, "dtype of q"),
-    (dict(q=GOOD_Q.astype(np.int32)), ValueError, "dtype of q"),
+    (dict(q=GOOD_Q.astype(np.float64)), TypeError, "dtype of q"),
+    (dict(q=GOOD_Q.astype(np.int32)), TypeError, "dtype of q"),
     (dict(q=GOOD_Q[0]), ValueError, "shape of q"),
     (dict(q=np.zeros((3, 4, 8), np.float32)), ValueError, "shape of q"),
     (dict(q=np.zeros((2, 4, 9), np.float32)), ValueError, "shape of q"),
     (dict(q=np.zeros((2, 3, 8), np.float32)), ValueError, "multiple of num_kv_heads"),
     (dict(q=np.zeros((2, 0, 8), np.float32)), ValueError, "multiple of num_kv_heads"),
-    (dict(layer=2), ValueError, "layer"),
-    (dict(layer=-1), ValueError, "layer"),
+    (dict(layer=2), IndexError, r"Invalid value of layer: expected 0 <= layer < 2, got 2"),
+    (dict(layer=-1), IndexError, r"Invalid value of layer: expected 0 <= layer < 2, got -1"),
+    (dict(layer=np.int64(5)), IndexError, r"expected 0 <= layer < 2, got 5"),
+    (dict(layer=True), TypeError, "type of layer"),
     (dict(layer=1.0), TypeError, "layer"),
     (dict(seq_ids=["a", "empty"]), ValueError, "'empty' has no cached token"),
     (dict(seq_ids=["a", "zzz"]), KeyError, "zzz"),
@@ -433,7 +647,7 @@ def test_bad_caches():
         attention.decode(GOOD_Q, cache, 0, ["a", "b"])
     cache = make_cache()
     cache.kv = cache.kv.astype(np.float64)
-    with pytest.raises(ValueError, match="dtype of cache.kv"):
+    with pytest.raises(TypeError, match="dtype of cache.kv"):
         attention.decode(GOOD_Q, cache, 0, ["a", "b"])
 
 

@@ -83,3 +83,25 @@ def test_long_windowed_decode_reads_only_the_window(dtype):
         grow(cache, [0], [1], rng)
     assert cache.stats()["pages_peak"] <= 64
     check_decode(cache, [0], 8, rng)
+
+
+def test_bad_layer_and_dtype_raise_as_kvcache_does():
+    from pagedkv import attention
+
+    cache = KVCache(2, 2, 8, num_pages=8, page_size=4, dtype=np.float32)
+    cache.add_sequence(0)
+    slots = cache.append([0], [3])
+    k = np.zeros((3, 2, 8), np.float32)
+    q = np.zeros((3, 4, 8), np.float32)
+    calls = [lambda layer: cache.store(layer, slots, k, k), lambda layer: cache.gather(layer, 0),
+             lambda layer: attention.decode(q[:1], cache, layer, [0]),
+             lambda layer: attention.prefill(q, cache, layer, [0], [0, 3])]
+    for call in calls:
+        with pytest.raises(IndexError, match=r"^Invalid value of layer: expected 0 <= layer < 2, got 5$"):
+            call(5)
+        with pytest.raises(TypeError, match=r"^Invalid type of layer: expected an integer, got float$"):
+            call(1.0)
+    with pytest.raises(TypeError, match="^Invalid dtype of k: expected float16 or float32, got float64$"):
+        cache.store(0, slots, k.astype(np.float64), k)
+    with pytest.raises(TypeError, match="^Invalid dtype of q: expected float16 or float32, got float64$"):
+        attention.decode(q[:1].astype(np.float64), cache, 0, [0])

@@ -22,6 +22,18 @@ The query at position ``p`` attends to the cached key at position ``k`` iff
 ``S = sink_tokens`` attention-sink positions). This is FlashInfer's
 ``window_left = W - 1`` and Hugging Face's ``sliding_window = W``.
 
+Non-finite values
+-----------------
+Results are those of dense softmax attention over the keys the mask admits
+(masked keys are dropped before the softmax, whatever they hold): a NaN or
+``+inf`` score ``scale * q . k`` among a query row's admitted keys (a NaN in
+``q`` or in an admitted K row, an inf in K that meets ``q`` with the same
+sign) makes that row's output and LSE NaN, as ``exp(s - max s)`` is then NaN;
+a ``-inf`` score gives its key weight 0, and a row whose admitted keys all
+score ``-inf`` is NaN (0/0). An inf or NaN in the V row of an admitted key
+reaches the output through the weighted sum, also at weight 0 (``0 * NaN``
+is NaN), in the columns it occupies. Other rows and heads are unaffected.
+
 Algorithm
 ---------
 One pass over the pages with the online softmax of FlashAttention (Dao et
@@ -78,25 +90,32 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
     Returns
     -------
     out : numpy.ndarray, shape ``(B, Hq, D)``, float32
-        Softmax-weighted sum of the V rows.
+        Softmax-weighted sum of the V rows. A row is NaN where dense softmax
+        attention over the admitted keys is: a NaN or ``+inf`` score, or only
+        ``-inf`` scores (see "Non-finite values" in the module docstring).
     lse : numpy.ndarray, shape ``(B, Hq)``, float32
         Only if ``return_lse``: natural-log ``log(sum_k exp(scale * q . k))``
         over the attended keys, as FlashInfer returns it (in natural log, not
-        base 2).
+        base 2); NaN wherever the row of ``out`` is NaN because of its scores.
 
     Raises
     ------
     KeyError
         A sequence id is unknown (raised by ``cache.page_table``).
+    IndexError
+        ``layer`` is out of range (as in ``KVCache.store``/``gather``).
     ValueError
-        ``q`` has the wrong dtype or shape (``B`` not ``len(seq_ids)``, ``D``
-        not ``head_dim``, ``Hq`` not a multiple of ``num_kv_heads``), ``layer``
-        is out of range, ``cache.head_dim > 256``, ``scale`` is not finite,
-        ``num_threads`` is out of range, a sequence holds no cached token, or
-        the page table the cache returned is malformed. Nothing is computed.
+        ``q`` has the wrong shape (``B`` not ``len(seq_ids)``, ``D`` not
+        ``head_dim``, ``Hq`` not a multiple of ``num_kv_heads``),
+        ``cache.head_dim > 256``, ``scale`` is not finite, ``num_threads`` is
+        out of range, a sequence holds no cached token, or the page table the
+        cache returned is malformed.
     TypeError
-        ``q`` is not an ndarray, or ``layer``, ``num_threads``, ``scale`` or
-        ``return_lse`` has the wrong type.
+        ``q`` is not an ndarray, ``q`` or ``cache.kv`` is neither float32 nor
+        float16, or ``layer``, ``num_threads``, ``scale`` or ``return_lse`` has
+        the wrong type.
+
+    Every check runs before any work: nothing is computed when one fails.
 
     Notes
     -----
@@ -137,6 +156,9 @@ def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, r
     Returns
     -------
     out : numpy.ndarray, shape ``(T, Hq, D)``, float32
+        As in :func:`decode`; non-finite values follow the module docstring,
+        per query and its own mask (a NaN key that a query's causal or window
+        mask excludes does not reach that query).
     lse : numpy.ndarray, shape ``(T, Hq)``, float32
         Only if ``return_lse``; natural log.
 
@@ -144,15 +166,19 @@ def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, r
     ------
     KeyError
         A sequence id is unknown.
+    IndexError
+        ``layer`` is out of range.
     ValueError
         As in :func:`decode`, and: ``qo_indptr`` has the wrong length, does
         not start at 0, decreases, does not end at ``T``, or gives a sequence
         more new tokens than it has (``qo_len_b > seq_len_b``) or than it
         still holds in its page table; a sequence with queries holds no
-        cached token. Nothing is computed.
+        cached token.
     TypeError
         As in :func:`decode`, or ``qo_indptr`` is not a 1-D sequence of
         integers.
+
+    Every check runs before any work: nothing is computed when one fails.
 
     Notes
     -----
