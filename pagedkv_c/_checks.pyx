@@ -42,23 +42,10 @@ cdef int64_t check_index(object value, str name, int64_t size) except? -1:
     Raises TypeError for a non-integer (bools and floats included) and
     IndexError for an integer outside the range.
     """
-    cdef int64_t fast
-    if type(value) is int:  # the common case, without the generic checks
-        try:
-            fast = value
-        except OverflowError:
-            pass
-        else:
-            if 0 <= fast < size:
-                return fast
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"Invalid type of {name}: expected an integer, got {type(value).__name__}"
-        )
-    cdef object v = operator.index(value)
-    if v < 0 or v >= size:
-        raise IndexError(f"Invalid value of {name}: expected 0 <= {name} < {size}, got {v}")
-    return <int64_t>v
+    try:
+        return check_int(value, name, 0, size - 1)
+    except ValueError:  # check_int's only ValueError: out of range
+        raise IndexError(f"Invalid value of {name}: expected 0 <= {name} < {size}, got {value}") from None
 
 
 cdef str _shape_text(tuple shape):
