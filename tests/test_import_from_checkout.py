@@ -20,6 +20,10 @@ def test_unbuilt_source_directory_defers_to_the_installed_core(tmp_path):
     site = tmp_path / "site"
     shutil.copytree(BUILT_CORE, site / "pagedkv_c", ignore=shutil.ignore_patterns("__pycache__", "build"))
     shutil.copytree(FACADE, site / "pagedkv", ignore=shutil.ignore_patterns("__pycache__"))
+    # A repaired wheel keeps bundled libraries (libgomp) beside the packages, found by rpath.
+    bundled = BUILT_CORE.parent / "pagedkv.libs"
+    if bundled.is_dir():
+        shutil.copytree(bundled, site / "pagedkv.libs")
     # ... and a checkout root whose pagedkv_c holds sources only, as after `pip install .`.
     checkout = tmp_path / "checkout"
     shutil.copytree(BUILT_CORE, checkout / "pagedkv_c",
