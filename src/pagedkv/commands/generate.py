@@ -177,6 +177,7 @@ def _run(args: argparse.Namespace) -> int:
     line_open = False  # stdout's last line of streamed text has no newline yet
 
     def on_token(i: int, token_id: int) -> None:
+        """Stream token ``token_id`` of prompt ``i`` as it is produced."""
         nonlocal line_open
         lengths[i] += 1
         piece = streams[i].push(token_id)
@@ -211,6 +212,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int) -> None:
     def line(text: str) -> None:
+        """Print one line of the report to stderr."""
         print(text, file=sys.stderr)
 
     line(f"prefill: {result.num_prompt_tokens} tokens in {result.prefill_seconds:.2f} s "

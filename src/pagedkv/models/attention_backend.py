@@ -334,6 +334,7 @@ class DenseBackend(AttentionBackend):
         return isinstance(seq_id, (int, np.integer)) and int(seq_id) in self._lengths
 
     def add_sequence(self, seq_id: int) -> None:
+        """Start an empty sequence; see :meth:`AttentionBackend.add_sequence`."""
         if not isinstance(seq_id, (int, np.integer)) or seq_id < 0:
             raise ValueError(f"Invalid value of seq_id: expected an int >= 0, got {seq_id!r}")
         seq_id = int(seq_id)
@@ -345,12 +346,14 @@ class DenseBackend(AttentionBackend):
         self._lengths[seq_id] = 0
 
     def remove_sequence(self, seq_id: int) -> None:
+        """Drop a sequence and its K/V; see :meth:`AttentionBackend.remove_sequence`."""
         seq_id = int(seq_id)
         if seq_id not in self._lengths:
             raise KeyError(f"Unknown seq_id {seq_id}")
         del self._keys[seq_id], self._values[seq_id], self._lengths[seq_id]
 
     def seq_len(self, seq_id: int) -> int:
+        """Tokens stored for a sequence; see :meth:`AttentionBackend.seq_len`."""
         seq_id = int(seq_id)
         if seq_id not in self._lengths:
             raise KeyError(f"Unknown seq_id {seq_id}")
@@ -374,6 +377,7 @@ class DenseBackend(AttentionBackend):
         return _KeyPlan(ranges, bias)
 
     def begin_forward(self, seq_ids, num_new_tokens) -> DenseForwardBatch:
+        """Reserve room for the new tokens of a batch; see :meth:`AttentionBackend.begin_forward`."""
         seq_ids = _as_index_array(seq_ids, "seq_ids")
         counts = _as_index_array(num_new_tokens, "num_new_tokens")
         if seq_ids.shape != counts.shape or seq_ids.size == 0:
@@ -432,6 +436,7 @@ class DenseBackend(AttentionBackend):
             raise ValueError(f"Invalid shape of {name}: expected {expected}, got {array.shape} {array.dtype}")
 
     def store(self, batch: ForwardBatch, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Write one layer's K/V of the batch's new tokens; see :meth:`AttentionBackend.store`."""
         self._check_batch(batch, layer, k, self.num_kv_heads, "k")
         self._check_batch(batch, layer, v, self.num_kv_heads, "v")
         indptr = batch.qo_indptr
@@ -443,6 +448,7 @@ class DenseBackend(AttentionBackend):
             self._values[s][layer, :, start:start + b - a] = v[a:b].transpose(1, 0, 2)
 
     def attend(self, batch: ForwardBatch, layer: int, q: np.ndarray) -> np.ndarray:
+        """Attention of one layer's queries over the cache; see :meth:`AttentionBackend.attend`."""
         self._check_batch(batch, layer, q, None, "q")
         num_heads = q.shape[1]
         if num_heads % self.num_kv_heads != 0:

@@ -318,6 +318,7 @@ def load_llama_gguf(
         )
 
     def meta(name, default=None, required=True):
+        """Metadata value ``<arch>.<name>``; ValueError if required and missing."""
         key = f"{arch}.{name}"
         value = _field_value(reader, key, default)
         if value is None and required:
@@ -327,6 +328,7 @@ def load_llama_gguf(
     tensors = {t.name: t for t in reader.tensors}
 
     def tensor(name: str) -> np.ndarray:
+        """Tensor ``name`` dequantized to float32, NumPy axis order; ValueError if missing."""
         t = tensors.get(name)
         if t is None:
             raise ValueError(f"Invalid GGUF file {str(resolved)!r}: missing tensor {name!r}")

@@ -263,17 +263,21 @@ class PagedBackend(AttentionBackend):
         return isinstance(seq_id, (int, np.integer)) and int(seq_id) in self.cache
 
     def add_sequence(self, seq_id: int) -> None:
+        """Start an empty sequence; see :meth:`AttentionBackend.add_sequence`."""
         if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)) or seq_id < 0:
             raise ValueError(f"Invalid value of seq_id: expected an int >= 0, got {seq_id!r}")
         self.cache.add_sequence(int(seq_id))
 
     def remove_sequence(self, seq_id: int) -> None:
+        """Drop a sequence and its K/V; see :meth:`AttentionBackend.remove_sequence`."""
         self.cache.remove_sequence(int(seq_id))
 
     def seq_len(self, seq_id: int) -> int:
+        """Tokens stored for a sequence; see :meth:`AttentionBackend.seq_len`."""
         return int(self.cache.seq_len(int(seq_id)))
 
     def begin_forward(self, seq_ids, num_new_tokens) -> PagedForwardBatch:
+        """Reserve room for the new tokens of a batch; see :meth:`AttentionBackend.begin_forward`."""
         seq_ids = _as_index_array(seq_ids, "seq_ids")
         counts = _as_index_array(num_new_tokens, "num_new_tokens")
         if seq_ids.shape != counts.shape or seq_ids.size == 0:
@@ -305,10 +309,12 @@ class PagedBackend(AttentionBackend):
             raise TypeError(f"Invalid type of batch: expected PagedForwardBatch, got {type(batch).__name__}")
 
     def store(self, batch: ForwardBatch, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Write one layer's K/V of the batch's new tokens; see :meth:`AttentionBackend.store`."""
         self._check_batch(batch)
         self.cache.store(layer, batch.slot_mapping, k, v)
 
     def attend(self, batch: ForwardBatch, layer: int, q: np.ndarray) -> np.ndarray:
+        """Attention of one layer's queries over the cache; see :meth:`AttentionBackend.attend`."""
         self._check_batch(batch)
         if batch.is_decode:
             return attention.decode(q, self.cache, layer, batch.seq_ids, num_threads=self.num_threads)
