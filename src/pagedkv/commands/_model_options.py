@@ -15,26 +15,34 @@ class CommandError(Exception):
     """A user-facing failure of a command: printed as ``pagedkv <command>: <message>``, exit status 2."""
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (underscores allowed, as in ``4_096``)."""
+def _int_at_least(text: str, low: int) -> int:
+    """``text`` as an integer >= ``low`` (underscores allowed, as in ``4_096``), else ArgumentTypeError."""
     try:
         value = int(text.replace("_", ""))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (underscores allowed, as in ``4_096``)."""
+    return _int_at_least(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def run_reporting_errors(command: str, body, args: argparse.Namespace) -> int:
+    """Run ``body(args)``; print a :class:`CommandError` as ``pagedkv <command>: <message>`` and return 2."""
     try:
-        value = int(text.replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+        return body(args)
+    except CommandError as exc:
+        print(f"pagedkv {command}: {exc}", file=sys.stderr)
+        return 2
 
 
 def add_window_arguments(parser: argparse.ArgumentParser) -> None:

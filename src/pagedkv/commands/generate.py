@@ -15,6 +15,7 @@ from pagedkv.commands._model_options import (
     load_model,
     peak_rss_bytes,
     positive_int,
+    run_reporting_errors,
 )
 
 DESCRIPTION = """\
@@ -118,11 +119,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Generate for the prompt(s) of ``args``; return the exit status (0, or 2 on an error)."""
-    try:
-        return _run(args)
-    except CommandError as exc:
-        print(f"pagedkv generate: {exc}", file=sys.stderr)
-        return 2
+    return run_reporting_errors("generate", _run, args)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from pagedkv.commands._model_options import (
     load_model,
     peak_rss_bytes,
     positive_int,
+    run_reporting_errors,
 )
 from pagedkv.commands._paths import output_file, plot_file
 
@@ -405,11 +406,7 @@ def _to_json(results, path, num_tokens, segment_tokens, dtype, page_size) -> dic
 
 def run(args: argparse.Namespace) -> int:
     """Score the file under every setting of ``args``; return the exit status (0, or 2 on an error)."""
-    try:
-        return _run(args)
-    except CommandError as exc:
-        print(f"pagedkv perplexity: {exc}", file=sys.stderr)
-        return 2
+    return run_reporting_errors("perplexity", _run, args)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from pagedkv.commands._model_options import positive_int
 from pagedkv.commands._paths import plot_file
 from pagedkv.replay import MAX_PAGES, PREFIX_HASHES, ReplayResult, capacity_pages, replay
 from pagedkv.traces import FORMATS, MOONCAKE_BLOCK_TOKENS, load_trace
@@ -35,16 +36,6 @@ speed only).
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text.replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``replay`` subcommand to ``subparsers`` and return its parser."""
     parser = subparsers.add_parser(
@@ -56,14 +47,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("trace", metavar="TRACE", help="trace file (.jsonl: mooncake, .csv: azure)")
     parser.add_argument("--format", choices=FORMATS, default=None,
                         help="trace format (default: from the file extension)")
-    parser.add_argument("--capacity-tokens", type=_positive_int, nargs="+", default=None, metavar="N",
+    parser.add_argument("--capacity-tokens", type=positive_int, nargs="+", default=None, metavar="N",
                         help="pool capacities to replay, in tokens (rounded down to whole pages); "
                              f"default: {' '.join(str(c) for c in DEFAULT_CAPACITIES)}")
-    parser.add_argument("--page-size", type=_positive_int, default=16, metavar="P",
+    parser.add_argument("--page-size", type=positive_int, default=16, metavar="P",
                         help="tokens per page (default 16); must divide the trace's block size")
-    parser.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--limit", type=positive_int, default=None, metavar="N",
                         help="replay only the first N requests")
-    parser.add_argument("--block-tokens", type=_positive_int, default=MOONCAKE_BLOCK_TOKENS, metavar="B",
+    parser.add_argument("--block-tokens", type=positive_int, default=MOONCAKE_BLOCK_TOKENS, metavar="B",
                         help=f"tokens per hash id of a mooncake trace (default {MOONCAKE_BLOCK_TOKENS})")
     parser.add_argument("--prefix-hash", choices=PREFIX_HASHES, default="xxh3_128",
                         help="page hash of the prefix index (default xxh3_128)")

@@ -196,6 +196,25 @@ def _as_index_array(values, name: str) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
+def _check_batch_arguments(seq_ids, num_new_tokens) -> tuple[np.ndarray, np.ndarray]:
+    """``begin_forward``'s arguments as int64 arrays: distinct ids, one count >= 1 per id, at least one.
+
+    Raises ValueError naming the argument.
+    """
+    seq_ids = _as_index_array(seq_ids, "seq_ids")
+    counts = _as_index_array(num_new_tokens, "num_new_tokens")
+    if seq_ids.shape != counts.shape or seq_ids.size == 0:
+        raise ValueError(
+            f"Invalid shape of num_new_tokens: expected {seq_ids.shape} (one count per sequence, "
+            f"at least one sequence), got {counts.shape}"
+        )
+    if np.unique(seq_ids).size != seq_ids.size:
+        raise ValueError(f"Invalid value of seq_ids: expected distinct ids, got {seq_ids.tolist()}")
+    if counts.min() < 1:
+        raise ValueError(f"Invalid value of num_new_tokens: expected counts >= 1, got {counts.tolist()}")
+    return seq_ids, counts
+
+
 def check_window(window: int | None, sink_tokens: int) -> None:
     """Validate a sliding window and sink count.
 
@@ -378,17 +397,7 @@ class DenseBackend(AttentionBackend):
 
     def begin_forward(self, seq_ids, num_new_tokens) -> DenseForwardBatch:
         """Reserve room for the new tokens of a batch; see :meth:`AttentionBackend.begin_forward`."""
-        seq_ids = _as_index_array(seq_ids, "seq_ids")
-        counts = _as_index_array(num_new_tokens, "num_new_tokens")
-        if seq_ids.shape != counts.shape or seq_ids.size == 0:
-            raise ValueError(
-                f"Invalid shape of num_new_tokens: expected {seq_ids.shape} matching a non-empty seq_ids, "
-                f"got {counts.shape}"
-            )
-        if np.unique(seq_ids).size != seq_ids.size:
-            raise ValueError(f"Invalid value of seq_ids: expected distinct ids, got {seq_ids.tolist()}")
-        if counts.min() < 1:
-            raise ValueError(f"Invalid value of num_new_tokens: expected every count >= 1, got {counts.tolist()}")
+        seq_ids, counts = _check_batch_arguments(seq_ids, num_new_tokens)
         for s in seq_ids.tolist():
             if s not in self._lengths:
                 raise KeyError(f"Unknown seq_id {s}")

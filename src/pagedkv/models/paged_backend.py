@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv import attention
-from pagedkv.models.attention_backend import AttentionBackend, ForwardBatch, _as_index_array, check_window
+from pagedkv.models.attention_backend import AttentionBackend, ForwardBatch, _check_batch_arguments, check_window
 from pagedkv_c._kv_cache import KVCache
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
@@ -278,17 +278,7 @@ class PagedBackend(AttentionBackend):
 
     def begin_forward(self, seq_ids, num_new_tokens) -> PagedForwardBatch:
         """Reserve room for the new tokens of a batch; see :meth:`AttentionBackend.begin_forward`."""
-        seq_ids = _as_index_array(seq_ids, "seq_ids")
-        counts = _as_index_array(num_new_tokens, "num_new_tokens")
-        if seq_ids.shape != counts.shape or seq_ids.size == 0:
-            raise ValueError(
-                f"Invalid shape of num_new_tokens: expected {seq_ids.shape} (one count per sequence, "
-                f"at least one sequence), got {counts.shape}"
-            )
-        if np.unique(seq_ids).size != seq_ids.size:
-            raise ValueError(f"Invalid value of seq_ids: expected distinct ids, got {seq_ids.tolist()}")
-        if counts.min() < 1:
-            raise ValueError(f"Invalid value of num_new_tokens: expected counts >= 1, got {counts.tolist()}")
+        seq_ids, counts = _check_batch_arguments(seq_ids, num_new_tokens)
         # page_table raises KeyError for an unknown id before anything changes.
         starts = self.cache.page_table(seq_ids).seq_lens
         slot_mapping = self.cache.append(seq_ids, counts)  # all or nothing (OutOfPagesError)
