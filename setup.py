@@ -125,7 +125,7 @@ for pyx in sorted((HERE / "pagedkv_c").glob("*.pyx")):
         Extension(
             f"pagedkv_c.{name}",
             sources=[f"pagedkv_c/{pyx.name}", *EXTRA_SOURCES.get(name, [])],
-            depends=C_HEADERS if name in EXTRA_SOURCES else [],
+            depends=C_HEADERS,
             include_dirs=[np.get_include(), "pagedkv_c", *EXTRA_INCLUDES],
             define_macros=define_macros,
             extra_compile_args=compile_args,

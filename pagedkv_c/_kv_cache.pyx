@@ -18,7 +18,8 @@ from pagedkv_c._prefix import ALGORITHMS as _PREFIX_HASHES
 from pagedkv_c._page_table cimport PageTable, append_batch
 from pagedkv_c._checks cimport check_int, check_index, check_float_array, as_int_array
 from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash128, hash_salt,
-                                hash_block_pages)
+                                hash_block_pages, pkv_index_find, pkv_index_insert,
+                                pkv_index_is_cached, pkv_index_prefetch)
 from libc.stdlib cimport malloc, free
 
 cnp.import_array()
@@ -305,19 +306,13 @@ cdef class KVCache:
         cdef int64_t ps = self.page_size
         cdef int64_t num_sink_pages = table.num_sink_pages
         cdef int64_t k, m = 0, lead = 0, run = 0, low, first_window = num_sink_pages
-        cdef hash128 h
         cdef page_id_t page_id
         cdef bint windowed = self._window is not None
-        cdef hash128 ahead
         for k in range(servable):
             if k + _PREFETCH_DISTANCE < servable:
                 # The index outgrows the CPU caches: overlap the misses of the next lookups.
-                ahead.lo = hashes.lo[k + _PREFETCH_DISTANCE]
-                ahead.hi = hashes.hi[k + _PREFETCH_DISTANCE]
-                index.prefetch(ahead)
-            h.lo = hashes.lo[k]
-            h.hi = hashes.hi[k]
-            page_id = index.find(h)
+                pkv_index_prefetch(&index.ix, hashes.lo[k + _PREFETCH_DISTANCE])
+            page_id = pkv_index_find(&index.ix, hashes.lo[k], hashes.hi[k])
             if page_id != -1 and prompt != NULL and not index.tokens_match(page_id, prompt + k * ps):
                 page_id = -1  # a hash collision: never serve a page whose tokens differ
             hit[k] = page_id
@@ -364,24 +359,19 @@ cdef class KVCache:
         cdef int64_t upto = min(table.length // self.page_size, hashes.num_hashed)
         cdef int64_t k
         cdef page_id_t page_id
-        cdef hash128 h
         cdef Py_ssize_t t
         for k in range(hashes.num_registered, upto):
             if k + _PREFETCH_DISTANCE < upto:
-                h.lo = hashes.lo[k + _PREFETCH_DISTANCE]
-                h.hi = hashes.hi[k + _PREFETCH_DISTANCE]
-                index.prefetch(h)
+                pkv_index_prefetch(&index.ix, hashes.lo[k + _PREFETCH_DISTANCE])
             if k < table.num_sink_pages:
                 if k >= table.sink_count:
                     continue
             elif k < table.ring_first or k >= table.ring_first + table.ring_count:
                 continue  # released by the window, or not held
             page_id = table.page_at(k)
-            if index.is_cached(page_id):
+            if pkv_index_is_cached(&index.ix, page_id):
                 continue
-            h.lo = hashes.lo[k]
-            h.hi = hashes.hi[k]
-            if index.insert(h, page_id) and not hashes.external:
+            if pkv_index_insert(&index.ix, hashes.lo[k], hashes.hi[k], page_id) and not hashes.external:
                 for t in range(self.page_size):
                     index.tokens[page_id, t] = hashes.token_ids[k * self.page_size + t]
                 index.has_tokens[page_id] = 1

@@ -21,6 +21,7 @@ from libc.stdint cimport INT64_MAX
 from libc.stdlib cimport malloc, free
 from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t, NO_PAGE
 from pagedkv_c._pool cimport PagePool
+from pagedkv_c._prefix cimport pkv_index_is_cached, pkv_index_remove
 from pagedkv_c._checks cimport check_int
 
 from pagedkv_c._pool import OutOfPagesError
@@ -423,7 +424,7 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
 
     # ---- 1. plan on ref counts: releases of all tables, then per table
     # copy-on-write and new pages, in the order execution will follow.
-    cdef int32_t[::1] refs = pool._ref_count
+    cdef int32_t[:] refs = pool._ref_count
     cdef int32_t[::1] pending = pool._pending
     cdef int64_t available = pool._num_free
     cdef int64_t needed = 0
@@ -470,7 +471,7 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
         for i in range(table.num_to_release(num_tokens[b])):
             page_id = table.pop_oldest()
             if pool.drop_ref(page_id) == 0:
-                if pool.prefix is not None and pool.prefix.is_cached(page_id):
+                if pool.prefix is not None and pkv_index_is_cached(&pool.prefix.ix, page_id):
                     pool.push_free(page_id)  # stays findable until handed out again
                 else:
                     scratch.spare[num_spare] = page_id
@@ -509,8 +510,8 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
             k += 1
         elif num_tokens[b] and table.last_page_is_partial() and pool.prefix is not None:
             old = table.page_at(table.num_logical() - 1)
-            if pool.prefix.is_cached(old):
-                pool.prefix.remove(old)  # its content is about to change
+            if pkv_index_is_cached(&pool.prefix.ix, old):
+                pkv_index_remove(&pool.prefix.ix, old)  # its content is about to change
         while k < cursor + scratch.need[b]:
             table.push_page(scratch.taken[k])
             k += 1

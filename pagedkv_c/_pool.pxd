@@ -7,13 +7,18 @@ from pagedkv_c._prefix cimport PrefixIndex
 cdef class PagePool:
     cdef readonly int32_t num_pages   # pages in the pool; ids are 0 .. num_pages-1
     cdef int32_t _num_free            # pages currently in the free queue
-    cdef int32_t[::1] _ref_count      # shape (num_pages,): references per page, 0 = free
+    # Per-page record [prev, next, ref count, unused] (int32, 16 bytes): the
+    # fields a page operation touches share one cache line. Row num_pages is
+    # the free queue's sentinel.
+    cdef object _records              # int32 array (num_pages + 1, 4)
+    cdef int32_t* _rec                # its data
+    cdef int32_t[:] _ref_count        # shape (num_pages,): references per page, 0 = free
     # Free queue: an intrusive circular doubly linked list over page ids with a
     # sentinel at index num_pages. Head = next to hand out (least recently
     # freed), tail = most recently freed. A page not in the queue has both
     # links set to NO_PAGE.
-    cdef int32_t[::1] _prev           # shape (num_pages + 1,)
-    cdef int32_t[::1] _next           # shape (num_pages + 1,)
+    cdef int32_t[:] _prev             # shape (num_pages + 1,), a column of _records
+    cdef int32_t[:] _next             # shape (num_pages + 1,), a column of _records
     # Scratch for planning a batch before mutating: references a planned call
     # would drop per page. All zeros between calls.
     cdef int32_t[::1] _pending        # shape (num_pages,)

@@ -10,12 +10,36 @@ import numpy as np
 cimport numpy as cnp
 from pagedkv_c._types cimport page_id_t, int32_t, NO_PAGE
 from pagedkv_c._checks cimport check_int, as_int_array
+cdef extern from "prefetch.h":
+    void pkv_prefetch_read(const char* p) noexcept nogil
+
+from pagedkv_c._prefix cimport (pkv_index, pkv_index_is_cached, pkv_index_evict,
+                                pkv_index_prefetch_page)
 
 cnp.import_array()
 
 _INT32_MAX = 2**31 - 2
 # Pages ahead whose prefix-index slots take() prefetches while evicting.
 cdef Py_ssize_t _EVICT_PREFETCH_DISTANCE = 16
+
+
+# Fields of a page record (int32): free-queue links, ref count, and padding
+# to 16 bytes.
+cdef enum:
+    _PREV = 0
+    _NEXT = 1
+    _REF = 2
+    _RECORD = 4
+
+
+cdef inline void _unlink(int32_t* rec, page_id_t page_id) noexcept nogil:
+    """Unlink a page from the free queue whose records start at ``rec``."""
+    cdef int32_t before = rec[_RECORD * <Py_ssize_t>page_id + _PREV]
+    cdef int32_t after = rec[_RECORD * <Py_ssize_t>page_id + _NEXT]
+    rec[_RECORD * <Py_ssize_t>before + _NEXT] = after
+    rec[_RECORD * <Py_ssize_t>after + _PREV] = before
+    rec[_RECORD * <Py_ssize_t>page_id + _PREV] = NO_PAGE
+    rec[_RECORD * <Py_ssize_t>page_id + _NEXT] = NO_PAGE
 
 
 class OutOfPagesError(MemoryError):
@@ -35,10 +59,20 @@ cdef class PagePool:
         Number of pages, ``1 <= num_pages <= 2**31 - 2`` (page ids are int32,
         as FlashInfer's page tables require).
 
+    Raises
+    ------
+    TypeError
+        ``num_pages`` is not an integer.
+    ValueError
+        ``num_pages`` out of range.
+    MemoryError
+        The per-page records (24 bytes per page) cannot be allocated.
+
     Notes
     -----
-    Free pages wait in a free queue, a doubly linked list kept in two int32
-    arrays (``prev``/``next`` per page plus a sentinel), which gives O(1) pop
+    Free pages wait in a free queue, a doubly linked list kept in per-page
+    int32 records (``prev``/``next`` next to the ref count, plus a sentinel,
+    so that a page operation touches one cache line), which gives O(1) pop
     from the head, push to the tail, and removal of any page from the middle.
     Allocation order: **least recently freed first**. Freed pages join the
     tail, allocation pops the head; initially pages are handed out in id
@@ -62,10 +96,19 @@ cdef class PagePool:
     def __cinit__(self, num_pages):
         cdef int32_t n = <int32_t>check_int(num_pages, "num_pages", 1, _INT32_MAX)
         self.num_pages = n
-        self._ref_count = np.zeros(n, dtype=np.int32)
-        self._prev = np.empty(n + 1, dtype=np.int32)
-        self._next = np.empty(n + 1, dtype=np.int32)
-        self._pending = np.zeros(n, dtype=np.int32)
+        try:
+            self._records = np.zeros((n + 1, 4), dtype=np.int32)
+            self._pending = np.zeros(n, dtype=np.int32)
+            self._seen_stamp = np.zeros(n, dtype=np.uint32)
+        except (ValueError, MemoryError) as exc:
+            raise MemoryError(
+                f"Invalid value of num_pages: the allocator's records of {n} pages ({24 * (<object>n + 1)} bytes) "
+                f"cannot be allocated; use fewer pages"
+            ) from exc
+        self._rec = <int32_t*>cnp.PyArray_DATA(self._records)
+        self._prev = self._records[:, _PREV]
+        self._next = self._records[:, _NEXT]
+        self._ref_count = self._records[:n, _REF]
         cdef int32_t i
         cdef int32_t sentinel = n
         # Circular list sentinel <-> 0 <-> 1 <-> ... <-> n-1 <-> sentinel.
@@ -73,7 +116,6 @@ cdef class PagePool:
             self._next[i] = i + 1 if i < n else 0
             self._prev[i] = i - 1 if i > 0 else sentinel
         self._num_free = n
-        self._seen_stamp = np.zeros(n, dtype=np.uint32)
         self._stamp = 0
         self.owner = None
 
@@ -89,8 +131,8 @@ cdef class PagePool:
         """
         cdef page_id_t page_id = self._next[self.num_pages]
         self.remove_free(page_id)
-        if self.prefix is not None and self.prefix.is_cached(page_id):
-            self.prefix.evict(page_id)
+        if self.prefix is not None and pkv_index_is_cached(&self.prefix.ix, page_id):
+            pkv_index_evict(&self.prefix.ix, page_id)
         return page_id
 
     cdef void push_free(self, page_id_t page_id) noexcept nogil:
@@ -105,12 +147,7 @@ cdef class PagePool:
 
     cdef void remove_free(self, page_id_t page_id) noexcept nogil:
         """Unlink a page from anywhere in the free queue in O(1)."""
-        cdef int32_t before = self._prev[page_id]
-        cdef int32_t after = self._next[page_id]
-        self._next[before] = after
-        self._prev[after] = before
-        self._prev[page_id] = NO_PAGE
-        self._next[page_id] = NO_PAGE
+        _unlink(self._rec, page_id)
         self._num_free = self._num_free - 1
 
     cdef bint is_free_listed(self, page_id_t page_id) noexcept nogil:
@@ -125,21 +162,31 @@ cdef class PagePool:
         """
         cdef Py_ssize_t i
         cdef page_id_t page_id
+        cdef int32_t* rec = self._rec
         cdef int32_t sentinel = self.num_pages
         for i in range(n):
-            page_id = self._next[sentinel]
-            self.remove_free(page_id)
-            self._ref_count[page_id] = 1
+            page_id = rec[_RECORD * <Py_ssize_t>sentinel + _NEXT]
+            _unlink(rec, page_id)
+            rec[_RECORD * <Py_ssize_t>page_id + _REF] = 1
             out[i] = page_id
+        self._num_free = self._num_free - <int32_t>n
         if self.prefix is None:
             return
-        for i in range(min(n, _EVICT_PREFETCH_DISTANCE)):
-            self.prefix.prefetch_page(out[i])
+        # Two stages, as each slot address is found in a per-page record that
+        # may miss the caches too: the record 2 * D pages ahead, the slot D ahead.
+        cdef pkv_index* ix = &self.prefix.ix
+        cdef Py_ssize_t d = _EVICT_PREFETCH_DISTANCE
+        for i in range(min(n, 2 * d)):
+            pkv_prefetch_read(<const char*>&ix.pages[out[i]])
+        for i in range(min(n, d)):
+            pkv_index_prefetch_page(ix, out[i])
         for i in range(n):
-            if i + _EVICT_PREFETCH_DISTANCE < n:
-                self.prefix.prefetch_page(out[i + _EVICT_PREFETCH_DISTANCE])
-            if self.prefix.is_cached(out[i]):
-                self.prefix.evict(out[i])
+            if i + 2 * d < n:
+                pkv_prefetch_read(<const char*>&ix.pages[out[i + 2 * d]])
+            if i + d < n:
+                pkv_index_prefetch_page(ix, out[i + d])
+            if pkv_index_is_cached(ix, out[i]):
+                pkv_index_evict(ix, out[i])
 
     cdef void incref_one(self, page_id_t page_id) noexcept nogil:
         self._ref_count[page_id] += 1

@@ -22,10 +22,29 @@ cdef int hash_block_pages(int algorithm, hash128 parent, hash128 salt, const int
 cdef hash128 hash_salt(int algorithm, object extra_key) except *
 
 
-cdef struct index_slot:
-    uint64_t lo                          # hash, low 64 bits (also picks the home slot)
-    uint32_t hi32                        # hash, bits 64..95: filters before the full check
-    int32_t page                         # page id, or NO_PAGE for an empty slot
+cdef extern from "prefix_index.h":
+    # The index operations, inlined by every module that loops over pages.
+    ctypedef struct pkv_index_slot:
+        uint64_t lo                      # hash, low 64 bits (also picks the home slot)
+        uint32_t hi32                    # hash, bits 64..95: filters before the full check
+        int32_t page                     # page id, or NO_PAGE for an empty slot
+    ctypedef struct pkv_index_page:
+        uint64_t hi                      # high 64 bits of the page's hash while cached
+        int32_t slot                     # the page's slot, -1 if not cached
+        uint8_t has_tokens               # 1: the page's token ids are kept for hit checks
+    ctypedef struct pkv_index:
+        pkv_index_slot* slots            # (mask + 1,)
+        int64_t mask                     # capacity - 1
+        pkv_index_page* pages            # (num_pages,) per-page records
+        int64_t num_cached               # pages in the index
+        int64_t evictions                # cached pages dropped because the allocator reused them
+    bint pkv_index_is_cached(const pkv_index* ix, int32_t page) noexcept nogil
+    void pkv_index_prefetch(const pkv_index* ix, uint64_t lo) noexcept nogil
+    void pkv_index_prefetch_page(const pkv_index* ix, int32_t page) noexcept nogil
+    int32_t pkv_index_find(const pkv_index* ix, uint64_t lo, uint64_t hi) noexcept nogil
+    bint pkv_index_insert(pkv_index* ix, uint64_t lo, uint64_t hi, int32_t page) noexcept nogil
+    void pkv_index_remove(pkv_index* ix, int32_t page) noexcept nogil
+    void pkv_index_evict(pkv_index* ix, int32_t page) noexcept nogil
 
 
 cdef class PrefixIndex:
@@ -34,22 +53,19 @@ cdef class PrefixIndex:
     cdef readonly int algorithm          # a HashAlgorithm
     # Open-addressing table (linear probing, backward-shift deletion), power-of-two
     # capacity >= 2 * num_pages, so at most half full; 16-byte slots, four per cache line.
-    cdef index_slot* slots               # (capacity,)
-    cdef Py_ssize_t mask                 # capacity - 1
-    cdef int32_t[::1] page_slot          # (num_pages,) slot of each cached page, -1 if not cached
-    cdef uint64_t[::1] page_hi           # (num_pages,) high 64 bits of each cached page's hash
-    cdef uint8_t[::1] has_tokens         # (num_pages,) 1: tokens[page] holds its token ids
+    # ix points into the arrays below, which own the per-page records.
+    cdef pkv_index ix
+    cdef object page_records             # uint64 array (num_pages, 2) holding ix.pages
+    cdef int32_t[:] page_slot            # (num_pages,) views of the record fields:
+    cdef uint64_t[:] page_hi             #   slot (-1 if not cached), hash high bits,
+    cdef uint8_t[:] has_tokens           #   1 if tokens[page] holds its token ids
     cdef int32_t[:, ::1] tokens          # (num_pages, page_size) token ids, compared on every hit
-    cdef readonly Py_ssize_t num_cached  # pages in the index
-    cdef readonly int64_t evictions      # cached pages dropped because the allocator reused them
 
+    # Single-page operations: see prefix_index.h, whose functions hot loops call directly.
     cdef bint is_cached(self, page_id_t page_id) noexcept nogil
-    cdef void prefetch(self, hash128 h) noexcept nogil
-    cdef void prefetch_page(self, page_id_t page_id) noexcept nogil
     cdef page_id_t find(self, hash128 h) noexcept nogil
     cdef bint insert(self, hash128 h, page_id_t page_id) noexcept nogil
     cdef void remove(self, page_id_t page_id) noexcept nogil
-    cdef void evict(self, page_id_t page_id) noexcept nogil
     cdef bint tokens_match(self, page_id_t page_id, const int32_t* tokens) noexcept nogil
 
 

@@ -41,10 +41,6 @@ from pagedkv_c._types cimport page_id_t, int32_t, int64_t, NO_PAGE
 
 cnp.import_array()
 
-cdef extern from "prefetch.h":
-    void pkv_prefetch_write(const char* p, size_t n) noexcept nogil
-    void pkv_prefetch_read(const char* p) noexcept nogil
-
 cdef extern from "huge_alloc.h":
     void* pkv_huge_alloc(size_t n) noexcept nogil
     void pkv_huge_free(void* p) noexcept nogil
@@ -192,7 +188,7 @@ cdef class PrefixIndex:
     """
 
     def __cinit__(self, int32_t num_pages, int32_t page_size, str algorithm="xxh3_128"):
-        self.slots = NULL
+        self.ix.slots = NULL
         if algorithm not in ALGORITHMS:
             raise ValueError(
                 f"Invalid value of prefix_hash: expected one of {sorted(ALGORITHMS)}, got {algorithm!r}"
@@ -200,98 +196,57 @@ cdef class PrefixIndex:
         self.num_pages = num_pages
         self.page_size = page_size
         self.algorithm = ALGORITHMS[algorithm]
-        self.page_slot = np.full(num_pages, -1, dtype=np.int32)
-        self.page_hi = np.zeros(num_pages, dtype=np.uint64)
-        self.has_tokens = np.zeros(num_pages, dtype=np.uint8)
+        # One 16-byte pkv_index_page per row: hi at byte 0, slot at 8, has_tokens at 12.
+        self.page_records = np.zeros((num_pages, 2), dtype=np.uint64)
+        self.page_hi = self.page_records[:, 0]
+        self.page_slot = self.page_records.view(np.int32)[:, 2]
+        self.has_tokens = self.page_records.view(np.uint8)[:, 12]
+        self.page_slot[:] = -1
         self.tokens = np.zeros((num_pages, page_size), dtype=np.int32)
         cdef Py_ssize_t capacity = 16, i
         while capacity < 2 * <Py_ssize_t>num_pages:
             capacity *= 2
-        self.mask = capacity - 1
-        self.slots = <index_slot*>pkv_huge_alloc(capacity * sizeof(index_slot))
-        if self.slots == NULL:
+        self.ix.mask = capacity - 1
+        self.ix.pages = <pkv_index_page*>cnp.PyArray_DATA(self.page_records)
+        self.ix.num_cached = 0
+        self.ix.evictions = 0
+        self.ix.slots = <pkv_index_slot*>pkv_huge_alloc(capacity * sizeof(pkv_index_slot))
+        if self.ix.slots == NULL:
             raise MemoryError()
         for i in range(capacity):
-            self.slots[i].page = NO_PAGE
-        self.num_cached = 0
-        self.evictions = 0
+            self.ix.slots[i].page = NO_PAGE
 
     def __dealloc__(self):
-        pkv_huge_free(self.slots)
+        pkv_huge_free(self.ix.slots)
 
     @property
     def algorithm_name(self):
         """Name of the hash function."""
         return "xxh3_128" if self.algorithm == HASH_XXH3_128 else "sha256"
 
+    @property
+    def num_cached(self):
+        """Pages findable by hash (int, in pages)."""
+        return self.ix.num_cached
+
+    @property
+    def evictions(self):
+        """Cached pages dropped because the allocator handed them out again (int, in pages)."""
+        return self.ix.evictions
+
     cdef bint is_cached(self, page_id_t page_id) noexcept nogil:
-        return self.page_slot[page_id] >= 0
-
-    cdef void prefetch(self, hash128 h) noexcept nogil:
-        """Start loading the home slot of ``h`` (for a find or insert soon after)."""
-        pkv_prefetch_read(<const char*>&self.slots[h.lo & <uint64_t>self.mask])
-
-    cdef void prefetch_page(self, page_id_t page_id) noexcept nogil:
-        """Start loading the slot of a cached page (for a remove soon after)."""
-        cdef int32_t slot = self.page_slot[page_id]
-        if slot >= 0:
-            # The slot and its successor: removal looks at the next entry of the run.
-            pkv_prefetch_write(<const char*>&self.slots[slot], sizeof(index_slot))
-            pkv_prefetch_write(<const char*>&self.slots[(slot + 1) & self.mask], sizeof(index_slot))
+        return pkv_index_is_cached(&self.ix, page_id)
 
     cdef page_id_t find(self, hash128 h) noexcept nogil:
-        cdef Py_ssize_t i = <Py_ssize_t>(h.lo & <uint64_t>self.mask)
-        cdef uint32_t hi32 = <uint32_t>h.hi
-        while self.slots[i].page != NO_PAGE:
-            if (self.slots[i].lo == h.lo and self.slots[i].hi32 == hi32
-                    and self.page_hi[self.slots[i].page] == h.hi):
-                return self.slots[i].page
-            i = (i + 1) & self.mask
-        return NO_PAGE
+        return pkv_index_find(&self.ix, h.lo, h.hi)
 
     cdef bint insert(self, hash128 h, page_id_t page_id) noexcept nogil:
         """Make ``page_id`` findable by ``h``; False (nothing done) if ``h`` is taken."""
-        cdef Py_ssize_t i = <Py_ssize_t>(h.lo & <uint64_t>self.mask)
-        cdef uint32_t hi32 = <uint32_t>h.hi
-        while self.slots[i].page != NO_PAGE:
-            if (self.slots[i].lo == h.lo and self.slots[i].hi32 == hi32
-                    and self.page_hi[self.slots[i].page] == h.hi):
-                return False
-            i = (i + 1) & self.mask
-        self.slots[i].lo = h.lo
-        self.slots[i].hi32 = hi32
-        self.slots[i].page = page_id
-        self.page_slot[page_id] = <int32_t>i
-        self.page_hi[page_id] = h.hi
-        self.num_cached += 1
-        return True
+        return pkv_index_insert(&self.ix, h.lo, h.hi, page_id)
 
     cdef void remove(self, page_id_t page_id) noexcept nogil:
         """Make a cached page unfindable (its content is about to change or go)."""
-        cdef Py_ssize_t i = self.page_slot[page_id]
-        cdef Py_ssize_t j, home
-        # Backward-shift deletion: pull later entries of the probe run into the hole
-        # unless their home bucket lies cyclically in (hole, entry].
-        j = i
-        while True:
-            j = (j + 1) & self.mask
-            if self.slots[j].page == NO_PAGE:
-                break
-            home = <Py_ssize_t>(self.slots[j].lo & <uint64_t>self.mask)
-            if (i <= j and i < home <= j) or (i > j and (home > i or home <= j)):
-                continue
-            self.slots[i] = self.slots[j]
-            self.page_slot[self.slots[i].page] = <int32_t>i
-            i = j
-        self.slots[i].page = NO_PAGE
-        self.page_slot[page_id] = -1
-        self.has_tokens[page_id] = 0
-        self.num_cached -= 1
-
-    cdef void evict(self, page_id_t page_id) noexcept nogil:
-        """Drop a cached page that the allocator is handing out again."""
-        self.remove(page_id)
-        self.evictions += 1
+        pkv_index_remove(&self.ix, page_id)
 
     cdef bint tokens_match(self, page_id_t page_id, const int32_t* tokens) noexcept nogil:
         cdef Py_ssize_t t
@@ -313,7 +268,7 @@ cdef class PrefixIndex:
             raise ValueError(f"Invalid value of page_id: expected 0 <= page_id < {self.num_pages}, got {page_id}")
         if not self.is_cached(p):
             return None
-        cdef index_slot* slot = &self.slots[self.page_slot[p]]
+        cdef pkv_index_slot* slot = &self.ix.slots[self.page_slot[p]]
         return (int(self.page_hi[p]) << 64) | int(slot.lo)
 
     def token_table(self):
@@ -328,21 +283,21 @@ cdef class PrefixIndex:
         """Verify the index: every cached page is found by its hash and nothing else is."""
         cdef Py_ssize_t i, count = 0
         cdef hash128 h
-        for i in range(self.mask + 1):
-            if self.slots[i].page != NO_PAGE:
+        for i in range(self.ix.mask + 1):
+            if self.ix.slots[i].page != NO_PAGE:
                 count += 1
-                page_id = self.slots[i].page
+                page_id = self.ix.slots[i].page
                 if self.page_slot[page_id] != i:
                     raise AssertionError(f"slot {i} names page {page_id}, whose slot is {self.page_slot[page_id]}")
-                h.lo = self.slots[i].lo
+                h.lo = self.ix.slots[i].lo
                 h.hi = self.page_hi[page_id]
-                if <uint32_t>h.hi != self.slots[i].hi32:
+                if <uint32_t>h.hi != self.ix.slots[i].hi32:
                     raise AssertionError(f"slot {i} of page {page_id} disagrees with the page's hash")
                 if self.find(h) != page_id:
                     raise AssertionError(f"cached page {page_id} is not found by its hash")
         cached = int((np.asarray(self.page_slot) >= 0).sum())
-        if count != self.num_cached or count != cached:
-            raise AssertionError(f"prefix index holds {count} pages, {cached} marked cached, expected {self.num_cached}")
+        if count != self.ix.num_cached or count != cached:
+            raise AssertionError(f"prefix index holds {count} pages, {cached} marked cached, expected {self.ix.num_cached}")
 
 
 cdef class SequenceHashes:
