@@ -52,7 +52,7 @@ cdef class PrefixIndex:
     cdef readonly int32_t page_size      # tokens per page
     cdef readonly int algorithm          # a HashAlgorithm
     # Open-addressing table (linear probing, backward-shift deletion), power-of-two
-    # capacity >= 2 * num_pages, so at most half full; 16-byte slots, four per cache line.
+    # capacity >= 4 * num_pages, so at most a quarter full; 16-byte slots, four per cache line.
     # ix points into the arrays below, which own the per-page records.
     cdef pkv_index ix
     cdef object page_records             # uint64 array (num_pages, 2) holding ix.pages

@@ -3,7 +3,7 @@
  * them into their per-page loops (calls across Cython modules cannot be
  * inlined). PrefixIndex in _prefix.pyx owns the memory and documents the
  * design: open addressing with linear probing over a power-of-two table at
- * most half full, 16-byte slots, backward-shift deletion (no tombstones),
+ * most a quarter full, 16-byte slots, backward-shift deletion (no tombstones),
  * and a per-page record of the slot so that removal needs no search.
  */
 #ifndef PAGEDKV_PREFIX_INDEX_H
