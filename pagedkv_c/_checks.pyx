@@ -8,7 +8,10 @@ import operator
 
 import numpy as np
 
+cimport numpy as cnp
 from libc.stdint cimport int64_t
+
+cnp.import_array()
 
 
 cdef int64_t check_int(object value, str name, int64_t low, int64_t high) except? -1:
@@ -92,9 +95,15 @@ cdef object as_int_array(object values, str name, object dtype):
     values that do not fit ``dtype``. Raises TypeError or ValueError.
     """
     cdef object arr
+    cdef int type_num = cnp.NPY_INT64 if dtype is np.int64 else (cnp.NPY_INT32 if dtype is np.int32 else -1)
     if isinstance(values, np.ndarray):
         arr = values
-        # Fast path: already the right dtype and layout, nothing to check or copy.
+        # Fast paths: already the right dtype and layout, nothing to check or
+        # copy. The C checks first (per-call cost matters to schedulers); the
+        # ISCARRAY_RO test also requires native byte order.
+        if (type_num >= 0 and cnp.PyArray_TYPE(<cnp.ndarray>arr) == type_num
+                and cnp.PyArray_NDIM(<cnp.ndarray>arr) == 1 and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>arr)):
+            return arr
         if arr.dtype == dtype and arr.ndim == 1 and arr.flags.c_contiguous:
             return arr
     else:

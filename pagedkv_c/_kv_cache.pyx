@@ -315,8 +315,8 @@ cdef class KVCache:
         for k in range(servable):
             if k + _PREFETCH_DISTANCE < servable:
                 # The index outgrows the CPU caches: overlap the misses of the next lookups.
-                pkv_index_prefetch(&index.ix, hashes.lo[k + _PREFETCH_DISTANCE])
-            page_id = pkv_index_find(&index.ix, hashes.lo[k], hashes.hi[k])
+                pkv_index_prefetch(&index.ix, hashes.chain[k + _PREFETCH_DISTANCE].lo)
+            page_id = pkv_index_find(&index.ix, hashes.chain[k].lo, hashes.chain[k].hi)
             if page_id != -1 and prompt != NULL and not index.tokens_match(page_id, prompt + k * ps):
                 page_id = -1  # a hash collision: never serve a page whose tokens differ
             hit[k] = page_id
@@ -366,7 +366,7 @@ cdef class KVCache:
         cdef Py_ssize_t t
         for k in range(hashes.num_registered, upto):
             if k + _PREFETCH_DISTANCE < upto:
-                pkv_index_prefetch(&index.ix, hashes.lo[k + _PREFETCH_DISTANCE])
+                pkv_index_prefetch(&index.ix, hashes.chain[k + _PREFETCH_DISTANCE].lo)
             if k < table.num_sink_pages:
                 if k >= table.sink_count:
                     continue
@@ -375,7 +375,7 @@ cdef class KVCache:
             page_id = table.page_at(k)
             if pkv_index_is_cached(&index.ix, page_id):
                 continue
-            if pkv_index_insert(&index.ix, hashes.lo[k], hashes.hi[k], page_id) and not hashes.external:
+            if pkv_index_insert(&index.ix, hashes.chain[k].lo, hashes.chain[k].hi, page_id) and not hashes.external:
                 for t in range(self.page_size):
                     index.tokens[page_id, t] = hashes.token_ids[k * self.page_size + t]
                 index.has_tokens[page_id] = 1
@@ -688,7 +688,8 @@ cdef class KVCache:
         """
         counts = as_int_array(num_tokens, "num_tokens", np.int64)
         cdef Py_ssize_t batch = counts.shape[0]
-        cdef int64_t[::1] count_view = counts
+        # as_int_array returns a C-contiguous int64 array: read it in place.
+        cdef const int64_t* count_view = <const int64_t*>cnp.PyArray_DATA(counts)
         cdef int64_t total = 0
         cdef Py_ssize_t num_cow = 0, num_released = 0, i
         # No call can place more tokens than every page of the pool plus the free
@@ -712,7 +713,7 @@ cdef class KVCache:
                 )
         cdef list tables
         cdef PageTable table
-        cdef int32_t[::1] cow_src, cow_dst
+        cdef int32_t* cow = NULL  # copy-on-write pairs: sources, then destinations
         with self._lock:
             tables = self._tables_for(seq_ids)
             if len(tables) != batch:
@@ -725,16 +726,19 @@ cdef class KVCache:
                     if table.hashes is not None and not table.hashes.external:
                         table.hashes.reserve_tokens(table.length + count_view[i])
             slots = np.empty(total, dtype=np.int64) if return_slot_mapping else None
-            cow_src = np.empty(batch + 1, dtype=np.int32)
-            cow_dst = np.empty(batch + 1, dtype=np.int32)
+            cow = <int32_t*>malloc(2 * (batch + 1) * sizeof(int32_t))
+            if cow == NULL:
+                raise MemoryError()
             first_positions = [(<PageTable>t).length for t in tables] if self._prefix is not None else None
-            append_batch(self.pool, tables, &count_view[0] if batch else NULL,
-                         <slot_t*>cnp.PyArray_DATA(slots) if return_slot_mapping else NULL,
-                         &cow_src[0], &cow_dst[0],
-                         &num_cow, &num_released)
-            with nogil:
-                for i in range(num_cow):
-                    self._copy_page(cow_src[i], cow_dst[i])
+            try:
+                append_batch(self.pool, tables, count_view if batch else NULL,
+                             <slot_t*>cnp.PyArray_DATA(slots) if return_slot_mapping else NULL,
+                             cow, cow + batch + 1, &num_cow, &num_released)
+                with nogil:
+                    for i in range(num_cow):
+                        self._copy_page(cow[i], cow[batch + 1 + i])
+            finally:
+                free(cow)
             self._cow_copies += num_cow
             self._evictions += num_released
             self._note_usage()
@@ -993,7 +997,7 @@ cdef object _seq_key(object seq_id):
     return int(seq_id)
 
 
-cdef int _record_tokens(list tables, list first_positions, int64_t[::1] counts, object ids,
+cdef int _record_tokens(list tables, list first_positions, const int64_t* counts, object ids,
                         int32_t page_size) except -1:
     """Note the token ids of appended tokens in each token-keyed hash chain.
 
@@ -1043,18 +1047,9 @@ cdef int _hash_external(int algorithm, SequenceHashes hashes, object blocks, int
     parent.hi = 0
     if num_pages == 0:
         return 0
-    cdef int64_t[::1] ids = blocks
-    cdef hash128* out = <hash128*>malloc(num_pages * sizeof(hash128))
-    if out == NULL:
-        raise MemoryError()
-    cdef Py_ssize_t i
-    try:
-        hash_block_pages(algorithm, parent, hashes.salt, &ids[0], pages_per_block, 0, num_pages, out)
-        for i in range(num_pages):
-            hashes.lo[i] = out[i].lo
-            hashes.hi[i] = out[i].hi
-    finally:
-        free(out)
+    # blocks: a C-contiguous int64 array from as_int_array; the chain was reserved.
+    hash_block_pages(algorithm, parent, hashes.salt, <const int64_t*>cnp.PyArray_DATA(blocks),
+                     pages_per_block, 0, num_pages, hashes.chain)
     hashes.num_hashed = num_pages
     return 0
 

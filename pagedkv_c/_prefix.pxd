@@ -72,8 +72,9 @@ cdef class PrefixIndex:
 cdef class SequenceHashes:
     cdef hash128 salt                    # digest of the request's extra_key (zeros without one)
     cdef bint external                   # hashes come from external block ids, not tokens
-    cdef uint64_t[::1] lo                # (capacity,) chained hash of each full logical page
-    cdef uint64_t[::1] hi
+    cdef object chain_array              # uint64 (capacity, 2): owns chain
+    cdef hash128* chain                  # (capacity,) chained hash of each full logical page
+    cdef int64_t chain_capacity
     cdef int64_t num_hashed              # leading logical pages with a known hash
     cdef int32_t[::1] token_ids          # (capacity,) token ids known for positions 0 .. num_known-1
     cdef int64_t num_known               # positions with a known token id
@@ -81,6 +82,7 @@ cdef class SequenceHashes:
 
     cdef int reserve_tokens(self, int64_t n) except -1
     cdef int reserve_hashes(self, int64_t n) except -1
+    cdef void _set_chain(self, object array)
     cdef int extend_hashes(self, int algorithm, int32_t page_size) except -1
     cdef void truncate(self, int64_t new_len, int32_t page_size) noexcept nogil
     cdef SequenceHashes copy(self)

@@ -58,7 +58,7 @@ ALGORITHMS = {"xxh3_128": HASH_XXH3_128, "sha256": HASH_SHA256}
 _MASK64 = (1 << 64) - 1
 # Shared zero-length buffers of a new SequenceHashes (never written: every
 # write goes through reserve_*, which replaces them first).
-_NO_HASHES = np.zeros(0, dtype=np.uint64)
+_NO_HASHES = np.zeros((0, 2), dtype=np.uint64)
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
 # Domain tag of pages keyed by external block ids (never a token id).
 cdef int32_t _BLOCK_TAG = -1
@@ -334,8 +334,9 @@ cdef class SequenceHashes:
 
     def __cinit__(self):
         # Empty until reserved: callers size them at once for the prompt.
-        self.lo = _NO_HASHES
-        self.hi = _NO_HASHES
+        self.chain_array = _NO_HASHES
+        self.chain = NULL
+        self.chain_capacity = 0
         self.token_ids = _NO_TOKENS
         self.num_hashed = 0
         self.num_known = 0
@@ -358,20 +359,23 @@ cdef class SequenceHashes:
         return 0
 
     cdef int reserve_hashes(self, int64_t n) except -1:
-        cdef int64_t capacity = self.lo.shape[0]
+        cdef int64_t capacity = self.chain_capacity
         if n <= capacity:
             return 0
         capacity = max(capacity, 4)
         while capacity < n:
             capacity *= 2
-        grown_lo = np.zeros(capacity, dtype=np.uint64)
-        grown_hi = np.zeros(capacity, dtype=np.uint64)
+        grown = np.empty((capacity, 2), dtype=np.uint64)
         if self.num_hashed:
-            grown_lo[:self.num_hashed] = np.asarray(self.lo)[:self.num_hashed]
-            grown_hi[:self.num_hashed] = np.asarray(self.hi)[:self.num_hashed]
-        self.lo = grown_lo
-        self.hi = grown_hi
+            memcpy(cnp.PyArray_DATA(grown), self.chain, self.num_hashed * sizeof(hash128))
+        self._set_chain(grown)
         return 0
+
+    cdef void _set_chain(self, object array):
+        """Adopt ``array`` (uint64, C-contiguous, shape (capacity, 2)) as the chain's storage."""
+        self.chain_array = array
+        self.chain = <hash128*>cnp.PyArray_DATA(array)
+        self.chain_capacity = array.shape[0]
 
     cdef int extend_hashes(self, int algorithm, int32_t page_size) except -1:
         """Hash every full page whose token ids are all known (token-keyed only)."""
@@ -386,20 +390,9 @@ cdef class SequenceHashes:
         parent.lo = 0
         parent.hi = 0
         if self.num_hashed:
-            parent.lo = self.lo[self.num_hashed - 1]
-            parent.hi = self.hi[self.num_hashed - 1]
-        cdef hash128* out = <hash128*>malloc(n * sizeof(hash128))
-        if out == NULL:
-            raise MemoryError()
-        cdef Py_ssize_t i
-        try:
-            hash_token_pages(algorithm, parent, self.salt, &self.token_ids[self.num_hashed * page_size],
-                             page_size, n, out)
-            for i in range(n):
-                self.lo[self.num_hashed + i] = out[i].lo
-                self.hi[self.num_hashed + i] = out[i].hi
-        finally:
-            free(out)
+            parent = self.chain[self.num_hashed - 1]
+        hash_token_pages(algorithm, parent, self.salt, &self.token_ids[self.num_hashed * page_size],
+                         page_size, n, self.chain + self.num_hashed)
         self.num_hashed = target
         return 0
 
@@ -417,8 +410,7 @@ cdef class SequenceHashes:
         cdef SequenceHashes other = SequenceHashes.__new__(SequenceHashes)
         other.salt = self.salt
         other.external = self.external
-        other.lo = np.asarray(self.lo).copy()
-        other.hi = np.asarray(self.hi).copy()
+        other._set_chain(self.chain_array.copy())
         other.token_ids = np.asarray(self.token_ids).copy()
         other.num_hashed = self.num_hashed
         other.num_known = self.num_known
