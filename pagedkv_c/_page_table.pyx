@@ -20,7 +20,8 @@ cimport numpy as cnp
 from libc.stdint cimport INT64_MAX
 from libc.stdlib cimport malloc, free
 from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t, NO_PAGE
-from pagedkv_c._pool cimport PagePool
+from pagedkv_c._pool cimport (PagePool, pkv_decref, pkv_drop_ref, pkv_incref, pkv_queue_push,
+                              pkv_set_ref)
 from pagedkv_c._prefix cimport pkv_index_is_cached, pkv_index_remove
 from pagedkv_c._checks cimport check_int
 
@@ -234,9 +235,9 @@ cdef class PageTable:
         """
         cdef int64_t keep = _ceil_div(new_len, self.page_size)
         while self.ring_count > 0 and self.ring_first + self.ring_count > keep:
-            self.pool.decref_one(self.pop_newest())
+            pkv_decref(&self.pool.q, self.pop_newest())
         while self.ring_count == 0 and self.sink_count > keep:
-            self.pool.decref_one(self.pop_newest())
+            pkv_decref(&self.pool.q, self.pop_newest())
         if self.ring_count == 0:
             self.ring_head = 0
             self.ring_first = max(<int64_t>self.num_sink_pages, keep)
@@ -258,9 +259,9 @@ cdef class PageTable:
             self.hashes = other.hashes.copy()
         cdef Py_ssize_t i
         for i in range(self.sink_count):
-            self.pool.incref_one(self.sinks[i])
+            pkv_incref(&self.pool.q, self.sinks[i])
         for i in range(self.ring_count):
-            self.pool.incref_one(self.ring_page(i))
+            pkv_incref(&self.pool.q, self.ring_page(i))
         return 0
 
     cdef int adopt(self, const page_id_t* sink_pages, Py_ssize_t num_sink,
@@ -426,7 +427,7 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
     # copy-on-write and new pages, in the order execution will follow.
     cdef int32_t[:] refs = pool._ref_count
     cdef int32_t[::1] pending = pool._pending
-    cdef int64_t available = pool._num_free
+    cdef int64_t available = pool.q.num_free
     cdef int64_t needed = 0
     for b in range(num_tables):
         table = <PageTable>tables[b]
@@ -458,7 +459,7 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
     if needed > available:
         raise OutOfPagesError(
             f"cannot append: the call needs {needed} new pages but only {available} of "
-            f"{pool.num_pages} are free, counting the {available - pool._num_free} that its "
+            f"{pool.num_pages} are free, counting the {available - pool.q.num_free} that its "
             f"own window releases would free"
         )
     scratch.ensure_taken(needed)
@@ -470,9 +471,9 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
         scratch.spare_start[b] = num_spare
         for i in range(table.num_to_release(num_tokens[b])):
             page_id = table.pop_oldest()
-            if pool.drop_ref(page_id) == 0:
+            if pkv_drop_ref(&pool.q, page_id) == 0:
                 if pool.prefix is not None and pkv_index_is_cached(&pool.prefix.ix, page_id):
-                    pool.push_free(page_id)  # stays findable until handed out again
+                    pkv_queue_push(&pool.q, page_id)  # stays findable until handed out again
                 else:
                     scratch.spare[num_spare] = page_id
                     num_spare += 1
@@ -486,12 +487,12 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
         scratch.own[b] = min(scratch.need[b], scratch.spare_start[b + 1] - scratch.spare_start[b])
         for i in range(scratch.own[b]):
             page_id = scratch.spare[scratch.spare_start[b] + i]
-            pool.claim(page_id)
+            pkv_set_ref(&pool.q, page_id, 1)
             scratch.taken[cursor + i] = page_id
         cursor += scratch.need[b]
     for b in range(num_tables):
         for i in range(scratch.spare_start[b] + scratch.own[b], scratch.spare_start[b + 1]):
-            pool.push_free(scratch.spare[i])
+            pkv_queue_push(&pool.q, scratch.spare[i])
 
     cdef int64_t slot_offset = 0
     cdef Py_ssize_t pairs = 0
@@ -503,7 +504,7 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
         if scratch.copy[b]:
             old = table.page_at(table.num_logical() - 1)
             table.replace_last(scratch.taken[k])
-            pool.drop_ref(old)  # stays >= 1: the page was shared
+            pkv_drop_ref(&pool.q, old)  # stays >= 1: the page was shared
             cow_src[pairs] = old
             cow_dst[pairs] = scratch.taken[k]
             pairs += 1

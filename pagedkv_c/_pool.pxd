@@ -4,14 +4,32 @@ from libc.stdint cimport uint32_t
 from pagedkv_c._prefix cimport PrefixIndex
 
 
+cdef extern from "page_pool.h":
+    # The allocator's single-page operations, inlined by every module that loops over pages.
+    ctypedef struct pkv_free_queue:
+        int32_t* rec
+        int32_t sentinel
+        int32_t num_free
+    void pkv_queue_remove(pkv_free_queue* q, int32_t page) noexcept nogil
+    void pkv_queue_push(pkv_free_queue* q, int32_t page) noexcept nogil
+    int32_t pkv_queue_head(const pkv_free_queue* q) noexcept nogil
+    bint pkv_queue_contains(const pkv_free_queue* q, int32_t page) noexcept nogil
+    int32_t pkv_ref(const pkv_free_queue* q, int32_t page) noexcept nogil
+    void pkv_set_ref(pkv_free_queue* q, int32_t page, int32_t count) noexcept nogil
+    void pkv_incref(pkv_free_queue* q, int32_t page) noexcept nogil
+    int32_t pkv_drop_ref(pkv_free_queue* q, int32_t page) noexcept nogil
+    int32_t pkv_decref(pkv_free_queue* q, int32_t page) noexcept nogil
+
+
 cdef class PagePool:
     cdef readonly int32_t num_pages   # pages in the pool; ids are 0 .. num_pages-1
-    cdef int32_t _num_free            # pages currently in the free queue
+    # Free queue and ref counts over the records below (see page_pool.h);
+    # q.num_free is the number of pages in the queue.
+    cdef pkv_free_queue q
     # Per-page record [prev, next, ref count, unused] (int32, 16 bytes): the
     # fields a page operation touches share one cache line. Row num_pages is
     # the free queue's sentinel.
-    cdef object _records              # int32 array (num_pages + 1, 4)
-    cdef int32_t* _rec                # its data
+    cdef object _records              # int32 array (num_pages + 1, 4), q.rec points into it
     cdef int32_t[:] _ref_count        # shape (num_pages,): references per page, 0 = free
     # Free queue: an intrusive circular doubly linked list over page ids with a
     # sentinel at index num_pages. Head = next to hand out (least recently

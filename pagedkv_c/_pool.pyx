@@ -23,25 +23,6 @@ _INT32_MAX = 2**31 - 2
 cdef Py_ssize_t _EVICT_PREFETCH_DISTANCE = 16
 
 
-# Fields of a page record (int32): free-queue links, ref count, and padding
-# to 16 bytes.
-cdef enum:
-    _PREV = 0
-    _NEXT = 1
-    _REF = 2
-    _RECORD = 4
-
-
-cdef inline void _unlink(int32_t* rec, page_id_t page_id) noexcept nogil:
-    """Unlink a page from the free queue whose records start at ``rec``."""
-    cdef int32_t before = rec[_RECORD * <Py_ssize_t>page_id + _PREV]
-    cdef int32_t after = rec[_RECORD * <Py_ssize_t>page_id + _NEXT]
-    rec[_RECORD * <Py_ssize_t>before + _NEXT] = after
-    rec[_RECORD * <Py_ssize_t>after + _PREV] = before
-    rec[_RECORD * <Py_ssize_t>page_id + _PREV] = NO_PAGE
-    rec[_RECORD * <Py_ssize_t>page_id + _NEXT] = NO_PAGE
-
-
 class OutOfPagesError(MemoryError):
     """The pool has fewer free pages than a call needs.
 
@@ -105,17 +86,18 @@ cdef class PagePool:
                 f"Invalid value of num_pages: the allocator's records of {n} pages ({24 * (<object>n + 1)} bytes) "
                 f"cannot be allocated; use fewer pages"
             ) from exc
-        self._rec = <int32_t*>cnp.PyArray_DATA(self._records)
-        self._prev = self._records[:, _PREV]
-        self._next = self._records[:, _NEXT]
-        self._ref_count = self._records[:n, _REF]
+        self.q.rec = <int32_t*>cnp.PyArray_DATA(self._records)
+        self.q.sentinel = n
+        self._prev = self._records[:, 0]
+        self._next = self._records[:, 1]
+        self._ref_count = self._records[:n, 2]
         cdef int32_t i
         cdef int32_t sentinel = n
         # Circular list sentinel <-> 0 <-> 1 <-> ... <-> n-1 <-> sentinel.
         for i in range(n + 1):
             self._next[i] = i + 1 if i < n else 0
             self._prev[i] = i - 1 if i > 0 else sentinel
-        self._num_free = n
+        self.q.num_free = n
         self._stamp = 0
         self.owner = None
 
@@ -124,34 +106,27 @@ cdef class PagePool:
     # debug build's nonecheck on, Cython rejects in-place operators on attributes
     # in nogil code.
     cdef page_id_t pop_free(self) noexcept nogil:
-        """Pop the head of the free queue (caller checked ``_num_free > 0``).
+        """Pop the head of the free queue (caller checked ``q.num_free > 0``).
 
         A page that still held a cached prefix is evicted from the prefix
         index: its content is about to be overwritten.
         """
-        cdef page_id_t page_id = self._next[self.num_pages]
-        self.remove_free(page_id)
+        cdef page_id_t page_id = pkv_queue_head(&self.q)
+        pkv_queue_remove(&self.q, page_id)
         if self.prefix is not None and pkv_index_is_cached(&self.prefix.ix, page_id):
             pkv_index_evict(&self.prefix.ix, page_id)
         return page_id
 
     cdef void push_free(self, page_id_t page_id) noexcept nogil:
         """Append a page to the tail of the free queue (most recently freed)."""
-        cdef int32_t sentinel = self.num_pages
-        cdef int32_t tail = self._prev[sentinel]
-        self._next[tail] = page_id
-        self._prev[page_id] = tail
-        self._next[page_id] = sentinel
-        self._prev[sentinel] = page_id
-        self._num_free = self._num_free + 1
+        pkv_queue_push(&self.q, page_id)
 
     cdef void remove_free(self, page_id_t page_id) noexcept nogil:
         """Unlink a page from anywhere in the free queue in O(1)."""
-        _unlink(self._rec, page_id)
-        self._num_free = self._num_free - 1
+        pkv_queue_remove(&self.q, page_id)
 
     cdef bint is_free_listed(self, page_id_t page_id) noexcept nogil:
-        return self._next[page_id] != NO_PAGE
+        return pkv_queue_contains(&self.q, page_id)
 
     cdef void take(self, page_id_t* out, Py_ssize_t n) noexcept nogil:
         """Pop ``n`` pages into ``out`` with ref count 1 (caller checked capacity).
@@ -162,14 +137,11 @@ cdef class PagePool:
         """
         cdef Py_ssize_t i
         cdef page_id_t page_id
-        cdef int32_t* rec = self._rec
-        cdef int32_t sentinel = self.num_pages
         for i in range(n):
-            page_id = rec[_RECORD * <Py_ssize_t>sentinel + _NEXT]
-            _unlink(rec, page_id)
-            rec[_RECORD * <Py_ssize_t>page_id + _REF] = 1
+            page_id = pkv_queue_head(&self.q)
+            pkv_queue_remove(&self.q, page_id)
+            pkv_set_ref(&self.q, page_id, 1)
             out[i] = page_id
-        self._num_free = self._num_free - <int32_t>n
         if self.prefix is None:
             return
         # Two stages, as each slot address is found in a per-page record that
@@ -189,26 +161,22 @@ cdef class PagePool:
                 pkv_index_evict(ix, out[i])
 
     cdef void incref_one(self, page_id_t page_id) noexcept nogil:
-        self._ref_count[page_id] += 1
+        pkv_incref(&self.q, page_id)
 
     cdef void claim(self, page_id_t page_id) noexcept nogil:
         """Give ref count 1 to a page that is off the queue with ref count 0 (in-place reuse)."""
-        self._ref_count[page_id] = 1
+        pkv_set_ref(&self.q, page_id, 1)
 
     cdef int32_t decref_one(self, page_id_t page_id) noexcept nogil:
         """Drop one reference; a page reaching 0 joins the free queue's tail."""
-        cdef int32_t count = self.drop_ref(page_id)
-        if count == 0:
-            self.push_free(page_id)
-        return count
+        return pkv_decref(&self.q, page_id)
 
     cdef int32_t drop_ref(self, page_id_t page_id) noexcept nogil:
         """Drop one reference without queueing the page (the caller reuses or queues it)."""
-        self._ref_count[page_id] -= 1
-        return self._ref_count[page_id]
+        return pkv_drop_ref(&self.q, page_id)
 
     cdef int32_t get_ref(self, page_id_t page_id) noexcept nogil:
-        return self._ref_count[page_id]
+        return pkv_ref(&self.q, page_id)
 
     cdef bint ids_valid(self, const page_id_t* ids, Py_ssize_t n, bint forbid_duplicates) noexcept nogil:
         """Whether every id is in range and allocated (and, if asked, listed once)."""
@@ -232,7 +200,7 @@ cdef class PagePool:
     @property
     def num_free(self):
         """Number of free pages (int, in pages)."""
-        return self._num_free
+        return self.q.num_free
 
     def allocate(self, n):
         """Take ``n`` free pages, least recently freed first.
@@ -260,9 +228,9 @@ cdef class PagePool:
         """
         self._check_unowned("allocate")
         cdef Py_ssize_t count = <Py_ssize_t>check_int(n, "n", 0, self.num_pages)
-        if count > self._num_free:
+        if count > self.q.num_free:
             raise OutOfPagesError(
-                f"cannot allocate {count} pages: only {self._num_free} of {self.num_pages} are free"
+                f"cannot allocate {count} pages: only {self.q.num_free} of {self.num_pages} are free"
             )
         cdef cnp.ndarray out = np.empty(count, dtype=np.int32)
         cdef page_id_t* out_ptr = <page_id_t*>cnp.PyArray_DATA(out)
@@ -385,12 +353,12 @@ cdef class PagePool:
 
     def free_pages(self):
         """Return the free queue in hand-out order (int32 array, shape ``(num_free,)``)."""
-        out = np.empty(self._num_free, dtype=np.int32)
+        out = np.empty(self.q.num_free, dtype=np.int32)
         cdef int32_t[::1] view = out
         cdef int32_t sentinel = self.num_pages
         cdef int32_t page_id = self._next[sentinel]
         cdef Py_ssize_t i = 0
-        while page_id != sentinel and i < self._num_free:
+        while page_id != sentinel and i < self.q.num_free:
             view[i] = page_id
             page_id = self._next[page_id]
             i += 1
@@ -424,8 +392,8 @@ cdef class PagePool:
             page_id = self._next[page_id]
         if self._prev[sentinel] != previous:
             raise AssertionError("free queue tail link is broken")
-        if steps != self._num_free:
-            raise AssertionError(f"free queue holds {steps} pages but num_free is {self._num_free}")
+        if steps != self.q.num_free:
+            raise AssertionError(f"free queue holds {steps} pages but num_free is {self.q.num_free}")
         cdef int32_t p
         for p in range(n):
             if self._ref_count[p] < 0:
@@ -438,4 +406,4 @@ cdef class PagePool:
                 raise AssertionError(f"page {p} is allocated but keeps free-queue links")
 
     def __repr__(self):
-        return f"PagePool(num_pages={self.num_pages}, num_free={self._num_free})"
+        return f"PagePool(num_pages={self.num_pages}, num_free={self.q.num_free})"
