@@ -142,10 +142,10 @@ cdef class KVCache:
         automatic prefix caching): full pages are indexed by a hash chained
         on their parent's, and a new sequence starts on the longest run of
         cached pages its prompt matches. See :meth:`add_sequence`. Needs
-        ``num_pages <= 2**29``, and host memory per page of 64 to 128
-        bytes of index table (a power of two at least four times the
-        pages), a 16-byte record and 4 bytes per token for the kept token
-        ids.
+        ``num_pages <= 2**30``, and host memory per page of 32 to 64
+        bytes of index table (8-byte slots, a power of two at least four
+        times the pages), a 32-byte record and 4 bytes per token for the
+        kept token ids.
     prefix_hash : str
         Page hash with prefix caching: ``"xxh3_128"`` (default, fast) or
         ``"sha256"`` (collision resistant, for untrusted multi-tenant

@@ -25,12 +25,12 @@ cdef hash128 hash_salt(int algorithm, object extra_key) except *
 cdef extern from "prefix_index.h":
     # The index operations, inlined by every module that loops over pages.
     ctypedef struct pkv_index_slot:
-        uint64_t lo                      # hash, low 64 bits (also picks the home slot)
-        uint32_t hi32                    # hash, bits 64..95: filters before the full check
+        uint32_t lo32                    # hash, low 32 bits (pick the home slot, filter matches)
         int32_t page                     # page id, or NO_PAGE for an empty slot
     ctypedef struct pkv_index_page:
-        uint64_t hi                      # high 64 bits of the page's hash while cached
-        int32_t slot                     # the page's slot, -1 if not cached
+        uint64_t lo                      # the page's hash while cached, low 64 bits
+        uint64_t hi                      #   and high 64 bits
+        int32_t cached                   # 1 while findable by its hash, else 0
         uint8_t has_tokens               # 1: the page's token ids are kept for hit checks
     ctypedef struct pkv_index:
         pkv_index_slot* slots            # (mask + 1,)
@@ -52,13 +52,12 @@ cdef class PrefixIndex:
     cdef readonly int32_t page_size      # tokens per page
     cdef readonly int algorithm          # a HashAlgorithm
     # Open-addressing table (linear probing, backward-shift deletion), power-of-two
-    # capacity >= 4 * num_pages, so at most a quarter full; 16-byte slots, four per cache line.
+    # capacity >= 4 * num_pages, so at most a quarter full; 8-byte slots, eight per cache line.
     # ix points into the arrays below, which own the per-page records.
     cdef pkv_index ix
-    cdef object page_records             # uint64 array (num_pages, 2) holding ix.pages
-    cdef int32_t[:] page_slot            # (num_pages,) views of the record fields:
-    cdef uint64_t[:] page_hi             #   slot (-1 if not cached), hash high bits,
-    cdef uint8_t[:] has_tokens           #   1 if tokens[page] holds its token ids
+    cdef object page_records             # uint64 array (num_pages, 4) holding ix.pages
+    cdef int32_t[:] page_cached          # (num_pages,) views of the record fields:
+    cdef uint8_t[:] has_tokens           #   cached flag, 1 if tokens[page] holds its token ids
     cdef int32_t[:, ::1] tokens          # (num_pages, page_size) token ids, compared on every hit
 
     # Single-page operations: see prefix_index.h, whose functions hot loops call directly.

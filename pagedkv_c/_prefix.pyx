@@ -171,15 +171,16 @@ cdef class PrefixIndex:
     the pool's free queue), until the allocator hands it out again, which
     evicts it. The table uses open addressing with linear probing over
     power-of-two capacity at least four times the pool (at most a quarter
-    full: 64 bytes of table per page), one 16-byte slot per entry (low 64
-    bits and 32 more of the hash, page id; the last 32 bits are checked
-    against a per-page record on a match), and backward-shift deletion (no
-    tombstones). The sparse table keeps probe runs short, which matters
-    most for deletion: it scans to the end of the run and moves entries
-    back. (Trace replay, 10M tokens: capacity 1.25x the pool 1.08 s, 2x
-    0.75 s, 4x 0.72 s.) Each cached page records its slot, so removal needs
-    no search, and batch callers prefetch slots ahead of use, which
-    overlaps the cache misses of a table larger than the CPU caches.
+    full: 32 to 64 bytes of table per page), one 8-byte slot per entry
+    (the low 32 bits of the hash, which pick the home slot and filter
+    matches, and the page id; the full 128 bits are compared in a 32-byte
+    per-page record), and backward-shift deletion (no tombstones). The
+    sparse table keeps probe runs short, which matters most for deletion:
+    it scans to the end of the run and moves entries back. Removal finds
+    a page's entry from its home slot (pages do not record their slot, so
+    moving an entry touches nothing else), and batch callers prefetch
+    slots ahead of use, which overlaps the cache misses of a table larger
+    than the CPU caches.
 
     Parameters
     ----------
@@ -193,7 +194,7 @@ cdef class PrefixIndex:
     Raises
     ------
     ValueError
-        An unknown ``algorithm``, or more than ``2**29`` pages.
+        An unknown ``algorithm``, or more than ``2**30`` pages.
     MemoryError
         The table cannot be allocated.
     """
@@ -210,23 +211,21 @@ cdef class PrefixIndex:
         cdef Py_ssize_t capacity = 16, i
         while capacity < 4 * <Py_ssize_t>num_pages:
             capacity *= 2
-        if capacity > 2**31:  # slots are recorded as int32
+        if capacity > 2**32:  # the low 32 bits of a hash pick its home slot
             raise ValueError(
-                f"Invalid value of num_pages: prefix caching supports at most 2**29 pages, got {num_pages}"
+                f"Invalid value of num_pages: prefix caching supports at most 2**30 pages, got {num_pages}"
             )
         try:
-            # One 16-byte pkv_index_page per row: hi at byte 0, slot at 8, has_tokens at 12.
-            self.page_records = np.zeros((num_pages, 2), dtype=np.uint64)
+            # One 32-byte pkv_index_page per row: lo, hi, then cached at byte 16, has_tokens at 20.
+            self.page_records = np.zeros((num_pages, 4), dtype=np.uint64)
             self.tokens = np.zeros((num_pages, page_size), dtype=np.int32)
         except (ValueError, MemoryError) as exc:
             raise MemoryError(
                 f"Invalid value of num_pages: the prefix index of {num_pages} pages of {page_size} tokens "
                 f"cannot be allocated; use fewer pages"
             ) from exc
-        self.page_hi = self.page_records[:, 0]
-        self.page_slot = self.page_records.view(np.int32)[:, 2]
-        self.has_tokens = self.page_records.view(np.uint8)[:, 12]
-        self.page_slot[:] = -1
+        self.page_cached = self.page_records.view(np.int32)[:, 4]
+        self.has_tokens = self.page_records.view(np.uint8)[:, 20]
         self.ix.mask = capacity - 1
         self.ix.pages = <pkv_index_page*>cnp.PyArray_DATA(self.page_records)
         self.ix.num_cached = 0
@@ -283,7 +282,7 @@ cdef class PrefixIndex:
 
     def cached_pages(self):
         """Ids of the pages findable by hash (int64 array, increasing)."""
-        return np.flatnonzero(np.asarray(self.page_slot) >= 0)
+        return np.flatnonzero(np.asarray(self.page_cached))
 
     def page_hash(self, page_id):
         """The 128-bit hash of a cached page as a Python int (``hi << 64 | lo``), or None."""
@@ -292,8 +291,7 @@ cdef class PrefixIndex:
             raise ValueError(f"Invalid value of page_id: expected 0 <= page_id < {self.num_pages}, got {page_id}")
         if not self.is_cached(p):
             return None
-        cdef pkv_index_slot* slot = &self.ix.slots[self.page_slot[p]]
-        return (int(self.page_hi[p]) << 64) | int(slot.lo)
+        return (int(self.ix.pages[p].hi) << 64) | int(self.ix.pages[p].lo)
 
     def token_table(self):
         """The token ids kept per page for hit verification.
@@ -311,15 +309,15 @@ cdef class PrefixIndex:
             if self.ix.slots[i].page != NO_PAGE:
                 count += 1
                 page_id = self.ix.slots[i].page
-                if self.page_slot[page_id] != i:
-                    raise AssertionError(f"slot {i} names page {page_id}, whose slot is {self.page_slot[page_id]}")
-                h.lo = self.ix.slots[i].lo
-                h.hi = self.page_hi[page_id]
-                if <uint32_t>h.hi != self.ix.slots[i].hi32:
+                if not self.page_cached[page_id]:
+                    raise AssertionError(f"slot {i} names page {page_id}, which is not marked cached")
+                h.lo = self.ix.pages[page_id].lo
+                h.hi = self.ix.pages[page_id].hi
+                if <uint32_t>h.lo != self.ix.slots[i].lo32:
                     raise AssertionError(f"slot {i} of page {page_id} disagrees with the page's hash")
                 if self.find(h) != page_id:
                     raise AssertionError(f"cached page {page_id} is not found by its hash")
-        cached = int((np.asarray(self.page_slot) >= 0).sum())
+        cached = int(np.count_nonzero(np.asarray(self.page_cached)))
         if count != self.ix.num_cached or count != cached:
             raise AssertionError(f"prefix index holds {count} pages, {cached} marked cached, expected {self.ix.num_cached}")
 

@@ -3,29 +3,32 @@
  * them into their per-page loops (calls across Cython modules cannot be
  * inlined). PrefixIndex in _prefix.pyx owns the memory and documents the
  * design: open addressing with linear probing over a power-of-two table at
- * most a quarter full, 16-byte slots, backward-shift deletion (no tombstones),
- * and a per-page record of the slot so that removal needs no search.
+ * most a quarter full, 8-byte slots, backward-shift deletion (no tombstones),
+ * and a 32-byte per-page record holding the full hash.
  */
 #ifndef PAGEDKV_PREFIX_INDEX_H
 #define PAGEDKV_PREFIX_INDEX_H
 #include <stdint.h>
 #include "prefetch.h"
 
+/* A slot: 8 bytes, eight per cache line. The low 32 bits of the hash give
+ * the home slot (the capacity is at most 2**31) and filter matches; the full
+ * 128 bits are compared in the page's record. */
 typedef struct {
-    uint64_t lo;      /* hash, low 64 bits (also picks the home slot) */
-    uint32_t hi32;    /* hash, bits 64..95: filters before the full check */
+    uint32_t lo32;    /* hash, low 32 bits */
     int32_t page;     /* page id, or -1 for an empty slot */
 } pkv_index_slot;
 
-/* Per-page record, 16 bytes (a row of two uint64 in the owning NumPy
+/* Per-page record, 32 bytes (a row of four uint64 in the owning NumPy
  * array): what a page operation needs shares one cache line. */
 typedef struct {
-    uint64_t hi;            /* high 64 bits of the page's hash while cached */
-    int32_t slot;           /* the page's slot, -1 if not cached */
+    uint64_t lo;            /* the page's hash while cached, low 64 bits */
+    uint64_t hi;            /* and high 64 bits */
+    int32_t cached;         /* 1 while the page is findable by its hash, else 0 */
     uint8_t has_tokens;     /* 1: the page's token ids are kept for hit checks */
-    uint8_t unused[3];
+    uint8_t unused[11];
 } pkv_index_page;
-typedef char pkv_index_page_is_16_bytes[sizeof(pkv_index_page) == 16 ? 1 : -1];
+typedef char pkv_index_page_is_32_bytes[sizeof(pkv_index_page) == 32 ? 1 : -1];
 
 typedef struct {
     pkv_index_slot *slots;  /* (mask + 1,) */
@@ -37,7 +40,7 @@ typedef struct {
 
 PKV_INLINE int pkv_index_is_cached(const pkv_index *ix, int32_t page)
 {
-    return ix->pages[page].slot >= 0;
+    return ix->pages[page].cached;
 }
 
 /* Start loading the home slot of a hash (for a find or insert soon after). */
@@ -46,26 +49,32 @@ PKV_INLINE void pkv_index_prefetch(const pkv_index *ix, uint64_t lo)
     pkv_prefetch_read((const char *)&ix->slots[lo & (uint64_t)ix->mask]);
 }
 
-/* Start loading the slot of a cached page and its successor (a removal
- * looks at the next entry of the run). */
+/* Start loading the home slot of a cached page and the next line (a
+ * removal finds the entry from there and looks at the rest of its run). */
 PKV_INLINE void pkv_index_prefetch_page(const pkv_index *ix, int32_t page)
 {
-    const int32_t slot = ix->pages[page].slot;
-    if (slot >= 0) {
-        pkv_prefetch_write((const char *)&ix->slots[slot], sizeof(pkv_index_slot));
-        pkv_prefetch_write((const char *)&ix->slots[(slot + 1) & ix->mask], sizeof(pkv_index_slot));
+    if (ix->pages[page].cached) {
+        const int64_t home = (int64_t)(ix->pages[page].lo & (uint64_t)ix->mask);
+        pkv_prefetch_write((const char *)&ix->slots[home], sizeof(pkv_index_slot));
+        if ((home & 7) == 7) /* the last slot of its line (the table is line-aligned) */
+            pkv_prefetch_write((const char *)&ix->slots[(home + 1) & ix->mask], sizeof(pkv_index_slot));
     }
+}
+
+/* 1 if slot s holds the hash (lo, hi). */
+PKV_INLINE int pkv_index_slot_matches(const pkv_index *ix, const pkv_index_slot *s,
+                                      uint64_t lo, uint64_t hi)
+{
+    return s->lo32 == (uint32_t)lo && ix->pages[s->page].lo == lo && ix->pages[s->page].hi == hi;
 }
 
 /* The page cached under the hash (lo, hi), or -1. */
 PKV_INLINE int32_t pkv_index_find(const pkv_index *ix, uint64_t lo, uint64_t hi)
 {
-    const uint32_t hi32 = (uint32_t)hi;
     int64_t i = (int64_t)(lo & (uint64_t)ix->mask);
     while (ix->slots[i].page != -1) {
-        const pkv_index_slot *s = &ix->slots[i];
-        if (s->lo == lo && s->hi32 == hi32 && ix->pages[s->page].hi == hi)
-            return s->page;
+        if (pkv_index_slot_matches(ix, &ix->slots[i], lo, hi))
+            return ix->slots[i].page;
         i = (i + 1) & ix->mask;
     }
     return -1;
@@ -74,19 +83,17 @@ PKV_INLINE int32_t pkv_index_find(const pkv_index *ix, uint64_t lo, uint64_t hi)
 /* Make an uncached page findable by (lo, hi); 0 (nothing done) if the hash is taken. */
 PKV_INLINE int pkv_index_insert(pkv_index *ix, uint64_t lo, uint64_t hi, int32_t page)
 {
-    const uint32_t hi32 = (uint32_t)hi;
     int64_t i = (int64_t)(lo & (uint64_t)ix->mask);
     while (ix->slots[i].page != -1) {
-        const pkv_index_slot *s = &ix->slots[i];
-        if (s->lo == lo && s->hi32 == hi32 && ix->pages[s->page].hi == hi)
+        if (pkv_index_slot_matches(ix, &ix->slots[i], lo, hi))
             return 0;
         i = (i + 1) & ix->mask;
     }
-    ix->slots[i].lo = lo;
-    ix->slots[i].hi32 = hi32;
+    ix->slots[i].lo32 = (uint32_t)lo;
     ix->slots[i].page = page;
-    ix->pages[page].slot = (int32_t)i;
+    ix->pages[page].lo = lo;
     ix->pages[page].hi = hi;
+    ix->pages[page].cached = 1;
     ix->num_cached++;
     return 1;
 }
@@ -95,23 +102,26 @@ PKV_INLINE int pkv_index_insert(pkv_index *ix, uint64_t lo, uint64_t hi, int32_t
 PKV_INLINE void pkv_index_remove(pkv_index *ix, int32_t page)
 {
     const int64_t mask = ix->mask;
-    int64_t i = ix->pages[page].slot, j = i;
+    int64_t i = (int64_t)(ix->pages[page].lo & (uint64_t)mask), j;
+    /* The entry lies in the run that starts at its home slot. Pages do not
+     * record their slot: deletion moves entries, and updating the records
+     * of moved pages would cost a cache miss each. */
+    while (ix->slots[i].page != page)
+        i = (i + 1) & mask;
     /* Backward-shift deletion: pull later entries of the probe run into the
      * hole unless their home slot lies cyclically in (hole, entry]. */
-    for (;;) {
+    for (j = i;;) {
         j = (j + 1) & mask;
-        const int32_t moved = ix->slots[j].page;
-        if (moved == -1)
+        if (ix->slots[j].page == -1)
             break;
-        const int64_t home = (int64_t)(ix->slots[j].lo & (uint64_t)mask);
+        const int64_t home = (int64_t)(ix->slots[j].lo32 & (uint64_t)mask);
         if (i <= j ? (i < home && home <= j) : (home > i || home <= j))
             continue;
         ix->slots[i] = ix->slots[j];
-        ix->pages[moved].slot = (int32_t)i;
         i = j;
     }
     ix->slots[i].page = -1;
-    ix->pages[page].slot = -1;
+    ix->pages[page].cached = 0;
     ix->pages[page].has_tokens = 0;
     ix->num_cached--;
 }

@@ -396,10 +396,10 @@ TestPrefixMachine = PrefixMachine.TestCase
 TestPrefixMachine.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
 
 
-def test_prefix_index_refuses_more_pages_than_its_int32_slots_can_address():
+def test_prefix_index_refuses_more_pages_than_32_hash_bits_can_address():
     from pagedkv_c._prefix import PrefixIndex
 
-    # Checked before anything is allocated: the table would need 2**32 slots.
-    with pytest.raises(ValueError, match=r"num_pages.*2\*\*29"):
-        PrefixIndex(2**29 + 1, 16)
+    # Checked before anything is allocated: the table would need 2**33 slots.
+    with pytest.raises(ValueError, match=r"num_pages.*2\*\*30"):
+        PrefixIndex(2**30 + 1, 16)
     assert PrefixIndex(1000, 16).num_cached == 0
