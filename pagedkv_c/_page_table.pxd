@@ -27,13 +27,37 @@ cdef class PageTable:
 
     cdef int64_t num_logical(self) noexcept nogil
     cdef Py_ssize_t num_held(self) noexcept nogil
-    cdef page_id_t page_at(self, int64_t logical) noexcept nogil
+    # Small accessors are inline (bodies here) so that other modules' per-page
+    # loops call them directly instead of through the type's vtable.
+    cdef inline page_id_t page_at(self, int64_t logical) noexcept nogil:
+        """Page id of a held logical page (caller checked that it is held)."""
+        if logical < self.num_sink_pages:
+            return self.sinks[logical]
+        return self.ring[(self.ring_head + (logical - self.ring_first)) & self.ring_mask]
     cdef Py_ssize_t num_to_release(self, int64_t num_new_tokens) noexcept nogil
-    cdef page_id_t ring_page(self, Py_ssize_t i) noexcept nogil
+    cdef inline page_id_t ring_page(self, Py_ssize_t i) noexcept nogil:
+        """The i-th oldest window page."""
+        return self.ring[(self.ring_head + i) & self.ring_mask]
     cdef page_id_t pop_oldest(self) noexcept nogil
     cdef int reserve(self, Py_ssize_t num_new_pages) except -1
-    cdef void push_page(self, page_id_t page_id) noexcept nogil
-    cdef page_id_t pop_newest(self) noexcept nogil
+    cdef inline void push_page(self, page_id_t page_id) noexcept nogil:
+        """Append a page as the next logical page (a sink page or the ring's newest).
+
+        The caller reserved ring room first.
+        """
+        if self.sink_count < self.num_sink_pages:
+            self.sinks[self.sink_count] = page_id
+            self.sink_count += 1
+            return
+        self.ring[(self.ring_head + self.ring_count) & self.ring_mask] = page_id
+        self.ring_count += 1
+    cdef inline page_id_t pop_newest(self) noexcept nogil:
+        """Remove the newest held page (ring tail, else the last sink page) and return it."""
+        if self.ring_count > 0:
+            self.ring_count -= 1
+            return self.ring[(self.ring_head + self.ring_count) & self.ring_mask]
+        self.sink_count -= 1
+        return self.sinks[self.sink_count]
     cdef void replace_last(self, page_id_t page_id) noexcept nogil
     cdef bint last_page_is_partial(self) noexcept nogil
     cdef Py_ssize_t pages_needed(self, int64_t num_new_tokens) noexcept nogil

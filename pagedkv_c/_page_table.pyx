@@ -39,6 +39,9 @@ cdef inline int64_t _ceil_div(int64_t a, int64_t b) noexcept nogil:
     return (a + b - 1) // b
 
 
+cdef int32_t[::1] _NO_SINKS = np.empty(0, dtype=np.int32)
+
+
 cdef class PageTable:
     """Logical page index -> page id map of one sequence, over a shared PagePool.
 
@@ -80,7 +83,8 @@ cdef class PageTable:
         self.num_sink_pages = 0
         if w != NO_WINDOW:
             self.num_sink_pages = <int32_t>_ceil_div(self.sink_tokens, self.page_size)
-        self.sinks = np.empty(self.num_sink_pages, dtype=np.int32)
+        # Without sink pages every table shares one empty array (no allocation).
+        self.sinks = np.empty(self.num_sink_pages, dtype=np.int32) if self.num_sink_pages else _NO_SINKS
         cdef Py_ssize_t wanted = _INITIAL_RING, capacity = 1
         if w != NO_WINDOW:
             wanted = min(<Py_ssize_t>(_ceil_div(w - 1, self.page_size) + 1), 1 << 16)
@@ -101,16 +105,6 @@ cdef class PageTable:
 
     cdef Py_ssize_t num_held(self) noexcept nogil:
         return self.sink_count + self.ring_count
-
-    cdef page_id_t page_at(self, int64_t logical) noexcept nogil:
-        """Page id of a held logical page (caller checked that it is held)."""
-        if logical < self.num_sink_pages:
-            return self.sinks[logical]
-        return self.ring[(self.ring_head + (logical - self.ring_first)) & self.ring_mask]
-
-    cdef page_id_t ring_page(self, Py_ssize_t i) noexcept nogil:
-        """The i-th oldest window page."""
-        return self.ring[(self.ring_head + i) & self.ring_mask]
 
     cdef Py_ssize_t num_to_release(self, int64_t num_new_tokens) noexcept nogil:
         """Window pages an append of ``num_new_tokens`` releases first (release rule)."""
@@ -153,26 +147,6 @@ cdef class PageTable:
         self.ring_mask = capacity - 1
         self.ring_head = 0
         return 0
-
-    cdef void push_page(self, page_id_t page_id) noexcept nogil:
-        """Append a page as the next logical page (a sink page or the ring's newest).
-
-        The caller reserved ring room first.
-        """
-        if self.sink_count < self.num_sink_pages:
-            self.sinks[self.sink_count] = page_id
-            self.sink_count += 1
-            return
-        self.ring[(self.ring_head + self.ring_count) & self.ring_mask] = page_id
-        self.ring_count += 1
-
-    cdef page_id_t pop_newest(self) noexcept nogil:
-        """Remove the newest held page (ring tail, else the last sink page) and return it."""
-        if self.ring_count > 0:
-            self.ring_count -= 1
-            return self.ring[(self.ring_head + self.ring_count) & self.ring_mask]
-        self.sink_count -= 1
-        return self.sinks[self.sink_count]
 
     cdef void replace_last(self, page_id_t page_id) noexcept nogil:
         """Swap the page of the newest held logical page (copy-on-write)."""
