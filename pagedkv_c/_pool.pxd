@@ -1,18 +1,25 @@
 # PagePool: free-list page allocator with per-page ref counts.
-from pagedkv_c._types cimport page_id_t, int32_t
+from pagedkv_c._types cimport page_id_t, int32_t, int64_t
 from libc.stdint cimport uint32_t
 from pagedkv_c._prefix cimport PrefixIndex
 
 
 cdef extern from "page_pool.h":
     # The allocator's single-page operations, inlined by every module that loops over pages.
+    ctypedef struct pkv_page_record:
+        int64_t qpos                  # absolute position of the page's live queue entry, or -1
+        int32_t ref                   # ref count; 0 = free (queued)
     ctypedef struct pkv_free_queue:
-        int32_t* rec
-        int32_t sentinel
-        int32_t num_free
+        pkv_page_record* rec          # (num_pages,)
+        int32_t* ring                 # (mask + 1,) page ids at ring[position & mask]
+        int64_t mask                  # ring capacity - 1
+        int64_t head                  # absolute positions: entries live in [head, tail)
+        int64_t tail
+        int32_t num_free              # pages in the queue
     void pkv_queue_remove(pkv_free_queue* q, int32_t page) noexcept nogil
     void pkv_queue_push(pkv_free_queue* q, int32_t page) noexcept nogil
-    int32_t pkv_queue_head(const pkv_free_queue* q) noexcept nogil
+    int32_t pkv_queue_pop(pkv_free_queue* q) noexcept nogil
+    void pkv_queue_prefetch(const pkv_free_queue* q, int64_t ahead) noexcept nogil
     bint pkv_queue_contains(const pkv_free_queue* q, int32_t page) noexcept nogil
     int32_t pkv_ref(const pkv_free_queue* q, int32_t page) noexcept nogil
     void pkv_set_ref(pkv_free_queue* q, int32_t page, int32_t count) noexcept nogil
@@ -23,20 +30,13 @@ cdef extern from "page_pool.h":
 
 cdef class PagePool:
     cdef readonly int32_t num_pages   # pages in the pool; ids are 0 .. num_pages-1
-    # Free queue and ref counts over the records below (see page_pool.h);
+    # Free queue and ref counts (see page_pool.h): a FIFO ring of page ids with
+    # lazy deletion, and one 16-byte record per page [queue position, ref count].
     # q.num_free is the number of pages in the queue.
     cdef pkv_free_queue q
-    # Per-page record [prev, next, ref count, unused] (int32, 16 bytes): the
-    # fields a page operation touches share one cache line. Row num_pages is
-    # the free queue's sentinel.
-    cdef object _records              # int32 array (num_pages + 1, 4), q.rec points into it
-    cdef int32_t[:] _ref_count        # shape (num_pages,): references per page, 0 = free
-    # Free queue: an intrusive circular doubly linked list over page ids with a
-    # sentinel at index num_pages. Head = next to hand out (least recently
-    # freed), tail = most recently freed. A page not in the queue has both
-    # links set to NO_PAGE.
-    cdef int32_t[:] _prev             # shape (num_pages + 1,), a column of _records
-    cdef int32_t[:] _next             # shape (num_pages + 1,), a column of _records
+    cdef object _records              # int64 array (num_pages, 2): q.rec
+    cdef object _ring                 # int32 array (capacity,): q.ring
+    cdef int32_t[:] _ref_count        # shape (num_pages,): references per page, 0 = free (a view of _records)
     # Scratch for planning a batch before mutating: references a planned call
     # would drop per page. All zeros between calls.
     cdef int32_t[::1] _pending        # shape (num_pages,)

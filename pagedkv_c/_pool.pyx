@@ -21,6 +21,8 @@ cnp.import_array()
 _INT32_MAX = 2**31 - 2
 # Pages ahead whose prefix-index slots take() prefetches while evicting.
 cdef Py_ssize_t _EVICT_PREFETCH_DISTANCE = 16
+# Queue entries ahead whose page records take() prefetches while popping.
+cdef Py_ssize_t _POP_PREFETCH_DISTANCE = 16
 
 
 class OutOfPagesError(MemoryError):
@@ -47,20 +49,24 @@ cdef class PagePool:
     ValueError
         ``num_pages`` out of range.
     MemoryError
-        The per-page records (24 bytes per page) cannot be allocated.
+        The per-page records (24 bytes per page, plus a ring of 8 to 16
+        bytes per page) cannot be allocated.
 
     Notes
     -----
-    Free pages wait in a free queue, a doubly linked list kept in per-page
-    int32 records (``prev``/``next`` next to the ref count, plus a sentinel,
-    so that a page operation touches one cache line), which gives O(1) pop
-    from the head, push to the tail, and removal of any page from the middle.
-    Allocation order: **least recently freed first**. Freed pages join the
-    tail, allocation pops the head; initially pages are handed out in id
-    order 0, 1, 2, ... The O(1) middle removal exists for prefix caching: a
-    free page that still holds a cached prefix stays in the queue and can be
-    taken back out when a later request matches it, as in vLLM's
-    ``FreeKVCacheBlockQueue`` (vllm/v1/core/kv_cache_utils.py).
+    Free pages wait in a free queue with O(1) pop from the head, push to the
+    tail, and removal of any page from the middle. Allocation order: **least
+    recently freed first**. Freed pages join the tail, allocation pops the
+    head; initially pages are handed out in id order 0, 1, 2, ... The O(1)
+    middle removal exists for prefix caching: a free page that still holds a
+    cached prefix stays in the queue and can be taken back out when a later
+    request matches it. vLLM's ``FreeKVCacheBlockQueue``
+    (vllm/v1/core/kv_cache_utils.py) keeps the same order in a doubly linked
+    list; here the queue is a FIFO ring of page ids with lazy deletion (a
+    page's record holds the position of its live entry), which lets
+    allocation prefetch the pages it pops next instead of chasing links
+    (see ``page_pool.h``). Each page has one 16-byte record: queue position
+    and ref count.
 
     Every batch call is all-or-nothing: it validates everything first and
     raises before changing anything.
@@ -77,26 +83,30 @@ cdef class PagePool:
     def __cinit__(self, num_pages):
         cdef int32_t n = <int32_t>check_int(num_pages, "num_pages", 1, _INT32_MAX)
         self.num_pages = n
+        cdef Py_ssize_t capacity = 16
+        while capacity < 2 * <Py_ssize_t>n:  # see page_pool.h: compaction stays rare
+            capacity *= 2
         try:
-            self._records = np.zeros((n + 1, 4), dtype=np.int32)
+            self._records = np.zeros((n, 2), dtype=np.int64)
+            self._ring = np.empty(capacity, dtype=np.int32)
             self._pending = np.zeros(n, dtype=np.int32)
             self._seen_stamp = np.zeros(n, dtype=np.uint32)
         except (ValueError, MemoryError) as exc:
             raise MemoryError(
-                f"Invalid value of num_pages: the allocator's records of {n} pages ({24 * (<object>n + 1)} bytes) "
-                f"cannot be allocated; use fewer pages"
+                f"Invalid value of num_pages: the allocator's records of {n} pages "
+                f"({24 * <object>n + 4 * capacity} bytes) cannot be allocated; use fewer pages"
             ) from exc
-        self.q.rec = <int32_t*>cnp.PyArray_DATA(self._records)
-        self.q.sentinel = n
-        self._prev = self._records[:, 0]
-        self._next = self._records[:, 1]
-        self._ref_count = self._records[:n, 2]
+        self.q.rec = <pkv_page_record*>cnp.PyArray_DATA(self._records)
+        self.q.ring = <int32_t*>cnp.PyArray_DATA(self._ring)
+        self.q.mask = capacity - 1
+        self._ref_count = self._records.view(np.int32)[:, 2]
         cdef int32_t i
-        cdef int32_t sentinel = n
-        # Circular list sentinel <-> 0 <-> 1 <-> ... <-> n-1 <-> sentinel.
-        for i in range(n + 1):
-            self._next[i] = i + 1 if i < n else 0
-            self._prev[i] = i - 1 if i > 0 else sentinel
+        # Pages 0, 1, ..., n-1 queued at positions 0 .. n-1.
+        for i in range(n):
+            self.q.ring[i] = i
+            self.q.rec[i].qpos = i
+        self.q.head = 0
+        self.q.tail = n
         self.q.num_free = n
         self._stamp = 0
         self.owner = None
@@ -111,8 +121,7 @@ cdef class PagePool:
         A page that still held a cached prefix is evicted from the prefix
         index: its content is about to be overwritten.
         """
-        cdef page_id_t page_id = pkv_queue_head(&self.q)
-        pkv_queue_remove(&self.q, page_id)
+        cdef page_id_t page_id = pkv_queue_pop(&self.q)
         if self.prefix is not None and pkv_index_is_cached(&self.prefix.ix, page_id):
             pkv_index_evict(&self.prefix.ix, page_id)
         return page_id
@@ -137,9 +146,11 @@ cdef class PagePool:
         """
         cdef Py_ssize_t i
         cdef page_id_t page_id
+        for i in range(min(n, _POP_PREFETCH_DISTANCE)):
+            pkv_queue_prefetch(&self.q, i)
         for i in range(n):
-            page_id = pkv_queue_head(&self.q)
-            pkv_queue_remove(&self.q, page_id)
+            pkv_queue_prefetch(&self.q, _POP_PREFETCH_DISTANCE)
+            page_id = pkv_queue_pop(&self.q)
             pkv_set_ref(&self.q, page_id, 1)
             out[i] = page_id
         if self.prefix is None:
@@ -355,55 +366,53 @@ cdef class PagePool:
         """Return the free queue in hand-out order (int32 array, shape ``(num_free,)``)."""
         out = np.empty(self.q.num_free, dtype=np.int32)
         cdef int32_t[::1] view = out
-        cdef int32_t sentinel = self.num_pages
-        cdef int32_t page_id = self._next[sentinel]
+        cdef int64_t a
+        cdef int32_t page_id
         cdef Py_ssize_t i = 0
-        while page_id != sentinel and i < self.q.num_free:
-            view[i] = page_id
-            page_id = self._next[page_id]
-            i += 1
+        for a in range(self.q.head, self.q.tail):
+            page_id = self.q.ring[a & self.q.mask]
+            if self.q.rec[page_id].qpos == a and i < self.q.num_free:
+                view[i] = page_id
+                i += 1
         return out
 
     def check_invariants(self):
         """Verify the allocator's state; raise AssertionError naming the first bad page.
 
-        Checks: the free queue is a well-formed doubly linked list with exactly
-        ``num_free`` entries; every page is either free (ref count 0, in the
-        queue exactly once) or allocated (ref count >= 1, not in the queue).
+        Checks: the free queue's live entries (see ``page_pool.h``) are
+        exactly ``num_free`` pages, each once; every page is either free (ref
+        count 0, queued exactly once) or allocated (ref count >= 1, not
+        queued); the ring holds no more entries than its capacity.
         """
         cdef int32_t n = self.num_pages
-        cdef int32_t sentinel = n
         seen = np.zeros(n, dtype=np.int8)
-        cdef int32_t page_id = self._next[sentinel]
-        cdef int32_t previous = sentinel
-        cdef Py_ssize_t steps = 0
-        while page_id != sentinel:
+        cdef int64_t a, qpos
+        cdef int32_t page_id
+        cdef Py_ssize_t live = 0
+        if not 0 <= self.q.tail - self.q.head <= self.q.mask + 1:
+            raise AssertionError(f"free queue spans {self.q.tail - self.q.head} entries, capacity {self.q.mask + 1}")
+        for a in range(self.q.head, self.q.tail):
+            page_id = self.q.ring[a & self.q.mask]
             if page_id < 0 or page_id >= n:
                 raise AssertionError(f"free queue holds invalid page id {page_id}")
-            if self._prev[page_id] != previous:
-                raise AssertionError(f"page {page_id}: broken back link in the free queue")
-            if seen[page_id]:
-                raise AssertionError(f"page {page_id} is in the free queue twice")
-            seen[page_id] = 1
-            steps += 1
-            if steps > n:
-                raise AssertionError("free queue has a cycle")
-            previous = page_id
-            page_id = self._next[page_id]
-        if self._prev[sentinel] != previous:
-            raise AssertionError("free queue tail link is broken")
-        if steps != self.q.num_free:
-            raise AssertionError(f"free queue holds {steps} pages but num_free is {self.q.num_free}")
+            if self.q.rec[page_id].qpos == a:
+                if seen[page_id]:
+                    raise AssertionError(f"page {page_id} is in the free queue twice")
+                seen[page_id] = 1
+                live += 1
+        if live != self.q.num_free:
+            raise AssertionError(f"free queue holds {live} pages but num_free is {self.q.num_free}")
         cdef int32_t p
         for p in range(n):
+            qpos = self.q.rec[p].qpos
             if self._ref_count[p] < 0:
                 raise AssertionError(f"page {p} has negative ref count {self._ref_count[p]}")
             if self._ref_count[p] == 0 and not seen[p]:
                 raise AssertionError(f"page {p} has ref count 0 but is not in the free queue")
             if self._ref_count[p] > 0 and seen[p]:
                 raise AssertionError(f"page {p} has ref count {self._ref_count[p]} but is in the free queue")
-            if not seen[p] and (self._prev[p] != NO_PAGE or self._next[p] != NO_PAGE):
-                raise AssertionError(f"page {p} is allocated but keeps free-queue links")
+            if not seen[p] and qpos != -1:
+                raise AssertionError(f"page {p} is not queued but records queue position {qpos}")
 
     def __repr__(self):
         return f"PagePool(num_pages={self.num_pages}, num_free={self.q.num_free})"

@@ -1,85 +1,119 @@
 /* Free queue and ref counts of the page allocator, as static inline
  * functions over a plain struct, so that the page tables and the cache
  * inline them into their per-page loops (calls across Cython modules cannot
- * be inlined). PagePool in _pool.pyx owns the memory and documents the
- * design: an intrusive circular doubly linked list with a sentinel, least
- * recently freed page at the head. Each page has a 16-byte record
- * [prev, next, ref count, unused], so one page operation touches one cache
- * line; row num_pages is the sentinel. A page outside the queue has both
- * links set to -1.
+ * be inlined). PagePool in _pool.pyx owns the memory.
+ *
+ * The free queue hands out the least recently freed page first. It is a
+ * FIFO ring of page ids with lazy deletion: each page's 16-byte record holds
+ * the absolute queue position of its live entry (-1 when the page is not
+ * queued) next to its ref count. Taking a page out of the middle (a prefix
+ * cache hit on a free page) only clears that position, which leaves a stale
+ * entry that popping skips; a linked list would instead write both
+ * neighbours. Popping reads the ring in order, so the records of the next
+ * pages can be prefetched (a linked list must chase one pointer per pop).
+ * When the ring fills up, its live entries are compacted in order: the ring
+ * holds at least twice as many entries as there are pages, so compaction
+ * runs at most once per num_pages pushes.
  */
 #ifndef PAGEDKV_PAGE_POOL_H
 #define PAGEDKV_PAGE_POOL_H
 #include <stdint.h>
 #include "prefetch.h"
 
-enum { PKV_PREV = 0, PKV_NEXT = 1, PKV_REF = 2, PKV_RECORD = 4 };
+typedef struct {
+    int64_t qpos;       /* absolute position of the page's live queue entry, or -1 */
+    int32_t ref;        /* ref count; 0 = free (queued) */
+    int32_t unused;
+} pkv_page_record;
+typedef char pkv_page_record_is_16_bytes[sizeof(pkv_page_record) == 16 ? 1 : -1];
 
 typedef struct {
-    int32_t *rec;       /* (num_pages + 1) x PKV_RECORD int32 */
-    int32_t sentinel;   /* = num_pages */
-    int32_t num_free;   /* pages in the queue */
+    pkv_page_record *rec;   /* (num_pages,) */
+    int32_t *ring;          /* (mask + 1,) page ids at ring[position & mask] */
+    int64_t mask;           /* ring capacity - 1, capacity a power of two >= 2 * num_pages */
+    int64_t head, tail;     /* absolute positions: entries live in [head, tail) */
+    int32_t num_free;       /* pages in the queue (live entries) */
 } pkv_free_queue;
 
-PKV_INLINE int32_t *pkv_record(const pkv_free_queue *q, int32_t page)
+/* Keep the live entries of [head, tail) in order, dropping stale ones. */
+static inline void pkv_queue_compact(pkv_free_queue *q)
 {
-    return q->rec + (int64_t)PKV_RECORD * page;
+    int64_t a, k = q->head;
+    for (a = q->head; a < q->tail; a++) {
+        const int32_t page = q->ring[a & q->mask];
+        if (q->rec[page].qpos == a) {
+            q->ring[k & q->mask] = page; /* k <= a: never overwrites an unread entry */
+            q->rec[page].qpos = k;
+            k++;
+        }
+    }
+    q->tail = k;
 }
 
-/* Unlink a page from anywhere in the queue in O(1). */
+/* Take a queued page out of the queue in O(1) (its entry becomes stale). */
 PKV_INLINE void pkv_queue_remove(pkv_free_queue *q, int32_t page)
 {
-    int32_t *r = pkv_record(q, page);
-    const int32_t before = r[PKV_PREV], after = r[PKV_NEXT];
-    pkv_record(q, before)[PKV_NEXT] = after;
-    pkv_record(q, after)[PKV_PREV] = before;
-    r[PKV_PREV] = -1;
-    r[PKV_NEXT] = -1;
+    q->rec[page].qpos = -1;
     q->num_free--;
 }
 
 /* Append a page at the tail (most recently freed). */
 PKV_INLINE void pkv_queue_push(pkv_free_queue *q, int32_t page)
 {
-    int32_t *s = pkv_record(q, q->sentinel), *r = pkv_record(q, page);
-    const int32_t tail = s[PKV_PREV];
-    pkv_record(q, tail)[PKV_NEXT] = page;
-    r[PKV_PREV] = tail;
-    r[PKV_NEXT] = q->sentinel;
-    s[PKV_PREV] = page;
+    if (q->tail - q->head > q->mask)
+        pkv_queue_compact(q);
+    q->ring[q->tail & q->mask] = page;
+    q->rec[page].qpos = q->tail;
+    q->tail++;
     q->num_free++;
 }
 
-/* The head of the queue (least recently freed); the queue must not be empty. */
-PKV_INLINE int32_t pkv_queue_head(const pkv_free_queue *q)
+/* Pop the least recently freed page; the queue must not be empty. */
+PKV_INLINE int32_t pkv_queue_pop(pkv_free_queue *q)
 {
-    return pkv_record(q, q->sentinel)[PKV_NEXT];
+    for (;;) {
+        const int64_t a = q->head++;
+        const int32_t page = q->ring[a & q->mask];
+        if (q->rec[page].qpos == a) {
+            q->rec[page].qpos = -1;
+            q->num_free--;
+            return page;
+        }
+    }
+}
+
+/* Start loading the record of the entry `ahead` places after the head. */
+PKV_INLINE void pkv_queue_prefetch(const pkv_free_queue *q, int64_t ahead)
+{
+    if (q->head + ahead < q->tail)
+        pkv_prefetch_write((const char *)&q->rec[q->ring[(q->head + ahead) & q->mask]],
+                           sizeof(pkv_page_record));
 }
 
 PKV_INLINE int pkv_queue_contains(const pkv_free_queue *q, int32_t page)
 {
-    return pkv_record(q, page)[PKV_NEXT] != -1;
+    return q->rec[page].qpos >= 0;
 }
 
 PKV_INLINE int32_t pkv_ref(const pkv_free_queue *q, int32_t page)
 {
-    return pkv_record(q, page)[PKV_REF];
+    return q->rec[page].ref;
 }
 
 PKV_INLINE void pkv_set_ref(pkv_free_queue *q, int32_t page, int32_t count)
 {
-    pkv_record(q, page)[PKV_REF] = count;
+    q->rec[page].ref = count;
 }
 
 PKV_INLINE void pkv_incref(pkv_free_queue *q, int32_t page)
 {
-    pkv_record(q, page)[PKV_REF]++;
+    q->rec[page].ref++;
 }
 
 /* Drop one reference without queueing the page; returns the new count. */
 PKV_INLINE int32_t pkv_drop_ref(pkv_free_queue *q, int32_t page)
 {
-    return --pkv_record(q, page)[PKV_REF];
+    return --q->rec[page].ref;
 }
 
 /* Drop one reference; a page reaching 0 joins the queue's tail. */

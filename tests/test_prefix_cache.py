@@ -403,3 +403,30 @@ def test_prefix_index_refuses_more_pages_than_32_hash_bits_can_address():
     with pytest.raises(ValueError, match=r"num_pages.*2\*\*30"):
         PrefixIndex(2**30 + 1, 16)
     assert PrefixIndex(1000, 16).num_cached == 0
+
+
+def test_free_queue_keeps_lru_order_through_many_hits_on_free_pages():
+    """Hits on free cached pages take them out of the middle of the free queue
+    many times over (far more than the queue's ring holds without compacting);
+    the hand-out order must stay least recently freed first throughout."""
+    cache = make(num_pages=8, page_size=4)
+    prompt = list(range(9))  # 2 full pages + 1 token
+    start(cache, 0, prompt)
+    cache.remove_sequence(0)
+    pool = cache.pool
+    model = [int(p) for p in pool.free_pages()]  # reference LRU order
+    for i in range(200):
+        assert cache.add_sequence(1, prompt) == 8
+        held = [int(p) for p in cache.page_table([1]).indices]
+        for page in held:
+            model.remove(page)  # taken out of the middle of the queue
+        if i % 3 == 0:  # sometimes allocate too: pops the head
+            cache.append([1], [1])
+            new = [int(p) for p in cache.page_table([1]).indices if int(p) not in held]
+            assert new == model[:len(new)]
+            del model[:len(new)]
+            held = held + new
+        cache.remove_sequence(1)
+        model.extend(reversed(held))  # released newest page first
+        assert [int(p) for p in pool.free_pages()] == model
+        cache.check_invariants()
