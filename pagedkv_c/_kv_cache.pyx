@@ -18,7 +18,7 @@ from pagedkv_c._prefix import ALGORITHMS as _PREFIX_HASHES
 from pagedkv_c._page_table cimport PageTable, append_batch
 from pagedkv_c._checks cimport check_int, check_index, check_float_array, as_int_array
 from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash128, hash_salt,
-                                hash_block_pages, pkv_index_find, pkv_index_insert,
+                                pkv_index_find, pkv_index_insert,
                                 pkv_index_is_cached, pkv_index_prefetch)
 from libc.stdlib cimport malloc, free
 
@@ -33,6 +33,8 @@ _SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 # Lookups ahead whose prefix-index slot is prefetched in batch loops (a loop
 # step is short: 8 was too close to hide a memory miss, 32 is; replay 0.60 -> 0.56 s).
 cdef Py_ssize_t _PREFETCH_DISTANCE = 32
+# Pages hashed at a time by those loops when a sequence's hashes are computed lazily.
+cdef Py_ssize_t _HASH_BATCH = 8
 
 
 cdef class PageTableView:
@@ -313,7 +315,10 @@ cdef class KVCache:
         cdef int64_t k, m = 0, lead = 0, run = 0, low, first_window = num_sink_pages
         cdef page_id_t page_id
         cdef bint windowed = self._window is not None
+        cdef int algorithm = index.algorithm
         for k in range(servable):
+            if k + _PREFETCH_DISTANCE >= hashes.num_hashed:
+                hashes.hash_upto(algorithm, k + _PREFETCH_DISTANCE + _HASH_BATCH)
             if k + _PREFETCH_DISTANCE < servable:
                 # The index outgrows the CPU caches: overlap the misses of the next lookups.
                 pkv_index_prefetch(&index.ix, hashes.chain[k + _PREFETCH_DISTANCE].lo)
@@ -361,11 +366,13 @@ cdef class KVCache:
         if hashes is None or index is None:
             return 0
         hashes.extend_hashes(index.algorithm, self.page_size)
-        cdef int64_t upto = min(table.length // self.page_size, hashes.num_hashed)
+        cdef int64_t upto = min(table.length // self.page_size, hashes.num_hashable)
         cdef int64_t k
         cdef page_id_t page_id
         cdef Py_ssize_t t
         for k in range(hashes.num_registered, upto):
+            if k + _PREFETCH_DISTANCE >= hashes.num_hashed:
+                hashes.hash_upto(index.algorithm, k + _PREFETCH_DISTANCE + _HASH_BATCH)
             if k + _PREFETCH_DISTANCE < upto:
                 pkv_index_prefetch(&index.ix, hashes.chain[k + _PREFETCH_DISTANCE].lo)
             if k < table.num_sink_pages:
@@ -494,7 +501,7 @@ cdef class KVCache:
         cdef PageTable table = PageTable(self.pool, self.page_size, self._window, self.sink_tokens)
         cdef object prompt = None
         cdef object blocks = None
-        cdef int64_t prompt_len = 0, per_block = 0, num_hashable = 0
+        cdef int64_t prompt_len = 0, per_block = 0
         cdef SequenceHashes hashes = None
         cdef hash128 zero
         if prompt_token_ids is not None and block_hashes is not None:
@@ -525,11 +532,8 @@ cdef class KVCache:
                 hashes.num_known = prompt_len
                 hashes.extend_hashes(self._prefix.algorithm, self.page_size)
             else:
-                hashes.external = True
-                num_hashable = prompt_len // self.page_size
-                hashes.reserve_hashes(num_hashable)
-                _hash_external(self._prefix.algorithm, hashes, blocks, per_block // self.page_size,
-                               num_hashable)
+                # Hashed lazily while matching and registering (see SequenceHashes).
+                hashes.set_external(blocks, per_block // self.page_size, prompt_len // self.page_size)
         elif extra_key is not None:
             hash_salt(0, extra_key)  # same type check as with caching on
         table.hashes = hashes
@@ -542,7 +546,7 @@ cdef class KVCache:
                     table,
                     <const int32_t*>cnp.PyArray_DATA(prompt) if prompt is not None else NULL,
                     prompt_len,
-                    hashes.num_hashed,
+                    hashes.num_hashable,
                 )
                 self._note_usage()
             self._tables[key] = table
@@ -1037,21 +1041,6 @@ cdef int _take_cached(PagePool pool, page_id_t page_id) except -1:
         pkv_set_ref(&pool.q, page_id, 1)
     else:
         pkv_incref(&pool.q, page_id)
-    return 0
-
-
-cdef int _hash_external(int algorithm, SequenceHashes hashes, object blocks, int64_t pages_per_block,
-                        int64_t num_pages) except -1:
-    """Fill ``hashes`` with the chained hashes of pages keyed by external block ids."""
-    cdef hash128 parent
-    parent.lo = 0
-    parent.hi = 0
-    if num_pages == 0:
-        return 0
-    # blocks: a C-contiguous int64 array from as_int_array; the chain was reserved.
-    hash_block_pages(algorithm, parent, hashes.salt, <const int64_t*>cnp.PyArray_DATA(blocks),
-                     pages_per_block, 0, num_pages, hashes.chain)
-    hashes.num_hashed = num_pages
     return 0
 
 

@@ -74,7 +74,11 @@ cdef class SequenceHashes:
     cdef object chain_array              # uint64 (capacity, 2): owns chain
     cdef hash128* chain                  # (capacity,) chained hash of each full logical page
     cdef int64_t chain_capacity
-    cdef int64_t num_hashed              # leading logical pages with a known hash
+    cdef int64_t num_hashed              # leading logical pages with a computed hash
+    cdef int64_t num_hashable            # leading logical pages whose hash can be computed
+    # External sequences: the block ids (int64, C-contiguous) their hashes come from.
+    cdef object block_ids
+    cdef int64_t pages_per_block
     cdef int32_t[::1] token_ids          # (capacity,) token ids known for positions 0 .. num_known-1
     cdef int64_t num_known               # positions with a known token id
     cdef int64_t num_registered          # leading logical pages already offered to the index
@@ -83,5 +87,7 @@ cdef class SequenceHashes:
     cdef int reserve_hashes(self, int64_t n) except -1
     cdef void _set_chain(self, object array)
     cdef int extend_hashes(self, int algorithm, int32_t page_size) except -1
+    cdef int set_external(self, object block_ids, int64_t pages_per_block, int64_t num_pages) except -1
+    cdef int hash_upto(self, int algorithm, int64_t n) except -1
     cdef void truncate(self, int64_t new_len, int32_t page_size) noexcept nogil
     cdef SequenceHashes copy(self)

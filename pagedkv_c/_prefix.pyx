@@ -327,7 +327,10 @@ cdef class SequenceHashes:
 
     Token-keyed sequences extend the chain as their token ids become known
     (prompt at creation, ``token_ids`` passed to appends). Sequences keyed by
-    external block ids get all their page hashes at creation.
+    external block ids know all their page contents at creation, but hash
+    them lazily (``hash_upto``), a batch at a time inside the loops that
+    match and register pages: a chain of hashes is a chain of dependent
+    arithmetic, which then overlaps those loops' memory accesses.
     """
 
     def __cinit__(self):
@@ -337,6 +340,9 @@ cdef class SequenceHashes:
         self.chain_capacity = 0
         self.token_ids = _NO_TOKENS
         self.num_hashed = 0
+        self.num_hashable = 0
+        self.block_ids = None
+        self.pages_per_block = 0
         self.num_known = 0
         self.num_registered = 0
         self.external = False
@@ -392,6 +398,33 @@ cdef class SequenceHashes:
         hash_token_pages(algorithm, parent, self.salt, &self.token_ids[self.num_hashed * page_size],
                          page_size, n, self.chain + self.num_hashed)
         self.num_hashed = target
+        self.num_hashable = target
+        return 0
+
+    cdef int set_external(self, object block_ids, int64_t pages_per_block, int64_t num_pages) except -1:
+        """Key the sequence by external block ids (int64, C-contiguous): ``num_pages`` hashable pages."""
+        self.external = True
+        self.block_ids = block_ids
+        self.pages_per_block = pages_per_block
+        self.reserve_hashes(num_pages)
+        self.num_hashable = num_pages
+        return 0
+
+    cdef int hash_upto(self, int algorithm, int64_t n) except -1:
+        """Compute the hashes of pages up to ``min(n, num_hashable)`` (external sequences only)."""
+        if n > self.num_hashable:
+            n = self.num_hashable
+        if not self.external or n <= self.num_hashed:
+            return 0
+        cdef hash128 parent
+        parent.lo = 0
+        parent.hi = 0
+        if self.num_hashed:
+            parent = self.chain[self.num_hashed - 1]
+        hash_block_pages(algorithm, parent, self.salt, <const int64_t*>cnp.PyArray_DATA(self.block_ids),
+                         self.pages_per_block, self.num_hashed, n - self.num_hashed,
+                         self.chain + self.num_hashed)
+        self.num_hashed = n
         return 0
 
     cdef void truncate(self, int64_t new_len, int32_t page_size) noexcept nogil:
@@ -401,6 +434,8 @@ cdef class SequenceHashes:
             self.num_known = new_len
         if self.num_hashed > pages:
             self.num_hashed = pages
+        if self.num_hashable > pages:
+            self.num_hashable = pages
         if self.num_registered > pages:
             self.num_registered = pages
 
@@ -411,6 +446,9 @@ cdef class SequenceHashes:
         other._set_chain(self.chain_array.copy())
         other.token_ids = np.asarray(self.token_ids).copy()
         other.num_hashed = self.num_hashed
+        other.num_hashable = self.num_hashable
+        other.block_ids = self.block_ids
+        other.pages_per_block = self.pages_per_block
         other.num_known = self.num_known
         other.num_registered = self.num_registered
         return other

@@ -430,3 +430,24 @@ def test_free_queue_keeps_lru_order_through_many_hits_on_free_pages():
         model.extend(reversed(held))  # released newest page first
         assert [int(p) for p in pool.free_pages()] == model
         cache.check_invariants()
+
+
+def test_block_keyed_hashes_are_the_documented_chain_over_many_pages():
+    """Block-keyed sequences hash lazily, a batch at a time, inside the match
+    and register loops; the chain must still be the documented one for every
+    page (50 pages: several batches past the lookahead)."""
+    cache = make(num_pages=64, page_size=4)
+    blocks = [11, 7, 11, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233]
+    num_tokens = 50 * 4 + 2
+    assert cache.add_sequence(0, block_hashes=blocks, block_tokens=16, num_prompt_tokens=num_tokens) == 0
+    cache.append([0], [num_tokens])
+    index = cache.prefix_index
+    table = cache.page_table([0])
+    parent = 0
+    for k in range(50):
+        data = struct.pack("<QQQQqii", parent & (2**64 - 1), parent >> 64, 0, 0, blocks[k // 4], k % 4, -1)
+        parent = xxhash.xxh3_128_intdigest(data)
+        assert index.page_hash(int(table.indices[k])) == parent, k
+    # A second request with the same blocks is served every full page but the last token's.
+    assert cache.add_sequence(1, block_hashes=blocks, block_tokens=16, num_prompt_tokens=num_tokens) == 200
+    cache.check_invariants()
