@@ -20,8 +20,8 @@ cimport numpy as cnp
 from libc.stdint cimport INT64_MAX
 from libc.stdlib cimport malloc, free
 from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t, NO_PAGE
-from pagedkv_c._pool cimport (PagePool, pkv_decref, pkv_drop_ref, pkv_incref, pkv_queue_push,
-                              pkv_set_ref)
+from pagedkv_c._pool cimport (PagePool, pkv_free_queue, pkv_decref, pkv_drop_ref, pkv_incref,
+                              pkv_prefetch_record, pkv_queue_push, pkv_set_ref)
 from pagedkv_c._prefix cimport pkv_index_is_cached, pkv_index_remove
 from pagedkv_c._checks cimport check_int
 
@@ -33,6 +33,8 @@ cnp.import_array()
 cdef int64_t NO_WINDOW = INT64_MAX
 # Initial ring capacity of a table without a window; it doubles as needed.
 cdef Py_ssize_t _INITIAL_RING = 8
+# Pages ahead whose allocator records drop_tail prefetches.
+cdef Py_ssize_t _RELEASE_PREFETCH_DISTANCE = 16
 
 
 cdef inline int64_t _ceil_div(int64_t a, int64_t b) noexcept nogil:
@@ -208,8 +210,12 @@ cdef class PageTable:
         The caller validated ``new_len`` (see min_truncate_len).
         """
         cdef int64_t keep = _ceil_div(new_len, self.page_size)
+        cdef pkv_free_queue* q = &self.pool.q
         while self.ring_count > 0 and self.ring_first + self.ring_count > keep:
-            pkv_decref(&self.pool.q, self.pop_newest())
+            if self.ring_count > _RELEASE_PREFETCH_DISTANCE:
+                # Released pages' records are scattered: load a few ahead.
+                pkv_prefetch_record(q, self.ring_page(self.ring_count - 1 - _RELEASE_PREFETCH_DISTANCE))
+            pkv_decref(q, self.pop_newest())
         while self.ring_count == 0 and self.sink_count > keep:
             pkv_decref(&self.pool.q, self.pop_newest())
         if self.ring_count == 0:

@@ -20,6 +20,7 @@ cdef extern from "page_pool.h":
     void pkv_queue_push(pkv_free_queue* q, int32_t page) noexcept nogil
     int32_t pkv_queue_pop(pkv_free_queue* q) noexcept nogil
     void pkv_queue_prefetch(const pkv_free_queue* q, int64_t ahead) noexcept nogil
+    void pkv_prefetch_record(const pkv_free_queue* q, int32_t page) noexcept nogil
     bint pkv_queue_contains(const pkv_free_queue* q, int32_t page) noexcept nogil
     int32_t pkv_ref(const pkv_free_queue* q, int32_t page) noexcept nogil
     void pkv_set_ref(pkv_free_queue* q, int32_t page, int32_t count) noexcept nogil

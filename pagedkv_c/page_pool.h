@@ -90,6 +90,12 @@ PKV_INLINE void pkv_queue_prefetch(const pkv_free_queue *q, int64_t ahead)
                            sizeof(pkv_page_record));
 }
 
+/* Start loading a page's record (for a ref count change soon after). */
+PKV_INLINE void pkv_prefetch_record(const pkv_free_queue *q, int32_t page)
+{
+    pkv_prefetch_write((const char *)&q->rec[page], sizeof(pkv_page_record));
+}
+
 PKV_INLINE int pkv_queue_contains(const pkv_free_queue *q, int32_t page)
 {
     return q->rec[page].qpos >= 0;
