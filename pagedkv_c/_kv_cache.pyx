@@ -532,8 +532,9 @@ cdef class KVCache:
                 hashes.num_known = prompt_len
                 hashes.extend_hashes(self._prefix.algorithm, self.page_size)
             else:
-                # Hashed lazily while matching and registering (see SequenceHashes).
-                hashes.set_external(blocks, per_block // self.page_size, prompt_len // self.page_size)
+                # Hashed lazily while matching and registering (see SequenceHashes), so
+                # keep a copy: the caller may reuse its array for the next request.
+                hashes.set_external(blocks.copy(), per_block // self.page_size, prompt_len // self.page_size)
         elif extra_key is not None:
             hash_salt(0, extra_key)  # same type check as with caching on
         table.hashes = hashes

@@ -451,3 +451,21 @@ def test_block_keyed_hashes_are_the_documented_chain_over_many_pages():
     # A second request with the same blocks is served every full page but the last token's.
     assert cache.add_sequence(1, block_hashes=blocks, block_tokens=16, num_prompt_tokens=num_tokens) == 200
     cache.check_invariants()
+
+
+def test_block_hashes_array_reused_by_the_caller_changes_nothing_stored():
+    """Block-keyed pages are hashed lazily; a caller that refills its block id
+    array for the next request must not change the first request's hashes."""
+    blocks = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], dtype=np.int64)
+    reference = make(num_pages=64, page_size=4)
+    reference.add_sequence(0, block_hashes=blocks.copy(), block_tokens=16, num_prompt_tokens=190)
+    reference.append([0], [190])
+    cache = make(num_pages=64, page_size=4)
+    buffer = blocks.copy()
+    cache.add_sequence(0, block_hashes=buffer, block_tokens=16, num_prompt_tokens=190)
+    buffer[:] = 99  # reused for another request before sequence 0's pages are registered
+    cache.append([0], [190])
+    want = [reference.prefix_index.page_hash(int(p)) for p in reference.page_table([0]).indices[:47]]
+    got = [cache.prefix_index.page_hash(int(p)) for p in cache.page_table([0]).indices[:47]]
+    assert got == want
+    assert cache.add_sequence(1, block_hashes=blocks, block_tokens=16, num_prompt_tokens=190) == 188
