@@ -21,7 +21,6 @@ cdef extern from "page_pool.h":
     int32_t pkv_queue_pop(pkv_free_queue* q) noexcept nogil
     void pkv_queue_prefetch(const pkv_free_queue* q, int64_t ahead) noexcept nogil
     void pkv_prefetch_record(const pkv_free_queue* q, int32_t page) noexcept nogil
-    bint pkv_queue_contains(const pkv_free_queue* q, int32_t page) noexcept nogil
     int32_t pkv_ref(const pkv_free_queue* q, int32_t page) noexcept nogil
     void pkv_set_ref(pkv_free_queue* q, int32_t page, int32_t count) noexcept nogil
     void pkv_incref(pkv_free_queue* q, int32_t page) noexcept nogil
@@ -53,17 +52,10 @@ cdef class PagePool:
     cdef uint32_t[::1] _seen_stamp    # shape (num_pages,)
     cdef uint32_t _stamp              # stamp of the current call, never 0
 
-    # C-level interface. Callers check capacity and page validity first.
-    cdef page_id_t pop_free(self) noexcept nogil
-    cdef void push_free(self, page_id_t page_id) noexcept nogil
-    cdef void remove_free(self, page_id_t page_id) noexcept nogil
-    cdef bint is_free_listed(self, page_id_t page_id) noexcept nogil
+    # C-level interface (single-page operations: the pkv_* functions on q above).
+    # Callers check capacity and page validity first.
     cdef void take(self, page_id_t* out, Py_ssize_t n) noexcept nogil
-    cdef void incref_one(self, page_id_t page_id) noexcept nogil
-    cdef void claim(self, page_id_t page_id) noexcept nogil
     cdef int32_t decref_one(self, page_id_t page_id) noexcept nogil
-    cdef int32_t drop_ref(self, page_id_t page_id) noexcept nogil
-    cdef int32_t get_ref(self, page_id_t page_id) noexcept nogil
     cdef bint ids_valid(self, const page_id_t* ids, Py_ssize_t n, bint forbid_duplicates) noexcept nogil
     cdef object _checked_ids(self, object page_ids, bint forbid_duplicates)
     cdef int _check_unowned(self, str method) except -1

@@ -8,7 +8,7 @@ other owners) reference it.
 import numpy as np
 
 cimport numpy as cnp
-from pagedkv_c._types cimport page_id_t, int32_t, NO_PAGE
+from pagedkv_c._types cimport page_id_t, int32_t
 from pagedkv_c._checks cimport check_int, as_int_array
 cdef extern from "prefetch.h":
     void pkv_prefetch_read(const char* p) noexcept nogil
@@ -115,28 +115,6 @@ cdef class PagePool:
     # Counters are updated as `self.x = self.x + 1`, not `self.x += 1`: with the
     # debug build's nonecheck on, Cython rejects in-place operators on attributes
     # in nogil code.
-    cdef page_id_t pop_free(self) noexcept nogil:
-        """Pop the head of the free queue (caller checked ``q.num_free > 0``).
-
-        A page that still held a cached prefix is evicted from the prefix
-        index: its content is about to be overwritten.
-        """
-        cdef page_id_t page_id = pkv_queue_pop(&self.q)
-        if self.prefix is not None and pkv_index_is_cached(&self.prefix.ix, page_id):
-            pkv_index_evict(&self.prefix.ix, page_id)
-        return page_id
-
-    cdef void push_free(self, page_id_t page_id) noexcept nogil:
-        """Append a page to the tail of the free queue (most recently freed)."""
-        pkv_queue_push(&self.q, page_id)
-
-    cdef void remove_free(self, page_id_t page_id) noexcept nogil:
-        """Unlink a page from anywhere in the free queue in O(1)."""
-        pkv_queue_remove(&self.q, page_id)
-
-    cdef bint is_free_listed(self, page_id_t page_id) noexcept nogil:
-        return pkv_queue_contains(&self.q, page_id)
-
     cdef void take(self, page_id_t* out, Py_ssize_t n) noexcept nogil:
         """Pop ``n`` pages into ``out`` with ref count 1 (caller checked capacity).
 
@@ -171,23 +149,9 @@ cdef class PagePool:
             if pkv_index_is_cached(ix, out[i]):
                 pkv_index_evict(ix, out[i])
 
-    cdef void incref_one(self, page_id_t page_id) noexcept nogil:
-        pkv_incref(&self.q, page_id)
-
-    cdef void claim(self, page_id_t page_id) noexcept nogil:
-        """Give ref count 1 to a page that is off the queue with ref count 0 (in-place reuse)."""
-        pkv_set_ref(&self.q, page_id, 1)
-
     cdef int32_t decref_one(self, page_id_t page_id) noexcept nogil:
         """Drop one reference; a page reaching 0 joins the free queue's tail."""
         return pkv_decref(&self.q, page_id)
-
-    cdef int32_t drop_ref(self, page_id_t page_id) noexcept nogil:
-        """Drop one reference without queueing the page (the caller reuses or queues it)."""
-        return pkv_drop_ref(&self.q, page_id)
-
-    cdef int32_t get_ref(self, page_id_t page_id) noexcept nogil:
-        return pkv_ref(&self.q, page_id)
 
     cdef bint ids_valid(self, const page_id_t* ids, Py_ssize_t n, bint forbid_duplicates) noexcept nogil:
         """Whether every id is in range and allocated (and, if asked, listed once)."""

@@ -60,11 +60,6 @@ cdef class PrefixIndex:
     cdef uint8_t[:] has_tokens           #   cached flag, 1 if tokens[page] holds its token ids
     cdef int32_t[:, ::1] tokens          # (num_pages, page_size) token ids, compared on every hit
 
-    # Single-page operations: see prefix_index.h, whose functions hot loops call directly.
-    cdef bint is_cached(self, page_id_t page_id) noexcept nogil
-    cdef page_id_t find(self, hash128 h) noexcept nogil
-    cdef bint insert(self, hash128 h, page_id_t page_id) noexcept nogil
-    cdef void remove(self, page_id_t page_id) noexcept nogil
     cdef bint tokens_match(self, page_id_t page_id, const int32_t* tokens) noexcept nogil
 
 

@@ -257,20 +257,6 @@ cdef class PrefixIndex:
         """Cached pages dropped because the allocator handed them out again (int, in pages)."""
         return self.ix.evictions
 
-    cdef bint is_cached(self, page_id_t page_id) noexcept nogil:
-        return pkv_index_is_cached(&self.ix, page_id)
-
-    cdef page_id_t find(self, hash128 h) noexcept nogil:
-        return pkv_index_find(&self.ix, h.lo, h.hi)
-
-    cdef bint insert(self, hash128 h, page_id_t page_id) noexcept nogil:
-        """Make ``page_id`` findable by ``h``; False (nothing done) if ``h`` is taken."""
-        return pkv_index_insert(&self.ix, h.lo, h.hi, page_id)
-
-    cdef void remove(self, page_id_t page_id) noexcept nogil:
-        """Make a cached page unfindable (its content is about to change or go)."""
-        pkv_index_remove(&self.ix, page_id)
-
     cdef bint tokens_match(self, page_id_t page_id, const int32_t* tokens) noexcept nogil:
         cdef Py_ssize_t t
         if not self.has_tokens[page_id]:
@@ -289,7 +275,7 @@ cdef class PrefixIndex:
         cdef int32_t p = <int32_t>page_id
         if p < 0 or p >= self.num_pages:
             raise ValueError(f"Invalid value of page_id: expected 0 <= page_id < {self.num_pages}, got {page_id}")
-        if not self.is_cached(p):
+        if not pkv_index_is_cached(&self.ix, p):
             return None
         return (int(self.ix.pages[p].hi) << 64) | int(self.ix.pages[p].lo)
 
@@ -315,7 +301,7 @@ cdef class PrefixIndex:
                 h.hi = self.ix.pages[page_id].hi
                 if <uint32_t>h.lo != self.ix.slots[i].lo32:
                     raise AssertionError(f"slot {i} of page {page_id} disagrees with the page's hash")
-                if self.find(h) != page_id:
+                if pkv_index_find(&self.ix, h.lo, h.hi) != page_id:
                     raise AssertionError(f"cached page {page_id} is not found by its hash")
         cached = int(np.count_nonzero(np.asarray(self.page_cached)))
         if count != self.ix.num_cached or count != cached:

@@ -96,11 +96,6 @@ PKV_INLINE void pkv_prefetch_record(const pkv_free_queue *q, int32_t page)
     pkv_prefetch_write((const char *)&q->rec[page], sizeof(pkv_page_record));
 }
 
-PKV_INLINE int pkv_queue_contains(const pkv_free_queue *q, int32_t page)
-{
-    return q->rec[page].qpos >= 0;
-}
-
 PKV_INLINE int32_t pkv_ref(const pkv_free_queue *q, int32_t page)
 {
     return q->rec[page].ref;
