@@ -315,13 +315,8 @@ cdef class KVCache:
         cdef int64_t k, m = 0, lead = 0, run = 0, low, first_window = num_sink_pages
         cdef page_id_t page_id
         cdef bint windowed = self._window is not None
-        cdef int algorithm = index.algorithm
         for k in range(servable):
-            if k + _PREFETCH_DISTANCE >= hashes.num_hashed:
-                hashes.hash_upto(algorithm, k + _PREFETCH_DISTANCE + _HASH_BATCH)
-            if k + _PREFETCH_DISTANCE < servable:
-                # The index outgrows the CPU caches: overlap the misses of the next lookups.
-                pkv_index_prefetch(&index.ix, hashes.chain[k + _PREFETCH_DISTANCE].lo)
+            _look_ahead(index, hashes, k, servable)
             page_id = pkv_index_find(&index.ix, hashes.chain[k].lo, hashes.chain[k].hi)
             if page_id != -1 and prompt != NULL and not index.tokens_match(page_id, prompt + k * ps):
                 page_id = -1  # a hash collision: never serve a page whose tokens differ
@@ -371,10 +366,7 @@ cdef class KVCache:
         cdef page_id_t page_id
         cdef Py_ssize_t t
         for k in range(hashes.num_registered, upto):
-            if k + _PREFETCH_DISTANCE >= hashes.num_hashed:
-                hashes.hash_upto(index.algorithm, k + _PREFETCH_DISTANCE + _HASH_BATCH)
-            if k + _PREFETCH_DISTANCE < upto:
-                pkv_index_prefetch(&index.ix, hashes.chain[k + _PREFETCH_DISTANCE].lo)
+            _look_ahead(index, hashes, k, upto)
             if k < table.num_sink_pages:
                 if k >= table.sink_count:
                     continue
@@ -1032,6 +1024,19 @@ cdef int _record_tokens(list tables, list first_positions, const int64_t* counts
                 if pos + 1 > hashes.num_known:
                     hashes.num_known = pos + 1
         offset += counts[b]
+    return 0
+
+
+cdef inline int _look_ahead(PrefixIndex index, SequenceHashes hashes, int64_t k, int64_t end) except -1:
+    """Before page ``k`` of a loop over pages ``< end``: make sure the hashes up to
+    ``_PREFETCH_DISTANCE`` pages ahead are computed (lazily hashed sequences), and
+    start loading the index slot of that page (the index outgrows the CPU caches:
+    this overlaps the misses of the next lookups)."""
+    cdef int64_t ahead = k + _PREFETCH_DISTANCE
+    if ahead >= hashes.num_hashed:
+        hashes.hash_upto(index.algorithm, ahead + _HASH_BATCH)
+    if ahead < end:
+        pkv_index_prefetch(&index.ix, hashes.chain[ahead].lo)
     return 0
 
 
