@@ -61,34 +61,32 @@ PKV_INLINE void pkv_index_prefetch_page(const pkv_index *ix, int32_t page)
     }
 }
 
-/* 1 if slot s holds the hash (lo, hi). */
-PKV_INLINE int pkv_index_slot_matches(const pkv_index *ix, const pkv_index_slot *s,
-                                      uint64_t lo, uint64_t hi)
+/* The slot holding the hash (lo, hi), or the empty slot that ends its probe
+ * run (where it would be inserted). */
+PKV_INLINE int64_t pkv_index_probe(const pkv_index *ix, uint64_t lo, uint64_t hi)
 {
-    return s->lo32 == (uint32_t)lo && ix->pages[s->page].lo == lo && ix->pages[s->page].hi == hi;
+    int64_t i = (int64_t)(lo & (uint64_t)ix->mask);
+    for (;;) {
+        const pkv_index_slot *s = &ix->slots[i];
+        if (s->page == -1 || (s->lo32 == (uint32_t)lo && ix->pages[s->page].lo == lo &&
+                              ix->pages[s->page].hi == hi))
+            return i;
+        i = (i + 1) & ix->mask;
+    }
 }
 
 /* The page cached under the hash (lo, hi), or -1. */
 PKV_INLINE int32_t pkv_index_find(const pkv_index *ix, uint64_t lo, uint64_t hi)
 {
-    int64_t i = (int64_t)(lo & (uint64_t)ix->mask);
-    while (ix->slots[i].page != -1) {
-        if (pkv_index_slot_matches(ix, &ix->slots[i], lo, hi))
-            return ix->slots[i].page;
-        i = (i + 1) & ix->mask;
-    }
-    return -1;
+    return ix->slots[pkv_index_probe(ix, lo, hi)].page;
 }
 
 /* Make an uncached page findable by (lo, hi); 0 (nothing done) if the hash is taken. */
 PKV_INLINE int pkv_index_insert(pkv_index *ix, uint64_t lo, uint64_t hi, int32_t page)
 {
-    int64_t i = (int64_t)(lo & (uint64_t)ix->mask);
-    while (ix->slots[i].page != -1) {
-        if (pkv_index_slot_matches(ix, &ix->slots[i], lo, hi))
-            return 0;
-        i = (i + 1) & ix->mask;
-    }
+    const int64_t i = pkv_index_probe(ix, lo, hi);
+    if (ix->slots[i].page != -1)
+        return 0;
     ix->slots[i].lo32 = (uint32_t)lo;
     ix->slots[i].page = page;
     ix->pages[page].lo = lo;
