@@ -146,8 +146,9 @@ cdef class KVCache:
         cached pages its prompt matches. See :meth:`add_sequence`. Needs
         ``num_pages <= 2**30``, and host memory per page of 32 to 64
         bytes of index table (8-byte slots, a power of two at least four
-        times the pages), a 32-byte record and 4 bytes per token for the
-        kept token ids.
+        times the pages) and 4 bytes per token for the kept token ids; a
+        page's hash and cached flag share the allocator's 32-byte page
+        record.
     prefix_hash : str
         Page hash with prefix caching: ``"xxh3_128"`` (default, fast) or
         ``"sha256"`` (collision resistant, for untrusted multi-tenant
@@ -244,7 +245,7 @@ cdef class KVCache:
         self._prefix_hits = 0
         if enable_prefix_caching:
             self._prefix = PrefixIndex(self.pool.num_pages, self.page_size, prefix_hash)
-            self.pool.prefix = self._prefix
+            self.pool.attach_prefix(self._prefix)
 
     # ------------------------------------------------------------ internals
     cdef object _table(self, object seq_id):

@@ -1,14 +1,11 @@
 # PagePool: free-list page allocator with per-page ref counts.
-from pagedkv_c._types cimport page_id_t, int32_t, int64_t
+from pagedkv_c._types cimport page_id_t, int32_t, int64_t, pkv_page_record
 from libc.stdint cimport uint32_t
 from pagedkv_c._prefix cimport PrefixIndex
 
 
 cdef extern from "page_pool.h":
     # The allocator's single-page operations, inlined by every module that loops over pages.
-    ctypedef struct pkv_page_record:
-        int64_t qpos                  # absolute position of the page's live queue entry, or -1
-        int32_t ref                   # ref count; 0 = free (queued)
     ctypedef struct pkv_free_queue:
         pkv_page_record* rec          # (num_pages,)
         int32_t* ring                 # (mask + 1,) page ids at ring[position & mask]
@@ -34,14 +31,14 @@ cdef class PagePool:
     # lazy deletion, and one 16-byte record per page [queue position, ref count].
     # q.num_free is the number of pages in the queue.
     cdef pkv_free_queue q
-    cdef object _records              # int64 array (num_pages, 2): q.rec
+    cdef object _records              # uint64 array (num_pages, 4): q.rec, one 32-byte pkv_page_record per row
     cdef object _ring                 # int32 array (capacity,): q.ring
     cdef int32_t[:] _ref_count        # shape (num_pages,): references per page, 0 = free (a view of _records)
     # Scratch for planning a batch before mutating: references a planned call
     # would drop per page. All zeros between calls.
     cdef int32_t[::1] _pending        # shape (num_pages,)
-    # Prefix cache over this pool, or None. A cached page handed out again by
-    # pop_free loses its hash (eviction).
+    # Prefix cache over this pool (set by attach_prefix; it shares q.rec), or
+    # None. A cached page handed out again by take loses its hash (eviction).
     cdef readonly PrefixIndex prefix
     # Name of the structure whose page tables own this pool's references
     # ("KVCache"), or None for a standalone pool. The public allocate, free
@@ -59,3 +56,4 @@ cdef class PagePool:
     cdef bint ids_valid(self, const page_id_t* ids, Py_ssize_t n, bint forbid_duplicates) noexcept nogil
     cdef object _checked_ids(self, object page_ids, bint forbid_duplicates)
     cdef int _check_unowned(self, str method) except -1
+    cdef int attach_prefix(self, PrefixIndex index) except -1

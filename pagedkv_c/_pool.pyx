@@ -8,7 +8,7 @@ other owners) reference it.
 import numpy as np
 
 cimport numpy as cnp
-from pagedkv_c._types cimport page_id_t, int32_t
+from pagedkv_c._types cimport page_id_t, int32_t, pkv_page_record
 from pagedkv_c._checks cimport check_int, as_int_array
 cdef extern from "prefetch.h":
     void pkv_prefetch_read(const char* p) noexcept nogil
@@ -49,7 +49,7 @@ cdef class PagePool:
     ValueError
         ``num_pages`` out of range.
     MemoryError
-        The per-page records (24 bytes per page, plus a ring of 8 to 16
+        The per-page records (40 bytes per page, plus a ring of 8 to 16
         bytes per page) cannot be allocated.
 
     Notes
@@ -65,8 +65,9 @@ cdef class PagePool:
     list; here the queue is a FIFO ring of page ids with lazy deletion (a
     page's record holds the position of its live entry), which lets
     allocation prefetch the pages it pops next instead of chasing links
-    (see ``page_pool.h``). Each page has one 16-byte record: queue position
-    and ref count.
+    (see ``page_pool.h``). Each page has one 32-byte record: queue position
+    and ref count, plus the hash and cached flag of a prefix index over the
+    pool (``page_record.h``).
 
     Every batch call is all-or-nothing: it validates everything first and
     raises before changing anything.
@@ -87,19 +88,19 @@ cdef class PagePool:
         while capacity < 2 * <Py_ssize_t>n:  # see page_pool.h: compaction stays rare
             capacity *= 2
         try:
-            self._records = np.zeros((n, 2), dtype=np.int64)
+            self._records = np.zeros((n, 4), dtype=np.uint64)  # one pkv_page_record per row
             self._ring = np.empty(capacity, dtype=np.int32)
             self._pending = np.zeros(n, dtype=np.int32)
             self._seen_stamp = np.zeros(n, dtype=np.uint32)
         except (ValueError, MemoryError) as exc:
             raise MemoryError(
                 f"Invalid value of num_pages: the allocator's records of {n} pages "
-                f"({24 * <object>n + 4 * capacity} bytes) cannot be allocated; use fewer pages"
+                f"({40 * <object>n + 4 * capacity} bytes) cannot be allocated; use fewer pages"
             ) from exc
         self.q.rec = <pkv_page_record*>cnp.PyArray_DATA(self._records)
         self.q.ring = <int32_t*>cnp.PyArray_DATA(self._ring)
         self.q.mask = capacity - 1
-        self._ref_count = self._records.view(np.int32)[:, 2]
+        self._ref_count = self._records.view(np.int32)[:, 6]
         cdef int32_t i
         # Pages 0, 1, ..., n-1 queued at positions 0 .. n-1.
         for i in range(n):
@@ -121,6 +122,7 @@ cdef class PagePool:
         Popped pages that still held a cached prefix are evicted from the
         prefix index in a second pass that prefetches the index slots of the
         pages a few places ahead (the index is larger than the CPU caches).
+        Popping prefetches the records of the pages it pops next.
         """
         cdef Py_ssize_t i
         cdef page_id_t page_id
@@ -133,21 +135,50 @@ cdef class PagePool:
             out[i] = page_id
         if self.prefix is None:
             return
-        # Two stages, as each slot address is found in a per-page record that
-        # may miss the caches too: the record 2 * D pages ahead, the slot D ahead.
+        # The pages' records (queue position, ref count and hash share one)
+        # were loaded by the pops; the index slots are prefetched D pages ahead.
         cdef pkv_index* ix = &self.prefix.ix
         cdef Py_ssize_t d = _EVICT_PREFETCH_DISTANCE
-        for i in range(min(n, 2 * d)):
-            pkv_prefetch_read(<const char*>&ix.pages[out[i]])
         for i in range(min(n, d)):
             pkv_index_prefetch_page(ix, out[i])
         for i in range(n):
-            if i + 2 * d < n:
-                pkv_prefetch_read(<const char*>&ix.pages[out[i + 2 * d]])
             if i + d < n:
                 pkv_index_prefetch_page(ix, out[i + d])
             if pkv_index_is_cached(ix, out[i]):
                 pkv_index_evict(ix, out[i])
+
+    cdef int attach_prefix(self, PrefixIndex index) except -1:
+        """Put a prefix index over this pool; the pool adopts the index's page records.
+
+        The allocator's and the index's fields of a page then share one
+        32-byte record (page_record.h), so evicting a page as it is handed
+        out, or taking a reference on a prefix hit, touches one cache line.
+        Called once, before any page holds a hash.
+
+        Raises
+        ------
+        ValueError
+            The index covers a different number of pages.
+        RuntimeError
+            The pool already has a prefix index.
+        """
+        if self.prefix is not None:
+            raise RuntimeError("the pool already has a prefix index")
+        if index.num_pages != self.num_pages:
+            raise ValueError(
+                f"Invalid value of index: expected a prefix index of {self.num_pages} pages, "
+                f"got {index.num_pages}"
+            )
+        cdef pkv_page_record* records = index.ix.pages
+        cdef int32_t i
+        for i in range(self.num_pages):
+            records[i].qpos = self.q.rec[i].qpos
+            records[i].ref = self.q.rec[i].ref
+        self._records = index.page_records
+        self.q.rec = records
+        self._ref_count = self._records.view(np.int32)[:, 6]
+        self.prefix = index
+        return 0
 
     cdef int32_t decref_one(self, page_id_t page_id) noexcept nogil:
         """Drop one reference; a page reaching 0 joins the free queue's tail."""

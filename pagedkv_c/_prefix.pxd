@@ -1,7 +1,7 @@
 # Prefix caching: chained 128-bit page hashes, the hash -> page index, and
 # the per-sequence hash chain.
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
-from pagedkv_c._types cimport page_id_t, int32_t, int64_t
+from pagedkv_c._types cimport page_id_t, int32_t, int64_t, pkv_page_record
 
 
 cdef struct hash128:
@@ -27,15 +27,10 @@ cdef extern from "prefix_index.h":
     ctypedef struct pkv_index_slot:
         uint32_t lo32                    # hash, low 32 bits (pick the home slot, filter matches)
         int32_t page                     # page id, or NO_PAGE for an empty slot
-    ctypedef struct pkv_index_page:
-        uint64_t lo                      # the page's hash while cached, low 64 bits
-        uint64_t hi                      #   and high 64 bits
-        int32_t cached                   # 1 while findable by its hash, else 0
-        uint8_t has_tokens               # 1: the page's token ids are kept for hit checks
     ctypedef struct pkv_index:
         pkv_index_slot* slots            # (mask + 1,)
         int64_t mask                     # capacity - 1
-        pkv_index_page* pages            # (num_pages,) per-page records
+        pkv_page_record* pages           # (num_pages,) per-page records, shared with the allocator
         int64_t num_cached               # pages in the index
         int64_t evictions                # cached pages dropped because the allocator reused them
     bint pkv_index_is_cached(const pkv_index* ix, int32_t page) noexcept nogil
@@ -56,7 +51,7 @@ cdef class PrefixIndex:
     # ix points into the arrays below, which own the per-page records.
     cdef pkv_index ix
     cdef object page_records             # uint64 array (num_pages, 4) holding ix.pages
-    cdef int32_t[:] page_cached          # (num_pages,) views of the record fields:
+    cdef uint8_t[:] page_cached          # (num_pages,) views of the record fields:
     cdef uint8_t[:] has_tokens           #   cached flag, 1 if tokens[page] holds its token ids
     cdef int32_t[:, ::1] tokens          # (num_pages, page_size) token ids, compared on every hit
 

@@ -147,19 +147,42 @@ cdef int hash_block_pages(int algorithm, hash128 parent, hash128 salt, const int
     first_page + num_pages - 1`` are hashed, chained on ``parent``.
     """
     cdef char buffer[48]
-    cdef Py_ssize_t i, g
-    cdef int32_t j
+    cdef Py_ssize_t i
+    cdef Py_ssize_t block = first_page // pages_per_block
+    cdef uint32_t j = <uint32_t>(first_page % pages_per_block)
+    # Bytes 40..47 (j, then the tag) are written as one uint64: a 4-byte store
+    # of j read back by the hash's 8-byte load would defeat store-to-load
+    # forwarding and stall every page (little-endian byte order, as above).
+    cdef uint64_t tag_high = (<uint64_t><uint32_t>_BLOCK_TAG) << 32
+    cdef uint64_t index_and_tag
     memcpy(buffer + 16, &salt, 16)
-    memcpy(buffer + 44, &_BLOCK_TAG, 4)
+    if algorithm == HASH_XXH3_128 and PKV_XXH3_IN_C:
+        # The common case in a loop of its own (no fallback call inside), so
+        # that the compiler keeps the salt's share of the hash out of the loop.
+        for i in range(num_pages):
+            memcpy(buffer, &parent, 16)
+            memcpy(buffer + 32, &block_ids[block], 8)
+            index_and_tag = tag_high | j
+            memcpy(buffer + 40, &index_and_tag, 8)
+            pkv_xxh3_128(buffer, 48, &parent.lo, &parent.hi)
+            out[i] = parent
+            j += 1
+            if j == pages_per_block:
+                j = 0
+                block += 1
+        return 0
     for i in range(num_pages):
-        g = first_page + i
-        j = <int32_t>(g % pages_per_block)
         memcpy(buffer, &parent, 16)
-        memcpy(buffer + 32, &block_ids[g // pages_per_block], 8)
-        memcpy(buffer + 40, &j, 4)
+        memcpy(buffer + 32, &block_ids[block], 8)
+        index_and_tag = tag_high | j
+        memcpy(buffer + 40, &index_and_tag, 8)
         if algorithm != HASH_XXH3_128 or not pkv_xxh3_128(buffer, 48, &parent.lo, &parent.hi):
             parent = _hash_bytes(algorithm, buffer, 48)
         out[i] = parent
+        j += 1
+        if j == pages_per_block:
+            j = 0
+            block += 1
     return 0
 
 
@@ -173,8 +196,9 @@ cdef class PrefixIndex:
     power-of-two capacity at least four times the pool (at most a quarter
     full: 32 to 64 bytes of table per page), one 8-byte slot per entry
     (the low 32 bits of the hash, which pick the home slot and filter
-    matches, and the page id; the full 128 bits are compared in a 32-byte
-    per-page record), and backward-shift deletion (no tombstones). The
+    matches, and the page id; the full 128 bits are compared in the
+    page's 32-byte record, which the pool's allocator shares), and
+    backward-shift deletion (no tombstones). The
     sparse table keeps probe runs short, which matters most for deletion:
     it scans to the end of the run and moves entries back. Removal finds
     a page's entry from its home slot (pages do not record their slot, so
@@ -216,7 +240,9 @@ cdef class PrefixIndex:
                 f"Invalid value of num_pages: prefix caching supports at most 2**30 pages, got {num_pages}"
             )
         try:
-            # One 32-byte pkv_index_page per row: lo, hi, then cached at byte 16, has_tokens at 20.
+            # One 32-byte pkv_page_record per row (page_record.h): lo, hi, the
+            # allocator's queue position and ref count, cached at byte 28,
+            # has_tokens at 29. The pool of a KVCache adopts these records.
             self.page_records = np.zeros((num_pages, 4), dtype=np.uint64)
             self.tokens = np.zeros((num_pages, page_size), dtype=np.int32)
         except (ValueError, MemoryError) as exc:
@@ -224,10 +250,10 @@ cdef class PrefixIndex:
                 f"Invalid value of num_pages: the prefix index of {num_pages} pages of {page_size} tokens "
                 f"cannot be allocated; use fewer pages"
             ) from exc
-        self.page_cached = self.page_records.view(np.int32)[:, 4]
-        self.has_tokens = self.page_records.view(np.uint8)[:, 20]
+        self.page_cached = self.page_records.view(np.uint8)[:, 28]
+        self.has_tokens = self.page_records.view(np.uint8)[:, 29]
         self.ix.mask = capacity - 1
-        self.ix.pages = <pkv_index_page*>cnp.PyArray_DATA(self.page_records)
+        self.ix.pages = <pkv_page_record*>cnp.PyArray_DATA(self.page_records)
         self.ix.num_cached = 0
         self.ix.evictions = 0
         self.ix.slots = <pkv_index_slot*>pkv_huge_alloc(capacity * sizeof(pkv_index_slot))

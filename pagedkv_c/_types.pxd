@@ -1,5 +1,5 @@
 # Scalar types and sentinels shared by every module of the core.
-from libc.stdint cimport int32_t, int64_t, uint8_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
 # Page ids are int32: FlashInfer's page-table arrays (indptr, indices,
 # last_page_len) are int32, so a wider id could not be exported without a copy.
@@ -19,3 +19,15 @@ cdef enum:
 # Padding slot in a slot mapping: the token is not stored (vLLM's convention).
 cdef enum:
     PAD_SLOT = -1
+
+
+cdef extern from "page_record.h":
+    # One 32-byte record per page, shared by the allocator's free queue and
+    # the prefix index (see page_record.h).
+    ctypedef struct pkv_page_record:
+        uint64_t lo                   # prefix index: hash while cached, low 64 bits
+        uint64_t hi                   #   and high 64 bits
+        int64_t qpos                  # allocator: absolute position of the live queue entry, or -1
+        int32_t ref                   # allocator: ref count; 0 = free (queued)
+        uint8_t cached                # prefix index: 1 while findable by its hash
+        uint8_t has_tokens            # prefix index: 1 when the token ids are kept for hit checks

@@ -4,9 +4,9 @@
  * be inlined). PagePool in _pool.pyx owns the memory.
  *
  * The free queue hands out the least recently freed page first. It is a
- * FIFO ring of page ids with lazy deletion: each page's 16-byte record holds
- * the absolute queue position of its live entry (-1 when the page is not
- * queued) next to its ref count. Taking a page out of the middle (a prefix
+ * FIFO ring of page ids with lazy deletion: each page's record (page_record.h)
+ * holds the absolute queue position of its live entry (-1 when the page is
+ * not queued) next to its ref count. Taking a page out of the middle (a prefix
  * cache hit on a free page) only clears that position, which leaves a stale
  * entry that popping skips; a linked list would instead write both
  * neighbours. Popping reads the ring in order, so the records of the next
@@ -18,14 +18,8 @@
 #ifndef PAGEDKV_PAGE_POOL_H
 #define PAGEDKV_PAGE_POOL_H
 #include <stdint.h>
+#include "page_record.h"
 #include "prefetch.h"
-
-typedef struct {
-    int64_t qpos;       /* absolute position of the page's live queue entry, or -1 */
-    int32_t ref;        /* ref count; 0 = free (queued) */
-    int32_t unused;
-} pkv_page_record;
-typedef char pkv_page_record_is_16_bytes[sizeof(pkv_page_record) == 16 ? 1 : -1];
 
 typedef struct {
     pkv_page_record *rec;   /* (num_pages,) */

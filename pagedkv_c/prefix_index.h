@@ -4,11 +4,13 @@
  * inlined). PrefixIndex in _prefix.pyx owns the memory and documents the
  * design: open addressing with linear probing over a power-of-two table at
  * most a quarter full, 8-byte slots, backward-shift deletion (no tombstones),
- * and a 32-byte per-page record holding the full hash.
+ * and the full hash in the page's record (page_record.h), which it shares
+ * with the allocator.
  */
 #ifndef PAGEDKV_PREFIX_INDEX_H
 #define PAGEDKV_PREFIX_INDEX_H
 #include <stdint.h>
+#include "page_record.h"
 #include "prefetch.h"
 
 /* A slot: 8 bytes, eight per cache line. The low 32 bits of the hash give
@@ -19,21 +21,10 @@ typedef struct {
     int32_t page;     /* page id, or -1 for an empty slot */
 } pkv_index_slot;
 
-/* Per-page record, 32 bytes (a row of four uint64 in the owning NumPy
- * array): what a page operation needs shares one cache line. */
-typedef struct {
-    uint64_t lo;            /* the page's hash while cached, low 64 bits */
-    uint64_t hi;            /* and high 64 bits */
-    int32_t cached;         /* 1 while the page is findable by its hash, else 0 */
-    uint8_t has_tokens;     /* 1: the page's token ids are kept for hit checks */
-    uint8_t unused[11];
-} pkv_index_page;
-typedef char pkv_index_page_is_32_bytes[sizeof(pkv_index_page) == 32 ? 1 : -1];
-
 typedef struct {
     pkv_index_slot *slots;  /* (mask + 1,) */
     int64_t mask;           /* capacity - 1 */
-    pkv_index_page *pages;  /* (num_pages,) */
+    pkv_page_record *pages; /* (num_pages,) the pool's records (hash, cached flag) */
     int64_t num_cached;     /* pages in the index */
     int64_t evictions;      /* cached pages dropped because the allocator reused them */
 } pkv_index;

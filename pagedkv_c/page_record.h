@@ -1,0 +1,24 @@
+/* The per-page record shared by the allocator (page_pool.h) and the prefix
+ * index (prefix_index.h): 32 bytes, so a page's queue position, ref count,
+ * hash and cached flag share one cache line. Allocating a page that still
+ * holds a cached prefix reads its queue position and then its hash to evict
+ * it, and a prefix hit compares the hash and then takes a reference: with
+ * one record per page, each costs one cache miss instead of two. A pool
+ * without a prefix index leaves the hash fields unused.
+ */
+#ifndef PAGEDKV_PAGE_RECORD_H
+#define PAGEDKV_PAGE_RECORD_H
+#include <stdint.h>
+
+typedef struct {
+    uint64_t lo;            /* prefix index: the page's hash while cached, low 64 bits */
+    uint64_t hi;            /*   and high 64 bits */
+    int64_t qpos;           /* allocator: absolute position of the page's live queue entry, or -1 */
+    int32_t ref;            /* allocator: ref count; 0 = free (queued) */
+    uint8_t cached;         /* prefix index: 1 while the page is findable by its hash, else 0 */
+    uint8_t has_tokens;     /* prefix index: 1 when the page's token ids are kept for hit checks */
+    uint8_t unused[2];
+} pkv_page_record;
+typedef char pkv_page_record_is_32_bytes[sizeof(pkv_page_record) == 32 ? 1 : -1];
+
+#endif
