@@ -22,7 +22,7 @@ _INT32_MAX = 2**31 - 2
 # Pages ahead whose prefix-index slots take() prefetches while evicting.
 cdef Py_ssize_t _EVICT_PREFETCH_DISTANCE = 16
 # Queue entries ahead whose page records take() prefetches while popping.
-cdef Py_ssize_t _POP_PREFETCH_DISTANCE = 16
+cdef Py_ssize_t _POP_PREFETCH_DISTANCE = 48
 
 
 class OutOfPagesError(MemoryError):
