@@ -7,12 +7,14 @@ from pagedkv_c._prefix cimport PrefixIndex
 cdef extern from "page_pool.h":
     # The allocator's single-page operations, inlined by every module that loops over pages.
     ctypedef struct pkv_free_queue:
-        pkv_page_record* rec          # (num_pages,)
+        char* rec                     # (num_pages,) records, 1 << rec_shift bytes apart
+        int64_t rec_shift
         int32_t* ring                 # (mask + 1,) page ids at ring[position & mask]
         int64_t mask                  # ring capacity - 1
         int64_t head                  # absolute positions: entries live in [head, tail)
         int64_t tail
         int32_t num_free              # pages in the queue
+    pkv_page_record* pkv_rec(const pkv_free_queue* q, int32_t page) noexcept nogil
     void pkv_queue_remove(pkv_free_queue* q, int32_t page) noexcept nogil
     void pkv_queue_push(pkv_free_queue* q, int32_t page) noexcept nogil
     int32_t pkv_queue_pop(pkv_free_queue* q) noexcept nogil
@@ -31,7 +33,8 @@ cdef class PagePool:
     # lazy deletion, and one 16-byte record per page [queue position, ref count].
     # q.num_free is the number of pages in the queue.
     cdef pkv_free_queue q
-    cdef object _records              # uint64 array (num_pages, 4): q.rec, one 32-byte pkv_page_record per row
+    cdef object _records              # q.rec: int64 (num_pages, 2) allocator records, or the
+                                      # prefix index's uint64 (num_pages, 4) shared records
     cdef object _ring                 # int32 array (capacity,): q.ring
     cdef int32_t[:] _ref_count        # shape (num_pages,): references per page, 0 = free (a view of _records)
     # Scratch for planning a batch before mutating: references a planned call

@@ -8,7 +8,8 @@ other owners) reference it.
 import numpy as np
 
 cimport numpy as cnp
-from pagedkv_c._types cimport page_id_t, int32_t, pkv_page_record
+from pagedkv_c._types cimport (page_id_t, int32_t, pkv_page_record, PKV_ALLOCATOR_RECORD_SHIFT,
+                               PKV_SHARED_RECORD_SHIFT)
 from pagedkv_c._checks cimport check_int, as_int_array
 cdef extern from "prefetch.h":
     void pkv_prefetch_read(const char* p) noexcept nogil
@@ -49,7 +50,7 @@ cdef class PagePool:
     ValueError
         ``num_pages`` out of range.
     MemoryError
-        The per-page records (40 bytes per page, plus a ring of 8 to 16
+        The per-page records (24 bytes per page, plus a ring of 8 to 16
         bytes per page) cannot be allocated.
 
     Notes
@@ -65,9 +66,9 @@ cdef class PagePool:
     list; here the queue is a FIFO ring of page ids with lazy deletion (a
     page's record holds the position of its live entry), which lets
     allocation prefetch the pages it pops next instead of chasing links
-    (see ``page_pool.h``). Each page has one 32-byte record: queue position
-    and ref count, plus the hash and cached flag of a prefix index over the
-    pool (``page_record.h``).
+    (see ``page_pool.h``). Each page has one 16-byte record: queue position
+    and ref count. A prefix index over the pool extends every record to 32
+    bytes with the page's hash and cached flag (``page_record.h``).
 
     Every batch call is all-or-nothing: it validates everything first and
     raises before changing anything.
@@ -88,24 +89,26 @@ cdef class PagePool:
         while capacity < 2 * <Py_ssize_t>n:  # see page_pool.h: compaction stays rare
             capacity *= 2
         try:
-            self._records = np.zeros((n, 4), dtype=np.uint64)  # one pkv_page_record per row
+            # The allocator's 16 bytes of a pkv_page_record per row (page_record.h).
+            self._records = np.zeros((n, 2), dtype=np.int64)
             self._ring = np.empty(capacity, dtype=np.int32)
             self._pending = np.zeros(n, dtype=np.int32)
             self._seen_stamp = np.zeros(n, dtype=np.uint32)
         except (ValueError, MemoryError) as exc:
             raise MemoryError(
                 f"Invalid value of num_pages: the allocator's records of {n} pages "
-                f"({40 * <object>n + 4 * capacity} bytes) cannot be allocated; use fewer pages"
+                f"({24 * <object>n + 4 * capacity} bytes) cannot be allocated; use fewer pages"
             ) from exc
-        self.q.rec = <pkv_page_record*>cnp.PyArray_DATA(self._records)
+        self.q.rec = <char*>cnp.PyArray_DATA(self._records)
+        self.q.rec_shift = PKV_ALLOCATOR_RECORD_SHIFT
         self.q.ring = <int32_t*>cnp.PyArray_DATA(self._ring)
         self.q.mask = capacity - 1
-        self._ref_count = self._records.view(np.int32)[:, 6]
+        self._ref_count = self._records.view(np.int32)[:, 2]
         cdef int32_t i
         # Pages 0, 1, ..., n-1 queued at positions 0 .. n-1.
         for i in range(n):
             self.q.ring[i] = i
-            self.q.rec[i].qpos = i
+            pkv_rec(&self.q, i).qpos = i
         self.q.head = 0
         self.q.tail = n
         self.q.num_free = n
@@ -172,11 +175,12 @@ cdef class PagePool:
         cdef pkv_page_record* records = index.ix.pages
         cdef int32_t i
         for i in range(self.num_pages):
-            records[i].qpos = self.q.rec[i].qpos
-            records[i].ref = self.q.rec[i].ref
+            records[i].qpos = pkv_rec(&self.q, i).qpos
+            records[i].ref = pkv_rec(&self.q, i).ref
         self._records = index.page_records
-        self.q.rec = records
-        self._ref_count = self._records.view(np.int32)[:, 6]
+        self.q.rec = <char*>records
+        self.q.rec_shift = PKV_SHARED_RECORD_SHIFT
+        self._ref_count = self._records.view(np.int32)[:, 2]
         self.prefix = index
         return 0
 
@@ -366,7 +370,7 @@ cdef class PagePool:
         cdef Py_ssize_t i = 0
         for a in range(self.q.head, self.q.tail):
             page_id = self.q.ring[a & self.q.mask]
-            if self.q.rec[page_id].qpos == a and i < self.q.num_free:
+            if pkv_rec(&self.q, page_id).qpos == a and i < self.q.num_free:
                 view[i] = page_id
                 i += 1
         return out
@@ -390,7 +394,7 @@ cdef class PagePool:
             page_id = self.q.ring[a & self.q.mask]
             if page_id < 0 or page_id >= n:
                 raise AssertionError(f"free queue holds invalid page id {page_id}")
-            if self.q.rec[page_id].qpos == a:
+            if pkv_rec(&self.q, page_id).qpos == a:
                 if seen[page_id]:
                     raise AssertionError(f"page {page_id} is in the free queue twice")
                 seen[page_id] = 1
@@ -399,7 +403,7 @@ cdef class PagePool:
             raise AssertionError(f"free queue holds {live} pages but num_free is {self.q.num_free}")
         cdef int32_t p
         for p in range(n):
-            qpos = self.q.rec[p].qpos
+            qpos = pkv_rec(&self.q, p).qpos
             if self._ref_count[p] < 0:
                 raise AssertionError(f"page {p} has negative ref count {self._ref_count[p]}")
             if self._ref_count[p] == 0 and not seen[p]:

@@ -186,6 +186,18 @@ cdef int hash_block_pages(int algorithm, hash128 parent, hash128 salt, const int
     return 0
 
 
+def _zeros_line_aligned(Py_ssize_t rows, Py_ssize_t cols):
+    """Zeroed uint64 array (rows, cols) starting on a 64-byte boundary.
+
+    NumPy guarantees only 16-byte alignment; 32-byte records on such a base
+    would straddle two cache lines every other page.
+    """
+    raw = np.zeros(rows * cols + 8, dtype=np.uint64)
+    cdef size_t misalignment = (<size_t>cnp.PyArray_DATA(raw)) % 64  # a multiple of 8
+    cdef Py_ssize_t skip = <Py_ssize_t>((64 - misalignment) % 64) // 8
+    return raw[skip:skip + rows * cols].reshape(rows, cols)
+
+
 cdef class PrefixIndex:
     """Hash -> page index of the cached full pages of one pool.
 
@@ -240,18 +252,18 @@ cdef class PrefixIndex:
                 f"Invalid value of num_pages: prefix caching supports at most 2**30 pages, got {num_pages}"
             )
         try:
-            # One 32-byte pkv_page_record per row (page_record.h): lo, hi, the
-            # allocator's queue position and ref count, cached at byte 28,
-            # has_tokens at 29. The pool of a KVCache adopts these records.
-            self.page_records = np.zeros((num_pages, 4), dtype=np.uint64)
+            # One 32-byte pkv_page_record per row (page_record.h): the allocator's
+            # queue position and ref count, cached at byte 12, has_tokens at 13,
+            # then lo, hi. The pool of a KVCache adopts these records.
+            self.page_records = _zeros_line_aligned(num_pages, 4)
             self.tokens = np.zeros((num_pages, page_size), dtype=np.int32)
         except (ValueError, MemoryError) as exc:
             raise MemoryError(
                 f"Invalid value of num_pages: the prefix index of {num_pages} pages of {page_size} tokens "
                 f"cannot be allocated; use fewer pages"
             ) from exc
-        self.page_cached = self.page_records.view(np.uint8)[:, 28]
-        self.has_tokens = self.page_records.view(np.uint8)[:, 29]
+        self.page_cached = self.page_records.view(np.uint8)[:, 12]
+        self.has_tokens = self.page_records.view(np.uint8)[:, 13]
         self.ix.mask = capacity - 1
         self.ix.pages = <pkv_page_record*>cnp.PyArray_DATA(self.page_records)
         self.ix.num_cached = 0

@@ -23,11 +23,15 @@ cdef enum:
 
 cdef extern from "page_record.h":
     # One 32-byte record per page, shared by the allocator's free queue and
-    # the prefix index (see page_record.h).
+    # the prefix index; a pool without an index keeps only the allocator's
+    # first 16 bytes (see page_record.h).
     ctypedef struct pkv_page_record:
-        uint64_t lo                   # prefix index: hash while cached, low 64 bits
-        uint64_t hi                   #   and high 64 bits
         int64_t qpos                  # allocator: absolute position of the live queue entry, or -1
         int32_t ref                   # allocator: ref count; 0 = free (queued)
         uint8_t cached                # prefix index: 1 while findable by its hash
         uint8_t has_tokens            # prefix index: 1 when the token ids are kept for hit checks
+        uint64_t lo                   # prefix index: hash while cached, low 64 bits
+        uint64_t hi                   #   and high 64 bits
+    # log2 of the record stride: the allocator's 16 bytes alone, or the whole record.
+    int PKV_ALLOCATOR_RECORD_SHIFT
+    int PKV_SHARED_RECORD_SHIFT

@@ -22,12 +22,19 @@
 #include "prefetch.h"
 
 typedef struct {
-    pkv_page_record *rec;   /* (num_pages,) */
+    char *rec;              /* (num_pages,) records, 1 << rec_shift bytes apart (see page_record.h) */
+    int64_t rec_shift;
     int32_t *ring;          /* (mask + 1,) page ids at ring[position & mask] */
     int64_t mask;           /* ring capacity - 1, capacity a power of two >= 2 * num_pages */
     int64_t head, tail;     /* absolute positions: entries live in [head, tail) */
     int32_t num_free;       /* pages in the queue (live entries) */
 } pkv_free_queue;
+
+/* The record of a page (only the allocator's fields are valid without a prefix index). */
+PKV_INLINE pkv_page_record *pkv_rec(const pkv_free_queue *q, int32_t page)
+{
+    return (pkv_page_record *)(q->rec + ((int64_t)page << q->rec_shift));
+}
 
 /* Keep the live entries of [head, tail) in order, dropping stale ones. */
 static inline void pkv_queue_compact(pkv_free_queue *q)
@@ -35,9 +42,9 @@ static inline void pkv_queue_compact(pkv_free_queue *q)
     int64_t a, k = q->head;
     for (a = q->head; a < q->tail; a++) {
         const int32_t page = q->ring[a & q->mask];
-        if (q->rec[page].qpos == a) {
+        if (pkv_rec(q, page)->qpos == a) {
             q->ring[k & q->mask] = page; /* k <= a: never overwrites an unread entry */
-            q->rec[page].qpos = k;
+            pkv_rec(q, page)->qpos = k;
             k++;
         }
     }
@@ -47,7 +54,7 @@ static inline void pkv_queue_compact(pkv_free_queue *q)
 /* Take a queued page out of the queue in O(1) (its entry becomes stale). */
 PKV_INLINE void pkv_queue_remove(pkv_free_queue *q, int32_t page)
 {
-    q->rec[page].qpos = -1;
+    pkv_rec(q, page)->qpos = -1;
     q->num_free--;
 }
 
@@ -57,7 +64,7 @@ PKV_INLINE void pkv_queue_push(pkv_free_queue *q, int32_t page)
     if (q->tail - q->head > q->mask)
         pkv_queue_compact(q);
     q->ring[q->tail & q->mask] = page;
-    q->rec[page].qpos = q->tail;
+    pkv_rec(q, page)->qpos = q->tail;
     q->tail++;
     q->num_free++;
 }
@@ -68,8 +75,8 @@ PKV_INLINE int32_t pkv_queue_pop(pkv_free_queue *q)
     for (;;) {
         const int64_t a = q->head++;
         const int32_t page = q->ring[a & q->mask];
-        if (q->rec[page].qpos == a) {
-            q->rec[page].qpos = -1;
+        if (pkv_rec(q, page)->qpos == a) {
+            pkv_rec(q, page)->qpos = -1;
             q->num_free--;
             return page;
         }
@@ -80,35 +87,35 @@ PKV_INLINE int32_t pkv_queue_pop(pkv_free_queue *q)
 PKV_INLINE void pkv_queue_prefetch(const pkv_free_queue *q, int64_t ahead)
 {
     if (q->head + ahead < q->tail)
-        pkv_prefetch_write((const char *)&q->rec[q->ring[(q->head + ahead) & q->mask]],
-                           sizeof(pkv_page_record));
+        pkv_prefetch_write((const char *)pkv_rec(q, q->ring[(q->head + ahead) & q->mask]),
+                           (size_t)1 << q->rec_shift);
 }
 
 /* Start loading a page's record (for a ref count change soon after). */
 PKV_INLINE void pkv_prefetch_record(const pkv_free_queue *q, int32_t page)
 {
-    pkv_prefetch_write((const char *)&q->rec[page], sizeof(pkv_page_record));
+    pkv_prefetch_write((const char *)pkv_rec(q, page), (size_t)1 << q->rec_shift);
 }
 
 PKV_INLINE int32_t pkv_ref(const pkv_free_queue *q, int32_t page)
 {
-    return q->rec[page].ref;
+    return pkv_rec(q, page)->ref;
 }
 
 PKV_INLINE void pkv_set_ref(pkv_free_queue *q, int32_t page, int32_t count)
 {
-    q->rec[page].ref = count;
+    pkv_rec(q, page)->ref = count;
 }
 
 PKV_INLINE void pkv_incref(pkv_free_queue *q, int32_t page)
 {
-    q->rec[page].ref++;
+    pkv_rec(q, page)->ref++;
 }
 
 /* Drop one reference without queueing the page; returns the new count. */
 PKV_INLINE int32_t pkv_drop_ref(pkv_free_queue *q, int32_t page)
 {
-    return --q->rec[page].ref;
+    return --pkv_rec(q, page)->ref;
 }
 
 /* Drop one reference; a page reaching 0 joins the queue's tail. */

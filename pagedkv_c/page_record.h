@@ -3,22 +3,29 @@
  * hash and cached flag share one cache line. Allocating a page that still
  * holds a cached prefix reads its queue position and then its hash to evict
  * it, and a prefix hit compares the hash and then takes a reference: with
- * one record per page, each costs one cache miss instead of two. A pool
- * without a prefix index leaves the hash fields unused.
+ * one record per page, each costs one cache miss instead of two.
+ *
+ * The allocator uses only the first 16 bytes. A pool without a prefix index
+ * keeps 16-byte records (the allocator addresses records with a stride of
+ * 1 << rec_shift bytes), so its pages take half the memory and cache lines.
  */
 #ifndef PAGEDKV_PAGE_RECORD_H
 #define PAGEDKV_PAGE_RECORD_H
 #include <stdint.h>
 
 typedef struct {
-    uint64_t lo;            /* prefix index: the page's hash while cached, low 64 bits */
-    uint64_t hi;            /*   and high 64 bits */
     int64_t qpos;           /* allocator: absolute position of the page's live queue entry, or -1 */
     int32_t ref;            /* allocator: ref count; 0 = free (queued) */
     uint8_t cached;         /* prefix index: 1 while the page is findable by its hash, else 0 */
     uint8_t has_tokens;     /* prefix index: 1 when the page's token ids are kept for hit checks */
     uint8_t unused[2];
+    uint64_t lo;            /* prefix index: the page's hash while cached, low 64 bits */
+    uint64_t hi;            /*   and high 64 bits */
 } pkv_page_record;
 typedef char pkv_page_record_is_32_bytes[sizeof(pkv_page_record) == 32 ? 1 : -1];
+
+/* Bytes of a record that the allocator alone uses (the stride without a prefix index). */
+#define PKV_ALLOCATOR_RECORD_SHIFT 4
+#define PKV_SHARED_RECORD_SHIFT 5
 
 #endif
