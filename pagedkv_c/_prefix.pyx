@@ -155,28 +155,14 @@ cdef int hash_block_pages(int algorithm, hash128 parent, hash128 salt, const int
     # forwarding and stall every page (little-endian byte order, as above).
     cdef uint64_t tag_high = (<uint64_t><uint32_t>_BLOCK_TAG) << 32
     cdef uint64_t index_and_tag
+    cdef bint fast = algorithm == HASH_XXH3_128
     memcpy(buffer + 16, &salt, 16)
-    if algorithm == HASH_XXH3_128 and PKV_XXH3_IN_C:
-        # The common case in a loop of its own (no fallback call inside), so
-        # that the compiler keeps the salt's share of the hash out of the loop.
-        for i in range(num_pages):
-            memcpy(buffer, &parent, 16)
-            memcpy(buffer + 32, &block_ids[block], 8)
-            index_and_tag = tag_high | j
-            memcpy(buffer + 40, &index_and_tag, 8)
-            pkv_xxh3_128(buffer, 48, &parent.lo, &parent.hi)
-            out[i] = parent
-            j += 1
-            if j == pages_per_block:
-                j = 0
-                block += 1
-        return 0
     for i in range(num_pages):
         memcpy(buffer, &parent, 16)
         memcpy(buffer + 32, &block_ids[block], 8)
         index_and_tag = tag_high | j
         memcpy(buffer + 40, &index_and_tag, 8)
-        if algorithm != HASH_XXH3_128 or not pkv_xxh3_128(buffer, 48, &parent.lo, &parent.hi):
+        if not (fast and pkv_xxh3_128(buffer, 48, &parent.lo, &parent.hi)):
             parent = _hash_bytes(algorithm, buffer, 48)
         out[i] = parent
         j += 1
