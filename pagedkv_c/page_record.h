@@ -24,7 +24,8 @@ typedef struct {
 } pkv_page_record;
 typedef char pkv_page_record_is_32_bytes[sizeof(pkv_page_record) == 32 ? 1 : -1];
 
-/* Bytes of a record that the allocator alone uses (the stride without a prefix index). */
+/* log2 of the record stride: 16 bytes (the allocator's fields alone, a pool
+ * without a prefix index) or 32 (the whole record, shared with an index). */
 #define PKV_ALLOCATOR_RECORD_SHIFT 4
 #define PKV_SHARED_RECORD_SHIFT 5
 
