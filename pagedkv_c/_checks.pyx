@@ -113,6 +113,13 @@ cdef object as_int_array(object values, str name, object dtype):
             raise TypeError(f"Invalid type of {name}: expected a 1-D sequence of integers, got {type(values).__name__}") from exc
         if arr.size == 0:
             arr = arr.astype(dtype)
+        elif arr.ndim == 1 and arr.dtype.kind in "fO":
+            items = list(values)
+            if all(isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)) for v in items):
+                # Python ints beyond int64, which NumPy turned into floats or
+                # objects: a range error, not a dtype one.
+                _check_range(items, name, dtype)
+                arr = np.asarray(items, dtype=dtype)
     if arr.ndim == 0 and not isinstance(values, (np.ndarray, np.generic, numbers.Number)):  # None, a string
         raise TypeError(f"Invalid type of {name}: expected a 1-D sequence of integers, got {type(values).__name__}")
     if arr.ndim != 1:
@@ -120,14 +127,20 @@ cdef object as_int_array(object values, str name, object dtype):
     if arr.dtype.kind not in "iu":
         raise TypeError(f"Invalid dtype of {name}: expected integers, got {arr.dtype}")
     if arr.size:
-        info = np.iinfo(dtype)
-        lo = int(arr.min())
-        hi = int(arr.max())
-        if lo < info.min or hi > info.max:
-            raise ValueError(
-                f"Invalid value of {name}: expected values in [{info.min}, {info.max}], got range [{lo}, {hi}]"
-            )
+        _check_range([arr.min(), arr.max()], name, dtype)
     return np.ascontiguousarray(arr, dtype=dtype)
+
+
+cdef int _check_range(object values, str name, object dtype) except -1:
+    """Raise ValueError naming ``name`` unless every integer in ``values`` fits ``dtype``."""
+    info = np.iinfo(dtype)
+    lo = int(min(values))
+    hi = int(max(values))
+    if lo < info.min or hi > info.max:
+        raise ValueError(
+            f"Invalid value of {name}: expected values in [{info.min}, {info.max}], got range [{lo}, {hi}]"
+        )
+    return 0
 
 
 cdef object check_float_array(object arr, str name, tuple shape, object pool_dtype):

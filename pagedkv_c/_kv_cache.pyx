@@ -442,15 +442,22 @@ cdef class KVCache:
             The prompt. With prefix caching the sequence starts on the
             longest run of cached full pages that match it and remembers the
             prompt, so that its remaining full pages become cached as they
-            fill (append them without ``token_ids``).
+            fill (append them without ``token_ids``). Without a prompt (or
+            block ids) the sequence starts empty, and pages that tokens
+            appended with ``token_ids`` fill become cached.
         extra_key : str, bytes, int or None
             Per-request salt (e.g. a tenant id): pages only match requests
-            with the same salt.
+            with the same salt. Types are kept apart: ``1``, ``"1"`` and
+            ``b"1"`` are three salts (NumPy integers count as ints).
         block_hashes : sequence of int, shape ``[num_blocks]``, optional
             Instead of tokens: external hash ids, one per ``block_tokens``
             tokens of the prompt, prefix-chained (equal ids = equal content
             given equal earlier ids), as in the Mooncake trace. Page ``j`` of
-            a block is keyed by (block id, j), chained like token pages.
+            a block is keyed by (block id, j), chained like token pages, so
+            an id must name the same tokens, under the same ``block_tokens``,
+            wherever it appears. int64 or uint64 ids (a uint64 id and the
+            int64 id with the same 64 bits are the same block); ids past the
+            blocks that ``num_prompt_tokens`` covers are ignored.
         block_tokens : int
             Tokens per external block, a multiple of ``page_size``.
         num_prompt_tokens : int
@@ -502,11 +509,13 @@ cdef class KVCache:
         if block_hashes is None and (block_tokens is not None or num_prompt_tokens is not None):
             name = "block_tokens" if block_tokens is not None else "num_prompt_tokens"
             raise ValueError(f"Invalid value of {name}: it describes block_hashes, which were not given")
+        if prompt_token_ids is None and block_hashes is None and self._prefix is not None:
+            prompt_token_ids = ()  # an empty prompt: token ids given to append still get cached
         if prompt_token_ids is not None:
             prompt = as_int_array(prompt_token_ids, "prompt_token_ids", np.int32)
             prompt_len = prompt.shape[0]
         elif block_hashes is not None:
-            blocks = as_int_array(block_hashes, "block_hashes", np.int64)
+            blocks = _block_ids(block_hashes)
             if block_tokens is None or num_prompt_tokens is None:
                 raise ValueError("Invalid value of block_tokens: block_hashes needs block_tokens and num_prompt_tokens")
             per_block = check_int(block_tokens, "block_tokens", 1, 2**31 - 1)
@@ -1026,6 +1035,19 @@ cdef int _record_tokens(list tables, list first_positions, const int64_t* counts
                     hashes.num_known = pos + 1
         offset += counts[b]
     return 0
+
+
+cdef object _block_ids(object block_hashes):
+    """``block_hashes`` as a C-contiguous int64 array; uint64 ids keep their 64 bits."""
+    cdef object arr = block_hashes
+    if not isinstance(arr, np.ndarray):
+        try:
+            arr = np.asarray(block_hashes)
+        except (TypeError, ValueError):
+            arr = None
+    if arr is not None and arr.dtype == np.uint64 and arr.ndim == 1:
+        return np.ascontiguousarray(arr).view(np.int64)
+    return as_int_array(block_hashes, "block_hashes", np.int64)
 
 
 cdef inline int _look_ahead(PrefixIndex index, SequenceHashes hashes, int64_t k, int64_t end) except -1:

@@ -438,7 +438,7 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
             pending[table.page_at(table.num_logical() - 1)] = 0
     if needed > available:
         raise OutOfPagesError(
-            f"cannot append: the call needs {needed} new pages but only {available} of "
+            f"cannot append: the call needs {needed} new page{'s' if needed != 1 else ''} but only {available} of "
             f"{pool.num_pages} are free, counting the {available - pool.q.num_free} that its "
             f"own window releases would free"
         )

@@ -30,6 +30,7 @@ Pages keyed by external block ids carry no tokens, so for those the 128-bit
 hash is the guard.
 """
 import hashlib
+import numbers
 
 import numpy as np
 
@@ -89,7 +90,10 @@ cdef hash128 _hash_bytes(int algorithm, const char* data, Py_ssize_t length) exc
 
 
 cdef hash128 hash_salt(int algorithm, object extra_key) except *:
-    """Digest of a request's salt: None -> zeros; str, bytes or int -> H(tagged bytes)."""
+    """Digest of a request's salt: None -> zeros; str, bytes or int -> H(tagged bytes).
+
+    The tag keeps types apart: 1, "1" and b"1" are three different salts.
+    """
     cdef hash128 h
     if extra_key is None:
         h.lo = 0
@@ -99,8 +103,8 @@ cdef hash128 hash_salt(int algorithm, object extra_key) except *:
         raw = b"s" + extra_key.encode("utf-8")
     elif isinstance(extra_key, (bytes, bytearray)):
         raw = b"b" + bytes(extra_key)
-    elif isinstance(extra_key, int) and not isinstance(extra_key, bool):
-        raw = b"i" + str(extra_key).encode("ascii")
+    elif isinstance(extra_key, numbers.Integral) and not isinstance(extra_key, (bool, np.bool_)):
+        raw = b"i" + str(int(extra_key)).encode("ascii")  # NumPy integers salt as their value
     else:
         raise TypeError(
             f"Invalid type of extra_key: expected str, bytes, int or None, got {type(extra_key).__name__}"

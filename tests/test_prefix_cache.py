@@ -79,6 +79,26 @@ def test_page_hashes_are_xxh3_128_chained_on_parent_salt_and_tokens():
     assert cache.add_sequence(2, prompt) == 0
 
 
+def test_tokens_appended_to_a_sequence_started_without_a_prompt_get_cached():
+    cache = make()
+    tokens = list(range(30, 39))
+    cache.add_sequence(0)
+    feed(cache, 0, tokens, 0, 9)  # token_ids given to append
+    assert cache.stats()["prefix_cached_pages"] == 2
+    assert cache.add_sequence(1, tokens) == 8
+    assert_kv_matches_tokens(cache, 1, tokens[:8])
+    cache.check_invariants()
+
+
+def test_numpy_integer_extra_key_is_the_int_salt_and_types_stay_apart():
+    cache = make()
+    prompt = list(range(9))
+    start(cache, 0, prompt, extra_key=7)
+    assert cache.add_sequence(1, prompt, extra_key=np.int64(7)) == 8
+    assert cache.add_sequence(2, prompt, extra_key="7") == 0
+    assert cache.add_sequence(3, prompt, extra_key=b"7") == 0
+
+
 def test_sha256_option_shares_within_a_tenant_only():
     cache = make(prefix_hash="sha256")
     prompt = list(range(20))
@@ -268,6 +288,19 @@ def test_windowed_hit_needs_the_sink_pages():
 
 
 # ------------------------------------------------------------ external ids
+def test_uint64_block_ids_are_the_int64_ids_with_the_same_bits():
+    cache = KVCache(0, 1, 1, num_pages=64, page_size=16, enable_prefix_caching=True)
+    high = [2**63 + 5, 2**64 - 1]  # as int64: -(2**63) + 5, -1
+    assert cache.add_sequence(0, block_hashes=high, block_tokens=32, num_prompt_tokens=64) == 0
+    cache.append([0], [64])
+    as_int64 = np.array(high, dtype=np.uint64).view(np.int64)
+    assert cache.add_sequence(1, block_hashes=as_int64, block_tokens=32, num_prompt_tokens=64) == 48
+    assert cache.add_sequence(2, block_hashes=np.array(high, dtype=np.uint64), block_tokens=32,
+                              num_prompt_tokens=64) == 48
+    assert cache.add_sequence(3, block_hashes=[2**63 + 6, 2**64 - 1], block_tokens=32, num_prompt_tokens=64) == 0
+    cache.check_invariants()
+
+
 def test_block_hashes_share_pages_of_equal_blocks():
     cache = KVCache(0, 1, 1, num_pages=64, page_size=16, enable_prefix_caching=True)
     assert cache.add_sequence(0, block_hashes=[0, 1, 2], block_tokens=64, num_prompt_tokens=150) == 0
@@ -291,6 +324,10 @@ def test_block_hashes_share_pages_of_equal_blocks():
         ({"prompt_token_ids": [2**31]}, ValueError, "prompt_token_ids"),
         ({"prompt_token_ids": [1.5]}, TypeError, "prompt_token_ids"),
         ({"prompt_token_ids": [1], "extra_key": 1.5}, TypeError, "extra_key"),
+        # Python ints beyond int64 (NumPy makes floats or objects of them): a range error.
+        ({"prompt_token_ids": [2**64, 1]}, ValueError, r"prompt_token_ids: expected values in \["),
+        ({"block_hashes": [2**63, -1], "block_tokens": 16, "num_prompt_tokens": 20}, ValueError,
+         r"block_hashes: expected values in \["),
     ],
 )
 def test_bad_prefix_arguments_change_nothing(kwargs, exc, match):

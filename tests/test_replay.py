@@ -232,6 +232,9 @@ def test_bad_arguments_are_rejected_before_replaying(first_1000):
         replay(first_1000, 1e6)
     with pytest.raises(ValueError, match="prefix_hash"):
         replay(first_1000, 10_000, prefix_hash="md5")
+    # Prefix caching allows at most 2**30 pages: the message names capacity_tokens.
+    with pytest.raises(ValueError, match=r"capacity_tokens.*1,073,741,824 pages"):
+        replay(first_1000, (2**30 + 1) * 16)
 
 
 # ------------------------------------------------------------------- CLI

@@ -50,6 +50,8 @@ _PROGRESS_CHUNK = 256  # requests between progress callbacks
 PREFIX_HASHES = ("xxh3_128", "sha256")
 MAX_PAGES = 2**31 - 2
 """Most pages of a pool (page ids are int32)."""
+MAX_PREFIX_PAGES = 2**30
+"""Most pages of a pool with prefix caching (the index's slot arithmetic)."""
 
 
 @dataclass
@@ -152,8 +154,12 @@ class ReplayResult:
         return out
 
 
-def capacity_pages(capacity_tokens: int, page_size: int) -> int:
+def capacity_pages(capacity_tokens: int, page_size: int, max_pages: int = MAX_PAGES) -> int:
     """Pages of a pool of ``capacity_tokens`` tokens: ``capacity_tokens // page_size``.
+
+    ``max_pages`` is the largest pool allowed: ``MAX_PAGES`` (``2**31 - 2``,
+    page ids are int32), or ``MAX_PREFIX_PAGES`` (``2**30``) for a replay
+    with prefix caching.
 
     Raises
     ------
@@ -161,7 +167,7 @@ def capacity_pages(capacity_tokens: int, page_size: int) -> int:
         A non-integer argument.
     ValueError
         ``page_size < 1`` or ``capacity_tokens < page_size`` (no whole page),
-        or more than ``2**31 - 2`` pages (page ids are int32).
+        or more than ``max_pages`` pages.
     """
     for name, value in (("capacity_tokens", capacity_tokens), ("page_size", page_size)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -169,10 +175,10 @@ def capacity_pages(capacity_tokens: int, page_size: int) -> int:
     if page_size < 1:
         raise ValueError(f"Invalid value of page_size: expected an int >= 1, got {page_size}")
     num_pages = int(capacity_tokens) // int(page_size)
-    if num_pages < 1 or num_pages > MAX_PAGES:
+    if num_pages < 1 or num_pages > max_pages:
         raise ValueError(
             f"Invalid value of capacity_tokens: expected {page_size} <= capacity_tokens <= "
-            f"{MAX_PAGES * page_size} (1 to 2**31 - 2 pages of {page_size} tokens), got {capacity_tokens}"
+            f"{max_pages * page_size} (1 to {max_pages:,} pages of {page_size} tokens), got {capacity_tokens}"
         )
     return num_pages
 
@@ -217,10 +223,10 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"Invalid type of trace: expected pagedkv.traces.Trace, got {type(trace).__name__}")
-    num_pages = capacity_pages(capacity_tokens, page_size)
+    with_prefix = trace.has_block_ids
+    num_pages = capacity_pages(capacity_tokens, page_size, MAX_PREFIX_PAGES if with_prefix else MAX_PAGES)
     if prefix_hash not in PREFIX_HASHES:
         raise ValueError(f"Invalid value of prefix_hash: expected one of {PREFIX_HASHES}, got {prefix_hash!r}")
-    with_prefix = trace.has_block_ids
     if with_prefix and trace.block_tokens % page_size:
         raise ValueError(
             f"Invalid value of page_size: expected a divisor of the trace's block_tokens "

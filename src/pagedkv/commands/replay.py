@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pagedkv.commands._model_options import positive_int
 from pagedkv.commands._paths import plot_file
-from pagedkv.replay import MAX_PAGES, PREFIX_HASHES, ReplayResult, capacity_pages, replay
+from pagedkv.replay import MAX_PAGES, MAX_PREFIX_PAGES, PREFIX_HASHES, ReplayResult, capacity_pages, replay
 from pagedkv.traces import FORMATS, MOONCAKE_BLOCK_TOKENS, load_trace
 
 DEFAULT_CAPACITIES = [1_000_000, 2_000_000, 5_000_000, 10_000_000, 20_000_000, 50_000_000]
@@ -123,16 +123,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pagedkv replay: {exc}", file=sys.stderr)
         return 2
+    max_pages = MAX_PREFIX_PAGES if trace.has_block_ids else MAX_PAGES
     try:  # every capacity is checked before the first replay starts
         for capacity in capacities:
             try:
-                capacity_pages(capacity, args.page_size)
+                capacity_pages(capacity, args.page_size, max_pages)
             except ValueError:
                 # capacity_pages names its own parameter; name the option instead.
                 raise ValueError(
                     f"Invalid value of --capacity-tokens: expected {args.page_size} <= N <= "
-                    f"{MAX_PAGES * args.page_size} (1 to 2**31 - 2 pages of --page-size {args.page_size} tokens), "
-                    f"got {capacity}"
+                    f"{max_pages * args.page_size} (1 to {max_pages:,} pages of --page-size {args.page_size} "
+                    f"tokens), got {capacity}"
                 ) from None
         if trace.has_block_ids and trace.block_tokens % args.page_size:
             raise ValueError(f"Invalid value of --page-size: expected a divisor of the trace's block size "
