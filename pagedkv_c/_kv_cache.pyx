@@ -260,7 +260,7 @@ cdef class KVCache:
         """Tables of a batch of distinct, known sequence ids, in order."""
         cdef object ids = as_int_array(seq_ids, "seq_ids", np.int64)
         cdef list tables = [self._table(seq_id) for seq_id in ids.tolist()]
-        if len(set(map(id, tables))) != len(tables):
+        if len(tables) > 1 and len(set(map(id, tables))) != len(tables):
             seen = set()
             for seq_id in ids.tolist():
                 if seq_id in seen:
@@ -509,8 +509,6 @@ cdef class KVCache:
         if block_hashes is None and (block_tokens is not None or num_prompt_tokens is not None):
             name = "block_tokens" if block_tokens is not None else "num_prompt_tokens"
             raise ValueError(f"Invalid value of {name}: it describes block_hashes, which were not given")
-        if prompt_token_ids is None and block_hashes is None and self._prefix is not None:
-            prompt_token_ids = ()  # an empty prompt: token ids given to append still get cached
         if prompt_token_ids is not None:
             prompt = as_int_array(prompt_token_ids, "prompt_token_ids", np.int32)
             prompt_len = prompt.shape[0]
@@ -524,7 +522,9 @@ cdef class KVCache:
                     f"Invalid value of block_tokens: expected a multiple of page_size {self.page_size}, got {per_block}"
                 )
             prompt_len = check_int(num_prompt_tokens, "num_prompt_tokens", 0, blocks.shape[0] * per_block)
-        if self._prefix is not None and (prompt is not None or blocks is not None):
+        if self._prefix is not None:
+            # Without a prompt or block ids the sequence starts empty; token ids
+            # that append is given are hashed as they fill pages.
             hashes = SequenceHashes()
             hashes.salt = hash_salt(self._prefix.algorithm, extra_key)
             if prompt is not None:
@@ -533,7 +533,7 @@ cdef class KVCache:
                     np.asarray(hashes.token_ids)[:prompt_len] = prompt
                 hashes.num_known = prompt_len
                 hashes.extend_hashes(self._prefix.algorithm, self.page_size)
-            else:
+            elif blocks is not None:
                 # Hashed lazily while matching and registering (see SequenceHashes), so
                 # keep a copy: the caller may reuse its array for the next request.
                 hashes.set_external(blocks.copy(), per_block // self.page_size, prompt_len // self.page_size)
@@ -544,7 +544,7 @@ cdef class KVCache:
         with self._lock:
             if key in self._tables:
                 raise ValueError(f"Invalid value of seq_id: sequence {key} already exists")
-            if hashes is not None:
+            if hashes is not None and (prompt is not None or blocks is not None):
                 cached = self._match_prefix(
                     table,
                     <const int32_t*>cnp.PyArray_DATA(prompt) if prompt is not None else NULL,

@@ -506,24 +506,28 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
 
 
 cdef class _Scratch:
-    """Per-call work arrays of append_batch, freed with the object."""
+    """Per-call work arrays of append_batch (one malloc'd block), freed with the object."""
     cdef Py_ssize_t* need         # (num_tables,) pages each table takes (copy + new)
-    cdef bint* copy               # (num_tables,) table copies its shared last page
     cdef Py_ssize_t* own          # (num_tables,) of those, its own released pages
     cdef Py_ssize_t* spare_start  # (num_tables + 1,) offsets into spare per table
+    cdef bint* copy               # (num_tables,) table copies its shared last page
     cdef page_id_t* spare         # (num_released,) released pages that reached ref count 0
     cdef page_id_t* taken         # (total needed,) pages handed to the tables, in table order
+    cdef char* block              # holds need, own, spare_start, copy and spare
 
     def __cinit__(self, Py_ssize_t num_tables, int64_t num_released):
-        self.need = <Py_ssize_t*>malloc((num_tables + 1) * sizeof(Py_ssize_t))
-        self.copy = <bint*>malloc((num_tables + 1) * sizeof(bint))
-        self.own = <Py_ssize_t*>malloc((num_tables + 1) * sizeof(Py_ssize_t))
-        self.spare_start = <Py_ssize_t*>malloc((num_tables + 1) * sizeof(Py_ssize_t))
-        self.spare = <page_id_t*>malloc((num_released + 1) * sizeof(page_id_t))
+        cdef Py_ssize_t rows = num_tables + 1
+        # Widest type first, so that every array is aligned.
+        self.block = <char*>malloc(3 * rows * sizeof(Py_ssize_t) + rows * sizeof(bint)
+                                   + (num_released + 1) * sizeof(page_id_t))
         self.taken = NULL
-        if (self.need == NULL or self.copy == NULL or self.own == NULL
-                or self.spare_start == NULL or self.spare == NULL):
+        if self.block == NULL:
             raise MemoryError()
+        self.need = <Py_ssize_t*>self.block
+        self.own = self.need + rows
+        self.spare_start = self.own + rows
+        self.copy = <bint*>(self.spare_start + rows)
+        self.spare = <page_id_t*>(self.copy + rows)
 
     cdef int ensure_taken(self, int64_t num_pages) except -1:
         self.taken = <page_id_t*>malloc((num_pages + 1) * sizeof(page_id_t))
@@ -532,9 +536,5 @@ cdef class _Scratch:
         return 0
 
     def __dealloc__(self):
-        free(self.need)
-        free(self.copy)
-        free(self.own)
-        free(self.spare_start)
-        free(self.spare)
+        free(self.block)
         free(self.taken)
