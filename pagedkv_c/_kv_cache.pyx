@@ -17,7 +17,7 @@ from pagedkv_c._pool import OutOfPagesError
 from pagedkv_c._prefix import ALGORITHMS as _PREFIX_HASHES
 from pagedkv_c._page_table cimport PageTable, append_batch
 from pagedkv_c._checks cimport check_int, check_index, check_float_array, as_int_array
-from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash128, hash_salt,
+from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash_salt,
                                 pkv_index_find, pkv_index_insert,
                                 pkv_index_is_cached, pkv_index_prefetch)
 from libc.stdlib cimport malloc, free
@@ -503,7 +503,6 @@ cdef class KVCache:
         cdef object blocks = None
         cdef int64_t prompt_len = 0, per_block = 0
         cdef SequenceHashes hashes = None
-        cdef hash128 zero
         if prompt_token_ids is not None and block_hashes is not None:
             raise ValueError("Invalid value of block_hashes: give prompt_token_ids or block_hashes, not both")
         if block_hashes is None and (block_tokens is not None or num_prompt_tokens is not None):

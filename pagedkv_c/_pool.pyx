@@ -11,9 +11,6 @@ cimport numpy as cnp
 from pagedkv_c._types cimport (page_id_t, int32_t, pkv_page_record, PKV_ALLOCATOR_RECORD_SHIFT,
                                PKV_SHARED_RECORD_SHIFT)
 from pagedkv_c._checks cimport check_int, as_int_array
-cdef extern from "prefetch.h":
-    void pkv_prefetch_read(const char* p) noexcept nogil
-
 from pagedkv_c._prefix cimport (pkv_index, pkv_index_is_cached, pkv_index_evict,
                                 pkv_index_prefetch_page)
 

@@ -76,6 +76,7 @@ cdef class SequenceHashes:
     cdef int reserve_tokens(self, int64_t n) except -1
     cdef int reserve_hashes(self, int64_t n) except -1
     cdef void _set_chain(self, object array)
+    cdef hash128 _last_hash(self) noexcept nogil
     cdef int extend_hashes(self, int algorithm, int32_t page_size) except -1
     cdef int set_external(self, object block_ids, int64_t pages_per_block, int64_t num_pages) except -1
     cdef int hash_upto(self, int algorithm, int64_t n) except -1

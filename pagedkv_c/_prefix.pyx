@@ -389,6 +389,15 @@ cdef class SequenceHashes:
         self._set_chain(grown)
         return 0
 
+    cdef hash128 _last_hash(self) noexcept nogil:
+        """Hash of the last hashed page: the parent of the next one (zeros before the first)."""
+        cdef hash128 parent
+        parent.lo = 0
+        parent.hi = 0
+        if self.num_hashed:
+            parent = self.chain[self.num_hashed - 1]
+        return parent
+
     cdef void _set_chain(self, object array):
         """Adopt ``array`` (uint64, C-contiguous, shape (capacity, 2)) as the chain's storage."""
         self.chain_array = array
@@ -404,12 +413,7 @@ cdef class SequenceHashes:
             return 0
         self.reserve_hashes(target)
         cdef Py_ssize_t n = <Py_ssize_t>(target - self.num_hashed)
-        cdef hash128 parent
-        parent.lo = 0
-        parent.hi = 0
-        if self.num_hashed:
-            parent = self.chain[self.num_hashed - 1]
-        hash_token_pages(algorithm, parent, self.salt, &self.token_ids[self.num_hashed * page_size],
+        hash_token_pages(algorithm, self._last_hash(), self.salt, &self.token_ids[self.num_hashed * page_size],
                          page_size, n, self.chain + self.num_hashed)
         self.num_hashed = target
         self.num_hashable = target
@@ -430,12 +434,7 @@ cdef class SequenceHashes:
             n = self.num_hashable
         if not self.external or n <= self.num_hashed:
             return 0
-        cdef hash128 parent
-        parent.lo = 0
-        parent.hi = 0
-        if self.num_hashed:
-            parent = self.chain[self.num_hashed - 1]
-        hash_block_pages(algorithm, parent, self.salt, <const int64_t*>cnp.PyArray_DATA(self.block_ids),
+        hash_block_pages(algorithm, self._last_hash(), self.salt, <const int64_t*>cnp.PyArray_DATA(self.block_ids),
                          self.pages_per_block, self.num_hashed, n - self.num_hashed,
                          self.chain + self.num_hashed)
         self.num_hashed = n

@@ -83,18 +83,17 @@ PKV_INLINE int32_t pkv_queue_pop(pkv_free_queue *q)
     }
 }
 
-/* Start loading the record of the entry `ahead` places after the head. */
-PKV_INLINE void pkv_queue_prefetch(const pkv_free_queue *q, int64_t ahead)
-{
-    if (q->head + ahead < q->tail)
-        pkv_prefetch_write((const char *)pkv_rec(q, q->ring[(q->head + ahead) & q->mask]),
-                           (size_t)1 << q->rec_shift);
-}
-
 /* Start loading a page's record (for a ref count change soon after). */
 PKV_INLINE void pkv_prefetch_record(const pkv_free_queue *q, int32_t page)
 {
     pkv_prefetch_write((const char *)pkv_rec(q, page), (size_t)1 << q->rec_shift);
+}
+
+/* Start loading the record of the entry `ahead` places after the head. */
+PKV_INLINE void pkv_queue_prefetch(const pkv_free_queue *q, int64_t ahead)
+{
+    if (q->head + ahead < q->tail)
+        pkv_prefetch_record(q, q->ring[(q->head + ahead) & q->mask]);
 }
 
 PKV_INLINE int32_t pkv_ref(const pkv_free_queue *q, int32_t page)
