@@ -44,10 +44,6 @@
 #ifndef PKV_PREFETCH_CHUNKS
 #define PKV_PREFETCH_CHUNKS 1
 #endif
-/* Eighths of a chunk's prefetches issued while scoring (rest: during V). */
-#ifndef PKV_PREFETCH_SCORE_SHARE
-#define PKV_PREFETCH_SCORE_SHARE 6
-#endif
 #ifndef PKV_PREFETCH_AHEAD
 #define PKV_PREFETCH_AHEAD 1
 #endif
@@ -429,6 +425,37 @@ PKV_AVX512 static inline void pkv_hsum8_avx512(__m512 a0, __m512 a1, __m512 a2, 
     _mm256_storeu_ps(out, _mm512_castps512_ps256(w));
 }
 
+/* s[i * stride + j] = sum of the lanes of aij (4 rows i x 4 tokens j): the
+ * tree of pkv_hsum8_avx512 (same sums, same order) run once over all 16
+ * accumulators, so that every shuffle and add serves 16 results, not 8. */
+PKV_AVX512 static inline __m512 pkv_sum4_lanes_avx512(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
+{
+    /* 128-bit lane j of the result = [a0, a1, a2, a3] partial sums over lane j */
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    return _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+PKV_AVX512 static inline __m512 pkv_pair_lanes_avx512(__m512 u0, __m512 u1)
+{
+    /* [u0 lanes 0+1, u0 lanes 2+3, u1 lanes 0+1, u1 lanes 2+3] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#define VHSUM4X4(a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33, \
+                 s, stride)                                                                    \
+    do {                                                                                      \
+        const __m512 w_ = pkv_pair_lanes_avx512(                                              \
+            pkv_pair_lanes_avx512(pkv_sum4_lanes_avx512(a00, a01, a02, a03),                 \
+                                  pkv_sum4_lanes_avx512(a10, a11, a12, a13)),                \
+            pkv_pair_lanes_avx512(pkv_sum4_lanes_avx512(a20, a21, a22, a23),                 \
+                                  pkv_sum4_lanes_avx512(a30, a31, a32, a33)));               \
+        _mm_storeu_ps((s), _mm512_castps512_ps128(w_));                                       \
+        _mm_storeu_ps((s) + (stride), _mm512_extractf32x4_ps(w_, 1));                        \
+        _mm_storeu_ps((s) + 2 * (stride), _mm512_extractf32x4_ps(w_, 2));                    \
+        _mm_storeu_ps((s) + 3 * (stride), _mm512_extractf32x4_ps(w_, 3));                    \
+    } while (0)
+
 #define PKV_TARGET PKV_AVX512
 #define vf __m512
 #define VW 16
@@ -489,6 +516,7 @@ PKV_AVX512 static inline void pkv_hsum8_avx512(__m512 a0, __m512 a1, __m512 a2, 
 #undef VHSUM
 #undef VHMAX
 #undef VHSUM8
+#undef VHSUM4X4
 #undef PKV_PV_WIDE
 #undef PKV_DOT_WIDE
 #undef VKEEP

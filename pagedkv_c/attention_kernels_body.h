@@ -15,6 +15,8 @@
  *                NaN where x is NaN
  *   VHSUM(v) VHMAX(v)   horizontal sum / max, fixed order
  *   VHSUM8(a0, ..., a7, out)  out[i] = horizontal sum of ai, fixed order
+ *   VHSUM4X4(a00, ..., a33, s, stride)  (with PKV_DOT_WIDE) s[i * stride + j]
+ *                = horizontal sum of aij, the order of VHSUM8
  *   PKV_PV_WIDE  1: the V accumulation keeps 16 vectors in registers
  *   PKV_DOT_WIDE 1: scores 4 rows x 4 tokens at once (16 accumulators)
  *   VKEEP(v)     keeps a loaded vector in a register (not refolded into
@@ -37,42 +39,15 @@
 #define PKV_CAT_(a, b) PKV_CAT2_(a, b)
 #define FN(name) PKV_CAT_(name, PKV_SUFFIX)
 
-/* Walks the cache lines of the K and V rows of a later chunk, a budget of
- * lines per step, so that memory requests overlap the arithmetic instead of
- * queueing up in one burst. */
-typedef struct {
-    const KV_T *const *k_rows;
-    const KV_T *const *v_rows;
-    int64_t token, token_end;   /* next token to fetch, end of the list */
-    int64_t line, row_lines;    /* next 64-byte line in the row, lines per row */
-    int64_t per_step;           /* lines per call of prefetch_step */
-    int v_half;                 /* 0: K row of the token, 1: its V row */
-} FN(prefetcher);
+/* 1 if the vector at element d of a row starts a 64-byte line (d a multiple
+ * of VW): prefetches go out once per line, not once per vector. */
+#define PF_AT(d) (((d) & (64 / (int64_t)sizeof(KV_T) - 1)) == 0)
 
-PKV_TARGET static inline void FN(prefetch_step)(FN(prefetcher) *pf)
-{
-    int64_t budget = pf->per_step, token = pf->token, line = pf->line;
-    int v_half = pf->v_half;
-    while (budget > 0 && token < pf->token_end) {
-        const char *row = (const char *)(v_half ? pf->v_rows[token] : pf->k_rows[token]);
-        int64_t stop = line + budget < pf->row_lines ? line + budget : pf->row_lines;
-        budget -= stop - line;
-        for (; line < stop; line++)
-            PKV_PREFETCH(row + line * 64);
-        if (line == pf->row_lines) {
-            line = 0;
-            token += v_half;
-            v_half ^= 1;
-        }
-    }
-    pf->token = token;
-    pf->line = line;
-    pf->v_half = v_half;
-}
-
-/* Scores of 4 query rows (stride q_stride) against 2 key rows. */
+/* Scores of 4 query rows (stride q_stride) against 2 key rows; prefetches
+ * the rows pf0 and pf1 (of a later chunk) unless pf0 is NULL. */
 PKV_TARGET static inline void FN(dot_4x2)(const float *q, int64_t q_stride,
                                           const KV_T *k0, const KV_T *k1,
+                                          const KV_T *pf0, const KV_T *pf1,
                                           int64_t dim, int64_t dim_vec,
                                           float *s, int64_t s_stride)
 {
@@ -82,6 +57,10 @@ PKV_TARGET static inline void FN(dot_4x2)(const float *q, int64_t q_stride,
     float r[8];
     int64_t d;
     for (d = 0; d < dim_vec; d += VW) {
+        if (pf0 != NULL && PF_AT(d)) {
+            PKV_PREFETCH(pf0 + d);
+            PKV_PREFETCH(pf1 + d);
+        }
         const vf x0 = VLOAD_KV(k0 + d);
         const vf x1 = VLOAD_KV(k1 + d);
         vf w = VLOAD(q0 + d);
@@ -117,9 +96,11 @@ PKV_TARGET static inline void FN(dot_4x2)(const float *q, int64_t q_stride,
 
 #if PKV_DOT_WIDE
 /* Scores of 4 query rows against 4 key rows: 16 accumulators, so each q and
- * K load feeds 4 FMAs (needs 32 vector registers). */
+ * K load feeds 4 FMAs (needs 32 vector registers). Prefetches the rows
+ * pf[0..3] (of a later chunk) unless pf is NULL. */
 PKV_TARGET static inline void FN(dot_4x4)(const float *q, int64_t q_stride,
-                                          const KV_T *const *k, int64_t dim, int64_t dim_vec,
+                                          const KV_T *const *k, const KV_T *const *pf,
+                                          int64_t dim, int64_t dim_vec,
                                           float *s, int64_t s_stride)
 {
     vf a00 = VZERO(), a01 = VZERO(), a02 = VZERO(), a03 = VZERO();
@@ -128,9 +109,12 @@ PKV_TARGET static inline void FN(dot_4x4)(const float *q, int64_t q_stride,
     vf a30 = VZERO(), a31 = VZERO(), a32 = VZERO(), a33 = VZERO();
     const float *q0 = q, *q1 = q + q_stride, *q2 = q + 2 * q_stride, *q3 = q + 3 * q_stride;
     const KV_T *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
-    float r0[8], r1[8];
     int64_t d, i;
     for (d = 0; d < dim_vec; d += VW) {
+        if (pf != NULL && PF_AT(d)) {
+            PKV_PREFETCH(pf[0] + d); PKV_PREFETCH(pf[1] + d);
+            PKV_PREFETCH(pf[2] + d); PKV_PREFETCH(pf[3] + d);
+        }
         const vf x0 = VLOAD_KV(k0 + d), x1 = VLOAD_KV(k1 + d);
         const vf x2 = VLOAD_KV(k2 + d), x3 = VLOAD_KV(k3 + d);
         vf w = VLOAD(q0 + d);
@@ -146,32 +130,33 @@ PKV_TARGET static inline void FN(dot_4x4)(const float *q, int64_t q_stride,
         VKEEP(w);
         a30 = VFMA(w, x0, a30); a31 = VFMA(w, x1, a31); a32 = VFMA(w, x2, a32); a33 = VFMA(w, x3, a33);
     }
-    VHSUM8(a00, a01, a02, a03, a10, a11, a12, a13, r0);
-    VHSUM8(a20, a21, a22, a23, a30, a31, a32, a33, r1);
+    VHSUM4X4(a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33,
+             s, s_stride);
     for (; d < dim; d++) {
         for (i = 0; i < 4; i++) {
             const float x = KV_TO_F(k[i][d]);
-            r0[i] += q0[d] * x; r0[4 + i] += q1[d] * x;
-            r1[i] += q2[d] * x; r1[4 + i] += q3[d] * x;
+            s[i] += q0[d] * x;
+            s[s_stride + i] += q1[d] * x;
+            s[2 * s_stride + i] += q2[d] * x;
+            s[3 * s_stride + i] += q3[d] * x;
         }
-    }
-    for (i = 0; i < 4; i++) {
-        s[i] = r0[i];
-        s[s_stride + i] = r0[4 + i];
-        s[2 * s_stride + i] = r1[i];
-        s[3 * s_stride + i] = r1[4 + i];
     }
 }
 #endif
 
-/* Scores of 1 query row against 8 key rows k[0..7]. */
+/* Scores of 1 query row against 8 key rows k[0..7]; prefetches the rows
+ * pf[0..7] unless pf is NULL. */
 PKV_TARGET static inline void FN(dot_1x8)(const float *q, const KV_T *const *k,
+                                          const KV_T *const *pf,
                                           int64_t dim, int64_t dim_vec, float *s)
 {
     vf a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
     vf a4 = VZERO(), a5 = VZERO(), a6 = VZERO(), a7 = VZERO();
     int64_t d, i;
     for (d = 0; d < dim_vec; d += VW) {
+        if (pf != NULL && PF_AT(d))
+            for (i = 0; i < 8; i++)
+                PKV_PREFETCH(pf[i] + d);
         const vf w = VLOAD(q + d);
         a0 = VFMA(w, VLOAD_KV(k[0] + d), a0);
         a1 = VFMA(w, VLOAD_KV(k[1] + d), a1);
@@ -188,10 +173,25 @@ PKV_TARGET static inline void FN(dot_1x8)(const float *q, const KV_T *const *k,
             s[i] += q[d] * KV_TO_F(k[i][d]);
 }
 
-/* acc[4 rows] += sum_t p[row][t] * v_t, rows at stride acc_stride / p_stride. */
+/* Prefetch of the part [d, d + width) of a later chunk's V row for token t,
+ * one hint per 64-byte line, when pf_rows is not NULL. */
+#define PF_V(pf_rows, t, head_offset, d, width)                                   \
+    do {                                                                        \
+        if ((pf_rows) != NULL) {                                                \
+            const KV_T *pv_ = (pf_rows)[t] + (head_offset);                     \
+            int64_t o_;                                                         \
+            for (o_ = (d); o_ < (d) + (width); o_ += VW)                        \
+                if (PF_AT(o_))                                                  \
+                    PKV_PREFETCH(pv_ + o_);                                     \
+        }                                                                       \
+    } while (0)
+
+/* acc[4 rows] += sum_t p[row][t] * v_t, rows at stride acc_stride / p_stride;
+ * prefetches the V rows pf_rows[t] (of a later chunk) unless pf_rows is NULL. */
 PKV_TARGET static inline void FN(pv_4rows)(float *acc, int64_t acc_stride,
                                            const float *p, int64_t p_stride,
-                                           const KV_T *const *v_rows, int64_t head_offset,
+                                           const KV_T *const *v_rows,
+                                           const KV_T *const *pf_rows, int64_t head_offset,
                                            int64_t num_tokens, int64_t dim, int64_t dim_vec)
 {
     float *c0 = acc, *c1 = acc + acc_stride, *c2 = acc + 2 * acc_stride, *c3 = acc + 3 * acc_stride;
@@ -206,6 +206,7 @@ PKV_TARGET static inline void FN(pv_4rows)(float *acc, int64_t acc_stride,
         vf a30 = VLOAD(c3 + d), a31 = VLOAD(c3 + d + VW), a32 = VLOAD(c3 + d + 2 * VW), a33 = VLOAD(c3 + d + 3 * VW);
         for (t = 0; t < num_tokens; t++) {
             const KV_T *v = (v_rows[t] + head_offset) + d;
+            PF_V(pf_rows, t, head_offset, d, 4 * VW);
             const vf x0 = VLOAD_KV(v), x1 = VLOAD_KV(v + VW);
             const vf x2 = VLOAD_KV(v + 2 * VW), x3 = VLOAD_KV(v + 3 * VW);
             vf w = VSET1(p0[t]);
@@ -229,6 +230,7 @@ PKV_TARGET static inline void FN(pv_4rows)(float *acc, int64_t acc_stride,
         vf a20 = VLOAD(c2 + d), a21 = VLOAD(c2 + d + VW);
         vf a30 = VLOAD(c3 + d), a31 = VLOAD(c3 + d + VW);
         for (t = 0; t < num_tokens; t++) {
+            PF_V(pf_rows, t, head_offset, d, 2 * VW);
             vf x0 = VLOAD_KV((v_rows[t] + head_offset) + d);
             vf x1 = VLOAD_KV((v_rows[t] + head_offset) + d + VW);
             vf w = VSET1(p0[t]);
@@ -248,6 +250,7 @@ PKV_TARGET static inline void FN(pv_4rows)(float *acc, int64_t acc_stride,
     for (; d < dim_vec; d += VW) {
         vf a0 = VLOAD(c0 + d), a1 = VLOAD(c1 + d), a2 = VLOAD(c2 + d), a3 = VLOAD(c3 + d);
         for (t = 0; t < num_tokens; t++) {
+            PF_V(pf_rows, t, head_offset, d, VW);
             vf x = VLOAD_KV((v_rows[t] + head_offset) + d);
             a0 = VFMA(VSET1(p0[t]), x, a0);
             a1 = VFMA(VSET1(p1[t]), x, a1);
@@ -264,9 +267,11 @@ PKV_TARGET static inline void FN(pv_4rows)(float *acc, int64_t acc_stride,
     }
 }
 
-/* acc[1 row] += sum_t p[t] * v_t. */
+/* acc[1 row] += sum_t p[t] * v_t; prefetches the V rows pf_rows[t] unless
+ * pf_rows is NULL. */
 PKV_TARGET static inline void FN(pv_1row)(float *acc, const float *p,
-                                          const KV_T *const *v_rows, int64_t head_offset,
+                                          const KV_T *const *v_rows,
+                                          const KV_T *const *pf_rows, int64_t head_offset,
                                           int64_t num_tokens, int64_t dim, int64_t dim_vec)
 {
     int64_t d = 0, t;
@@ -275,6 +280,7 @@ PKV_TARGET static inline void FN(pv_1row)(float *acc, const float *p,
         vf a2 = VLOAD(acc + d + 2 * VW), a3 = VLOAD(acc + d + 3 * VW);
         for (t = 0; t < num_tokens; t++) {
             const KV_T *v = (v_rows[t] + head_offset) + d;
+            PF_V(pf_rows, t, head_offset, d, 4 * VW);
             vf w = VSET1(p[t]);
             a0 = VFMA(w, VLOAD_KV(v), a0);
             a1 = VFMA(w, VLOAD_KV(v + VW), a1);
@@ -286,8 +292,10 @@ PKV_TARGET static inline void FN(pv_1row)(float *acc, const float *p,
     }
     for (; d < dim_vec; d += VW) {
         vf a0 = VLOAD(acc + d);
-        for (t = 0; t < num_tokens; t++)
+        for (t = 0; t < num_tokens; t++) {
+            PF_V(pf_rows, t, head_offset, d, VW);
             a0 = VFMA(VSET1(p[t]), VLOAD_KV((v_rows[t] + head_offset) + d), a0);
+        }
         VSTORE(acc + d, a0);
     }
     for (; d < dim; d++)
@@ -364,44 +372,62 @@ PKV_TARGET static void FN(pv_admitted)(const FN(pkv_state) *st, const KV_T *cons
                 kept++;
             }
         }
-        FN(pv_1row)(st->acc + r * st->dim_pad, kept_p, kept_v, head_offset, kept, st->dim,
+        FN(pv_1row)(st->acc + r * st->dim_pad, kept_p, kept_v, NULL, head_offset, kept, st->dim,
                     st->dim_vec);
     }
 }
 
 /* Scores of tokens t .. t+7 of a chunk of n (tokens past n repeat token t and
  * fill padding slots) for every row of one KV head; its rows start at
- * k_rows[u] + head_offset. */
+ * k_rows[u] + head_offset. The first block of rows also prefetches the rows
+ * pf_rows[u] + head_offset (of a later chunk) unless pf_rows is NULL. */
 PKV_TARGET static inline void FN(score_tokens)(const FN(pkv_state) *st, const KV_T *const *k_rows,
-                                               int64_t t, int64_t n, int64_t head_offset)
+                                               const KV_T *const *pf_rows, int64_t t, int64_t n,
+                                               int64_t head_offset)
 {
     const int64_t rows = st->rows, dim = st->dim, dim_vec = st->dim_vec, dim_pad = st->dim_pad;
     const int64_t ch = PKV_CHUNK_TOKENS;
-    const KV_T *k8[8];
+    const KV_T *k8[8], *p8[8];
+    const KV_T *const *pf = NULL;
     int64_t r;
     int u;
     for (u = 0; u < 8; u++)
         k8[u] = (t + u < n ? k_rows[t + u] : k_rows[t]) + head_offset;
+    if (pf_rows != NULL) {
+        for (u = 0; u < 8; u++)
+            p8[u] = (t + u < n ? pf_rows[t + u] : pf_rows[t]) + head_offset;
+        pf = p8;
+    }
     for (r = 0; r + 4 <= rows; r += 4) {
         const float *q = st->qs + r * dim_pad;
         float *s = st->s + r * ch + t;
 #if PKV_DOT_WIDE
-        FN(dot_4x4)(q, dim_pad, k8, dim, dim_vec, s, ch);
-        FN(dot_4x4)(q, dim_pad, k8 + 4, dim, dim_vec, s + 4, ch);
+        FN(dot_4x4)(q, dim_pad, k8, pf, dim, dim_vec, s, ch);
+        FN(dot_4x4)(q, dim_pad, k8 + 4, pf == NULL ? NULL : pf + 4, dim, dim_vec, s + 4, ch);
 #else
-        FN(dot_4x2)(q, dim_pad, k8[0], k8[1], dim, dim_vec, s, ch);
-        FN(dot_4x2)(q, dim_pad, k8[2], k8[3], dim, dim_vec, s + 2, ch);
-        FN(dot_4x2)(q, dim_pad, k8[4], k8[5], dim, dim_vec, s + 4, ch);
-        FN(dot_4x2)(q, dim_pad, k8[6], k8[7], dim, dim_vec, s + 6, ch);
+        FN(dot_4x2)(q, dim_pad, k8[0], k8[1], pf == NULL ? NULL : pf[0], pf == NULL ? NULL : pf[1],
+                    dim, dim_vec, s, ch);
+        FN(dot_4x2)(q, dim_pad, k8[2], k8[3], pf == NULL ? NULL : pf[2], pf == NULL ? NULL : pf[3],
+                    dim, dim_vec, s + 2, ch);
+        FN(dot_4x2)(q, dim_pad, k8[4], k8[5], pf == NULL ? NULL : pf[4], pf == NULL ? NULL : pf[5],
+                    dim, dim_vec, s + 4, ch);
+        FN(dot_4x2)(q, dim_pad, k8[6], k8[7], pf == NULL ? NULL : pf[6], pf == NULL ? NULL : pf[7],
+                    dim, dim_vec, s + 6, ch);
 #endif
+        pf = NULL; /* once per chunk: later row blocks read the same rows */
     }
-    for (; r < rows; r++)
-        FN(dot_1x8)(st->qs + r * dim_pad, k8, dim, dim_vec, st->s + r * ch + t);
+    for (; r < rows; r++) {
+        FN(dot_1x8)(st->qs + r * dim_pad, k8, pf, dim, dim_vec, st->s + r * ch + t);
+        pf = NULL;
+    }
 }
 
 /* After scoring a chunk of n tokens for one KV head: mask, update the online
- * softmax, accumulate the V rows (at v_rows[t] + head_offset). */
+ * softmax, accumulate the V rows (at v_rows[t] + head_offset) while
+ * prefetching the V rows pf_rows[t] + head_offset of a later chunk, unless
+ * pf_rows is NULL. */
 PKV_TARGET static void FN(finish_chunk)(const FN(pkv_state) *st, const KV_T *const *v_rows,
+                                        const KV_T *const *pf_rows,
                                         const int64_t *positions, int64_t n, int64_t head_offset)
 {
     const int64_t rows = st->rows, dim = st->dim, dim_vec = st->dim_vec, dim_pad = st->dim_pad;
@@ -492,48 +518,46 @@ PKV_TARGET static void FN(finish_chunk)(const FN(pkv_state) *st, const KV_T *con
         return;
     }
     r = 0;
-    for (; r + 4 <= rows; r += 4)
-        FN(pv_4rows)(st->acc + r * dim_pad, dim_pad, st->s + r * ch, ch, v_rows, head_offset,
-                     n, dim, dim_vec);
-    for (; r < rows; r++)
-        FN(pv_1row)(st->acc + r * dim_pad, st->s + r * ch, v_rows, head_offset, n, dim, dim_vec);
+    for (; r + 4 <= rows; r += 4) {
+        FN(pv_4rows)(st->acc + r * dim_pad, dim_pad, st->s + r * ch, ch, v_rows, pf_rows,
+                     head_offset, n, dim, dim_vec);
+        pf_rows = NULL;
+    }
+    for (; r < rows; r++) {
+        FN(pv_1row)(st->acc + r * dim_pad, st->s + r * ch, v_rows, pf_rows, head_offset, n, dim,
+                    dim_vec);
+        pf_rows = NULL;
+    }
 }
 
 /* Run every KV head of the item over one chunk of n tokens while the tokens
- * [pf_begin, pf_end) of the lists (a later chunk) are prefetched. Scoring
- * goes token-major (8 tokens, all heads, then the next 8), so K is read as
- * one sequential stream; V is then read head by head from cache. */
+ * [pf_begin, pf_end) of the lists (a later chunk) are prefetched: token
+ * pf_begin + t along with token t, by the loops that read token t, so that
+ * the prefetches spread evenly over the arithmetic. Scoring goes token-major
+ * (8 tokens, all heads, then the next 8), so K is read as one sequential
+ * stream; V is then read head by head from cache. */
 PKV_TARGET static void FN(process_heads)(const FN(pkv_state) *heads, int64_t num_heads,
                                          int64_t head_dim, const KV_T *const *k_rows,
                                          const KV_T *const *v_rows, const int64_t *positions,
                                          int64_t n, int64_t pf_begin, int64_t pf_end)
 {
-    const int64_t steps = num_heads * ((n + 7) / 8);
-    FN(prefetcher) pf;
-    pf.k_rows = k_rows;
-    pf.v_rows = v_rows;
-    pf.token = pf_begin;
-    pf.token_end = PKV_PREFETCH_CHUNKS && pf_end > pf_begin ? pf_end : pf_begin;
-    pf.line = 0;
-    pf.row_lines = (num_heads * head_dim * (int64_t)sizeof(KV_T) + 63) / 64;
-    /* Spread the prefetches over the whole chunk: a share while scoring, the
-     * rest before each head's V accumulation, so memory never idles. */
-    const int64_t lines = 2 * (pf.token_end - pf.token) * pf.row_lines;
-    const int64_t score_lines = lines * PKV_PREFETCH_SCORE_SHARE / 8;
-    pf.per_step = (score_lines + steps - 1) / steps;
-    pf.v_half = 0;
+    const KV_T *pf_k[KV_CHUNK], *pf_v[KV_CHUNK];
+    const int prefetch = PKV_PREFETCH_CHUNKS && pf_end > pf_begin;
     int64_t hh, t;
-    for (t = 0; t < n; t += 8) {
-        for (hh = 0; hh < num_heads; hh++) {
-            FN(prefetch_step)(&pf);
-            FN(score_tokens)(&heads[hh], k_rows, t, n, hh * head_dim);
+    if (prefetch) {
+        /* tokens past the list end repeat this chunk's own (cached) rows */
+        for (t = 0; t < n; t++) {
+            const int64_t u = pf_begin + t;
+            pf_k[t] = u < pf_end ? k_rows[u] : k_rows[t];
+            pf_v[t] = u < pf_end ? v_rows[u] : v_rows[t];
         }
     }
-    pf.per_step = (lines - score_lines + num_heads - 1) / num_heads;
-    for (hh = 0; hh < num_heads; hh++) {
-        FN(prefetch_step)(&pf);
-        FN(finish_chunk)(&heads[hh], v_rows, positions, n, hh * head_dim);
-    }
+    for (t = 0; t < n; t += 8)
+        for (hh = 0; hh < num_heads; hh++)
+            FN(score_tokens)(&heads[hh], k_rows, prefetch ? pf_k : NULL, t, n, hh * head_dim);
+    for (hh = 0; hh < num_heads; hh++)
+        FN(finish_chunk)(&heads[hh], v_rows, prefetch ? pf_v : NULL, positions, n,
+                         hh * head_dim);
 }
 
 /* The item kernel: see pkv_item_kernel in attention_kernels.h. */
