@@ -38,7 +38,7 @@ extern "C" {
 typedef enum {
     PKV_ISA_SCALAR = 0,  /* portable C, any compiler and CPU */
     PKV_ISA_AVX2 = 1,    /* x86-64 AVX2 + FMA + F16C */
-    PKV_ISA_AVX512 = 2   /* x86-64 AVX-512F (+ AVX2, FMA, F16C) */
+    PKV_ISA_AVX512 = 2   /* x86-64 AVX-512F + VL (+ AVX2, FMA, F16C) */
 } pkv_isa;
 
 /* Everything a work item reads, shared by all items of one call. */

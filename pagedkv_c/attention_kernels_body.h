@@ -17,6 +17,9 @@
  *   VHSUM8(a0, ..., a7, out)  out[i] = horizontal sum of ai, fixed order
  *   VHSUM4X4(a00, ..., a33, s, stride)  (with PKV_DOT_WIDE) s[i * stride + j]
  *                = horizontal sum of aij, the order of VHSUM8
+ *   sf, SW, SZERO SLOAD SLOAD_KV SFMA SKEEP SHSUM4X4  optional (with
+ *                PKV_DOT_WIDE): the vectors of the 4x4 score block, if not
+ *                vf and its macros (see dot_4x4)
  *   PKV_PV_WIDE  1: the V accumulation keeps 16 vectors in registers
  *   PKV_DOT_WIDE 1: scores 4 rows x 4 tokens at once (16 accumulators)
  *   VKEEP(v)     keeps a loaded vector in a register (not refolded into
@@ -95,42 +98,56 @@ PKV_TARGET static inline void FN(dot_4x2)(const float *q, int64_t q_stride,
 }
 
 #if PKV_DOT_WIDE
+/* Score vectors: the main vectors unless the including file chose others. */
+#ifndef SW
+#define PKV_SCORE_VECTORS_DEFAULT 1
+#define sf vf
+#define SW VW
+#define SZERO() VZERO()
+#define SLOAD(p) VLOAD(p)
+#define SLOAD_KV(p) VLOAD_KV(p)
+#define SFMA(a, b, c) VFMA(a, b, c)
+#define SKEEP(v) VKEEP(v)
+#define SHSUM4X4 VHSUM4X4
+#endif
+
 /* Scores of 4 query rows against 4 key rows: 16 accumulators, so each q and
- * K load feeds 4 FMAs (needs 32 vector registers). Prefetches the rows
+ * K load feeds 4 FMAs (needs 32 vector registers). The vectors are the score
+ * vectors sf of SW lanes; dim_vec is a multiple of SW. Prefetches the rows
  * pf[0..3] (of a later chunk) unless pf is NULL. */
 PKV_TARGET static inline void FN(dot_4x4)(const float *q, int64_t q_stride,
                                           const KV_T *const *k, const KV_T *const *pf,
                                           int64_t dim, int64_t dim_vec,
                                           float *s, int64_t s_stride)
 {
-    vf a00 = VZERO(), a01 = VZERO(), a02 = VZERO(), a03 = VZERO();
-    vf a10 = VZERO(), a11 = VZERO(), a12 = VZERO(), a13 = VZERO();
-    vf a20 = VZERO(), a21 = VZERO(), a22 = VZERO(), a23 = VZERO();
-    vf a30 = VZERO(), a31 = VZERO(), a32 = VZERO(), a33 = VZERO();
+    sf a00 = SZERO(), a01 = SZERO(), a02 = SZERO(), a03 = SZERO();
+    sf a10 = SZERO(), a11 = SZERO(), a12 = SZERO(), a13 = SZERO();
+    sf a20 = SZERO(), a21 = SZERO(), a22 = SZERO(), a23 = SZERO();
+    sf a30 = SZERO(), a31 = SZERO(), a32 = SZERO(), a33 = SZERO();
     const float *q0 = q, *q1 = q + q_stride, *q2 = q + 2 * q_stride, *q3 = q + 3 * q_stride;
     const KV_T *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
     int64_t d, i;
-    for (d = 0; d < dim_vec; d += VW) {
+    for (d = 0; d < dim_vec; d += SW) {
         if (pf != NULL && PF_AT(d)) {
             PKV_PREFETCH(pf[0] + d); PKV_PREFETCH(pf[1] + d);
             PKV_PREFETCH(pf[2] + d); PKV_PREFETCH(pf[3] + d);
         }
-        const vf x0 = VLOAD_KV(k0 + d), x1 = VLOAD_KV(k1 + d);
-        const vf x2 = VLOAD_KV(k2 + d), x3 = VLOAD_KV(k3 + d);
-        vf w = VLOAD(q0 + d);
-        VKEEP(w);
-        a00 = VFMA(w, x0, a00); a01 = VFMA(w, x1, a01); a02 = VFMA(w, x2, a02); a03 = VFMA(w, x3, a03);
-        w = VLOAD(q1 + d);
-        VKEEP(w);
-        a10 = VFMA(w, x0, a10); a11 = VFMA(w, x1, a11); a12 = VFMA(w, x2, a12); a13 = VFMA(w, x3, a13);
-        w = VLOAD(q2 + d);
-        VKEEP(w);
-        a20 = VFMA(w, x0, a20); a21 = VFMA(w, x1, a21); a22 = VFMA(w, x2, a22); a23 = VFMA(w, x3, a23);
-        w = VLOAD(q3 + d);
-        VKEEP(w);
-        a30 = VFMA(w, x0, a30); a31 = VFMA(w, x1, a31); a32 = VFMA(w, x2, a32); a33 = VFMA(w, x3, a33);
+        const sf x0 = SLOAD_KV(k0 + d), x1 = SLOAD_KV(k1 + d);
+        const sf x2 = SLOAD_KV(k2 + d), x3 = SLOAD_KV(k3 + d);
+        sf w = SLOAD(q0 + d);
+        SKEEP(w);
+        a00 = SFMA(w, x0, a00); a01 = SFMA(w, x1, a01); a02 = SFMA(w, x2, a02); a03 = SFMA(w, x3, a03);
+        w = SLOAD(q1 + d);
+        SKEEP(w);
+        a10 = SFMA(w, x0, a10); a11 = SFMA(w, x1, a11); a12 = SFMA(w, x2, a12); a13 = SFMA(w, x3, a13);
+        w = SLOAD(q2 + d);
+        SKEEP(w);
+        a20 = SFMA(w, x0, a20); a21 = SFMA(w, x1, a21); a22 = SFMA(w, x2, a22); a23 = SFMA(w, x3, a23);
+        w = SLOAD(q3 + d);
+        SKEEP(w);
+        a30 = SFMA(w, x0, a30); a31 = SFMA(w, x1, a31); a32 = SFMA(w, x2, a32); a33 = SFMA(w, x3, a33);
     }
-    VHSUM4X4(a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33,
+    SHSUM4X4(a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33,
              s, s_stride);
     for (; d < dim; d++) {
         for (i = 0; i < 4; i++) {
@@ -402,8 +419,8 @@ PKV_TARGET static inline void FN(score_tokens)(const FN(pkv_state) *st, const KV
         const float *q = st->qs + r * dim_pad;
         float *s = st->s + r * ch + t;
 #if PKV_DOT_WIDE
-        FN(dot_4x4)(q, dim_pad, k8, pf, dim, dim_vec, s, ch);
-        FN(dot_4x4)(q, dim_pad, k8 + 4, pf == NULL ? NULL : pf + 4, dim, dim_vec, s + 4, ch);
+        FN(dot_4x4)(q, dim_pad, k8, pf, dim, dim / SW * SW, s, ch);
+        FN(dot_4x4)(q, dim_pad, k8 + 4, pf == NULL ? NULL : pf + 4, dim, dim / SW * SW, s + 4, ch);
 #else
         FN(dot_4x2)(q, dim_pad, k8[0], k8[1], pf == NULL ? NULL : pf[0], pf == NULL ? NULL : pf[1],
                     dim, dim_vec, s, ch);
@@ -714,3 +731,14 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
 #undef FN
 #undef PKV_CAT_
 #undef PKV_CAT2_
+#ifdef PKV_SCORE_VECTORS_DEFAULT
+#undef PKV_SCORE_VECTORS_DEFAULT
+#undef sf
+#undef SW
+#undef SZERO
+#undef SLOAD
+#undef SLOAD_KV
+#undef SFMA
+#undef SKEEP
+#undef SHSUM4X4
+#endif
