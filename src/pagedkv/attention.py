@@ -48,7 +48,7 @@ also a tile of queries) that OpenMP threads take one at a time. Every output
 element comes from one item on one thread, in a fixed order, so the results
 are bit-identical for any ``num_threads``.
 
-SIMD paths (x86-64 AVX-512, AVX2 + FMA + F16C, portable C) are chosen once at
+SIMD paths (x86-64 AVX-512F + VL, AVX2 + FMA + F16C, portable C) are chosen once at
 import from what the CPU supports; :func:`kernel_info` reports the choice.
 The environment variable ``PAGEDKV_ATTENTION_ISA`` (``scalar``, ``avx2``,
 ``avx512``), read at import, caps the choice, e.g. to compare paths.
@@ -195,7 +195,8 @@ def kernel_info():
     Returns
     -------
     dict
-        ``isa`` (str): ``"avx512"``, ``"avx2"`` (AVX2 + FMA + F16C) or
+        ``isa`` (str): ``"avx512"`` (AVX-512F + VL, with AVX2, FMA, F16C),
+        ``"avx2"`` (AVX2 + FMA + F16C) or
         ``"scalar"`` (portable C); ``available_isas`` (list of str): paths
         this CPU and build can run; ``float16_conversion`` (str): ``"f16c"``
         (hardware conversion in the SIMD paths) or ``"portable"``; ``openmp``
