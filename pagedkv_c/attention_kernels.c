@@ -282,20 +282,26 @@ PKV_AVX2 static inline float pkv_hmax_avx2(__m256 v)
     return _mm_cvtss_f32(x);
 }
 PKV_AVX2 static inline float pkv_h2f_f16c(uint16_t h) { return _cvtsh_ss(h); }
-/* out[i] = sum of the lanes of ai: pairwise unpack/shuffle tree (11 adds). */
-PKV_AVX2 static inline void pkv_hsum8_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
-                                           __m256 a5, __m256 a6, __m256 a7, float *out)
+/* 128-bit lane j of the result = [a0, a1, a2, a3] partial sums over lane j:
+ * pairwise unpack, then shuffle. */
+PKV_AVX2 static inline __m256 pkv_sum4_lanes_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
 {
     const __m256 t0 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
     const __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
-    const __m256 t2 = _mm256_add_ps(_mm256_unpacklo_ps(a4, a5), _mm256_unpackhi_ps(a4, a5));
-    const __m256 t3 = _mm256_add_ps(_mm256_unpacklo_ps(a6, a7), _mm256_unpackhi_ps(a6, a7));
-    const __m256 u0 = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
-                                    _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m256 u1 = _mm256_add_ps(_mm256_shuffle_ps(t2, t3, _MM_SHUFFLE(1, 0, 1, 0)),
-                                    _mm256_shuffle_ps(t2, t3, _MM_SHUFFLE(3, 2, 3, 2)));
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                                        _mm256_permute2f128_ps(u0, u1, 0x31)));
+    return _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+/* [u0 lanes 0+1, u1 lanes 0+1] (128-bit lanes) */
+PKV_AVX2 static inline __m256 pkv_pair_lanes_avx2(__m256 u0, __m256 u1)
+{
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+/* out[i] = sum of the lanes of ai (11 adds). */
+PKV_AVX2 static inline void pkv_hsum8_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
+                                           __m256 a5, __m256 a6, __m256 a7, float *out)
+{
+    _mm256_storeu_ps(out, pkv_pair_lanes_avx2(pkv_sum4_lanes_avx2(a0, a1, a2, a3),
+                                              pkv_sum4_lanes_avx2(a4, a5, a6, a7)));
 }
 
 #define PKV_TARGET PKV_AVX2
@@ -403,45 +409,33 @@ PKV_AVX512 static inline float pkv_hmax_avx512(__m512 v)
     return _mm_cvtss_f32(x);
 }
 PKV_AVX512 static inline float pkv_h2f_f16c512(uint16_t h) { return _cvtsh_ss(h); }
-/* out[i] = sum of the lanes of ai: within 128-bit lanes as in the AVX2
- * version, then across the four lanes. */
-PKV_AVX512 static inline void pkv_hsum8_avx512(__m512 a0, __m512 a1, __m512 a2, __m512 a3,
-                                               __m512 a4, __m512 a5, __m512 a6, __m512 a7,
-                                               float *out)
-{
-    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    const __m512 t2 = _mm512_add_ps(_mm512_unpacklo_ps(a4, a5), _mm512_unpackhi_ps(a4, a5));
-    const __m512 t3 = _mm512_add_ps(_mm512_unpacklo_ps(a6, a7), _mm512_unpackhi_ps(a6, a7));
-    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
-                                    _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_ps(t2, t3, _MM_SHUFFLE(1, 0, 1, 0)),
-                                    _mm512_shuffle_ps(t2, t3, _MM_SHUFFLE(3, 2, 3, 2)));
-    /* u0 lane j = [a0, a1, a2, a3] partial sums of 128-bit lane j; u1 for a4..a7 */
-    const __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(z, z, _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(z, z, _MM_SHUFFLE(3, 1, 3, 1)));
-    _mm256_storeu_ps(out, _mm512_castps512_ps256(w));
-}
-
-/* s[i * stride + j] = sum of the lanes of aij (4 rows i x 4 tokens j): the
- * tree of pkv_hsum8_avx512 (same sums, same order) run once over all 16
- * accumulators, so that every shuffle and add serves 16 results, not 8. */
+/* As pkv_sum4_lanes_avx2, in each of the four 128-bit lanes. */
 PKV_AVX512 static inline __m512 pkv_sum4_lanes_avx512(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
 {
-    /* 128-bit lane j of the result = [a0, a1, a2, a3] partial sums over lane j */
     const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
     const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
     return _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
 }
+/* [u0 lanes 0+1, u0 lanes 2+3, u1 lanes 0+1, u1 lanes 2+3] (128-bit lanes) */
 PKV_AVX512 static inline __m512 pkv_pair_lanes_avx512(__m512 u0, __m512 u1)
 {
-    /* [u0 lanes 0+1, u0 lanes 2+3, u1 lanes 0+1, u1 lanes 2+3] */
     return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
+/* out[i] = sum of the lanes of ai: within 128-bit lanes, then across them. */
+PKV_AVX512 static inline void pkv_hsum8_avx512(__m512 a0, __m512 a1, __m512 a2, __m512 a3,
+                                               __m512 a4, __m512 a5, __m512 a6, __m512 a7,
+                                               float *out)
+{
+    const __m512 z = pkv_pair_lanes_avx512(pkv_sum4_lanes_avx512(a0, a1, a2, a3),
+                                           pkv_sum4_lanes_avx512(a4, a5, a6, a7));
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(pkv_pair_lanes_avx512(z, z)));
+}
+
+/* s[i * stride + j] = sum of the lanes of aij (4 rows i x 4 tokens j): the
+ * tree of pkv_hsum8_avx512 (same sums, same order) run once over all 16
+ * accumulators, so that every shuffle and add serves 16 results, not 8. */
 #define VHSUM4X4(a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33, \
                  s, stride)                                                                    \
     do {                                                                                      \
@@ -457,30 +451,17 @@ PKV_AVX512 static inline __m512 pkv_pair_lanes_avx512(__m512 u0, __m512 u1)
     } while (0)
 
 /* VHSUM4X4 for 8-lane (256-bit) accumulators. */
-PKV_AVX512 static inline __m256 pkv_sum4_lanes_ymm(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
-{
-    /* 128-bit lane j of the result = [a0, a1, a2, a3] partial sums over lane j */
-    const __m256 t0 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
-    const __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
-    return _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
-}
-PKV_AVX512 static inline __m256 pkv_pair_lanes_ymm(__m256 u0, __m256 u1)
-{
-    /* [u0 lanes 0+1, u1 lanes 0+1] */
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-#define PKV_HSUM4X4_YMM(a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31,   \
-                        a32, a33, s, stride)                                                 \
-    do {                                                                                      \
-        const __m256 r01_ = pkv_pair_lanes_ymm(pkv_sum4_lanes_ymm(a00, a01, a02, a03),       \
-                                               pkv_sum4_lanes_ymm(a10, a11, a12, a13));      \
-        const __m256 r23_ = pkv_pair_lanes_ymm(pkv_sum4_lanes_ymm(a20, a21, a22, a23),       \
-                                               pkv_sum4_lanes_ymm(a30, a31, a32, a33));      \
-        _mm_storeu_ps((s), _mm256_castps256_ps128(r01_));                                     \
-        _mm_storeu_ps((s) + (stride), _mm256_extractf128_ps(r01_, 1));                       \
-        _mm_storeu_ps((s) + 2 * (stride), _mm256_castps256_ps128(r23_));                     \
-        _mm_storeu_ps((s) + 3 * (stride), _mm256_extractf128_ps(r23_, 1));                   \
+#define PKV_HSUM4X4_YMM(a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, \
+                        a32, a33, s, stride)                                               \
+    do {                                                                                    \
+        const __m256 r01_ = pkv_pair_lanes_avx2(pkv_sum4_lanes_avx2(a00, a01, a02, a03),    \
+                                                pkv_sum4_lanes_avx2(a10, a11, a12, a13));   \
+        const __m256 r23_ = pkv_pair_lanes_avx2(pkv_sum4_lanes_avx2(a20, a21, a22, a23),    \
+                                                pkv_sum4_lanes_avx2(a30, a31, a32, a33));   \
+        _mm_storeu_ps((s), _mm256_castps256_ps128(r01_));                                   \
+        _mm_storeu_ps((s) + (stride), _mm256_extractf128_ps(r01_, 1));                      \
+        _mm_storeu_ps((s) + 2 * (stride), _mm256_castps256_ps128(r23_));                    \
+        _mm_storeu_ps((s) + 3 * (stride), _mm256_extractf128_ps(r23_, 1));                  \
     } while (0)
 
 #define PKV_TARGET PKV_AVX512
@@ -540,14 +521,6 @@ PKV_AVX512 static inline __m256 pkv_pair_lanes_ymm(__m256 u0, __m256 u1)
 #undef KV_TO_F
 #undef KV_CHUNK
 #undef VLOAD_KV
-#undef sf
-#undef SW
-#undef SZERO
-#undef SLOAD
-#undef SLOAD_KV
-#undef SFMA
-#undef SKEEP
-#undef SHSUM4X4
 
 #undef PKV_TARGET
 #undef vf

@@ -19,7 +19,7 @@
  *                = horizontal sum of aij, the order of VHSUM8
  *   sf, SW, SZERO SLOAD SLOAD_KV SFMA SKEEP SHSUM4X4  optional (with
  *                PKV_DOT_WIDE): the vectors of the 4x4 score block, if not
- *                vf and its macros (see dot_4x4)
+ *                vf and its macros (see dot_4x4); undefined at the end
  *   PKV_PV_WIDE  1: the V accumulation keeps 16 vectors in registers
  *   PKV_DOT_WIDE 1: scores 4 rows x 4 tokens at once (16 accumulators)
  *   VKEEP(v)     keeps a loaded vector in a register (not refolded into
@@ -731,7 +731,7 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
 #undef FN
 #undef PKV_CAT_
 #undef PKV_CAT2_
-#ifdef PKV_SCORE_VECTORS_DEFAULT
+/* The score-vector macros end here, whoever defined them. */
 #undef PKV_SCORE_VECTORS_DEFAULT
 #undef sf
 #undef SW
@@ -741,4 +741,3 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
 #undef SFMA
 #undef SKEEP
 #undef SHSUM4X4
-#endif
