@@ -424,7 +424,8 @@ cdef bint _table_ok(_Problem p, const int64_t* qo, int64_t num_tokens) noexcept:
 
     Checks offsets, page ids, lengths and that each sequence holds the
     positions of its queries (decode: the last token; prefill, with ``qo``:
-    its last ``qo_len`` tokens). Only when this fails do the NumPy checks of
+    its last ``qo_len`` tokens) and every position they attend to (see
+    ``_admitted_ranges``). Only when this fails do the NumPy checks of
     ``_explain_table_error`` run, to name what is wrong.
     """
     cdef const int32_t* indptr = <const int32_t*>cnp.PyArray_DATA(p.indptr)
@@ -432,7 +433,7 @@ cdef bint _table_ok(_Problem p, const int64_t* qo, int64_t num_tokens) noexcept:
     cdef const int64_t* starts = <const int64_t*>cnp.PyArray_DATA(p.page_positions)
     cdef const int64_t* seq_lens = <const int64_t*>cnp.PyArray_DATA(p.seq_lens)
     cdef int64_t nnz = cnp.PyArray_DIM(p.indices, 0)
-    cdef int64_t b, j, first, need, held, lo, hi
+    cdef int64_t b, j, first, need, held, lo, hi, key_lo, sink_hi
     if indptr[0] != 0 or indptr[p.batch_size] != nnz:
         return False
     if qo != NULL and (qo[0] != 0 or qo[p.batch_size] != num_tokens):
@@ -461,6 +462,20 @@ cdef bint _table_ok(_Problem p, const int64_t* qo, int64_t num_tokens) noexcept:
             if hi > lo:
                 held += hi - lo
         if held != need:
+            return False
+        # every key a query admits: [key_lo, seq_len) and the sinks [0, sink_hi)
+        key_lo = max(first - p.window + 1, 0) if p.window > 0 else 0
+        sink_hi = min(p.sink_tokens, key_lo) if p.window > 0 else 0
+        held = 0
+        for j in range(indptr[b], indptr[b + 1]):
+            lo = max(starts[j], key_lo)
+            hi = min(starts[j] + p.page_size, seq_lens[b])
+            if hi > lo:
+                held += hi - lo
+            hi = min(starts[j] + p.page_size, sink_hi)
+            if hi > starts[j]:
+                held += hi - starts[j]
+        if held != seq_lens[b] - key_lo + sink_hi:
             return False
     return True
 
@@ -501,6 +516,35 @@ cdef object _cached_from(_Problem p, object first_positions):
     return np.bincount(owner, weights=held, minlength=p.batch_size).astype(np.int64)
 
 
+cdef int _explain_missing_keys(_Problem p, object seq_ids, object first_positions, object active,
+                               str argument) except -1:
+    """Raise if a sequence whose queries start at first_positions[b] lacks a key they admit.
+
+    The queries admit positions [key_lo, seq_len) and, with a window, the
+    sinks below key_lo; the kernels read only the listed pages, so a released
+    page would silently drop keys from the softmax.
+    """
+    if p.window > 0:
+        key_lo = np.maximum(first_positions - p.window + 1, 0)
+        sink_hi = np.minimum(key_lo, p.sink_tokens)
+    else:
+        key_lo = np.zeros(p.batch_size, dtype=np.int64)
+        sink_hi = key_lo
+    held = _cached_from(p, key_lo) + _cached_from(p, np.zeros_like(key_lo)) - _cached_from(p, sink_hi)
+    missing = active & (held != p.seq_lens - key_lo + sink_hi)
+    if missing.any():
+        b = int(np.flatnonzero(missing)[0])
+        sinks = f" and the sink positions 0..{int(sink_hi[b]) - 1}" if sink_hi[b] > 0 else ""
+        why = ("the sliding window releases them once later tokens are appended, so run attention "
+               "over new tokens before appending more" if p.window > 0 else
+               "the page table must list every cached position")
+        raise ValueError(
+            f"Invalid value of {argument}: sequence {_describe(seq_ids, b)} does not hold every key "
+            f"its queries attend to (positions {int(key_lo[b])}..{int(p.seq_lens[b]) - 1}{sinks}); {why}"
+        )
+    return 0
+
+
 cdef int _explain_decode(_Problem p, object seq_ids) except -1:
     if p.batch_size > 0:
         empty = p.seq_lens <= 0
@@ -514,6 +558,7 @@ cdef int _explain_decode(_Problem p, object seq_ids) except -1:
                 f"Invalid value of seq_ids: sequence {_describe(seq_ids, b)} does not hold its last "
                 f"token (position {int(p.seq_lens[b]) - 1}) in its page table"
             )
+        _explain_missing_keys(p, seq_ids, p.seq_lens - 1, np.ones(p.batch_size, dtype=bool), "seq_ids")
     return 0
 
 
@@ -552,6 +597,7 @@ cdef int _explain_prefill(_Problem p, object seq_ids, object qo) except -1:
                 f"{int(qo_lens[b])} new tokens (positions {int(p.seq_lens[b] - qo_lens[b])}.."
                 f"{int(p.seq_lens[b]) - 1}) in its page table"
             )
+        _explain_missing_keys(p, seq_ids, p.seq_lens - qo_lens, qo_lens > 0, "qo_indptr")
     return 0
 
 

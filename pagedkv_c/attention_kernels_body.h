@@ -42,8 +42,10 @@
 #define PKV_CAT_(a, b) PKV_CAT2_(a, b)
 #define FN(name) PKV_CAT_(name, PKV_SUFFIX)
 
-/* 1 if the vector at element d of a row starts a 64-byte line (d a multiple
- * of VW): prefetches go out once per line, not once per vector. */
+/* 1 if element d of a row (d a multiple of the vector width) is a multiple
+ * of 64 bytes from the row start: prefetches go out once per 64 bytes, not
+ * once per vector. Rows that are not line-aligned, or whose scalar tail
+ * spills into one more line, leave that line to a demand miss. */
 #define PF_AT(d) (((d) & (64 / (int64_t)sizeof(KV_T) - 1)) == 0)
 
 /* Scores of 4 query rows (stride q_stride) against 2 key rows; prefetches

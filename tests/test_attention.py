@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pagedkv import attention
+from pagedkv import KVCache, attention
 from pagedkv_c import _attention
 
 from _fake_cache import FakeCache, FakePageTableView
@@ -684,4 +684,43 @@ def test_prefill_rejects_queries_whose_tokens_were_released():
     q = np.zeros((6, 1, 8), np.float32)
     with pytest.raises(ValueError, match="does not hold all of its 6 new tokens"):
         attention.prefill(q, cache, 0, ["s"], [0, 6])
-    attention.prefill(q[:3], cache, 0, ["s"], [0, 3])
+    # 3 queries at 17..19 are held, but the one at 17 attends to 15, which is not
+    with pytest.raises(ValueError, match=r"qo_indptr: sequence 's' does not hold every key .*15\.\.19"):
+        attention.prefill(q[:3], cache, 0, ["s"], [0, 3])
+    attention.prefill(q[:2], cache, 0, ["s"], [0, 2])
+
+
+def test_decode_rejects_a_page_table_that_lacks_keys_of_the_window():
+    cache = FakeCache(1, 1, 8, 32, 1, np.float32, window=4, sink_tokens=2, seed=19)
+    cache.add_sequence("short", 20, hold_from=18)  # the query at 19 attends to 16..19
+    cache.add_sequence("ok", 20, hold_from=16)
+    q = np.zeros((1, 1, 8), np.float32)
+    with pytest.raises(ValueError, match=r"seq_ids: sequence 'short' does not hold every key .*16\.\.19 "
+                                         r"and the sink positions 0\.\.1"):
+        attention.decode(q, cache, 0, ["short"])
+    want, _ = reference(cache, 0, "ok", q, [19], 1 / np.sqrt(8))
+    assert_close(attention.decode(q, cache, 0, ["ok"]), want, np.float32)
+
+
+def test_prefill_over_tokens_of_an_earlier_append_raises_once_the_window_released_their_keys():
+    """Queries whose window reaches into pages a later append released would
+    silently lose keys from the softmax: the call must refuse instead."""
+    window, dim = 4, 8
+    cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=dim, num_pages=32, page_size=1,
+                    dtype=np.float32, window=window)
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((9, 1, dim), dtype=np.float32)
+    values = rng.standard_normal((9, 1, dim), dtype=np.float32)
+    cache.add_sequence(0)
+    cache.store(0, cache.append([0], [8]), keys[:8], values[:8])
+    q = rng.standard_normal((3, 1, dim), dtype=np.float32)
+    before = attention.prefill(q, cache, 0, [0], [0, 3])  # positions 5..7, all keys held
+    want, _ = reference(cache, 0, 0, q, [5, 6, 7], 1 / np.sqrt(dim))
+    assert_close(before, want, np.float32)
+    cache.store(0, cache.append([0], [1]), keys[8:], values[8:])  # releases positions 0..4
+    assert cache.gather(0, 0)[2].tolist() == [5, 6, 7, 8]
+    with pytest.raises(ValueError, match=r"qo_indptr: sequence 0 does not hold every key .*3\.\.8"):
+        attention.prefill(q, cache, 0, [0], [0, 3])  # positions 6..8: 6 needs 3 and 4
+    out = attention.prefill(q[2:], cache, 0, [0], [0, 1])  # position 8 needs 5..8: held
+    want, _ = reference(cache, 0, 0, q[2:], [8], 1 / np.sqrt(dim))
+    assert_close(out, want, np.float32)

@@ -108,8 +108,9 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
         ``q`` has the wrong shape (``B`` not ``len(seq_ids)``, ``D`` not
         ``head_dim``, ``Hq`` not a multiple of ``num_kv_heads``),
         ``cache.head_dim > 256``, ``scale`` is not finite, ``num_threads`` is
-        out of range, a sequence holds no cached token, or the page table the
-        cache returned is malformed.
+        out of range, a sequence holds no cached token, the page table the
+        cache returned is malformed, or it no longer lists a key the query
+        attends to (a position in its window or a sink).
     TypeError
         ``q`` is not an ndarray, ``q`` or ``cache.kv`` is neither float32 nor
         float16, or ``layer``, ``num_threads``, ``scale`` or ``return_lse`` has
@@ -173,7 +174,9 @@ def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, r
         not start at 0, decreases, does not end at ``T``, or gives a sequence
         more new tokens than it has (``qo_len_b > seq_len_b``) or than it
         still holds in its page table; a sequence with queries holds no
-        cached token.
+        cached token; a query's window reaches a position the sequence no
+        longer holds (the window released it when later tokens were appended:
+        run prefill over each append's tokens before appending more).
     TypeError
         As in :func:`decode`, or ``qo_indptr`` is not a 1-D sequence of
         integers.
