@@ -88,6 +88,20 @@ cdef int64_t _BYTES_PER_THREAD = 2 * 1024 * 1024
 _ISA_BY_NAME = {"scalar": PKV_ISA_SCALAR, "avx2": PKV_ISA_AVX2, "avx512": PKV_ISA_AVX512}
 
 cdef pkv_isa _isa = PKV_ISA_SCALAR
+# GNU OpenMP's thread pool does not survive fork(): a child whose parent had
+# run a team of several threads hangs in its first parallel region. Once this
+# process has run such a team, a child forked from it runs on one thread.
+cdef bint _ran_team = False
+cdef bint _forked_after_team = False
+
+
+def _after_fork_in_child():
+    global _forked_after_team
+    if _ran_team:
+        _forked_after_team = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 cdef pkv_isa _capped_isa(str cap):
@@ -113,7 +127,7 @@ def kernel_info():
         ],
         "float16_conversion": "f16c" if _isa != PKV_ISA_SCALAR else "portable",
         "openmp": bool(pkv_have_openmp()),
-        "max_threads": pkv_omp_max_threads(),
+        "max_threads": 1 if _forked_after_team else pkv_omp_max_threads(),
         "max_head_dim": PKV_MAX_HEAD_DIM,
     }
 
@@ -150,7 +164,12 @@ def _half_to_float_portable(bits):
 cdef int _run_items(const pkv_attention_args* args, const pkv_work_item* items,
                     Py_ssize_t num_items, int64_t max_rows, int num_threads) except -1 nogil:
     """Run work items over OpenMP threads, one scratch block per thread."""
+    global _ran_team
     cdef pkv_item_kernel kernel = pkv_get_kernel(_isa, args.pool_is_f16)
+    if _forked_after_team:
+        num_threads = 1
+    elif num_threads > 1:
+        _ran_team = True
     # Per-thread scratch rounded to 64 bytes so threads never share a line.
     cdef int64_t stride = (pkv_scratch_floats(max_rows, args.head_dim) + 15) // 16 * 16
     cdef float* scratch = <float*>malloc(<size_t>(stride * num_threads + 16) * sizeof(float))

@@ -167,6 +167,36 @@ def test_environment_variable_caps_the_path(cap):
     assert got == expected
 
 
+FORK_AFTER_TEAM = """
+import os, signal, numpy as np
+from pagedkv import KVCache, attention
+cache = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, num_pages=64, page_size=16)
+cache.add_sequence(0); cache.add_sequence(1)
+slots = cache.append([0, 1], [100, 100])
+kv = np.random.default_rng(0).standard_normal((200, 2, 64), dtype=np.float32)
+cache.store(0, slots, kv, kv)
+q = np.ones((2, 4, 64), np.float32)
+parent = attention.decode(q, cache, 0, [0, 1], num_threads=2)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)  # a hung child dies of SIGALRM
+    child = attention.decode(q, cache, 0, [0, 1], num_threads=2)
+    ok = np.array_equal(child, parent) and attention.kernel_info()["max_threads"] == 1
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+print("signal", os.WTERMSIG(status) if os.WIFSIGNALED(status) else "exit", os.WEXITSTATUS(status))
+"""
+
+
+@pytest.mark.skipif(not attention.kernel_info()["openmp"] or not hasattr(os, "fork"),
+                    reason="needs OpenMP and os.fork")
+def test_a_child_forked_after_a_multithreaded_call_runs_on_one_thread():
+    """GNU OpenMP's pool does not survive fork: without the guard the child hangs."""
+    got = subprocess.run([sys.executable, "-P", "-c", FORK_AFTER_TEAM], capture_output=True,
+                         text=True, check=True, timeout=120).stdout.strip()
+    assert got == "signal exit 0"
+
+
 def test_set_isa_rejects_unknown_path():
     with pytest.raises(ValueError, match="name"):
         _attention._set_isa("sse9")

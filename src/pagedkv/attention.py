@@ -83,7 +83,10 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
         maximum (``kernel_info()["max_threads"]``), lowered so that each
         thread reads at least 2 MiB of K/V (small calls run on one thread:
         waking idle threads costs more than they save). Results do not
-        depend on it.
+        depend on it. A process forked (``os.fork``, multiprocessing's
+        ``fork`` start method) after attention ran on several threads runs
+        every call on one thread, as GNU OpenMP's thread pool does not
+        survive fork (``kernel_info()["max_threads"]`` is then 1).
     return_lse : bool, default False
         Also return the log-sum-exp of the scaled scores.
 
