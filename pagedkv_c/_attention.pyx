@@ -10,6 +10,7 @@ results do not depend on the number of threads.
 import math
 import numbers
 import os
+import warnings
 
 import numpy as np
 
@@ -83,6 +84,8 @@ cdef extern from *:
 # many times while the accumulators stay in L1.
 cdef int64_t PREFILL_ROWS = 16
 _MAX_THREADS_ARG = 1024
+# Largest |scale|: the kernels compute scale * log2(e) in float32 (max 3.4e38).
+_MAX_SCALE = 1e38
 # Bytes of K/V each thread should read before num_threads=None adds a thread.
 cdef int64_t _BYTES_PER_THREAD = 2 * 1024 * 1024
 _ISA_BY_NAME = {"scalar": PKV_ISA_SCALAR, "avx2": PKV_ISA_AVX2, "avx512": PKV_ISA_AVX512}
@@ -115,7 +118,14 @@ cdef pkv_isa _capped_isa(str cap):
     return PKV_ISA_SCALAR
 
 
-_isa = _capped_isa(os.environ.get("PAGEDKV_ATTENTION_ISA", "").strip().lower())
+_isa_cap = os.environ.get("PAGEDKV_ATTENTION_ISA", "").strip().lower()
+if _isa_cap and _isa_cap not in _ISA_BY_NAME:
+    warnings.warn(
+        f"PAGEDKV_ATTENTION_ISA={_isa_cap!r} is not one of {sorted(_ISA_BY_NAME)}; ignored",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+_isa = _capped_isa(_isa_cap)
 
 
 def kernel_info():
@@ -388,8 +398,11 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
     else:
         if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
             raise TypeError(f"Invalid type of scale: expected a real number or None, got {type(scale).__name__}")
-        if not math.isfinite(float(scale)):
-            raise ValueError(f"Invalid value of scale: expected a finite number, got {scale}")
+        # float32 math: scale * log2(e) must stay finite
+        if not math.isfinite(float(scale)) or abs(float(scale)) > _MAX_SCALE:
+            raise ValueError(
+                f"Invalid value of scale: expected a finite number with |scale| <= {_MAX_SCALE:g}, got {scale}"
+            )
         p.scale = float(scale)
     p.auto_threads = num_threads is None
     if num_threads is None:

@@ -197,6 +197,15 @@ def test_a_child_forked_after_a_multithreaded_call_runs_on_one_thread():
     assert got == "signal exit 0"
 
 
+def test_unknown_isa_cap_in_the_environment_warns_and_is_ignored():
+    env = dict(os.environ, PAGEDKV_ATTENTION_ISA="bogus")
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "try:\n    from pagedkv import attention\nexcept RuntimeWarning as w:\n    print(w)")
+    got = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert "PAGEDKV_ATTENTION_ISA='bogus'" in got and "ignored" in got
+
+
 def test_set_isa_rejects_unknown_path():
     with pytest.raises(ValueError, match="name"):
         _attention._set_isa("sse9")
@@ -648,6 +657,7 @@ DECODE_BAD = [
     (dict(seq_ids=["a", "empty"]), ValueError, "'empty' has no cached token"),
     (dict(seq_ids=["a", "zzz"]), KeyError, "zzz"),
     (dict(scale=float("nan")), ValueError, "scale"),
+    (dict(scale=1e39), ValueError, "scale"),  # finite in float64, inf in float32
     (dict(scale="1"), TypeError, "scale"),
     (dict(num_threads=0), ValueError, "num_threads"),
     (dict(num_threads=2.0), TypeError, "num_threads"),

@@ -51,7 +51,8 @@ are bit-identical for any ``num_threads``.
 SIMD paths (x86-64 AVX-512F + VL, AVX2 + FMA + F16C, portable C) are chosen once at
 import from what the CPU supports; :func:`kernel_info` reports the choice.
 The environment variable ``PAGEDKV_ATTENTION_ISA`` (``scalar``, ``avx2``,
-``avx512``), read at import, caps the choice, e.g. to compare paths.
+``avx512``), read at import, caps the choice, e.g. to compare paths; any
+other value is ignored with a RuntimeWarning.
 """
 from pagedkv_c import _attention
 
@@ -77,7 +78,8 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
         ``b`` sits at position ``seq_len(seq_ids[b]) - 1``, the last token
         appended (already stored).
     scale : float, optional
-        Multiplies ``q . k`` before the softmax. Default ``1 / sqrt(D)``.
+        Multiplies ``q . k`` before the softmax; finite, ``|scale| <= 1e38``
+        (the kernels work in float32). Default ``1 / sqrt(D)``.
     num_threads : int, optional
         OpenMP threads, ``1 <= num_threads <= 1024``; default: OpenMP's
         maximum (``kernel_info()["max_threads"]``), lowered so that each
@@ -110,8 +112,9 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
     ValueError
         ``q`` has the wrong shape (``B`` not ``len(seq_ids)``, ``D`` not
         ``head_dim``, ``Hq`` not a multiple of ``num_kv_heads``),
-        ``cache.head_dim > 256``, ``scale`` is not finite, ``num_threads`` is
-        out of range, a sequence holds no cached token, the page table the
+        ``cache.head_dim > 256``, ``scale`` is not finite or
+        ``|scale| > 1e38``, ``num_threads`` is out of range, a sequence
+        holds no cached token, the page table the
         cache returned is malformed, or it no longer lists a key the query
         attends to (a position in its window or a sink).
     TypeError
