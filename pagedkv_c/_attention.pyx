@@ -451,6 +451,18 @@ cdef void _cap_threads(_Problem p, int64_t query_tiles) noexcept:
         p.num_threads = <int>wanted
 
 
+cdef inline int64_t _held_in(const int64_t* starts, int64_t j0, int64_t j1, int64_t page_size,
+                            int64_t lo, int64_t hi) noexcept:
+    """Positions in [lo, hi) that the listed pages j0 .. j1 - 1 cover."""
+    cdef int64_t j, a, z, held = 0
+    for j in range(j0, j1):
+        a = max(starts[j], lo)
+        z = min(starts[j] + page_size, hi)
+        if z > a:
+            held += z - a
+    return held
+
+
 cdef bint _table_ok(_Problem p, const int64_t* qo, int64_t num_tokens) noexcept:
     """One pass over the page table: True when every value check passes.
 
@@ -465,7 +477,7 @@ cdef bint _table_ok(_Problem p, const int64_t* qo, int64_t num_tokens) noexcept:
     cdef const int64_t* starts = <const int64_t*>cnp.PyArray_DATA(p.page_positions)
     cdef const int64_t* seq_lens = <const int64_t*>cnp.PyArray_DATA(p.seq_lens)
     cdef int64_t nnz = cnp.PyArray_DIM(p.indices, 0)
-    cdef int64_t b, j, first, need, held, lo, hi, key_lo, sink_hi
+    cdef int64_t b, j, first, need, held, key_lo, sink_hi
     if indptr[0] != 0 or indptr[p.batch_size] != nnz:
         return False
     if qo != NULL and (qo[0] != 0 or qo[p.batch_size] != num_tokens):
@@ -487,26 +499,13 @@ cdef bint _table_ok(_Problem p, const int64_t* qo, int64_t num_tokens) noexcept:
         if need > seq_lens[b]:
             return False
         first = seq_lens[b] - need
-        held = 0
-        for j in range(indptr[b], indptr[b + 1]):
-            lo = max(starts[j], first)
-            hi = min(starts[j] + p.page_size, seq_lens[b])
-            if hi > lo:
-                held += hi - lo
-        if held != need:
+        if _held_in(starts, indptr[b], indptr[b + 1], p.page_size, first, seq_lens[b]) != need:
             return False
         # every key a query admits: [key_lo, seq_len) and the sinks [0, sink_hi)
         key_lo = max(first - p.window + 1, 0) if p.window > 0 else 0
         sink_hi = min(p.sink_tokens, key_lo) if p.window > 0 else 0
-        held = 0
-        for j in range(indptr[b], indptr[b + 1]):
-            lo = max(starts[j], key_lo)
-            hi = min(starts[j] + p.page_size, seq_lens[b])
-            if hi > lo:
-                held += hi - lo
-            hi = min(starts[j] + p.page_size, sink_hi)
-            if hi > starts[j]:
-                held += hi - starts[j]
+        held = (_held_in(starts, indptr[b], indptr[b + 1], p.page_size, key_lo, seq_lens[b])
+                + _held_in(starts, indptr[b], indptr[b + 1], p.page_size, 0, sink_hi))
         if held != seq_lens[b] - key_lo + sink_hi:
             return False
     return True
