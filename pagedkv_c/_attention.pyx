@@ -466,11 +466,12 @@ cdef inline int64_t _held_in(const int64_t* starts, int64_t j0, int64_t j1, int6
 cdef bint _table_ok(_Problem p, const int64_t* qo, int64_t num_tokens) noexcept:
     """One pass over the page table: True when every value check passes.
 
-    Checks offsets, page ids, lengths and that each sequence holds the
-    positions of its queries (decode: the last token; prefill, with ``qo``:
-    its last ``qo_len`` tokens) and every position they attend to (see
-    ``_admitted_ranges``). Only when this fails do the NumPy checks of
-    ``_explain_table_error`` run, to name what is wrong.
+    Checks offsets, page ids, lengths and that each sequence holds every
+    position its queries (decode: the last token; prefill, with ``qo``: its
+    last ``qo_len`` tokens) attend to, the queries' own positions included:
+    the window range and the sinks below it (see ``_explain_missing_keys``).
+    Only when this fails do the NumPy checks of ``_explain_table_error`` run,
+    to name what is wrong.
     """
     cdef const int32_t* indptr = <const int32_t*>cnp.PyArray_DATA(p.indptr)
     cdef const int32_t* indices = <const int32_t*>cnp.PyArray_DATA(p.indices)
@@ -499,9 +500,8 @@ cdef bint _table_ok(_Problem p, const int64_t* qo, int64_t num_tokens) noexcept:
         if need > seq_lens[b]:
             return False
         first = seq_lens[b] - need
-        if _held_in(starts, indptr[b], indptr[b + 1], p.page_size, first, seq_lens[b]) != need:
-            return False
-        # every key a query admits: [key_lo, seq_len) and the sinks [0, sink_hi)
+        # every key a query admits, [key_lo, seq_len) (the queries' positions
+        # included) and the sinks [0, sink_hi)
         key_lo = max(first - p.window + 1, 0) if p.window > 0 else 0
         sink_hi = min(p.sink_tokens, key_lo) if p.window > 0 else 0
         held = (_held_in(starts, indptr[b], indptr[b + 1], p.page_size, key_lo, seq_lens[b])
