@@ -48,23 +48,23 @@
  * spills into one more line, leave that line to a demand miss. */
 #define PF_AT(d) (((d) & (64 / (int64_t)sizeof(KV_T) - 1)) == 0)
 
-/* Scores of 4 query rows (stride q_stride) against 2 key rows; prefetches
- * the rows pf0 and pf1 (of a later chunk) unless pf0 is NULL. */
+/* Scores of 4 query rows (stride q_stride) against 2 key rows k[0..1];
+ * prefetches the rows pf[0..1] (of a later chunk) unless pf is NULL. */
 PKV_TARGET static inline void FN(dot_4x2)(const float *q, int64_t q_stride,
-                                          const KV_T *k0, const KV_T *k1,
-                                          const KV_T *pf0, const KV_T *pf1,
+                                          const KV_T *const *k, const KV_T *const *pf,
                                           int64_t dim, int64_t dim_vec,
                                           float *s, int64_t s_stride)
 {
     vf a00 = VZERO(), a01 = VZERO(), a10 = VZERO(), a11 = VZERO();
     vf a20 = VZERO(), a21 = VZERO(), a30 = VZERO(), a31 = VZERO();
     const float *q0 = q, *q1 = q + q_stride, *q2 = q + 2 * q_stride, *q3 = q + 3 * q_stride;
+    const KV_T *k0 = k[0], *k1 = k[1];
     float r[8];
     int64_t d;
     for (d = 0; d < dim_vec; d += VW) {
-        if (pf0 != NULL && PF_AT(d)) {
-            PKV_PREFETCH(pf0 + d);
-            PKV_PREFETCH(pf1 + d);
+        if (pf != NULL && PF_AT(d)) {
+            PKV_PREFETCH(pf[0] + d);
+            PKV_PREFETCH(pf[1] + d);
         }
         const vf x0 = VLOAD_KV(k0 + d);
         const vf x1 = VLOAD_KV(k1 + d);
@@ -424,14 +424,8 @@ PKV_TARGET static inline void FN(score_tokens)(const FN(pkv_state) *st, const KV
         FN(dot_4x4)(q, dim_pad, k8, pf, dim, dim / SW * SW, s, ch);
         FN(dot_4x4)(q, dim_pad, k8 + 4, pf == NULL ? NULL : pf + 4, dim, dim / SW * SW, s + 4, ch);
 #else
-        FN(dot_4x2)(q, dim_pad, k8[0], k8[1], pf == NULL ? NULL : pf[0], pf == NULL ? NULL : pf[1],
-                    dim, dim_vec, s, ch);
-        FN(dot_4x2)(q, dim_pad, k8[2], k8[3], pf == NULL ? NULL : pf[2], pf == NULL ? NULL : pf[3],
-                    dim, dim_vec, s + 2, ch);
-        FN(dot_4x2)(q, dim_pad, k8[4], k8[5], pf == NULL ? NULL : pf[4], pf == NULL ? NULL : pf[5],
-                    dim, dim_vec, s + 4, ch);
-        FN(dot_4x2)(q, dim_pad, k8[6], k8[7], pf == NULL ? NULL : pf[6], pf == NULL ? NULL : pf[7],
-                    dim, dim_vec, s + 6, ch);
+        for (u = 0; u < 8; u += 2)
+            FN(dot_4x2)(q, dim_pad, k8 + u, pf == NULL ? NULL : pf + u, dim, dim_vec, s + u, ch);
 #endif
         pf = NULL; /* once per chunk: later row blocks read the same rows */
     }
