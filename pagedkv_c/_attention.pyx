@@ -56,7 +56,8 @@ cdef extern from "attention_kernels.h" nogil:
         int64_t num_tokens
         int64_t first_position
     ctypedef void (*pkv_item_kernel)(const pkv_attention_args* args,
-                                     const pkv_work_item* item, float* scratch) noexcept nogil
+                                     const pkv_work_item* item, const pkv_work_item* next,
+                                     float* scratch) noexcept nogil
     int64_t pkv_scratch_floats(int64_t max_rows, int64_t head_dim)
     pkv_isa pkv_best_isa()
     int pkv_isa_available(pkv_isa isa)
@@ -187,8 +188,11 @@ cdef int _run_items(const pkv_attention_args* args, const pkv_work_item* items,
     if scratch == NULL:
         with gil:
             raise MemoryError("cannot allocate attention scratch memory")
+    # Threads take items in turn, so item i + num_threads is the likely next
+    # one of the thread running item i: its first pages are prefetched.
     for i in prange(num_items, schedule="dynamic", num_threads=num_threads):
-        kernel(args, &items[i], scratch + threadid() * stride)
+        kernel(args, &items[i], &items[i + num_threads] if i + num_threads < num_items else NULL,
+               scratch + threadid() * stride)
     free(scratch)
     return 0
 

@@ -76,8 +76,12 @@ typedef struct {
     int64_t first_position;
 } pkv_work_item;
 
-typedef void (*pkv_item_kernel)(const pkv_attention_args *args,
-                                const pkv_work_item *item, float *scratch);
+/* Computes one work item. next, if not NULL, is the item this thread will
+ * most likely run next: the rows of its first chunk are prefetched while
+ * the last chunk of this one is computed (only a hint; a wrong guess costs
+ * speed, never results). scratch holds pkv_scratch_floats floats. */
+typedef void (*pkv_item_kernel)(const pkv_attention_args *args, const pkv_work_item *item,
+                                const pkv_work_item *next, float *scratch);
 
 /* Floats of scratch one work item of at most max_rows (query, head) rows
  * needs; rows = num_kv_heads * num_tokens * group_size. */

@@ -543,57 +543,111 @@ PKV_TARGET static void FN(finish_chunk)(const FN(pkv_state) *st, const KV_T *con
     }
 }
 
-/* Run every KV head of the item over one chunk of n tokens while the tokens
- * [pf_begin, pf_end) of the lists (a later chunk) are prefetched: token
- * pf_begin + t along with token t, by the loops that read token t, so that
- * the prefetches spread evenly over the arithmetic. Scoring goes token-major
- * (8 tokens, all heads, then the next 8), so K is read as one sequential
- * stream; V is then read head by head from cache. */
+/* Run every KV head of the item over one chunk of n tokens while the rows
+ * pf_k[0 .. pf_count), pf_v[0 .. pf_count) (of a later chunk, or of the next
+ * item) are prefetched: row t along with token t, by the loops that read
+ * token t, so that the prefetches spread evenly over the arithmetic.
+ * Scoring goes token-major (8 tokens, all heads, then the next 8), so K is
+ * read as one sequential stream; V is then read head by head from cache. */
 PKV_TARGET static void FN(process_heads)(const FN(pkv_state) *heads, int64_t num_heads,
                                          int64_t head_dim, const KV_T *const *k_rows,
                                          const KV_T *const *v_rows, const int64_t *positions,
-                                         int64_t n, int64_t pf_begin, int64_t pf_end)
+                                         int64_t n, const KV_T *const *pf_k,
+                                         const KV_T *const *pf_v, int64_t pf_count)
 {
-    const KV_T *pf_k[KV_CHUNK], *pf_v[KV_CHUNK];
-    const int prefetch = PKV_PREFETCH_CHUNKS && pf_end > pf_begin;
+    const KV_T *pk[KV_CHUNK], *pv[KV_CHUNK];
+    const int prefetch = PKV_PREFETCH_CHUNKS && pf_count > 0;
     int64_t hh, t;
     if (prefetch) {
-        /* tokens past the list end repeat this chunk's own (cached) rows */
+        /* rows past the list end repeat this chunk's own (cached) rows */
         for (t = 0; t < n; t++) {
-            const int64_t u = pf_begin + t;
-            pf_k[t] = u < pf_end ? k_rows[u] : k_rows[t];
-            pf_v[t] = u < pf_end ? v_rows[u] : v_rows[t];
+            pk[t] = t < pf_count ? pf_k[t] : k_rows[t];
+            pv[t] = t < pf_count ? pf_v[t] : v_rows[t];
         }
     }
     for (t = 0; t < n; t += 8)
         for (hh = 0; hh < num_heads; hh++)
-            FN(score_tokens)(&heads[hh], k_rows, prefetch ? pf_k : NULL, t, n, hh * head_dim);
+            FN(score_tokens)(&heads[hh], k_rows, prefetch ? pk : NULL, t, n, hh * head_dim);
     for (hh = 0; hh < num_heads; hh++)
-        FN(finish_chunk)(&heads[hh], v_rows, prefetch ? pf_v : NULL, positions, n,
+        FN(finish_chunk)(&heads[hh], v_rows, prefetch ? pv : NULL, positions, n,
                          hh * head_dim);
+}
+
+/* Where the listing of an item's key rows stands: listed page j (of
+ * indptr[seq] .. indptr[seq + 1]), next position pos. */
+typedef struct {
+    int64_t j, j_end, pos;
+    int64_t last;      /* last position any query of the item may attend to */
+    int64_t lo;        /* first window position of the item's first query (0: none) */
+    int64_t sink_end;  /* positions below it are sinks (0 without a window) */
+    const KV_T *base;  /* pool + the item's first KV head */
+} FN(pkv_cursor);
+
+PKV_TARGET static void FN(cursor_init)(FN(pkv_cursor) *c, const pkv_attention_args *a,
+                                       const pkv_work_item *item)
+{
+    const int64_t pmax = item->first_position + item->num_tokens - 1;
+    const int64_t seq_len = a->seq_lens[item->seq];
+    c->j = a->indptr[item->seq];
+    c->j_end = a->indptr[item->seq + 1];
+    c->pos = 0;
+    c->last = pmax < seq_len - 1 ? pmax : seq_len - 1;
+    c->lo = a->window > 0 ? item->first_position - a->window + 1 : 0;
+    c->sink_end = a->window > 0 ? a->sink_tokens : 0;
+    c->base = (const KV_T *)a->pool + item->kv_head * a->head_dim;
+}
+
+/* Append the item's next key rows, in position order, to k_rows / v_rows /
+ * positions (positions may be NULL) from index n up to cap; returns the new
+ * count. Keys any query of the item may need: position <= last and (>= lo
+ * or < sink_end). Rows point at the item's first KV head. */
+PKV_TARGET static int64_t FN(list_rows)(FN(pkv_cursor) *c, const pkv_attention_args *a,
+                                        const KV_T **k_rows, const KV_T **v_rows,
+                                        int64_t *positions, int64_t n, int64_t cap)
+{
+    const int64_t ps = a->page_size;
+    const int64_t token_stride = a->num_kv_heads * a->head_dim; /* elements between tokens */
+    const int64_t v_offset = ps * token_stride;                /* K half -> V half of a page */
+    while (n < cap && c->j < c->j_end) {
+        const int64_t page_start = a->page_positions[c->j];
+        int64_t end = page_start + ps;
+        if (end > c->last + 1) end = c->last + 1;
+        if (c->pos < page_start) c->pos = page_start;
+        if (c->pos >= c->sink_end && c->pos < c->lo) c->pos = c->lo;
+        if (c->pos >= end) {
+            c->j++;
+            continue;
+        }
+        /* a run of listed positions: the sinks stop short of a later window */
+        int64_t run_end = end;
+        if (c->pos < c->sink_end && c->sink_end < c->lo && c->sink_end < run_end)
+            run_end = c->sink_end;
+        if (run_end - c->pos > cap - n) run_end = c->pos + (cap - n);
+        const KV_T *k = c->base + (int64_t)a->indices[c->j] * 2 * v_offset +
+                        (c->pos - page_start) * token_stride;
+        for (; c->pos < run_end; c->pos++, n++, k += token_stride) {
+            k_rows[n] = k;
+            v_rows[n] = k + v_offset;
+            if (positions != NULL) positions[n] = c->pos;
+        }
+    }
+    return n;
 }
 
 /* The item kernel: see pkv_item_kernel in attention_kernels.h. */
 PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_work_item *item,
-                                       float *scratch)
+                                       const pkv_work_item *next, float *scratch)
 {
     const int64_t G = a->group_size, D = a->head_dim, Hkv = a->num_kv_heads;
     const int64_t Hq = Hkv * G;
     const int64_t num_heads = item->num_kv_heads;
     const int64_t rows = item->num_tokens * G; /* per KV head */
     const int64_t dim_pad = (D + 15) / 16 * 16;
-    const int64_t ps = a->page_size;
-    const int64_t token_stride = Hkv * D;       /* elements between tokens */
-    const int64_t v_offset = ps * token_stride; /* K half -> V half of a page */
-    const int64_t page_stride = 2 * v_offset;   /* elements per page */
     const float qscale = a->scale * 1.4426950408889634f; /* log2(e) */
-    const KV_T *pool = (const KV_T *)a->pool;
-    const int64_t seq = item->seq;
-    const int64_t seq_len = a->seq_lens[seq];
-    int64_t r, d, j, hh;
+    int64_t r, d, hh;
 
     /* Per-head state; heads[] lives at the end of the scratch block. */
-    float *next = scratch;
+    float *next_free = scratch;
     FN(pkv_state) heads[PKV_MAX_ITEM_HEADS];
     for (hh = 0; hh < num_heads; hh++) {
         FN(pkv_state) *st = &heads[hh];
@@ -606,12 +660,12 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
         st->first_position = item->first_position;
         st->window = a->window;
         st->sink_tokens = a->window > 0 ? a->sink_tokens : 0;
-        st->qs = next;
+        st->qs = next_free;
         st->acc = st->qs + rows * dim_pad;
         st->s = st->acc + rows * dim_pad;
         st->m = st->s + rows * PKV_CHUNK_TOKENS;
         st->l = st->m + rows;
-        next = st->l + rows;
+        next_free = st->l + rows;
         for (r = 0; r < rows; r++) {
             const int64_t i = r / G, g = r % G;
             const float *q = a->q + (item->first_token + i) * Hq * D + (kv_head * G + g) * D;
@@ -628,69 +682,37 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
         }
     }
 
-    /* Keys any row may need: position <= pmax and (>= lo or < sink). */
-    const int64_t pmin = item->first_position;
-    const int64_t pmax = item->first_position + item->num_tokens - 1;
-    const int64_t lo = a->window > 0 ? pmin - a->window + 1 : 0;
-    const int64_t sink_end = a->window > 0 ? a->sink_tokens : 0;
-
-    /* Tokens are listed PKV_PREFETCH_AHEAD chunks ahead of the one being
-     * processed; that chunk is prefetched while this one is computed. Rows
-     * point at the item's first KV head. */
+    /* The rows of PKV_PREFETCH_AHEAD chunks past the one being processed are
+     * listed and prefetched while it is computed; during the item's last
+     * chunk, the first rows of the next item are. */
     enum { CH = KV_CHUNK, CAP = (PKV_PREFETCH_AHEAD + 1) * KV_CHUNK };
     const KV_T *k_rows[CAP];
     const KV_T *v_rows[CAP];
     int64_t positions[CAP];
-    int64_t n = 0;
-
-    for (j = a->indptr[seq]; j < a->indptr[seq + 1]; j++) {
-        const int64_t page_start = a->page_positions[j];
-        int64_t end = page_start + ps;
-        if (end > seq_len) end = seq_len;
-        if (end > pmax + 1) end = pmax + 1;
-        if (end <= page_start) continue;
-        /* Up to two ranges: sink part [page_start, sink_end) and window part [lo, end). */
-        int64_t range_lo[2], range_hi[2];
-        int num_ranges = 0;
-        const int64_t sink_hi = sink_end < end ? sink_end : end;
-        const int64_t win_lo = lo > page_start ? lo : page_start;
-        if (sink_hi > page_start && sink_hi >= win_lo) {
-            range_lo[0] = page_start; range_hi[0] = end; num_ranges = 1;
-        } else {
-            if (sink_hi > page_start) {
-                range_lo[num_ranges] = page_start; range_hi[num_ranges] = sink_hi; num_ranges++;
-            }
-            if (win_lo < end) {
-                range_lo[num_ranges] = win_lo; range_hi[num_ranges] = end; num_ranges++;
-            }
-        }
-        const KV_T *page_k = pool + (int64_t)a->indices[j] * page_stride + item->kv_head * D;
-        int ri;
-        for (ri = 0; ri < num_ranges; ri++) {
-            int64_t pos;
-            for (pos = range_lo[ri]; pos < range_hi[ri]; pos++) {
-                const KV_T *k = page_k + (pos - page_start) * token_stride;
-                k_rows[n] = k;
-                v_rows[n] = k + v_offset;
-                positions[n] = pos;
-                if (++n == CAP) {
-                    FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, CH,
-                                      CAP - CH, CAP);
-                    memmove(k_rows, k_rows + CH, (CAP - CH) * sizeof k_rows[0]);
-                    memmove(v_rows, v_rows + CH, (CAP - CH) * sizeof v_rows[0]);
-                    memmove(positions, positions + CH, (CAP - CH) * sizeof positions[0]);
-                    n -= CH;
-                }
-            }
-        }
-    }
+    FN(pkv_cursor) cursor;
+    FN(cursor_init)(&cursor, a, item);
+    int64_t n = FN(list_rows)(&cursor, a, k_rows, v_rows, positions, 0, CAP);
     while (n > 0) {
         const int64_t m = n < CH ? n : CH;
-        FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, m, CAP - CH, n);
+        if (n > CAP - CH) {
+            FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, m,
+                              k_rows + (CAP - CH), v_rows + (CAP - CH), n - (CAP - CH));
+        } else if (next != NULL && next->num_kv_heads >= num_heads && PKV_PREFETCH_CHUNKS) {
+            /* (rows of the next item's first num_heads heads: all of them
+             * exist when it has at least as many) */
+            const KV_T *next_k[CH], *next_v[CH];
+            FN(pkv_cursor) next_cursor;
+            FN(cursor_init)(&next_cursor, a, next);
+            const int64_t count = FN(list_rows)(&next_cursor, a, next_k, next_v, NULL, 0, m);
+            FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, m, next_k, next_v,
+                              count);
+        } else {
+            FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, m, NULL, NULL, 0);
+        }
         memmove(k_rows, k_rows + m, (n - m) * sizeof k_rows[0]);
         memmove(v_rows, v_rows + m, (n - m) * sizeof v_rows[0]);
         memmove(positions, positions + m, (n - m) * sizeof positions[0]);
-        n -= m;
+        n = FN(list_rows)(&cursor, a, k_rows, v_rows, positions, n - m, CAP);
     }
 
     for (hh = 0; hh < num_heads; hh++) {
