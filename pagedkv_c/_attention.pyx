@@ -493,6 +493,11 @@ cdef bint _table_ok(_Problem p, const int64_t* qo, int64_t num_tokens) noexcept:
     for b in range(p.batch_size):
         if indptr[b + 1] < indptr[b] or seq_lens[b] < 0:
             return False
+        # pages in position order, none overlapping the next: the kernels
+        # list keys in that order, and counting held positions is exact
+        for j in range(indptr[b], indptr[b + 1]):
+            if starts[j] < 0 or (j > indptr[b] and starts[j] < starts[j - 1] + p.page_size):
+                return False
         if qo == NULL:
             need = 1
         else:
@@ -534,11 +539,43 @@ cdef int _explain_table_error(_Problem p, object seq_ids, object qo) except -1:
             )
     if batch_size > 0 and int(p.seq_lens.min()) < 0:
         raise ValueError("Invalid value of page_table(seq_ids).seq_lens: expected lengths >= 0")
+    _explain_page_order(p, seq_ids)
     if qo is None:
         _explain_decode(p, seq_ids)
     else:
         _explain_prefill(p, seq_ids, qo)
     raise ValueError("Invalid value of page_table(seq_ids): inconsistent page table")
+
+
+cdef int _explain_page_order(_Problem p, object seq_ids) except -1:
+    """Raise if a sequence's pages are not listed in position order without overlap."""
+    starts = p.page_positions
+    if starts.shape[0] == 0:
+        return 0
+    if int(starts.min()) < 0:
+        raise ValueError(
+            f"Invalid value of page_table(seq_ids).page_positions: expected positions >= 0, "
+            f"got {int(starts.min())}"
+        )
+    # entry j follows entry j - 1 of the same sequence unless a sequence starts at j
+    nnz = starts.shape[0]
+    firsts = p.indptr[:p.batch_size]
+    follows = np.ones(nnz, dtype=bool)
+    follows[0] = False
+    follows[firsts[firsts < nnz]] = False
+    previous = np.zeros(nnz, dtype=np.int64)
+    previous[1:] = starts[:nnz - 1]
+    bad = follows & (starts < previous + p.page_size)
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        b = int(np.searchsorted(p.indptr, j, side="right")) - 1
+        raise ValueError(
+            f"Invalid value of page_table(seq_ids).page_positions: expected the pages of each "
+            f"sequence in position order, each starting at least page_size={p.page_size} after "
+            f"the previous one; sequence {_describe(seq_ids, b)} lists a page at position "
+            f"{int(starts[j])} after one at {int(starts[j - 1])}"
+        )
+    return 0
 
 
 cdef object _cached_from(_Problem p, object first_positions):

@@ -742,6 +742,54 @@ def test_decode_rejects_a_page_table_that_lacks_keys_of_the_window():
     assert_close(attention.decode(q, cache, 0, ["ok"]), want, np.float32)
 
 
+class ReorderedTableCache(FakeCache):
+    """Returns a page table whose entries for each sequence pass through ``reorder``."""
+
+    def __init__(self, *args, reorder, **kw):
+        super().__init__(*args, **kw)
+        self.reorder = reorder
+
+    def page_table(self, seq_ids):
+        view = super().page_table(seq_ids)
+        indices, positions = view.indices.copy(), view.page_positions.copy()
+        for b in range(len(seq_ids)):
+            j0, j1 = int(view.indptr[b]), int(view.indptr[b + 1])
+            order = self.reorder(np.arange(j0, j1))
+            indices[j0:j1], positions[j0:j1] = view.indices[order], view.page_positions[order]
+        return FakePageTableView(view.indptr, indices, view.last_page_len, positions, view.seq_lens)
+
+
+@pytest.mark.parametrize("reorder, match", [
+    # every position still counted once, but out of order: the kernels would skip keys
+    (lambda js: js[::-1], r"page_positions: expected the pages of each sequence in position "
+                          r"order.* sequence 'a' lists a page at position 4 after one at 8"),
+    # one page listed twice, the other missing: as many positions, not the same ones
+    (lambda js: np.concatenate((js[:1], js[:1], js[2:])),
+     r"page_positions: .* sequence 'a' lists a page at position 0 after one at 0"),
+])
+def test_decode_rejects_page_tables_out_of_position_order(reorder, match):
+    cache = make_cache(cls=ReorderedTableCache, reorder=reorder)
+    with pytest.raises(ValueError, match=match):
+        attention.decode(GOOD_Q, cache, 0, ["a", "b"])
+    with pytest.raises(ValueError, match=match):
+        attention.prefill(GOOD_Q, cache, 0, ["a", "b"], [0, 1, 2])
+    ordered = make_cache(cls=ReorderedTableCache, reorder=lambda js: js)
+    want, _ = reference(ordered, 0, "a", GOOD_Q[:1], [8], 1 / np.sqrt(8))
+    assert_close(attention.decode(GOOD_Q, ordered, 0, ["a", "b"])[:1], want, np.float32)
+
+
+def test_decode_rejects_negative_page_positions():
+    class Shifted(FakeCache):
+        def page_table(self, seq_ids):
+            view = super().page_table(seq_ids)
+            return FakePageTableView(view.indptr, view.indices, view.last_page_len,
+                                     view.page_positions - 4, view.seq_lens - 4)
+
+    cache = make_cache(cls=Shifted)
+    with pytest.raises(ValueError, match=r"page_positions: expected positions >= 0, got -4"):
+        attention.decode(GOOD_Q, cache, 0, ["a", "b"])
+
+
 def test_prefill_over_tokens_of_an_earlier_append_raises_once_the_window_released_their_keys():
     """Queries whose window reaches into pages a later append released would
     silently lose keys from the softmax: the call must refuse instead."""

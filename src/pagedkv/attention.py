@@ -13,7 +13,8 @@ kernels do on GPUs. They work on any object with the attention contract of
 - ``cache.page_table(seq_ids)``: FlashInfer CSR arrays ``indptr`` int32[B+1]
   and ``indices`` int32[nnz] (the pages each sequence holds, in position
   order), ``page_positions`` int64[nnz] (first token position of each listed
-  page) and ``seq_lens`` int64[B] (tokens appended so far).
+  page: >= 0, and within a sequence each at least ``page_size`` past the one
+  before) and ``seq_lens`` int64[B] (tokens appended so far).
 
 Mask
 ----
