@@ -971,7 +971,11 @@ cdef class KVCache:
                     raise AssertionError(f"sequence {seq_id}: window pages are not one contiguous run after the sinks")
                 if table.sink_count < table.num_sink_pages and window.size:
                     raise AssertionError(f"sequence {seq_id}: window pages held before all sink pages")
-                if table.length and (logical.size == 0 or logical[logical.size - 1] != table.num_logical() - 1):
+                # The next query (at position length) attends to the last token,
+                # unless a 1-token window admits only that query itself: then
+                # truncate may leave the last token's page released.
+                needs_last = table.length and (table.window is None or table.window > 1)
+                if needs_last and (logical.size == 0 or logical[logical.size - 1] != table.num_logical() - 1):
                     raise AssertionError(f"sequence {seq_id}: the page of its last token is not held")
                 if table.window is not None:
                     bound = ((table.window - 1 + self.page_size - 1) // self.page_size) + 1

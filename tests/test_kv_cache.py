@@ -301,6 +301,21 @@ def test_truncate_into_released_keys_is_refused():
     cache.check_invariants()
 
 
+def test_truncate_with_a_one_token_window_keeps_the_cache_consistent():
+    """With window=1 the query at position new_len needs only itself, so
+    truncate may go back to a length whose last token the window released."""
+    cache = KVCache(1, HEADS, DIM, num_pages=8, page_size=1, window=1)
+    cache.add_sequence(0)
+    cache.append([0], [1])
+    cache.append([0], [1])  # releases position 0
+    cache.truncate(0, 1)
+    assert cache.seq_len(0) == 1 and cache.num_cached_tokens(0) == 0
+    cache.check_invariants()
+    cache.append([0], [1])  # position 1, the next query's only key
+    assert cache.gather(0, 0)[2].tolist() == [1]
+    cache.check_invariants()
+
+
 # ------------------------------------------------------------- all-or-nothing
 def test_batch_that_overfills_the_pool_by_one_page_changes_nothing():
     cache = KVCache(1, HEADS, DIM, num_pages=6, page_size=4)
