@@ -18,7 +18,8 @@ def reference():
     """The llama.cpp reference outputs of SmolLM2-135M-Instruct (../shared/data)."""
     data_dir = shared_data_dir()
     if data_dir is None:
-        pytest.skip(f"{REFERENCE_NAME} not found in {REPO_ROOT.parent / 'shared' / 'data'}")
+        pytest.skip(f"{REFERENCE_NAME} not found in {REPO_ROOT.parent / 'shared' / 'data'} "
+                    "or any ancestor's shared/data")
     return json.loads((data_dir / REFERENCE_NAME).read_text())
 
 
