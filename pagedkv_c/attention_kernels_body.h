@@ -692,23 +692,21 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
     FN(pkv_cursor) cursor;
     FN(cursor_init)(&cursor, a, item);
     int64_t n = FN(list_rows)(&cursor, a, k_rows, v_rows, positions, 0, CAP);
+    const KV_T *next_k[CH], *next_v[CH];
     while (n > 0) {
         const int64_t m = n < CH ? n : CH;
-        if (n > CAP - CH) {
-            FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, m,
-                              k_rows + (CAP - CH), v_rows + (CAP - CH), n - (CAP - CH));
-        } else if (next != NULL && next->num_kv_heads >= num_heads && PKV_PREFETCH_CHUNKS) {
-            /* (rows of the next item's first num_heads heads: all of them
-             * exist when it has at least as many) */
-            const KV_T *next_k[CH], *next_v[CH];
+        const KV_T *const *pf_k = k_rows + (CAP - CH), *const *pf_v = v_rows + (CAP - CH);
+        int64_t pf_count = n - (CAP - CH);
+        if (pf_count <= 0 && next != NULL && next->num_kv_heads >= num_heads && PKV_PREFETCH_CHUNKS) {
+            /* rows of the next item's first num_heads heads: all of them
+             * exist when it has at least as many */
             FN(pkv_cursor) next_cursor;
             FN(cursor_init)(&next_cursor, a, next);
-            const int64_t count = FN(list_rows)(&next_cursor, a, next_k, next_v, NULL, 0, m);
-            FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, m, next_k, next_v,
-                              count);
-        } else {
-            FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, m, NULL, NULL, 0);
+            pf_count = FN(list_rows)(&next_cursor, a, next_k, next_v, NULL, 0, m);
+            pf_k = next_k;
+            pf_v = next_v;
         }
+        FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, m, pf_k, pf_v, pf_count);
         memmove(k_rows, k_rows + m, (n - m) * sizeof k_rows[0]);
         memmove(v_rows, v_rows + m, (n - m) * sizeof v_rows[0]);
         memmove(positions, positions + m, (n - m) * sizeof positions[0]);
