@@ -7,6 +7,7 @@ that no query may read is overwritten with NaN first, so a kernel that reads
 outside the mask, outside a sequence, or a page it does not list, fails.
 """
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from pagedkv import KVCache, attention
 from pagedkv_c import _attention
 
-from _fake_cache import FakeCache, FakePageTableView
+from _fake_cache import FakeCache
 
 AVAILABLE_ISAS = attention.kernel_info()["available_isas"]
 TOLERANCE = {np.float32: 1e-5, np.float16: 2e-3}
@@ -615,15 +616,23 @@ def test_prefill_hypothesis(problem):
 
 # ------------------------------------------------------------- bad input
 
-class BrokenTableCache(FakeCache):
-    """Returns a page table with a page id outside the pool."""
+class EditedTableCache(FakeCache):
+    """Returns its page tables passed through ``edit(cache, view, seq_ids) -> view``:
+    a cache that breaks the page_table contract in one chosen way."""
+
+    def __init__(self, *args, edit, **kw):
+        super().__init__(*args, **kw)
+        self.edit = edit
 
     def page_table(self, seq_ids):
-        view = super().page_table(seq_ids)
-        indices = view.indices.copy()
-        indices[-1] = self.kv.shape[1]
-        return FakePageTableView(view.indptr, indices, view.last_page_len, view.page_positions,
-                                 view.seq_lens)
+        return self.edit(self, super().page_table(seq_ids), seq_ids)
+
+
+def page_beyond_pool(cache, view, seq_ids):
+    """The last page id of the table moved one past the end of the pool."""
+    indices = view.indices.copy()
+    indices[-1] = cache.kv.shape[1]
+    return dataclasses.replace(view, indices=indices)
 
 
 def make_cache(**kw):
@@ -680,7 +689,7 @@ def test_bad_caches():
     with pytest.raises(ValueError, match="head_dim"):
         attention.decode(np.zeros((2, 2, 257), np.float32), make_cache(head_dim=257), 0, ["a", "b"])
     with pytest.raises(ValueError, match="indices"):
-        attention.decode(GOOD_Q, make_cache(cls=BrokenTableCache), 0, ["a", "b"])
+        attention.decode(GOOD_Q, make_cache(cls=EditedTableCache, edit=page_beyond_pool), 0, ["a", "b"])
     cache = make_cache()
     cache.kv = np.asfortranarray(cache.kv)
     with pytest.raises(ValueError, match="layout of cache.kv"):
@@ -742,21 +751,18 @@ def test_decode_rejects_a_page_table_that_lacks_keys_of_the_window():
     assert_close(attention.decode(q, cache, 0, ["ok"]), want, np.float32)
 
 
-class ReorderedTableCache(FakeCache):
-    """Returns a page table whose entries for each sequence pass through ``reorder``."""
+def reordered(reorder):
+    """An edit that passes each sequence's page-table entries through ``reorder``."""
 
-    def __init__(self, *args, reorder, **kw):
-        super().__init__(*args, **kw)
-        self.reorder = reorder
-
-    def page_table(self, seq_ids):
-        view = super().page_table(seq_ids)
+    def edit(cache, view, seq_ids):
         indices, positions = view.indices.copy(), view.page_positions.copy()
         for b in range(len(seq_ids)):
             j0, j1 = int(view.indptr[b]), int(view.indptr[b + 1])
-            order = self.reorder(np.arange(j0, j1))
+            order = reorder(np.arange(j0, j1))
             indices[j0:j1], positions[j0:j1] = view.indices[order], view.page_positions[order]
-        return FakePageTableView(view.indptr, indices, view.last_page_len, positions, view.seq_lens)
+        return dataclasses.replace(view, indices=indices, page_positions=positions)
+
+    return edit
 
 
 @pytest.mark.parametrize("reorder, match", [
@@ -768,24 +774,22 @@ class ReorderedTableCache(FakeCache):
      r"page_positions: .* sequence 'a' lists a page at position 0 after one at 0"),
 ])
 def test_decode_rejects_page_tables_out_of_position_order(reorder, match):
-    cache = make_cache(cls=ReorderedTableCache, reorder=reorder)
+    cache = make_cache(cls=EditedTableCache, edit=reordered(reorder))
     with pytest.raises(ValueError, match=match):
         attention.decode(GOOD_Q, cache, 0, ["a", "b"])
     with pytest.raises(ValueError, match=match):
         attention.prefill(GOOD_Q, cache, 0, ["a", "b"], [0, 1, 2])
-    ordered = make_cache(cls=ReorderedTableCache, reorder=lambda js: js)
+    ordered = make_cache(cls=EditedTableCache, edit=reordered(lambda js: js))
     want, _ = reference(ordered, 0, "a", GOOD_Q[:1], [8], 1 / np.sqrt(8))
     assert_close(attention.decode(GOOD_Q, ordered, 0, ["a", "b"])[:1], want, np.float32)
 
 
 def test_decode_rejects_negative_page_positions():
-    class Shifted(FakeCache):
-        def page_table(self, seq_ids):
-            view = super().page_table(seq_ids)
-            return FakePageTableView(view.indptr, view.indices, view.last_page_len,
-                                     view.page_positions - 4, view.seq_lens - 4)
+    def shifted(cache, view, seq_ids):
+        return dataclasses.replace(view, page_positions=view.page_positions - 4,
+                                   seq_lens=view.seq_lens - 4)
 
-    cache = make_cache(cls=Shifted)
+    cache = make_cache(cls=EditedTableCache, edit=shifted)
     with pytest.raises(ValueError, match=r"page_positions: expected positions >= 0, got -4"):
         attention.decode(GOOD_Q, cache, 0, ["a", "b"])
 
