@@ -194,8 +194,8 @@ cdef class KVCache:
     floats (even ``2.0``), bools and object arrays raise TypeError. Floating
     arguments (``k``, ``v``, queries) accept any array-like of real numbers
     (float16, float32, float64 or integers; lists; any layout) of exactly the
-    documented shape, converted to the pool dtype (float64 rounds); bools,
-    complex numbers and objects raise TypeError. Arrays that already have the
+    documented shape, converted to the pool dtype (float64 rounds); arrays
+    of bools, complex numbers, strings or objects raise TypeError. Arrays that already have the
     target dtype and a C-contiguous layout are read in place, others are
     copied first.
 
