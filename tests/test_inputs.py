@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from pagedkv import KVCache, PagedKVCache, PagePool, attention
+from pagedkv_c._page_table import PageTable
 from pagedkv.models.paged_backend import PagedBackend
 
 HEADS, DIM, QO_HEADS = 2, 4, 4
@@ -334,6 +335,9 @@ def test_sinks_without_a_window_are_refused_everywhere_with_one_message(capsys):
     assert str(info.value) == SINK_MESSAGE
     with pytest.raises(ValueError) as info:
         PagedBackend(1, HEADS, DIM, 16, sink_tokens=4)
+    assert str(info.value) == SINK_MESSAGE
+    with pytest.raises(ValueError) as info:
+        PageTable(PagePool(4), 4, None, 4)
     assert str(info.value) == SINK_MESSAGE
     # With a window, or without sinks, all three accept.
     assert kv_cache(sink_tokens=4, window=8).sink_tokens == 4
