@@ -17,6 +17,7 @@ from pagedkv_c._pool import OutOfPagesError
 from pagedkv_c._prefix import ALGORITHMS as _PREFIX_HASHES
 from pagedkv_c._page_table cimport PageTable, append_batch
 from pagedkv_c._checks cimport check_int, check_index, check_float_array, as_int_array
+from pagedkv_c._lock cimport CacheLock
 from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash_salt,
                                 pkv_index_find, pkv_index_insert,
                                 pkv_index_is_cached, pkv_index_prefetch)
@@ -185,8 +186,29 @@ cdef class KVCache:
     may still contain positions that the window masks; attention kernels
     apply the exact mask per position.
 
-    *Threads.* Every method that reads or changes page tables takes an
-    internal lock; the copy loops run without the GIL.
+    *Threads.* A cache may be shared by threads: every method that reads
+    or changes page tables holds an internal lock for the whole call, so
+    calls from several threads run one after another; the copy loops run
+    without the GIL.
+
+    *Finalizers.* Servers often remove a request's sequence in the
+    request's finalizer (``__del__``), which the garbage collector may run
+    *inside* a call of this cache on the same thread (any Python allocation
+    in the call can start a collection). Such a re-entrant
+    :meth:`remove_sequence` is deferred: it returns at once and the sequence
+    is removed when the running call returns, before any other call can
+    see the cache; until then ``seq_id in cache``, ``len(cache)`` and
+    ``num_sequences`` still count it. Any other method called re-entrantly
+    raises RuntimeError: the running call may be halfway through changing
+    the page tables, so there is no consistent state to read or change.
+    Finalizers run by the collector on another thread wait for the lock
+    like any other caller.
+
+    *Copies.* A cache cannot be pickled or copied (``pickle``,
+    ``copy.copy``, ``copy.deepcopy`` raise TypeError): its pages are shared
+    between sequences through ref counts. :meth:`fork` makes a
+    copy-on-write copy of a sequence inside the cache, and :meth:`gather`
+    copies a sequence's K/V out.
     """
 
     def __cinit__(self, num_layers, num_kv_heads, head_dim, num_pages, page_size=16,
@@ -236,6 +258,9 @@ cdef class KVCache:
         self._page_bytes = 2 * <Py_ssize_t>self.page_size * self._row_bytes
         self._layer_bytes = <Py_ssize_t>num_pages * self._page_bytes
         self._tables = {}
+        self._lock = CacheLock(
+            "KVCache", "only remove_sequence may be called there (it is deferred until the running call returns)"
+        )
         self._pages_peak = 0
         self._evictions = 0
         self._cow_copies = 0
@@ -563,9 +588,22 @@ cdef class KVCache:
         Raises
         ------
         KeyError
-            Unknown ``seq_id``.
+            Unknown ``seq_id``, or its removal is already deferred.
+
+        Notes
+        -----
+        Called from a finalizer that the garbage collector runs inside
+        another call of this cache on the same thread, the removal is
+        deferred: this call returns at once and the sequence is removed when
+        the running call returns (see *Finalizers* in the class notes).
         """
         cdef PageTable table
+        cdef object key
+        if self._lock.held_by_this_thread():
+            key = _seq_key(seq_id)
+            if key not in self._tables or not self._lock.defer(_remove_deferred, (self, key)):
+                raise KeyError(f"unknown sequence id {seq_id!r}") from None
+            return
         with self._lock:
             table = self._table(seq_id)
             table.drop_tail(0)
@@ -993,10 +1031,29 @@ cdef class KVCache:
             if self._prefix is not None:
                 self._prefix.check_invariants()
 
+    def __reduce__(self):
+        raise TypeError(
+            "KVCache cannot be pickled or copied: its pages are shared between sequences through "
+            "ref counts. Use fork(parent_id, child_id) for a copy-on-write copy of a sequence "
+            "inside the cache, or gather(layer, seq_id) to copy a sequence's K/V out"
+        )
+
+    def __reduce_ex__(self, protocol):
+        return self.__reduce__()
+
     def __repr__(self):
         return (f"KVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, num_pages={self.pool.num_pages}, page_size={self.page_size}, "
                 f"dtype={self.kv.dtype}, window={self._window}, sink_tokens={self.sink_tokens})")
+
+
+def _remove_deferred(tuple cache_and_key):
+    """Remove a sequence whose removal a re-entrant remove_sequence deferred (under the lock)."""
+    cdef KVCache cache = cache_and_key[0]
+    cdef PageTable table = cache._tables.get(cache_and_key[1])
+    if table is not None:  # the running call may have removed it already
+        table.drop_tail(0)
+        del cache._tables[cache_and_key[1]]
 
 
 cdef object _seq_key(object seq_id):

@@ -58,7 +58,7 @@ def snapshot(cache, tokens):
     keys, values, present = cache.get_many(list(tokens))
     return (
         len(cache),
-        cache.resident_pages().tolist(),
+        cache.resident_pages.tolist(),
         cache.evictions,
         keys.tobytes(),
         values.tobytes(),
@@ -98,7 +98,7 @@ def test_page_size_four_two_pages_evicts_the_first_page_once():
         assert same_array(key, np.array([token, token + 0.5, -token], dtype=np.float32))
         assert same_array(value, np.array([2 * token, 0, 1], dtype=np.float32))
     assert cache.evictions == 1
-    assert cache.resident_pages().tolist() == [1, 2]
+    assert cache.resident_pages.tolist() == [1, 2]
     assert len(cache) == 8
     cache.check_invariants()
 
@@ -126,7 +126,7 @@ def test_get_returns_fresh_arrays_that_do_not_alias_the_cache():
 def test_unwritten_slots_of_a_resident_page_are_absent():
     cache = PagedKVCache(4, 2, page_size=4)
     cache.put(5, [1, 2], [3, 4])
-    assert cache.resident_pages().tolist() == [1]
+    assert cache.resident_pages.tolist() == [1]
     assert len(cache) == 1
     for token in (4, 6, 7):
         assert token not in cache and cache.get(token) is None
@@ -142,7 +142,7 @@ def test_overwrite_keeps_count_and_fifo_order():
     cache.put(0, [3], [3])  # overwrite: page 0 stays the oldest (FIFO, not LRU)
     assert len(cache) == 2 and cache.get(0)[0].tolist() == [3]
     cache.put(4, [4], [4])
-    assert cache.resident_pages().tolist() == [1, 2]
+    assert cache.resident_pages.tolist() == [1, 2]
     assert 0 not in cache and cache.evictions == 1
 
 
@@ -160,7 +160,7 @@ def test_resident_pages_order_survives_ring_wrap_around():
     cache = PagedKVCache(3, 1, page_size=1)
     for token in range(10):
         cache.put(token, [token], [token])
-        assert cache.resident_pages().tolist() == list(range(max(0, token - 2), token + 1))
+        assert cache.resident_pages.tolist() == list(range(max(0, token - 2), token + 1))
     assert cache.evictions == 7
 
 
@@ -169,7 +169,7 @@ def test_any_int64_token_index_works():
     tokens = [0, 2**40 + 3, 2**62, INT64_MAX]
     for i, token in enumerate(tokens):
         cache.put(token, [i, i], [-i, -i])
-    assert cache.resident_pages().tolist() == [t // 64 for t in tokens]
+    assert cache.resident_pages.tolist() == [t // 64 for t in tokens]
     for i, token in enumerate(tokens):
         assert cache.get(token)[0].tolist() == [i, i]
     assert cache.get(INT64_MAX - 1) is None
@@ -220,7 +220,7 @@ def test_put_many_spanning_more_pages_than_the_limit_evicts_within_the_call():
     reference = ReferenceCache(2, 1, 2, np.float32)
     for token, key, value in zip(tokens, rows(7, 1), rows(7, 1, start=100)):
         reference.put(token, key, value)
-    assert cache.resident_pages().tolist() == reference.fifo == [2, 0]
+    assert cache.resident_pages.tolist() == reference.fifo == [2, 0]
     assert cache.evictions == reference.evictions == 2
     assert len(cache) == len(reference) == 3  # tokens 4, 5 (page 2) and 0 (page 0)
     assert cache.get(0)[0].tolist() == [5.0] and cache.get(4)[1].tolist() == [104.0]
@@ -281,13 +281,13 @@ def test_clear_drops_everything_and_keeps_the_eviction_count():
         cache.put(token, [token], [token])
     assert cache.evictions == 3
     cache.clear()
-    assert len(cache) == 0 and cache.resident_pages().tolist() == [] and cache.evictions == 3
+    assert len(cache) == 0 and cache.resident_pages.tolist() == [] and cache.evictions == 3
     assert all(cache.get(t) is None for t in range(5))
     cache.check_invariants()
     cache.put(7, [7], [7])
     cache.put(8, [8], [8])
     cache.put(9, [9], [9])
-    assert cache.resident_pages().tolist() == [8, 9] and cache.evictions == 4
+    assert cache.resident_pages.tolist() == [8, 9] and cache.evictions == 4
     cache.check_invariants()
 
 
@@ -298,7 +298,7 @@ def test_attributes_and_repr():
     assert cache.nbytes == 5 * 2 * 16 * 8 * 2
     assert repr(cache) == (
         "PagedKVCache(max_pages=5, dim=8, page_size=16, dtype=float16, tokens=0, "
-        "resident_pages=0, evictions=0)"
+        "num_resident_pages=0, evictions=0)"
     )
 
 
@@ -577,7 +577,7 @@ class CacheMachine(RuleBasedStateMachine):
     def matches_model(self):
         self.cache.check_invariants()
         assert len(self.cache) == len(self.model)
-        assert self.cache.resident_pages().tolist() == self.model.fifo
+        assert self.cache.resident_pages.tolist() == self.model.fifo
         assert self.cache.evictions == self.model.evictions
         tokens = sorted(self.seen)
         keys, values, present = self.cache.get_many(tokens)
