@@ -22,6 +22,8 @@ class ReferenceCache:
         self.pages = {}
         self.fifo = []  # logical pages, oldest first
         self.evictions = 0
+        self.hits = 0  # lookups by get/get_many that found the token (counted by the caller)
+        self.misses = 0
 
     def put(self, token, key, value):
         logical_page, offset = divmod(token, self.page_size)
@@ -40,9 +42,22 @@ class ReferenceCache:
         logical_page, offset = divmod(token, self.page_size)
         return self.pages.get(logical_page, {}).get(offset)
 
+    def lookup(self, token):
+        """``get`` that counts a hit or a miss, as the cache's get and get_many do."""
+        found = self.get(token)
+        if found is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return found
+
     def clear(self):
         self.pages.clear()
         self.fifo.clear()
+
+    def tokens(self):
+        """Present token indices, ascending."""
+        return sorted(page * self.page_size + offset for page, slots in self.pages.items() for offset in slots)
 
     def __len__(self):
         return sum(len(page) for page in self.pages.values())
@@ -302,6 +317,52 @@ def test_attributes_and_repr():
     )
 
 
+def test_page_size_defaults_to_64_and_values_come_back_in_the_cache_dtype():
+    cache = PagedKVCache(2, 1)
+    assert cache.page_size == 64 and cache.dtype == np.float32
+    cache.put(0, [0.1], [0.1])
+    key, _ = cache.get(0)
+    assert key.dtype == np.float32 and float(key[0]) == float(np.float32(0.1)) != 0.1
+
+
+def test_resident_pages_and_counts_are_read_only_attributes():
+    cache = PagedKVCache(2, 1, page_size=2)
+    cache.put_many([0, 5], [[1.0], [2.0]], [[1.0], [2.0]])
+    assert cache.resident_pages.tolist() == [0, 2] and cache.num_resident_pages == 2
+    for name in ("resident_pages", "num_resident_pages", "evictions", "nbytes"):
+        with pytest.raises(AttributeError):
+            setattr(cache, name, 0)
+    pages = cache.resident_pages
+    pages[0] = 7  # a copy: the cache is not changed through it
+    assert cache.resident_pages.tolist() == [0, 2]
+
+
+def test_stats_count_every_lookup_of_get_and_get_many_and_nothing_else():
+    cache = PagedKVCache(2, 1, page_size=2)
+    assert cache.stats() == {"hits": 0, "misses": 0, "evictions": 0, "num_tokens": 0,
+                             "num_resident_pages": 0, "max_pages": 2, "capacity_tokens": 4}
+    cache.put_many([0, 1, 2], [[0.0], [1.0], [2.0]], [[0.0], [1.0], [2.0]])
+    cache.get(0)                      # hit
+    cache.get(3)                      # miss: resident page, slot never written
+    cache.get_many([0, 1, 2, 3, 9])   # 3 hits, 2 misses
+    0 in cache, list(cache), len(cache)  # neither
+    cache.put(4, [4.0], [4.0])        # evicts logical page 0 (tokens 0 and 1)
+    cache.get(0)                      # miss: evicted
+    cache.clear()
+    assert cache.stats() == {"hits": 4, "misses": 4, "evictions": 1, "num_tokens": 0,
+                             "num_resident_pages": 0, "max_pages": 2, "capacity_tokens": 4}
+
+
+def test_iteration_gives_present_tokens_in_ascending_order_as_a_snapshot():
+    cache = PagedKVCache(3, 1, page_size=4)
+    cache.put_many([9, 2, 8, 0, 3], np.zeros((5, 1)), np.zeros((5, 1)))  # pages 2, 0 in FIFO order
+    assert cache.resident_pages.tolist() == [2, 0]
+    it = iter(cache)
+    cache.clear()
+    assert list(it) == [0, 2, 3, 8, 9]  # collected when iteration started
+    assert list(cache) == [] and len(cache) == 0
+
+
 # ----------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
     "kwargs, exc, match",
@@ -525,7 +586,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(token=TOKENS)
     def get(self, token):
         got = self.cache.get(token)
-        expected = self.model.get(token)
+        expected = self.model.lookup(token)
         assert (got is None) == (expected is None)
         if expected is not None:
             assert same_array(got[0], expected[0]) and same_array(got[1], expected[1])
@@ -536,7 +597,7 @@ class CacheMachine(RuleBasedStateMachine):
         keys, values, present = self.cache.get_many(tokens)
         assert keys.shape == values.shape == (len(tokens), self.dim)
         for i, token in enumerate(tokens):
-            expected = self.model.get(token)
+            expected = self.model.lookup(token)
             assert present[i] == (expected is not None)
             if expected is None:
                 assert not keys[i].any() and not values[i].any()
@@ -572,17 +633,27 @@ class CacheMachine(RuleBasedStateMachine):
             else:
                 self.cache.put_many([token], np.zeros((1, self.dim)), np.zeros((2, self.dim)))
         assert snapshot(self.cache, sorted(self.seen)) == before
+        for _ in range(2):  # the two snapshots' lookups
+            for token in self.seen:
+                self.model.lookup(token)
 
     @invariant()
     def matches_model(self):
         self.cache.check_invariants()
         assert len(self.cache) == len(self.model)
         assert self.cache.resident_pages.tolist() == self.model.fifo
+        assert self.cache.num_resident_pages == len(self.model.fifo)
         assert self.cache.evictions == self.model.evictions
+        assert list(self.cache) == self.model.tokens()
+        assert self.cache.stats() == {
+            "hits": self.model.hits, "misses": self.model.misses, "evictions": self.model.evictions,
+            "num_tokens": len(self.model), "num_resident_pages": len(self.model.fifo),
+            "max_pages": self.model.max_pages, "capacity_tokens": self.model.max_pages * self.model.page_size,
+        }
         tokens = sorted(self.seen)
         keys, values, present = self.cache.get_many(tokens)
         for i, token in enumerate(tokens):
-            expected = self.model.get(token)
+            expected = self.model.lookup(token)
             assert present[i] == (expected is not None)
             if expected is not None:
                 assert same_array(keys[i], expected[0]) and same_array(values[i], expected[1])

@@ -519,21 +519,3 @@ def test_pool_every_mutating_call_from_several_threads():
     run_threads(*[worker(i) for i in range(4)])
     pool.check_invariants()
     assert pool.num_free == pool.num_pages and not owner
-
-
-# --------------------------------------------------------------- copies
-@pytest.mark.parametrize("make, hint", [
-    (lambda: KVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=4), "fork"),
-    (lambda: PagedKVCache(2, 2), "get_many"),
-    (lambda: PagePool(4), "free_pages"),
-])
-def test_pickle_and_copy_raise_a_type_error_that_says_what_to_do(make, hint):
-    import copy
-    import pickle
-
-    obj = make()
-    name = type(obj).__name__
-    for attempt in (pickle.dumps, copy.copy, copy.deepcopy, lambda o: pickle.dumps(o, protocol=0)):
-        with pytest.raises(TypeError, match=f"{name} cannot be pickled or copied") as info:
-            attempt(obj)
-        assert hint in str(info.value) and "__cinit__" not in str(info.value)
