@@ -451,8 +451,11 @@ cdef class KVCache:
 
     def seq_ids(self):
         """Ids of the sequences in the cache, in insertion order (list of int)."""
-        with self._lock:
+        self._lock.acquire()
+        try:
             return list(self._tables)
+        finally:
+            self._lock.leave()
 
     # ------------------------------------------------------------ sequences
     def add_sequence(self, seq_id, prompt_token_ids=None, extra_key=None, *,
@@ -565,7 +568,8 @@ cdef class KVCache:
             hash_salt(0, extra_key)  # same type check as with caching on
         table.hashes = hashes
         cdef int64_t cached = 0
-        with self._lock:
+        self._lock.acquire()
+        try:
             if key in self._tables:
                 raise ValueError(f"Invalid value of seq_id: sequence {key} already exists")
             if hashes is not None and (prompt is not None or blocks is not None):
@@ -577,6 +581,8 @@ cdef class KVCache:
                 )
                 self._note_usage()
             self._tables[key] = table
+        finally:
+            self._lock.leave()
         return cached
 
     def remove_sequence(self, seq_id):
@@ -604,10 +610,13 @@ cdef class KVCache:
             if key not in self._tables or not self._lock.defer(_remove_deferred, (self, key)):
                 raise KeyError(f"unknown sequence id {seq_id!r}") from None
             return
-        with self._lock:
+        self._lock.acquire()
+        try:
             table = self._table(seq_id)
             table.drop_tail(0)
             del self._tables[_seq_key(seq_id)]
+        finally:
+            self._lock.leave()
 
     def fork(self, parent_id, child_id):
         """Create ``child_id`` sharing every page of ``parent_id`` (ref counts +1).
@@ -626,13 +635,16 @@ cdef class KVCache:
         """
         cdef int64_t key = check_int(child_id, "child_id", INT64_MIN, INT64_MAX)
         cdef PageTable parent, child
-        with self._lock:
+        self._lock.acquire()
+        try:
             parent = self._table(parent_id)
             if key in self._tables:
                 raise ValueError(f"Invalid value of child_id: sequence {key} already exists")
             child = PageTable(self.pool, self.page_size, self._window, self.sink_tokens)
             child.copy_from(parent)
             self._tables[key] = child
+        finally:
+            self._lock.leave()
 
     def truncate(self, seq_id, new_len):
         """Keep the first ``new_len`` tokens of a sequence; 0 releases everything.
@@ -653,9 +665,12 @@ cdef class KVCache:
             lengths are named in the message).
         """
         cdef PageTable table
-        with self._lock:
+        self._lock.acquire()
+        try:
             table = self._table(seq_id)
             table.truncate(new_len)
+        finally:
+            self._lock.leave()
 
     def seq_len(self, seq_id):
         """Tokens appended to a sequence so far, released ones included (= the next position).
@@ -666,9 +681,12 @@ cdef class KVCache:
             Unknown ``seq_id``.
         """
         cdef PageTable table
-        with self._lock:
+        self._lock.acquire()
+        try:
             table = self._table(seq_id)
             return table.length
+        finally:
+            self._lock.leave()
 
     def num_cached_tokens(self, seq_id):
         """Tokens of a sequence stored in pages it still holds.
@@ -679,9 +697,12 @@ cdef class KVCache:
             Unknown ``seq_id``.
         """
         cdef PageTable table
-        with self._lock:
+        self._lock.acquire()
+        try:
             table = self._table(seq_id)
             return _cached_tokens(table)
+        finally:
+            self._lock.leave()
 
     # ---------------------------------------------------------------- paging
     def append(self, seq_ids, num_tokens, token_ids=None, *, bint return_slot_mapping=True):
@@ -759,7 +780,8 @@ cdef class KVCache:
         cdef list tables
         cdef PageTable table
         cdef int32_t* cow = NULL  # copy-on-write pairs: sources, then destinations
-        with self._lock:
+        self._lock.acquire()
+        try:
             tables = self._tables_for(seq_ids)
             if len(tables) != batch:
                 raise ValueError(
@@ -792,6 +814,8 @@ cdef class KVCache:
                 _record_tokens(tables, first_positions, count_view, ids, self.page_size)
                 for i in range(batch):
                     self._register_full_pages(<PageTable>tables[i])
+        finally:
+            self._lock.leave()
         return slots
 
     def store(self, layer, slot_mapping, k, v):
@@ -848,7 +872,8 @@ cdef class KVCache:
                 f"got {slot_view[bad]} at index {bad}"
             )
         cdef Py_ssize_t v_offset = self.page_size * self._row_bytes
-        with self._lock, nogil:
+        self._lock.acquire()
+        with nogil:  # no Python code runs here, so no finalizer can queue a deferred call
             for t in range(num_tokens):
                 slot = slot_view[t]
                 if slot == PAD_SLOT:
@@ -859,6 +884,7 @@ cdef class KVCache:
                 pkv_stream_copy(dst, key_data + t * self._row_bytes, self._row_bytes)
                 pkv_stream_copy(dst + v_offset, value_data + t * self._row_bytes, self._row_bytes)
             pkv_stream_fence()
+        self._lock.leave()
 
     def gather(self, layer, seq_id):
         """Copy out the cached tokens of one sequence in position order.
@@ -888,7 +914,8 @@ cdef class KVCache:
         cdef Py_ssize_t num_pages, n
         cdef int64_t length
         cdef char* layer_base = self._data + layer_index * self._layer_bytes
-        with self._lock:
+        self._lock.acquire()
+        try:
             table = self._table(seq_id)
             num_pages = table.num_held()
             n = _cached_tokens(table)
@@ -902,6 +929,8 @@ cdef class KVCache:
             positions = np.empty(n, dtype=np.int64)
             _gather_rows(layer_base, page_ids, firsts, length, self.page_size, self._row_bytes,
                          self._page_bytes, keys, values, positions)
+        finally:
+            self._lock.leave()
         return keys, values, positions
 
     def page_table(self, seq_ids):
@@ -928,7 +957,8 @@ cdef class KVCache:
         cdef Py_ssize_t batch = ids.shape[0], b, nnz = 0
         cdef PageTable table
         cdef PageTableView view = PageTableView.__new__(PageTableView)
-        with self._lock:
+        self._lock.acquire()
+        try:
             tables = [self._table(seq_id) for seq_id in ids.tolist()]
             indptr = np.empty(batch + 1, dtype=np.int32)
             last_page_len = np.empty(batch, dtype=np.int32)
@@ -938,6 +968,8 @@ cdef class KVCache:
             indices = np.empty(nnz, dtype=np.int32)
             positions = np.empty(nnz, dtype=np.int64)
             _fill_indices(tables, indptr, indices, positions)
+        finally:
+            self._lock.leave()
         view.indptr = indptr
         view.indices = indices
         view.last_page_len = last_page_len
@@ -964,7 +996,8 @@ cdef class KVCache:
             included) and ``prefix_evictions`` (cached pages whose hash was
             dropped because the allocator handed them out again).
         """
-        with self._lock:
+        self._lock.acquire()
+        try:
             in_use = self.pool.num_pages - self.pool.q.num_free
             extra = {}
             if self._prefix is not None:
@@ -986,6 +1019,8 @@ cdef class KVCache:
                 "num_sequences": len(self._tables),
                 "tokens_appended": self._tokens_appended,
             } | extra
+        finally:
+            self._lock.leave()
 
     def check_invariants(self):
         """Verify allocator and page tables; raise AssertionError naming what is wrong.
@@ -995,7 +1030,8 @@ cdef class KVCache:
         unreferenced, and each table's window bounds.
         """
         cdef PageTable table
-        with self._lock:
+        self._lock.acquire()
+        try:
             self.pool.check_invariants()
             counts = np.zeros(self.pool.num_pages, dtype=np.int64)
             for seq_id, table in self._tables.items():
@@ -1030,6 +1066,8 @@ cdef class KVCache:
                 raise AssertionError("planning scratch of the pool is not clear")
             if self._prefix is not None:
                 self._prefix.check_invariants()
+        finally:
+            self._lock.leave()
 
     def __reduce__(self):
         raise TypeError(

@@ -12,6 +12,7 @@ cdef class CacheLock:
 
     cdef int acquire(self) except -1
     cdef void release(self) noexcept
+    cdef int leave(self) except -1
     cdef bint held_by_this_thread(self) noexcept
     cdef bint defer(self, object function, object argument) except -1
     cdef int run_deferred(self) except -1

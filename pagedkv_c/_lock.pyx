@@ -27,12 +27,14 @@ cdef class CacheLock:
     Notes
     -----
     Use it as a context manager (``with lock:``) or, from Cython, through
-    ``acquire``/``release``. A thread blocked on the lock releases the GIL
-    while it waits, so the holder can finish. Entering the lock on the thread
+    ``acquire`` and ``leave`` (or ``release``, which runs no deferred call),
+    which skip the context-manager protocol's method lookups and calls. A
+    thread blocked on the lock releases the GIL while it waits, so the
+    holder can finish. Entering the lock on the thread
     that already holds it raises RuntimeError instead of blocking forever.
-    Calls queued with ``defer`` run, in order, when the holder leaves the
-    ``with`` block, still under the lock; calls that they queue in turn run
-    too.
+    Calls queued with ``defer`` run, in order, when the holder leaves
+    (``leave`` or the end of the ``with`` block), still under the lock;
+    calls that they queue in turn run too.
     """
 
     def __cinit__(self, str owner_name not None, str reentry_hint not None):
@@ -84,15 +86,20 @@ cdef class CacheLock:
             function(argument)
         return 0
 
-    def __enter__(self):
-        self.acquire()
-
-    def __exit__(self, exc_type, exc, traceback):
+    cdef int leave(self) except -1:
+        """Run the deferred calls, then let go of the lock (the caller holds it)."""
         try:
             if self._deferred:
                 self.run_deferred()
         finally:
             self.release()
+        return 0
+
+    def __enter__(self):
+        self.acquire()
+
+    def __exit__(self, exc_type, exc, traceback):
+        self.leave()
         return False
 
     def __reduce__(self):
