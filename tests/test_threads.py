@@ -196,7 +196,7 @@ def test_second_deferred_removal_of_one_sequence_is_a_key_error():
 def test_gc_inside_every_kv_cache_call_defers_removals_and_refuses_the_rest():
     page_size, heads, dim = 4, 2, 4
     cache = KVCache(num_layers=2, num_kv_heads=heads, head_dim=dim, num_pages=4096, page_size=page_size,
-                    dtype=np.float32)
+                    dtype=np.float32, enable_prefix_caching=True)
     victims = list(range(100, 3100))  # plenty: every collection frees one
     for seq_id in victims:
         cache.add_sequence(seq_id)
@@ -263,7 +263,7 @@ def test_gc_inside_every_kv_cache_call_defers_removals_and_refuses_the_rest():
     assert not failures, failures
     # Removals inside a locked region were deferred, and reads there refused.
     reentered = {name for name, r in outcomes.items() if "deferred" in r}
-    assert {"append", "fork", "page_table", "check_invariants"} <= reentered, outcomes
+    assert {"append", "fork", "gather", "page_table", "check_invariants"} <= reentered, outcomes
     assert all("read refused" in outcomes[name] for name in reentered)
     cache.check_invariants()
     assert sorted(cache.seq_ids()) == sorted(set(live) | set(victims))
