@@ -519,3 +519,42 @@ def test_pool_every_mutating_call_from_several_threads():
     run_threads(*[worker(i) for i in range(4)])
     pool.check_invariants()
     assert pool.num_free == pool.num_pages and not owner
+
+
+def test_finalizers_on_any_thread_while_others_hold_the_kv_cache_lock():
+    cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=4096, page_size=2, dtype=np.float32)
+    victims = list(range(10**6, 10**6 + 2000))
+    for seq_id in victims:
+        cache.add_sequence(seq_id)
+    cache.append(victims, [1] * len(victims))
+    victims_lock = threading.Lock()
+    errors = []
+
+    def finalize():
+        # Runs on whichever thread collects: re-entrant there, or waiting for another thread's call.
+        with victims_lock:
+            seq_id = victims.pop() if victims else None
+        if seq_id is not None:
+            try:
+                cache.remove_sequence(seq_id)
+            except BaseException as exc:
+                errors.append(exc)
+
+    def worker(index):
+        def run():
+            for step in range(150):
+                seq_id = index * 1000 + step
+                cache.add_sequence(seq_id)
+                cache.append([seq_id], [3])
+                cache.page_table([seq_id])
+                cache.gather(0, seq_id)
+                cache.remove_sequence(seq_id)
+        return run
+
+    with _GarbageStream(finalize):
+        run_threads(*[worker(i) for i in range(3)])
+    assert not errors, errors
+    assert len(victims) < 2000, "no finalizer ran"
+    cache.check_invariants()
+    assert sorted(cache.seq_ids()) == sorted(victims)
+    assert cache.pool.num_free == cache.num_pages - len(victims)
