@@ -3,6 +3,7 @@
 from pagedkv_c._types cimport page_id_t, int32_t, int64_t, uint8_t
 from pagedkv_c._pool cimport PagePool
 from pagedkv_c._page_map cimport PageMap
+from pagedkv_c._lock cimport CacheLock
 
 
 cdef class PagedKVCache:
@@ -15,7 +16,9 @@ cdef class PagedKVCache:
     cdef Py_ssize_t _row_bytes            # bytes of one key (= of one value): dim * itemsize
     cdef Py_ssize_t _half_page_bytes      # bytes of the K (or the V) half of a page: page_size * _row_bytes
     cdef int64_t _num_tokens              # tokens present (in tokens)
-    cdef bint _busy                       # a batch call is running without the GIL
+    cdef int64_t _hits                    # tokens that get/get_many found present, since construction
+    cdef int64_t _misses                  # tokens that get/get_many found absent, since construction
+    cdef CacheLock _lock                  # held for the whole of every call that reads or changes the state
 
     cdef PagePool _pool                   # hands out page ids 0 .. max_pages-1
     cdef PageMap _page_map                # logical page index -> page id of every resident page
@@ -38,11 +41,13 @@ cdef class PagedKVCache:
                          char* key, char* value) noexcept nogil
     cdef void put_rows(self, const int64_t* token_idxs, Py_ssize_t n,
                        const char* keys, const char* values) noexcept nogil
-    cdef void get_rows(self, const int64_t* token_idxs, Py_ssize_t n,
-                       char* keys, char* values, uint8_t* present) noexcept nogil
+    cdef Py_ssize_t get_rows(self, const int64_t* token_idxs, Py_ssize_t n,
+                             char* keys, char* values, uint8_t* present) noexcept nogil
 
     # Validation helpers (with the GIL, before any state changes).
     cdef object _vector(self, object arr, str name)
     cdef object _matrix(self, object arr, str name, Py_ssize_t num_rows)
     cdef object _token_array(self, object token_idxs)
     cdef tuple _check_out(self, object out, object tokens)
+    cdef object _resident_logical_pages(self)
+    cdef int _check_state(self) except -1

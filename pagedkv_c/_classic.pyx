@@ -17,6 +17,7 @@ from pagedkv_c._types cimport page_id_t, int32_t, int64_t, uint8_t, NO_PAGE
 from pagedkv_c._checks cimport check_int, check_array, check_float_array, as_int_array
 from pagedkv_c._pool cimport PagePool
 from pagedkv_c._page_map cimport PageMap
+from pagedkv_c._lock cimport CacheLock
 
 cnp.import_array()
 
@@ -53,11 +54,6 @@ cdef inline Py_ssize_t _run_length(const int64_t* token_idxs, Py_ssize_t start, 
     return run
 
 
-cdef int _raise_busy() except -1:
-    raise RuntimeError(
-        "PagedKVCache is in use by a batch call running in another thread; "
-        "a cache is not thread-safe, guard it with a lock"
-    )
 
 
 cdef class PagedKVCache:
@@ -75,10 +71,13 @@ cdef class PagedKVCache:
         Length of each key and each value vector, ``1 <= dim <= 2**31 - 1``
         (in elements).
     page_size : int, default 64
-        Tokens per page, ``1 <= page_size <= 2**31 - 1`` (in tokens).
+        Tokens per page, ``1 <= page_size <= 2**31 - 1`` (in tokens). The
+        default, 64, differs from ``KVCache``'s default of 16.
     dtype : numpy dtype, default numpy.float32
         Element type of the pool: a native floating type (float16, float32,
-        float64). Inputs of other numeric types are cast to it.
+        float64). Inputs of other numeric types are cast to it, and values
+        come back in it: ``0.1`` stored in float32 reads back as
+        ``numpy.float32(0.1)``, which is 0.10000000149011612, not 0.1.
 
     Raises
     ------
@@ -98,6 +97,17 @@ cdef class PagedKVCache:
     evictions : int
         Pages evicted since construction (in pages). ``clear()`` does not
         count as an eviction and does not reset it.
+    resident_pages : numpy.ndarray
+        Logical page indices of the resident pages, oldest first (int64).
+    num_resident_pages : int
+        Number of resident pages (in pages).
+    nbytes : int
+        Size of the pool array (in bytes).
+
+    ``len(cache)`` is the number of tokens present, ``t in cache`` whether
+    token ``t`` is present, and iterating the cache gives the present token
+    indices in ascending order. ``stats()`` returns the hit, miss and
+    eviction counters.
 
     Notes
     -----
@@ -119,9 +129,20 @@ cdef class PagedKVCache:
     resident page, and every slot of a page that is not resident, are absent.
 
     Batch calls (``put_many``, ``get_many``) validate all of their input, then
-    run in C without the GIL. A cache is not thread-safe: a call made from
-    another thread while a batch call runs raises RuntimeError rather than
-    corrupt the cache, so guard shared caches with a lock.
+    run in C without the GIL.
+
+    *Threads.* A cache may be shared by threads. Every call converts and
+    checks its arguments first, then holds an internal lock for the part
+    that reads or changes the cache (the C copy loops included), so calls
+    from several threads run one after another and each sees the cache
+    before or after another call, never halfway. A call made on the same
+    thread while one of the cache's calls is running (from a finalizer that
+    the garbage collector runs inside that call, or from a callback) raises
+    RuntimeError instead of waiting forever for a lock its own thread holds.
+
+    *Copies.* A cache cannot be pickled or copied (``pickle``,
+    ``copy.copy``, ``copy.deepcopy`` raise TypeError). To copy one, read
+    ``get_many(list(cache))`` and ``put_many`` the rows into a new cache.
     """
 
     def __cinit__(self, max_pages, dim, page_size=64, dtype=np.float32):
@@ -156,7 +177,9 @@ cdef class PagedKVCache:
         self._row_bytes = vector_len * pool_dtype.itemsize
         self._half_page_bytes = tokens_per_page * self._row_bytes
         self._num_tokens = 0
-        self._busy = False
+        self._hits = 0
+        self._misses = 0
+        self._lock = CacheLock("PagedKVCache", "make the call after the running call returns")
         self._pool = PagePool(num_pages)
         self._page_map = PageMap(num_pages)
         # np.zeros: the operating system hands out zeroed memory lazily, so
@@ -265,14 +288,16 @@ cdef class PagedKVCache:
                     self._num_tokens = self._num_tokens + 1
             i += run
 
-    cdef void get_rows(self, const int64_t* token_idxs, Py_ssize_t n,
-                       char* keys, char* values, uint8_t* present) noexcept nogil:
+    cdef Py_ssize_t get_rows(self, const int64_t* token_idxs, Py_ssize_t n,
+                             char* keys, char* values, uint8_t* present) noexcept nogil:
         """Copy ``n`` tokens out; absent tokens get zero rows and ``present`` 0.
+
+        Returns the number of tokens found present.
 
         Runs of consecutive present tokens within one page are copied with one
         ``memcpy`` for their keys and one for their values.
         """
-        cdef Py_ssize_t i = 0, run, num_present
+        cdef Py_ssize_t i = 0, run, num_present, found = 0
         cdef Py_ssize_t offset
         cdef int64_t token, logical_page
         cdef int64_t last_logical_page = -1
@@ -300,6 +325,8 @@ cdef class PagedKVCache:
             memcpy(values + i * self._row_bytes, key_src + self._half_page_bytes, num_present * self._row_bytes)
             memset(present + i, 1, num_present)
             i += num_present
+            found += num_present
+        return found
 
     # ------------------------------------------------------------- validation
     cdef object _vector(self, object arr, str name):
@@ -369,23 +396,24 @@ cdef class PagedKVCache:
             ``token_idx`` is negative, or ``key``/``value`` does not have
             shape ``(dim,)``.
         RuntimeError
-            A batch call on this cache is running in another thread.
+            Called re-entrantly (see *Threads* in the class notes).
 
         Notes
         -----
         Nothing is stored or evicted when an error is raised. Re-putting a
         present token overwrites it without changing the eviction order.
         """
-        if self._busy:
-            _raise_busy()
         cdef int64_t token = _token_index(token_idx, "token_idx")
         cdef cnp.ndarray key_arr = self._vector(key, "key")
         cdef cnp.ndarray value_arr = self._vector(value, "value")
         cdef int64_t logical_page = token // self.page_size
-        cdef page_id_t page_id = self.page_for_write(logical_page)
+        cdef page_id_t page_id
+        self._lock.acquire()
+        page_id = self.page_for_write(logical_page)
         self.write_token(page_id, token - logical_page * self.page_size,
                          <const char*>cnp.PyArray_DATA(key_arr),
                          <const char*>cnp.PyArray_DATA(value_arr))
+        self._lock.release()
 
     def get(self, token_idx):
         """Return copies of the key and value of one token, or None if absent.
@@ -407,20 +435,30 @@ cdef class PagedKVCache:
         TypeError, ValueError
             ``token_idx`` is not an integer, or is negative.
         RuntimeError
-            A batch call on this cache is running in another thread.
+            Called re-entrantly (see *Threads* in the class notes).
+
+        Notes
+        -----
+        Counts one hit (token present) or one miss (absent) in ``stats()``.
         """
-        if self._busy:
-            _raise_busy()
         cdef int64_t token = _token_index(token_idx, "token_idx")
         cdef int64_t logical_page = token // self.page_size
         cdef Py_ssize_t offset = token - logical_page * self.page_size
-        cdef page_id_t page_id = self._page_map.lookup(logical_page)
-        if page_id == NO_PAGE or not self._present[page_id, offset]:
-            return None
+        cdef page_id_t page_id
         cdef cnp.npy_intp length = self.dim
-        cdef cnp.ndarray key = <cnp.ndarray>cnp.PyArray_EMPTY(1, &length, self._type_num, 0)
-        cdef cnp.ndarray value = <cnp.ndarray>cnp.PyArray_EMPTY(1, &length, self._type_num, 0)
-        self.read_token(page_id, offset, <char*>cnp.PyArray_DATA(key), <char*>cnp.PyArray_DATA(value))
+        cdef cnp.ndarray key, value
+        self._lock.acquire()
+        try:
+            page_id = self._page_map.lookup(logical_page)
+            if page_id == NO_PAGE or not self._present[page_id, offset]:
+                self._misses += 1
+                return None
+            key = <cnp.ndarray>cnp.PyArray_EMPTY(1, &length, self._type_num, 0)
+            value = <cnp.ndarray>cnp.PyArray_EMPTY(1, &length, self._type_num, 0)
+            self.read_token(page_id, offset, <char*>cnp.PyArray_DATA(key), <char*>cnp.PyArray_DATA(value))
+            self._hits += 1
+        finally:
+            self._lock.release()
         return key, value
 
     def put_many(self, token_idxs, keys, values):
@@ -444,7 +482,7 @@ cdef class PagedKVCache:
             A token index is negative or exceeds int64, or ``keys``/``values``
             does not have shape ``(n, dim)``.
         RuntimeError
-            A batch call on this cache is running in another thread.
+            Called re-entrantly (see *Threads* in the class notes).
 
         Notes
         -----
@@ -454,10 +492,8 @@ cdef class PagedKVCache:
         the batch spans more than ``max_pages`` pages. Fast path: int64
         ``token_idxs`` and C-contiguous ``keys``/``values`` of ``dtype`` are
         read in place; other inputs are converted first. The copy runs in C
-        without the GIL.
+        without the GIL, under the cache's lock.
         """
-        if self._busy:
-            _raise_busy()
         cdef cnp.ndarray tokens = self._token_array(token_idxs)
         cdef Py_ssize_t n = cnp.PyArray_DIMS(tokens)[0]
         cdef cnp.ndarray key_rows = self._matrix(keys, "keys", n)
@@ -465,10 +501,10 @@ cdef class PagedKVCache:
         cdef const int64_t* token_ptr = <const int64_t*>cnp.PyArray_DATA(tokens)
         cdef const char* key_ptr = <const char*>cnp.PyArray_DATA(key_rows)
         cdef const char* value_ptr = <const char*>cnp.PyArray_DATA(value_rows)
-        self._busy = True
+        self._lock.acquire()
         with nogil:
             self.put_rows(token_ptr, n, key_ptr, value_ptr)
-        self._busy = False
+        self._lock.release()
 
     def get_many(self, token_idxs, out=None):
         """Return the keys and values of many tokens, as a loop of ``get``.
@@ -502,15 +538,14 @@ cdef class PagedKVCache:
             ``token_idxs`` is not a 1-D sequence of non-negative int64
             integers, or ``out`` is not as described; nothing is written.
         RuntimeError
-            A batch call on this cache is running in another thread.
+            Called re-entrantly (see *Threads* in the class notes).
 
         Notes
         -----
         The outputs do not alias the cache. The copy runs in C without the
-        GIL.
+        GIL, under the cache's lock. Each of the ``n`` lookups counts as one
+        hit or one miss in ``stats()``.
         """
-        if self._busy:
-            _raise_busy()
         cdef cnp.ndarray tokens = self._token_array(token_idxs)
         cdef cnp.npy_intp dims[2]
         dims[0] = cnp.PyArray_DIMS(tokens)[0]
@@ -526,10 +561,13 @@ cdef class PagedKVCache:
         cdef char* key_ptr = <char*>cnp.PyArray_DATA(keys)
         cdef char* value_ptr = <char*>cnp.PyArray_DATA(values)
         cdef uint8_t* present_ptr = <uint8_t*>cnp.PyArray_DATA(present)
-        self._busy = True
+        cdef Py_ssize_t found
+        self._lock.acquire()
         with nogil:
-            self.get_rows(token_ptr, dims[0], key_ptr, value_ptr, present_ptr)
-        self._busy = False
+            found = self.get_rows(token_ptr, dims[0], key_ptr, value_ptr, present_ptr)
+        self._hits += found
+        self._misses += dims[0] - found
+        self._lock.release()
         return keys, values, present
 
     cdef tuple _check_out(self, object out, object tokens):
@@ -562,62 +600,150 @@ cdef class PagedKVCache:
     def __contains__(self, token_idx):
         """Whether a token is present (``get`` would not return None).
 
+        Not counted as a hit or a miss in ``stats()``.
+
         Raises
         ------
         TypeError, ValueError
             ``token_idx`` is not an integer, or is negative.
+        RuntimeError
+            Called re-entrantly (see *Threads* in the class notes).
         """
-        if self._busy:
-            _raise_busy()
         cdef int64_t token = _token_index(token_idx, "token_idx")
         cdef int64_t logical_page = token // self.page_size
-        cdef page_id_t page_id = self._page_map.lookup(logical_page)
-        return page_id != NO_PAGE and self._present[page_id, token - logical_page * self.page_size] != 0
+        cdef page_id_t page_id
+        cdef bint found
+        self._lock.acquire()
+        page_id = self._page_map.lookup(logical_page)
+        found = page_id != NO_PAGE and self._present[page_id, token - logical_page * self.page_size] != 0
+        self._lock.release()
+        return found
 
     def __len__(self):
         """Number of tokens present (in tokens)."""
-        if self._busy:
-            _raise_busy()
-        return self._num_tokens
+        self._lock.acquire()
+        cdef int64_t num_tokens = self._num_tokens
+        self._lock.release()
+        return num_tokens
 
+    def __iter__(self):
+        """Iterate over the indices of the present tokens, in ascending order.
+
+        Yields
+        ------
+        int
+            Token indices ``t`` with ``t in cache``, each once, smallest
+            first. The indices are collected when iteration starts: later
+            calls (which may evict pages) do not change what is yielded.
+
+        Raises
+        ------
+        RuntimeError
+            Called re-entrantly (see *Threads* in the class notes).
+        """
+        cdef cnp.ndarray logical, page_ids, order
+        cdef int32_t i
+        self._lock.acquire()
+        try:
+            logical = self._resident_logical_pages()
+            page_ids = np.empty(self._num_resident, dtype=np.int32)
+            for i in range(self._num_resident):
+                page_ids[i] = self._ring_page_id[(self._ring_head + i) % self.max_pages]
+            order = np.argsort(logical, kind="stable")
+            pages, offsets = np.nonzero(np.asarray(self._present)[page_ids[order]])
+            tokens = logical[order][pages] * self.page_size + offsets
+        finally:
+            self._lock.release()
+        return iter(tokens.tolist())
+
+    cdef object _resident_logical_pages(self):
+        """Logical page indices of the resident pages, oldest first (the caller holds the lock)."""
+        cdef cnp.npy_intp length = self._num_resident
+        cdef cnp.ndarray out = <cnp.ndarray>cnp.PyArray_EMPTY(1, &length, cnp.NPY_INT64, 0)
+        cdef int64_t* view = <int64_t*>cnp.PyArray_DATA(out)
+        cdef int32_t i
+        for i in range(self._num_resident):
+            view[i] = self._ring_logical_page[(self._ring_head + i) % self.max_pages]
+        return out
+
+    @property
     def resident_pages(self):
-        """Return the logical page indices of the resident pages, oldest first.
+        """Logical page indices of the resident pages, oldest first (read-only).
+
+        numpy.ndarray of int64, shape ``(num_resident_pages,)``, a fresh
+        copy: logical page ``p`` covers tokens ``p * page_size .. (p + 1) *
+        page_size - 1``. The order is the eviction order: entry 0 is the page
+        evicted next once the cache is full. A page is resident from the
+        first ``put`` into it until it is evicted or the cache is cleared,
+        even if only some of its slots were written.
+        """
+        self._lock.acquire()
+        try:
+            return self._resident_logical_pages()
+        finally:
+            self._lock.release()
+
+    @property
+    def num_resident_pages(self):
+        """Number of resident pages (int, in pages), at most ``max_pages``."""
+        return self._num_resident
+
+    def stats(self):
+        """Usage counters since construction.
 
         Returns
         -------
-        numpy.ndarray
-            int64, shape ``(num_resident,)`` with ``num_resident <=
-            max_pages``: logical page ``p`` covers tokens ``p * page_size ..
-            (p + 1) * page_size - 1``. The order is the eviction order: entry
-            0 is the page evicted next once the cache is full. A page is
-            resident from the first ``put`` into it until it is evicted or the
-            cache is cleared, even if only some of its slots were written.
+        dict
+            ``hits``: token lookups by ``get`` and ``get_many`` that found
+            the token present (each row of a ``get_many`` is one lookup);
+            ``misses``: such lookups that found it absent (never put, or its
+            page evicted or cleared); ``in`` tests and iteration count as
+            neither. ``evictions``: pages evicted (in pages; ``clear`` is not
+            an eviction). ``num_tokens``: tokens present. ``num_resident_pages``:
+            resident pages. ``max_pages``: the page limit (capacity in pages).
+            ``capacity_tokens``: ``max_pages * page_size``. ``clear()``
+            resets none of the counters.
+
+        Raises
+        ------
+        RuntimeError
+            Called re-entrantly (see *Threads* in the class notes).
         """
-        if self._busy:
-            _raise_busy()
-        out = np.empty(self._num_resident, dtype=np.int64)
-        cdef int64_t[::1] view = out
-        cdef int32_t i, ring_index
-        for i in range(self._num_resident):
-            ring_index = (self._ring_head + i) % self.max_pages
-            view[i] = self._ring_logical_page[ring_index]
-        return out
+        self._lock.acquire()
+        cdef int64_t hits = self._hits, misses = self._misses, evictions = self.evictions
+        cdef int64_t num_tokens = self._num_tokens
+        cdef int32_t num_resident = self._num_resident
+        self._lock.release()
+        return {
+            "hits": hits,
+            "misses": misses,
+            "evictions": evictions,
+            "num_tokens": num_tokens,
+            "num_resident_pages": num_resident,
+            "max_pages": self.max_pages,
+            "capacity_tokens": self.max_pages * self.page_size,
+        }
 
     def clear(self):
         """Drop every token and release every page (not counted as evictions).
 
         The pages return to the page pool in eviction order; ``evictions``
         keeps its value.
+
+        Raises
+        ------
+        RuntimeError
+            Called re-entrantly (see *Threads* in the class notes).
         """
-        if self._busy:
-            _raise_busy()
         cdef int32_t i
+        self._lock.acquire()
         for i in range(self._num_resident):
             self._pool.decref_one(self._ring_page_id[(self._ring_head + i) % self.max_pages])
         self._page_map.remove_all()
         self._ring_head = 0
         self._num_resident = 0
         self._num_tokens = 0
+        self._lock.release()
 
     @property
     def nbytes(self):
@@ -632,9 +758,20 @@ cdef class PagedKVCache:
         (each resident page id distinct, allocated once, mapped from its
         logical page); per-page and total token counts equal the presence
         bits of the resident pages.
+
+        Raises
+        ------
+        RuntimeError
+            Called re-entrantly (see *Threads* in the class notes).
         """
-        if self._busy:
-            _raise_busy()
+        self._lock.acquire()
+        try:
+            self._check_state()
+        finally:
+            self._lock.release()
+
+    cdef int _check_state(self) except -1:
+        """The checks of check_invariants (the caller holds the lock)."""
         self._pool.check_invariants()
         self._page_map.check_invariants()
         if not 0 <= self._num_resident <= self.max_pages:
@@ -680,10 +817,21 @@ cdef class PagedKVCache:
             total += filled
         if total != self._num_tokens:
             raise AssertionError(f"{total} tokens present in resident pages, but the count is {self._num_tokens}")
+        return 0
+
+    def __reduce__(self):
+        raise TypeError(
+            "PagedKVCache cannot be pickled or copied: its pool is not serialised. To copy its "
+            "contents, read them with get_many(list(cache)) (iterating the cache gives the present "
+            "token indices) and put_many() them into a new PagedKVCache"
+        )
+
+    def __reduce_ex__(self, protocol):
+        return self.__reduce__()
 
     def __repr__(self):
         return (
             f"PagedKVCache(max_pages={self.max_pages}, dim={self.dim}, page_size={self.page_size}, "
-            f"dtype={self.dtype}, tokens={self._num_tokens}, resident_pages={self._num_resident}, "
+            f"dtype={self.dtype}, tokens={self._num_tokens}, num_resident_pages={self._num_resident}, "
             f"evictions={self.evictions})"
         )

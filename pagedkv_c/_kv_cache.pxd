@@ -4,6 +4,7 @@ from pagedkv_c._types cimport int32_t, int64_t, page_id_t
 from pagedkv_c._pool cimport PagePool
 from pagedkv_c._prefix cimport PrefixIndex
 from pagedkv_c._page_table cimport PageTable
+from pagedkv_c._lock cimport CacheLock
 
 
 cdef class KVCache:
@@ -16,7 +17,7 @@ cdef class KVCache:
     cdef object _window                   # None or int, in tokens
     cdef readonly int64_t sink_tokens     # in tokens
     cdef dict _tables                     # seq_id (int) -> PageTable
-    cdef cython.pymutex _lock             # serializes every call that reads or changes page tables
+    cdef CacheLock _lock                  # serializes every call that reads or changes page tables
     cdef char* _data                      # kv's buffer
     cdef Py_ssize_t _row_bytes            # bytes of one token's K (or V): num_kv_heads * head_dim * itemsize
     cdef Py_ssize_t _page_bytes           # bytes of one page in one layer: 2 * page_size * row_bytes

@@ -18,6 +18,7 @@ from pagedkv_c._prefix import ALGORITHMS as _PREFIX_HASHES
 from pagedkv_c._page_table cimport PageTable, append_batch
 from pagedkv_c._checks cimport check_int, check_index, check_float_array, check_pool_dtype, as_int_array
 from pagedkv_c._checks import check_sink_window
+from pagedkv_c._lock cimport CacheLock
 from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash_salt,
                                 pkv_index_find, pkv_index_insert,
                                 pkv_index_is_cached, pkv_index_prefetch)
@@ -199,8 +200,29 @@ cdef class KVCache:
     target dtype and a C-contiguous layout are read in place, others are
     copied first.
 
-    *Threads.* Every method that reads or changes page tables takes an
-    internal lock; the copy loops run without the GIL.
+    *Threads.* A cache may be shared by threads: every method that reads
+    or changes page tables holds an internal lock for the whole call, so
+    calls from several threads run one after another; the copy loops run
+    without the GIL.
+
+    *Finalizers.* Servers often remove a request's sequence in the
+    request's finalizer (``__del__``), which the garbage collector may run
+    *inside* a call of this cache on the same thread (any Python allocation
+    in the call can start a collection). Such a re-entrant
+    :meth:`remove_sequence` is deferred: it returns at once and the sequence
+    is removed when the running call returns, before any other call can
+    see the cache; until then ``seq_id in cache``, ``len(cache)`` and
+    ``num_sequences`` still count it. Any other method called re-entrantly
+    raises RuntimeError: the running call may be halfway through changing
+    the page tables, so there is no consistent state to read or change.
+    Finalizers run by the collector on another thread wait for the lock
+    like any other caller.
+
+    *Copies.* A cache cannot be pickled or copied (``pickle``,
+    ``copy.copy``, ``copy.deepcopy`` raise TypeError): its pages are shared
+    between sequences through ref counts. :meth:`fork` makes a
+    copy-on-write copy of a sequence inside the cache, and :meth:`gather`
+    copies a sequence's K/V out.
     """
 
     def __cinit__(self, num_layers, num_kv_heads, head_dim, num_pages, page_size=16,
@@ -244,6 +266,9 @@ cdef class KVCache:
         self._page_bytes = 2 * <Py_ssize_t>self.page_size * self._row_bytes
         self._layer_bytes = <Py_ssize_t>num_pages * self._page_bytes
         self._tables = {}
+        self._lock = CacheLock(
+            "KVCache", "only remove_sequence may be called there (it is deferred until the running call returns)"
+        )
         self._pages_peak = 0
         self._evictions = 0
         self._cow_copies = 0
@@ -434,8 +459,11 @@ cdef class KVCache:
 
     def seq_ids(self):
         """Ids of the sequences in the cache, in insertion order (list of int)."""
-        with self._lock:
+        self._lock.acquire()
+        try:
             return list(self._tables)
+        finally:
+            self._lock.leave()
 
     # ------------------------------------------------------------ sequences
     def add_sequence(self, seq_id, prompt_token_ids=None, extra_key=None, *,
@@ -548,7 +576,8 @@ cdef class KVCache:
             hash_salt(0, extra_key)  # same type check as with caching on
         table.hashes = hashes
         cdef int64_t cached = 0
-        with self._lock:
+        self._lock.acquire()
+        try:
             if key in self._tables:
                 raise ValueError(f"Invalid value of seq_id: sequence {key} already exists")
             if hashes is not None and (prompt is not None or blocks is not None):
@@ -560,6 +589,8 @@ cdef class KVCache:
                 )
                 self._note_usage()
             self._tables[key] = table
+        finally:
+            self._lock.leave()
         return cached
 
     def remove_sequence(self, seq_id):
@@ -571,13 +602,29 @@ cdef class KVCache:
         Raises
         ------
         KeyError
-            Unknown ``seq_id``.
+            Unknown ``seq_id``, or its removal is already deferred.
+
+        Notes
+        -----
+        Called from a finalizer that the garbage collector runs inside
+        another call of this cache on the same thread, the removal is
+        deferred: this call returns at once and the sequence is removed when
+        the running call returns (see *Finalizers* in the class notes).
         """
         cdef PageTable table
-        with self._lock:
+        cdef object key
+        if self._lock.held_by_this_thread():
+            key = _seq_key(seq_id)
+            if key not in self._tables or not self._lock.defer(_remove_deferred, (self, key)):
+                raise KeyError(f"unknown sequence id {seq_id!r}") from None
+            return
+        self._lock.acquire()
+        try:
             table = self._table(seq_id)
             table.drop_tail(0)
             del self._tables[_seq_key(seq_id)]
+        finally:
+            self._lock.leave()
 
     def fork(self, parent_id, child_id):
         """Create ``child_id`` sharing every page of ``parent_id`` (ref counts +1).
@@ -596,13 +643,16 @@ cdef class KVCache:
         """
         cdef int64_t key = check_int(child_id, "child_id", INT64_MIN, INT64_MAX)
         cdef PageTable parent, child
-        with self._lock:
+        self._lock.acquire()
+        try:
             parent = self._table(parent_id)
             if key in self._tables:
                 raise ValueError(f"Invalid value of child_id: sequence {key} already exists")
             child = PageTable(self.pool, self.page_size, self._window, self.sink_tokens)
             child.copy_from(parent)
             self._tables[key] = child
+        finally:
+            self._lock.leave()
 
     def truncate(self, seq_id, new_len):
         """Keep the first ``new_len`` tokens of a sequence; 0 releases everything.
@@ -623,9 +673,12 @@ cdef class KVCache:
             lengths are named in the message).
         """
         cdef PageTable table
-        with self._lock:
+        self._lock.acquire()
+        try:
             table = self._table(seq_id)
             table.truncate(new_len)
+        finally:
+            self._lock.leave()
 
     def seq_len(self, seq_id):
         """Tokens appended to a sequence so far, released ones included (= the next position).
@@ -636,9 +689,12 @@ cdef class KVCache:
             Unknown ``seq_id``.
         """
         cdef PageTable table
-        with self._lock:
+        self._lock.acquire()
+        try:
             table = self._table(seq_id)
             return table.length
+        finally:
+            self._lock.leave()
 
     def num_cached_tokens(self, seq_id):
         """Tokens of a sequence stored in pages it still holds.
@@ -649,9 +705,12 @@ cdef class KVCache:
             Unknown ``seq_id``.
         """
         cdef PageTable table
-        with self._lock:
+        self._lock.acquire()
+        try:
             table = self._table(seq_id)
             return _cached_tokens(table)
+        finally:
+            self._lock.leave()
 
     # ---------------------------------------------------------------- paging
     def append(self, seq_ids, num_tokens, token_ids=None, *, bint return_slot_mapping=True):
@@ -728,7 +787,8 @@ cdef class KVCache:
         cdef list tables
         cdef PageTable table
         cdef int32_t* cow = NULL  # copy-on-write pairs: sources, then destinations
-        with self._lock:
+        self._lock.acquire()
+        try:
             tables = self._tables_for(seq_ids)
             if len(tables) != batch:
                 raise ValueError(
@@ -761,6 +821,8 @@ cdef class KVCache:
                 _record_tokens(tables, first_positions, count_view, ids, self.page_size)
                 for i in range(batch):
                     self._register_full_pages(<PageTable>tables[i])
+        finally:
+            self._lock.leave()
         return slots
 
     def store(self, layer, slot_mapping, k, v):
@@ -819,7 +881,8 @@ cdef class KVCache:
                 f"got {slot_view[bad]} at index {bad}"
             )
         cdef Py_ssize_t v_offset = self.page_size * self._row_bytes
-        with self._lock, nogil:
+        self._lock.acquire()
+        with nogil:  # no Python code runs here, so no finalizer can queue a deferred call
             for t in range(num_tokens):
                 slot = slot_view[t]
                 if slot == PAD_SLOT:
@@ -830,6 +893,7 @@ cdef class KVCache:
                 pkv_stream_copy(dst, key_data + t * self._row_bytes, self._row_bytes)
                 pkv_stream_copy(dst + v_offset, value_data + t * self._row_bytes, self._row_bytes)
             pkv_stream_fence()
+        self._lock.leave()
 
     def gather(self, layer, seq_id):
         """Copy out the cached tokens of one sequence in position order.
@@ -859,7 +923,8 @@ cdef class KVCache:
         cdef Py_ssize_t num_pages, n
         cdef int64_t length
         cdef char* layer_base = self._data + layer_index * self._layer_bytes
-        with self._lock:
+        self._lock.acquire()
+        try:
             table = self._table(seq_id)
             num_pages = table.num_held()
             n = _cached_tokens(table)
@@ -873,6 +938,8 @@ cdef class KVCache:
             positions = np.empty(n, dtype=np.int64)
             _gather_rows(layer_base, page_ids, firsts, length, self.page_size, self._row_bytes,
                          self._page_bytes, keys, values, positions)
+        finally:
+            self._lock.leave()
         return keys, values, positions
 
     def page_table(self, seq_ids):
@@ -899,7 +966,8 @@ cdef class KVCache:
         cdef Py_ssize_t batch = ids.shape[0], b, nnz = 0
         cdef PageTable table
         cdef PageTableView view = PageTableView.__new__(PageTableView)
-        with self._lock:
+        self._lock.acquire()
+        try:
             tables = [self._table(seq_id) for seq_id in ids.tolist()]
             indptr = np.empty(batch + 1, dtype=np.int32)
             last_page_len = np.empty(batch, dtype=np.int32)
@@ -909,6 +977,8 @@ cdef class KVCache:
             indices = np.empty(nnz, dtype=np.int32)
             positions = np.empty(nnz, dtype=np.int64)
             _fill_indices(tables, indptr, indices, positions)
+        finally:
+            self._lock.leave()
         view.indptr = indptr
         view.indices = indices
         view.last_page_len = last_page_len
@@ -935,7 +1005,8 @@ cdef class KVCache:
             included) and ``prefix_evictions`` (cached pages whose hash was
             dropped because the allocator handed them out again).
         """
-        with self._lock:
+        self._lock.acquire()
+        try:
             in_use = self.pool.num_pages - self.pool.q.num_free
             extra = {}
             if self._prefix is not None:
@@ -957,6 +1028,8 @@ cdef class KVCache:
                 "num_sequences": len(self._tables),
                 "tokens_appended": self._tokens_appended,
             } | extra
+        finally:
+            self._lock.leave()
 
     def check_invariants(self):
         """Verify allocator and page tables; raise AssertionError naming what is wrong.
@@ -966,7 +1039,8 @@ cdef class KVCache:
         unreferenced, and each table's window bounds.
         """
         cdef PageTable table
-        with self._lock:
+        self._lock.acquire()
+        try:
             self.pool.check_invariants()
             counts = np.zeros(self.pool.num_pages, dtype=np.int64)
             for seq_id, table in self._tables.items():
@@ -1001,11 +1075,32 @@ cdef class KVCache:
                 raise AssertionError("planning scratch of the pool is not clear")
             if self._prefix is not None:
                 self._prefix.check_invariants()
+        finally:
+            self._lock.leave()
+
+    def __reduce__(self):
+        raise TypeError(
+            "KVCache cannot be pickled or copied: its pages are shared between sequences through "
+            "ref counts. Use fork(parent_id, child_id) for a copy-on-write copy of a sequence "
+            "inside the cache, or gather(layer, seq_id) to copy a sequence's K/V out"
+        )
+
+    def __reduce_ex__(self, protocol):
+        return self.__reduce__()
 
     def __repr__(self):
         return (f"KVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, num_pages={self.pool.num_pages}, page_size={self.page_size}, "
                 f"dtype={self.kv.dtype}, window={self._window}, sink_tokens={self.sink_tokens})")
+
+
+def _remove_deferred(tuple cache_and_key):
+    """Remove a sequence whose removal a re-entrant remove_sequence deferred (under the lock)."""
+    cdef KVCache cache = cache_and_key[0]
+    cdef PageTable table = cache._tables.get(cache_and_key[1])
+    if table is not None:  # the running call may have removed it already
+        table.drop_tail(0)
+        del cache._tables[cache_and_key[1]]
 
 
 cdef object _seq_key(object seq_id):

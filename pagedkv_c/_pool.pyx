@@ -70,6 +70,18 @@ cdef class PagePool:
     Every batch call is all-or-nothing: it validates everything first and
     raises before changing anything.
 
+    *Threads.* A standalone pool may be shared by threads without a lock of
+    its own: ``allocate``, ``free`` and ``incref`` make their final check
+    and their change in C with the GIL held and no Python code in between,
+    so no other thread, and no finalizer run by the garbage collector, can
+    change the pool between the check and the change; the GIL serialises
+    the calls. (Converting the arguments may run Python code, so the check
+    that counts is repeated in C just before the change.)
+
+    *Copies.* A pool cannot be pickled or copied (``pickle``,
+    ``copy.copy``, ``copy.deepcopy`` raise TypeError): its pages' owners
+    live outside it.
+
     Attributes
     ----------
     owner : str or None
@@ -234,17 +246,17 @@ cdef class PagePool:
             The pool belongs to a ``KVCache`` (see :attr:`owner`).
         """
         self._check_unowned("allocate")
-        cdef Py_ssize_t count = <Py_ssize_t>check_int(n, "n", 0, self.num_pages)
+        cdef cnp.npy_intp count = <cnp.npy_intp>check_int(n, "n", 0, self.num_pages)
+        # The output first: from the capacity check to the last pop no Python
+        # code may run (see Threads in the class notes).
+        cdef cnp.ndarray out = <cnp.ndarray>cnp.PyArray_EMPTY(1, &count, cnp.NPY_INT32, 0)
         if count > self.q.num_free:
             raise OutOfPagesError(
                 f"Cannot allocate {count} pages: only {self.q.num_free} of the {self.num_pages} pages "
                 f"{'is' if self.q.num_free == 1 else 'are'} free. Nothing was allocated. Free pages you no longer need (free), or create "
                 f"the pool with num_pages >= {self.num_pages + count - self.q.num_free}."
             )
-        cdef cnp.ndarray out = np.empty(count, dtype=np.int32)
-        cdef page_id_t* out_ptr = <page_id_t*>cnp.PyArray_DATA(out)
-        with nogil:
-            self.take(out_ptr, count)
+        self.take(<page_id_t*>cnp.PyArray_DATA(out), count)
         return out
 
     cdef int _check_unowned(self, str method) except -1:
@@ -293,6 +305,11 @@ cdef class PagePool:
                 raise ValueError(
                     f"Invalid value of page_ids: page {int(uniq[counts > 1][0])} is listed more than once"
                 )
+        # The checks above ran Python code, during which another thread or a
+        # finalizer may have changed the pool: check again in C as the last
+        # step, so that the caller's change follows a check with nothing between.
+        if not self.ids_valid(<const page_id_t*>cnp.PyArray_DATA(ids), ids.shape[0], forbid_duplicates):
+            return self._checked_ids(ids, forbid_duplicates)
         return ids
 
     def free(self, page_ids):
@@ -319,11 +336,11 @@ cdef class PagePool:
         given, so the first page listed is the first to be handed out again.
         """
         self._check_unowned("free")
-        cdef int32_t[::1] ids = self._checked_ids(page_ids, True)
+        cdef cnp.ndarray ids = self._checked_ids(page_ids, True)
+        cdef const page_id_t* ids_ptr = <const page_id_t*>cnp.PyArray_DATA(ids)
         cdef Py_ssize_t i
-        with nogil:
-            for i in range(ids.shape[0]):
-                self.decref_one(ids[i])
+        for i in range(cnp.PyArray_DIMS(ids)[0]):  # with the GIL: see Threads in the class notes
+            self.decref_one(ids_ptr[i])
 
     def incref(self, page_ids):
         """Add one reference to each listed page (a page listed k times gains k).
@@ -343,11 +360,11 @@ cdef class PagePool:
             The pool belongs to a ``KVCache`` (see :attr:`owner`).
         """
         self._check_unowned("incref")
-        cdef int32_t[::1] ids = self._checked_ids(page_ids, False)
+        cdef cnp.ndarray ids = self._checked_ids(page_ids, False)
+        cdef const page_id_t* ids_ptr = <const page_id_t*>cnp.PyArray_DATA(ids)
         cdef Py_ssize_t i
-        with nogil:
-            for i in range(ids.shape[0]):
-                self._ref_count[ids[i]] += 1
+        for i in range(cnp.PyArray_DIMS(ids)[0]):  # with the GIL: see Threads in the class notes
+            self._ref_count[ids_ptr[i]] += 1
 
     def ref_count(self, page_id):
         """Return the ref count of one page (0 = free).
@@ -362,14 +379,16 @@ cdef class PagePool:
 
     def free_pages(self):
         """Return the free queue in hand-out order (int32 array, shape ``(num_free,)``)."""
-        out = np.empty(self.q.num_free, dtype=np.int32)
-        cdef int32_t[::1] view = out
+        # No Python code between reading num_free and filling the array (see Threads).
+        cdef cnp.npy_intp num_free = self.q.num_free
+        cdef cnp.ndarray out = <cnp.ndarray>cnp.PyArray_EMPTY(1, &num_free, cnp.NPY_INT32, 0)
+        cdef int32_t* view = <int32_t*>cnp.PyArray_DATA(out)
         cdef int64_t a
         cdef int32_t page_id
         cdef Py_ssize_t i = 0
         for a in range(self.q.head, self.q.tail):
             page_id = self.q.ring[a & self.q.mask]
-            if pkv_rec(&self.q, page_id).qpos == a and i < self.q.num_free:
+            if pkv_rec(&self.q, page_id).qpos == a and i < num_free:
                 view[i] = page_id
                 i += 1
         return out
@@ -411,6 +430,15 @@ cdef class PagePool:
                 raise AssertionError(f"page {p} has ref count {self._ref_count[p]} but is in the free queue")
             if not seen[p] and qpos != -1:
                 raise AssertionError(f"page {p} is not queued but records queue position {qpos}")
+
+    def __reduce__(self):
+        raise TypeError(
+            "PagePool cannot be pickled or copied: the owners of its pages live outside it. "
+            "Create a new PagePool(num_pages); free_pages() and ref_count() report this one's state"
+        )
+
+    def __reduce_ex__(self, protocol):
+        return self.__reduce__()
 
     def __repr__(self):
         return f"PagePool(num_pages={self.num_pages}, num_free={self.q.num_free})"

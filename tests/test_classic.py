@@ -22,6 +22,8 @@ class ReferenceCache:
         self.pages = {}
         self.fifo = []  # logical pages, oldest first
         self.evictions = 0
+        self.hits = 0  # lookups by get/get_many that found the token (counted by the caller)
+        self.misses = 0
 
     def put(self, token, key, value):
         logical_page, offset = divmod(token, self.page_size)
@@ -40,9 +42,22 @@ class ReferenceCache:
         logical_page, offset = divmod(token, self.page_size)
         return self.pages.get(logical_page, {}).get(offset)
 
+    def lookup(self, token):
+        """``get`` that counts a hit or a miss, as the cache's get and get_many do."""
+        found = self.get(token)
+        if found is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return found
+
     def clear(self):
         self.pages.clear()
         self.fifo.clear()
+
+    def tokens(self):
+        """Present token indices, ascending."""
+        return sorted(page * self.page_size + offset for page, slots in self.pages.items() for offset in slots)
 
     def __len__(self):
         return sum(len(page) for page in self.pages.values())
@@ -58,7 +73,7 @@ def snapshot(cache, tokens):
     keys, values, present = cache.get_many(list(tokens))
     return (
         len(cache),
-        cache.resident_pages().tolist(),
+        cache.resident_pages.tolist(),
         cache.evictions,
         keys.tobytes(),
         values.tobytes(),
@@ -98,7 +113,7 @@ def test_page_size_four_two_pages_evicts_the_first_page_once():
         assert same_array(key, np.array([token, token + 0.5, -token], dtype=np.float32))
         assert same_array(value, np.array([2 * token, 0, 1], dtype=np.float32))
     assert cache.evictions == 1
-    assert cache.resident_pages().tolist() == [1, 2]
+    assert cache.resident_pages.tolist() == [1, 2]
     assert len(cache) == 8
     cache.check_invariants()
 
@@ -126,7 +141,7 @@ def test_get_returns_fresh_arrays_that_do_not_alias_the_cache():
 def test_unwritten_slots_of_a_resident_page_are_absent():
     cache = PagedKVCache(4, 2, page_size=4)
     cache.put(5, [1, 2], [3, 4])
-    assert cache.resident_pages().tolist() == [1]
+    assert cache.resident_pages.tolist() == [1]
     assert len(cache) == 1
     for token in (4, 6, 7):
         assert token not in cache and cache.get(token) is None
@@ -142,7 +157,7 @@ def test_overwrite_keeps_count_and_fifo_order():
     cache.put(0, [3], [3])  # overwrite: page 0 stays the oldest (FIFO, not LRU)
     assert len(cache) == 2 and cache.get(0)[0].tolist() == [3]
     cache.put(4, [4], [4])
-    assert cache.resident_pages().tolist() == [1, 2]
+    assert cache.resident_pages.tolist() == [1, 2]
     assert 0 not in cache and cache.evictions == 1
 
 
@@ -160,7 +175,7 @@ def test_resident_pages_order_survives_ring_wrap_around():
     cache = PagedKVCache(3, 1, page_size=1)
     for token in range(10):
         cache.put(token, [token], [token])
-        assert cache.resident_pages().tolist() == list(range(max(0, token - 2), token + 1))
+        assert cache.resident_pages.tolist() == list(range(max(0, token - 2), token + 1))
     assert cache.evictions == 7
 
 
@@ -169,7 +184,7 @@ def test_any_int64_token_index_works():
     tokens = [0, 2**40 + 3, 2**62, INT64_MAX]
     for i, token in enumerate(tokens):
         cache.put(token, [i, i], [-i, -i])
-    assert cache.resident_pages().tolist() == [t // 64 for t in tokens]
+    assert cache.resident_pages.tolist() == [t // 64 for t in tokens]
     for i, token in enumerate(tokens):
         assert cache.get(token)[0].tolist() == [i, i]
     assert cache.get(INT64_MAX - 1) is None
@@ -220,7 +235,7 @@ def test_put_many_spanning_more_pages_than_the_limit_evicts_within_the_call():
     reference = ReferenceCache(2, 1, 2, np.float32)
     for token, key, value in zip(tokens, rows(7, 1), rows(7, 1, start=100)):
         reference.put(token, key, value)
-    assert cache.resident_pages().tolist() == reference.fifo == [2, 0]
+    assert cache.resident_pages.tolist() == reference.fifo == [2, 0]
     assert cache.evictions == reference.evictions == 2
     assert len(cache) == len(reference) == 3  # tokens 4, 5 (page 2) and 0 (page 0)
     assert cache.get(0)[0].tolist() == [5.0] and cache.get(4)[1].tolist() == [104.0]
@@ -281,13 +296,13 @@ def test_clear_drops_everything_and_keeps_the_eviction_count():
         cache.put(token, [token], [token])
     assert cache.evictions == 3
     cache.clear()
-    assert len(cache) == 0 and cache.resident_pages().tolist() == [] and cache.evictions == 3
+    assert len(cache) == 0 and cache.resident_pages.tolist() == [] and cache.evictions == 3
     assert all(cache.get(t) is None for t in range(5))
     cache.check_invariants()
     cache.put(7, [7], [7])
     cache.put(8, [8], [8])
     cache.put(9, [9], [9])
-    assert cache.resident_pages().tolist() == [8, 9] and cache.evictions == 4
+    assert cache.resident_pages.tolist() == [8, 9] and cache.evictions == 4
     cache.check_invariants()
 
 
@@ -298,8 +313,54 @@ def test_attributes_and_repr():
     assert cache.nbytes == 5 * 2 * 16 * 8 * 2
     assert repr(cache) == (
         "PagedKVCache(max_pages=5, dim=8, page_size=16, dtype=float16, tokens=0, "
-        "resident_pages=0, evictions=0)"
+        "num_resident_pages=0, evictions=0)"
     )
+
+
+def test_page_size_defaults_to_64_and_values_come_back_in_the_cache_dtype():
+    cache = PagedKVCache(2, 1)
+    assert cache.page_size == 64 and cache.dtype == np.float32
+    cache.put(0, [0.1], [0.1])
+    key, _ = cache.get(0)
+    assert key.dtype == np.float32 and float(key[0]) == float(np.float32(0.1)) != 0.1
+
+
+def test_resident_pages_and_counts_are_read_only_attributes():
+    cache = PagedKVCache(2, 1, page_size=2)
+    cache.put_many([0, 5], [[1.0], [2.0]], [[1.0], [2.0]])
+    assert cache.resident_pages.tolist() == [0, 2] and cache.num_resident_pages == 2
+    for name in ("resident_pages", "num_resident_pages", "evictions", "nbytes"):
+        with pytest.raises(AttributeError):
+            setattr(cache, name, 0)
+    pages = cache.resident_pages
+    pages[0] = 7  # a copy: the cache is not changed through it
+    assert cache.resident_pages.tolist() == [0, 2]
+
+
+def test_stats_count_every_lookup_of_get_and_get_many_and_nothing_else():
+    cache = PagedKVCache(2, 1, page_size=2)
+    assert cache.stats() == {"hits": 0, "misses": 0, "evictions": 0, "num_tokens": 0,
+                             "num_resident_pages": 0, "max_pages": 2, "capacity_tokens": 4}
+    cache.put_many([0, 1, 2], [[0.0], [1.0], [2.0]], [[0.0], [1.0], [2.0]])
+    cache.get(0)                      # hit
+    cache.get(3)                      # miss: resident page, slot never written
+    cache.get_many([0, 1, 2, 3, 9])   # 3 hits, 2 misses
+    0 in cache, list(cache), len(cache)  # neither
+    cache.put(4, [4.0], [4.0])        # evicts logical page 0 (tokens 0 and 1)
+    cache.get(0)                      # miss: evicted
+    cache.clear()
+    assert cache.stats() == {"hits": 4, "misses": 4, "evictions": 1, "num_tokens": 0,
+                             "num_resident_pages": 0, "max_pages": 2, "capacity_tokens": 4}
+
+
+def test_iteration_gives_present_tokens_in_ascending_order_as_a_snapshot():
+    cache = PagedKVCache(3, 1, page_size=4)
+    cache.put_many([9, 2, 8, 0, 3], np.zeros((5, 1)), np.zeros((5, 1)))  # pages 2, 0 in FIFO order
+    assert cache.resident_pages.tolist() == [2, 0]
+    it = iter(cache)
+    cache.clear()
+    assert list(it) == [0, 2, 3, 8, 9]  # collected when iteration started
+    assert list(cache) == [] and len(cache) == 0
 
 
 # ----------------------------------------------------------------- bad input
@@ -525,7 +586,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(token=TOKENS)
     def get(self, token):
         got = self.cache.get(token)
-        expected = self.model.get(token)
+        expected = self.model.lookup(token)
         assert (got is None) == (expected is None)
         if expected is not None:
             assert same_array(got[0], expected[0]) and same_array(got[1], expected[1])
@@ -536,7 +597,7 @@ class CacheMachine(RuleBasedStateMachine):
         keys, values, present = self.cache.get_many(tokens)
         assert keys.shape == values.shape == (len(tokens), self.dim)
         for i, token in enumerate(tokens):
-            expected = self.model.get(token)
+            expected = self.model.lookup(token)
             assert present[i] == (expected is not None)
             if expected is None:
                 assert not keys[i].any() and not values[i].any()
@@ -572,17 +633,27 @@ class CacheMachine(RuleBasedStateMachine):
             else:
                 self.cache.put_many([token], np.zeros((1, self.dim)), np.zeros((2, self.dim)))
         assert snapshot(self.cache, sorted(self.seen)) == before
+        for _ in range(2):  # the two snapshots' lookups
+            for token in self.seen:
+                self.model.lookup(token)
 
     @invariant()
     def matches_model(self):
         self.cache.check_invariants()
         assert len(self.cache) == len(self.model)
-        assert self.cache.resident_pages().tolist() == self.model.fifo
+        assert self.cache.resident_pages.tolist() == self.model.fifo
+        assert self.cache.num_resident_pages == len(self.model.fifo)
         assert self.cache.evictions == self.model.evictions
+        assert list(self.cache) == self.model.tokens()
+        assert self.cache.stats() == {
+            "hits": self.model.hits, "misses": self.model.misses, "evictions": self.model.evictions,
+            "num_tokens": len(self.model), "num_resident_pages": len(self.model.fifo),
+            "max_pages": self.model.max_pages, "capacity_tokens": self.model.max_pages * self.model.page_size,
+        }
         tokens = sorted(self.seen)
         keys, values, present = self.cache.get_many(tokens)
         for i, token in enumerate(tokens):
-            expected = self.model.get(token)
+            expected = self.model.lookup(token)
             assert present[i] == (expected is not None)
             if expected is not None:
                 assert same_array(keys[i], expected[0]) and same_array(values[i], expected[1])

@@ -96,8 +96,15 @@ def use_classic_cache() -> None:
     assert_type(present, NDArray[np.bool_])
     assert present.dtype == np.bool_ and present.tolist() == [True, True, False]
     assert_type(len(cache), int)
-    assert_type(cache.resident_pages(), NDArray[np.int64])
+    assert_type(cache.resident_pages, NDArray[np.int64])
+    assert_type(cache.num_resident_pages, int)
     assert_type(0 in cache, bool)
+    tokens = list(cache)
+    assert_type(tokens, list[int])
+    assert tokens == [0, 1, 2, 3]
+    stats = cache.stats()
+    assert_type(stats, dict[str, int])
+    assert stats["hits"] == 3 and stats["misses"] == 1
     cache.clear()
 
 
