@@ -189,8 +189,8 @@ cdef int _run_items(const pkv_attention_args* args, const pkv_work_item* items,
     elif num_threads > 1:
         _ran_team = True
     # Per-thread scratch rounded to 64 bytes so threads never share a line.
-    # max_rows <= PKV_MAX_ITEM_HEADS * Hq <= 16 * 2**20 (Hq is checked), so
-    # stride * num_threads (<= 1024) * 4 bytes stays far below 2**63.
+    # max_rows <= max(16, Hq) <= 2**20 (Hq is checked) and head_dim <= 256,
+    # so stride * num_threads (<= 1024) * 4 bytes stays below 2**43.
     cdef int64_t stride = (pkv_scratch_floats(max_rows, args.head_dim) + 15) // 16 * 16
     cdef float* scratch = <float*>malloc(<size_t>(stride * num_threads + 16) * sizeof(float))
     cdef Py_ssize_t i

@@ -180,11 +180,11 @@ cdef class KVCache:
     ValueError
         A size out of range: ``num_layers <= 2**20``, ``num_kv_heads <=
         2**16``, ``head_dim <= 2**16``, ``page_size <= 2**20``, ``num_pages
-        <= 2**31 - 2``, and one layer of the pool (``num_pages * 2 *
-        page_size * num_kv_heads * head_dim * itemsize`` bytes) at most
-        ``2**63 - 1`` bytes, even with ``num_layers=0``.
+        <= 2**31 - 2``.
     MemoryError
-        The pool array cannot be allocated.
+        The pool array cannot be allocated, or one layer of it (``num_pages
+        * 2 * page_size * num_kv_heads * head_dim * itemsize`` bytes) would
+        pass ``2**63 - 1`` bytes, also with ``num_layers=0``.
 
     Notes
     -----
@@ -226,12 +226,6 @@ cdef class KVCache:
             window = int(window)
         self._window = window
         self.sink_tokens = check_int(sink_tokens, "sink_tokens", 0, MAX_POSITION)
-        layer_bytes = num_pages * 2 * self.page_size * self.num_kv_heads * self.head_dim * np_dtype.itemsize
-        if layer_bytes > 2**63 - 1:  # byte offsets into a layer are Py_ssize_t
-            raise ValueError(
-                f"Invalid value of num_pages: one layer of the pool would take {layer_bytes} bytes, "
-                f"more than 2**63 - 1; use fewer pages, heads or a smaller page_size or head_dim"
-            )
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise TypeError(
                 f"Invalid type of enable_prefix_caching: expected a bool, got {type(enable_prefix_caching).__name__}"
@@ -241,6 +235,14 @@ cdef class KVCache:
         if prefix_hash not in _PREFIX_HASHES:
             raise ValueError(
                 f"Invalid value of prefix_hash: expected one of {sorted(_PREFIX_HASHES)}, got {prefix_hash!r}"
+            )
+        # Byte offsets into a layer are Py_ssize_t, also with num_layers=0
+        # (which allocates nothing).
+        layer_bytes = num_pages * 2 * self.page_size * self.num_kv_heads * self.head_dim * np_dtype.itemsize
+        if layer_bytes > 2**63 - 1:
+            raise MemoryError(
+                f"Invalid value of num_pages: one layer of the pool would take {layer_bytes} bytes, "
+                f"more than 2**63 - 1; use fewer pages, heads or a smaller page_size or head_dim"
             )
         self.pool = PagePool(num_pages)
         self.pool.owner = "KVCache"
