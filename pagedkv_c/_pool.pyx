@@ -347,24 +347,34 @@ cdef class PagePool:
         self._check_unowned("incref")
         cdef int32_t[::1] ids = self._checked_ids(page_ids, False)
         cdef Py_ssize_t i, n = ids.shape[0], bad = -1
-        cdef int32_t page_id
+        cdef int32_t page_id, most = 0
         with nogil:
-            # Count each page's new references in the scratch first: a page
-            # may be listed many times, and nothing may change on failure.
+            # Common case: no listed page is within n references of the limit,
+            # so no page can pass it, however often it is listed.
             for i in range(n):
-                page_id = ids[i]
-                if self._pending[page_id] >= _MAX_REF_COUNT - self._ref_count[page_id]:
-                    bad = i
-                    break
-                self._pending[page_id] += 1
-            if bad < 0:
+                if self._ref_count[ids[i]] > most:
+                    most = self._ref_count[ids[i]]
+            if n <= _MAX_REF_COUNT - most:
+                for i in range(n):
+                    self._ref_count[ids[i]] += 1
+            else:
+                # Count each page's new references in the scratch first: a
+                # page may be listed many times, and nothing may change on
+                # failure.
                 for i in range(n):
                     page_id = ids[i]
-                    self._ref_count[page_id] += self._pending[page_id]
-                    self._pending[page_id] = 0
-            else:
-                for i in range(bad):
-                    self._pending[ids[i]] = 0
+                    if self._pending[page_id] >= _MAX_REF_COUNT - self._ref_count[page_id]:
+                        bad = i
+                        break
+                    self._pending[page_id] += 1
+                if bad < 0:
+                    for i in range(n):
+                        page_id = ids[i]
+                        self._ref_count[page_id] += self._pending[page_id]
+                        self._pending[page_id] = 0
+                else:
+                    for i in range(bad):
+                        self._pending[ids[i]] = 0
         if bad >= 0:
             raise ValueError(
                 f"Invalid value of page_ids: page {ids[bad]} would pass 2**31 - 1 references, the "
