@@ -17,6 +17,7 @@ import numpy as np
 cimport numpy as cnp
 from cython.parallel cimport prange, threadid
 from libc.stdint cimport int32_t, int64_t, uint16_t
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdlib cimport malloc, free
 
 from pagedkv_c._checks cimport check_int, check_index, check_array, check_float_array, as_int_array
@@ -85,10 +86,16 @@ cdef extern from *:
 # many times while the accumulators stay in L1.
 cdef int64_t PREFILL_ROWS = 16
 _MAX_THREADS_ARG = 1024
+# Most query heads (bounds the per-thread scratch, which grows with the GQA group).
+_MAX_QO_HEADS = 2**20
 # Largest |scale|: the kernels compute scale * log2(e) in float32 (max 3.4e38).
 _MAX_SCALE = 1e38
 # Bytes of K/V each thread should read before num_threads=None adds a thread.
 cdef int64_t _BYTES_PER_THREAD = 2 * 1024 * 1024
+# Largest token position, sequence length, window and sink length: with a page
+# size below 2**61 (a pool of 2 halves of 2-byte elements has < 2**63 bytes),
+# positions + page_size and every window bound fit int64.
+cdef int64_t MAX_POSITION = 2**62
 _ISA_BY_NAME = {"scalar": PKV_ISA_SCALAR, "avx2": PKV_ISA_AVX2, "avx512": PKV_ISA_AVX512}
 
 cdef pkv_isa _isa = PKV_ISA_SCALAR
@@ -182,6 +189,8 @@ cdef int _run_items(const pkv_attention_args* args, const pkv_work_item* items,
     elif num_threads > 1:
         _ran_team = True
     # Per-thread scratch rounded to 64 bytes so threads never share a line.
+    # max_rows <= max(16, Hq) <= 2**20 (Hq is checked) and head_dim <= 256,
+    # so stride * num_threads (<= 1024) * 4 bytes stays below 2**43.
     cdef int64_t stride = (pkv_scratch_floats(max_rows, args.head_dim) + 15) // 16 * 16
     cdef float* scratch = <float*>malloc(<size_t>(stride * num_threads + 16) * sizeof(float))
     cdef Py_ssize_t i
@@ -250,7 +259,11 @@ cdef int paged_decode(
     if heads_per_item > PKV_MAX_ITEM_HEADS:
         heads_per_item = PKV_MAX_ITEM_HEADS
     cdef int64_t blocks = (num_kv_heads + heads_per_item - 1) // heads_per_item
+    # batch_size * blocks <= B * Hkv <= q.size: no overflow; its byte size is checked.
     cdef Py_ssize_t num_items = batch_size * blocks
+    if <size_t>num_items > <size_t>PY_SSIZE_T_MAX // sizeof(pkv_work_item):
+        with gil:
+            raise MemoryError("cannot allocate attention work items")
     cdef pkv_work_item* items = <pkv_work_item*>malloc(num_items * sizeof(pkv_work_item))
     if items == NULL:
         with gil:
@@ -298,6 +311,11 @@ cdef int paged_prefill(
         num_items += (qo_len + tile - 1) // tile * num_kv_heads
     if num_items == 0:
         return 0
+    # num_items <= 2 * T * Hkv <= 2 * q.size (only sequences with queries add
+    # items): no overflow; its byte size is checked.
+    if <size_t>num_items > <size_t>PY_SSIZE_T_MAX // sizeof(pkv_work_item):
+        with gil:
+            raise MemoryError("cannot allocate attention work items")
     cdef pkv_work_item* items = <pkv_work_item*>malloc(num_items * sizeof(pkv_work_item))
     if items == NULL:
         with gil:
@@ -379,8 +397,8 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
     if num_pages < 1 or page_size < 1 or num_kv_heads < 1 or num_layers < 1:
         raise ValueError(f"Invalid shape of cache.kv: expected every dimension >= 1, got {kv.shape}")
     window = getattr(cache, "window", None)
-    p.window = 0 if window is None else check_int(window, "cache.window", 1, 2**62)
-    p.sink_tokens = check_int(getattr(cache, "sink_tokens", 0), "cache.sink_tokens", 0, 2**62)
+    p.window = 0 if window is None else check_int(window, "cache.window", 1, MAX_POSITION)
+    p.sink_tokens = check_int(getattr(cache, "sink_tokens", 0), "cache.sink_tokens", 0, MAX_POSITION)
 
     cdef int64_t layer_index = check_index(layer, "layer", num_layers)
     num_qo_heads = q.shape[1]
@@ -388,10 +406,10 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
         raise ValueError(
             f"Invalid shape of q: expected (*, Hq, {head_dim}) (head_dim of the cache), got {q.shape}"
         )
-    if num_qo_heads < 1 or num_qo_heads % num_kv_heads != 0:
+    if num_qo_heads < 1 or num_qo_heads % num_kv_heads != 0 or num_qo_heads > _MAX_QO_HEADS:
         raise ValueError(
             f"Invalid shape of q: expected Hq = q.shape[1] a positive multiple of "
-            f"num_kv_heads={num_kv_heads}, got Hq={num_qo_heads}"
+            f"num_kv_heads={num_kv_heads}, at most 2**20, got Hq={num_qo_heads}"
         )
     if scale is None:
         p.scale = 1.0 / math.sqrt(head_dim)
@@ -444,9 +462,10 @@ cdef void _cap_threads(_Problem p, int64_t query_tiles) noexcept:
     if not p.auto_threads:
         return
     cdef int64_t itemsize = 2 if p.pool_is_f16 else 4
-    cdef int64_t work = (cnp.PyArray_DIM(p.indices, 0) * p.page_size * p.num_kv_heads * p.head_dim
-                         * 2 * itemsize * max(query_tiles, 1))
-    cdef int64_t wanted = 1 + work // _BYTES_PER_THREAD
+    # In double: nnz pages (repeats allowed) times a page's bytes can pass 2**63.
+    cdef double work = (<double>cnp.PyArray_DIM(p.indices, 0) * p.page_size * p.num_kv_heads * p.head_dim
+                        * 2 * itemsize * max(query_tiles, 1))
+    cdef double wanted = 1 + work / _BYTES_PER_THREAD
     if wanted < p.num_threads:
         p.num_threads = <int>wanted
 
@@ -466,7 +485,9 @@ cdef inline int64_t _held_in(const int64_t* starts, int64_t j0, int64_t j1, int6
 cdef bint _table_ok(_Problem p, const int64_t* qo, int64_t num_tokens) noexcept:
     """One pass over the page table: True when every value check passes.
 
-    Checks offsets, page ids, lengths and that each sequence holds every
+    Checks offsets, page ids, lengths and positions (``0 <= page_positions
+    <= 2**62``, ``0 <= seq_lens <= 2**62``, so that no sum below overflows),
+    and that each sequence holds every
     position its queries (decode: the last token; prefill, with ``qo``: its
     last ``qo_len`` tokens) attend to, the queries' own positions included:
     the window range and the sinks below it (see ``_explain_missing_keys``).
@@ -487,12 +508,13 @@ cdef bint _table_ok(_Problem p, const int64_t* qo, int64_t num_tokens) noexcept:
         if indices[j] < 0 or indices[j] >= p.num_pages:
             return False
     for b in range(p.batch_size):
-        if indptr[b + 1] < indptr[b] or seq_lens[b] < 0:
+        if indptr[b + 1] < indptr[b] or seq_lens[b] < 0 or seq_lens[b] > MAX_POSITION:
             return False
         # pages in position order, none overlapping the next: the kernels
         # list keys in that order, and counting held positions is exact
         for j in range(indptr[b], indptr[b + 1]):
-            if starts[j] < 0 or (j > indptr[b] and starts[j] < starts[j - 1] + p.page_size):
+            if starts[j] < 0 or starts[j] > MAX_POSITION or (
+                    j > indptr[b] and starts[j] < starts[j - 1] + p.page_size):
                 return False
         if qo == NULL:
             need = 1
@@ -535,6 +557,11 @@ cdef int _explain_table_error(_Problem p, object seq_ids, object qo) except -1:
             )
     if batch_size > 0 and int(p.seq_lens.min()) < 0:
         raise ValueError("Invalid value of page_table(seq_ids).seq_lens: expected lengths >= 0")
+    if batch_size > 0 and int(p.seq_lens.max()) > MAX_POSITION:
+        raise ValueError(
+            f"Invalid value of page_table(seq_ids).seq_lens: expected lengths <= 2**62 (the position "
+            f"limit), got {int(p.seq_lens.max())}"
+        )
     _explain_page_order(p, seq_ids)
     if qo is None:
         _explain_decode(p, seq_ids)
@@ -548,10 +575,11 @@ cdef int _explain_page_order(_Problem p, object seq_ids) except -1:
     starts = p.page_positions
     if starts.shape[0] == 0:
         return 0
-    if int(starts.min()) < 0:
+    if int(starts.min()) < 0 or int(starts.max()) > MAX_POSITION:
+        bad = int(starts.min()) if int(starts.min()) < 0 else int(starts.max())
         raise ValueError(
-            f"Invalid value of page_table(seq_ids).page_positions: expected positions >= 0, "
-            f"got {int(starts.min())}"
+            f"Invalid value of page_table(seq_ids).page_positions: expected positions in "
+            f"[0, 2**62], got {bad}"
         )
     # entry j follows entry j - 1 of the same sequence unless a sequence starts at j
     nnz = starts.shape[0]

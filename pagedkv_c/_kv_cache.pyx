@@ -15,7 +15,7 @@ from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t, PAD_SL
 from pagedkv_c._pool cimport PagePool, pkv_incref, pkv_queue_remove, pkv_ref, pkv_set_ref
 from pagedkv_c._pool import OutOfPagesError
 from pagedkv_c._prefix import ALGORITHMS as _PREFIX_HASHES
-from pagedkv_c._page_table cimport PageTable, append_batch
+from pagedkv_c._page_table cimport PageTable, append_batch, owner_key
 from pagedkv_c._checks cimport check_int, check_index, check_float_array, check_pool_dtype, as_int_array
 from pagedkv_c._checks import check_sink_window
 from pagedkv_c._lock cimport CacheLock
@@ -37,6 +37,12 @@ _SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 cdef Py_ssize_t _PREFETCH_DISTANCE = 32
 # Pages hashed at a time by those loops when a sequence's hashes are computed lazily.
 cdef Py_ssize_t _HASH_BATCH = 8
+# Largest sequence length, window and sink length, in tokens (as PageTable and attention).
+cdef int64_t MAX_POSITION = 2**62
+# Largest number of pages one page_table call can list: indptr is int32 (CSR).
+_MAX_CSR_PAGES = 2**31 - 1
+# Largest ref count of a page (int32).
+cdef int32_t _MAX_REF_COUNT = 2**31 - 1
 
 
 cdef class PageTableView:
@@ -133,14 +139,14 @@ cdef class KVCache:
     dtype : numpy dtype
         float16 (default) or float32.
     window : int or None
-        Sliding window ``W`` in tokens, ``>= 1``: the query at position
-        ``p`` attends to keys ``[p - W + 1, p]`` (FlashInfer
+        Sliding window ``W`` in tokens, ``1 <= W <= 2**62``: the query at
+        position ``p`` attends to keys ``[p - W + 1, p]`` (FlashInfer
         ``window_left = W - 1``; Mistral / Hugging Face ``sliding_window =
         W``). None: full attention.
     sink_tokens : int
-        Attention-sink tokens ``S >= 0``: positions ``[0, S)`` stay attended
-        and their pages pinned (StreamingLLM, Xiao et al. 2023). Only with a
-        window: ``sink_tokens > 0`` without one raises ValueError.
+        Attention-sink tokens ``0 <= S <= 2**62``: positions ``[0, S)`` stay
+        attended and their pages pinned (StreamingLLM, Xiao et al. 2023).
+        Only with a window: ``sink_tokens > 0`` without one raises ValueError.
     enable_prefix_caching : bool
         Reuse the K/V of shared prompt prefixes across sequences (vLLM's
         automatic prefix caching): full pages are indexed by a hash chained
@@ -174,9 +180,13 @@ cdef class KVCache:
     TypeError
         A non-integer size, or a dtype other than float16/float32.
     ValueError
-        A size out of range, or ``sink_tokens > 0`` without a ``window``.
+        A size out of range: ``num_layers <= 2**20``, ``num_kv_heads <=
+        2**16``, ``head_dim <= 2**16``, ``page_size <= 2**20``, ``num_pages
+        <= 2**31 - 2``; ``sink_tokens > 0`` without a ``window``.
     MemoryError
-        The pool array cannot be allocated.
+        The pool array cannot be allocated, or one layer of it (``num_pages
+        * 2 * page_size * num_kv_heads * head_dim * itemsize`` bytes) would
+        pass ``2**63 - 1`` bytes, also with ``num_layers=0``.
 
     Notes
     -----
@@ -199,6 +209,12 @@ cdef class KVCache:
     of bools, complex numbers, strings or objects raise TypeError. Arrays that already have the
     target dtype and a C-contiguous layout are read in place, others are
     copied first.
+
+    *Limits.* Slots (``page_id * page_size + offset``) stay below ``2**51``;
+    a sequence is at most ``2**62`` tokens long (positions, window bounds and
+    ``page_positions + page_size`` then fit int64, the limit that
+    :mod:`pagedkv.attention` checks); one :meth:`page_table` call lists at
+    most ``2**31 - 1`` pages (int32 ``indptr``).
 
     *Threads.* A cache may be shared by threads: every method that reads
     or changes page tables holds an internal lock for the whole call, so
@@ -235,10 +251,10 @@ cdef class KVCache:
         check_int(num_pages, "num_pages", 1, 2**31 - 2)
         np_dtype = check_pool_dtype(dtype, "dtype", _SUPPORTED_DTYPES)
         if window is not None:
-            check_int(window, "window", 1, INT64_MAX)
+            check_int(window, "window", 1, MAX_POSITION)
             window = int(window)
         self._window = window
-        self.sink_tokens = check_int(sink_tokens, "sink_tokens", 0, INT64_MAX)
+        self.sink_tokens = check_int(sink_tokens, "sink_tokens", 0, MAX_POSITION)
         check_sink_window(window, self.sink_tokens)
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise TypeError(
@@ -249,6 +265,14 @@ cdef class KVCache:
         if prefix_hash not in _PREFIX_HASHES:
             raise ValueError(
                 f"Invalid value of prefix_hash: expected one of {sorted(_PREFIX_HASHES)}, got {prefix_hash!r}"
+            )
+        # Byte offsets into a layer are Py_ssize_t, also with num_layers=0
+        # (which allocates nothing).
+        layer_bytes = num_pages * 2 * self.page_size * self.num_kv_heads * self.head_dim * np_dtype.itemsize
+        if layer_bytes > 2**63 - 1:
+            raise MemoryError(
+                f"Invalid value of num_pages: one layer of the pool would take {layer_bytes} bytes, "
+                f"more than 2**63 - 1; use fewer pages, heads or a smaller page_size or head_dim"
             )
         self.pool = PagePool(num_pages)
         self.pool.owner = "KVCache"
@@ -352,8 +376,14 @@ cdef class KVCache:
         for k in range(servable):
             _look_ahead(index, hashes, k, servable)
             page_id = pkv_index_find(&index.ix, hashes.chain[k].lo, hashes.chain[k].hi)
-            if page_id != -1 and prompt != NULL and not index.tokens_match(page_id, prompt + k * ps):
-                page_id = -1  # a hash collision: never serve a page whose tokens differ
+            if page_id != -1:
+                if prompt != NULL:
+                    if not index.tokens_match(page_id, prompt + k * ps):
+                        page_id = -1  # a hash collision: never serve a page whose tokens differ
+                elif index.has_tokens[page_id]:
+                    page_id = -1  # a token-keyed page never serves a block-keyed request
+                if page_id != -1 and pkv_ref(&self.pool.q, page_id) == _MAX_REF_COUNT:
+                    page_id = -1  # its int32 ref count is full: compute rather than share
             hit[k] = page_id
             if page_id == -1 and not windowed:
                 break  # without a window only the leading run counts
@@ -509,7 +539,9 @@ cdef class KVCache:
             exact multiple of ``page_size`` hits at most ``P - page_size``).
             With a window, a hit counts only when every page that the next
             query's window and sinks need is cached; pages before the window
-            are not taken.
+            are not taken. Token-keyed and block-keyed requests never share a
+            page (see ``pagedkv_c._prefix`` for the hashed bytes), and a page
+            whose ref count reached ``2**31 - 1`` is not served.
 
         Raises
         ------
@@ -517,8 +549,9 @@ cdef class KVCache:
             ``seq_id`` already exists; both or neither of ``prompt_token_ids``
             and ``block_hashes`` style arguments are inconsistent; token ids
             outside int32; ``block_tokens`` not a positive multiple of
-            ``page_size``; ``num_prompt_tokens`` beyond what the blocks cover;
-            ``block_tokens`` or ``num_prompt_tokens`` without ``block_hashes``.
+            ``page_size``; ``num_prompt_tokens`` beyond what the blocks cover
+            or past ``2**62``; ``block_tokens`` or ``num_prompt_tokens``
+            without ``block_hashes``.
         TypeError
             Non-integer ids, or an ``extra_key`` of another type.
 
@@ -534,7 +567,8 @@ cdef class KVCache:
         them.
         """
         cdef int64_t key = check_int(seq_id, "seq_id", INT64_MIN, INT64_MAX)
-        cdef PageTable table = PageTable(self.pool, self.page_size, self._window, self.sink_tokens)
+        cdef PageTable table = PageTable(self.pool, self.page_size, self._window, self.sink_tokens,
+                                         _owner_key=owner_key())
         cdef object prompt = None
         cdef object blocks = None
         cdef int64_t prompt_len = 0, per_block = 0
@@ -556,7 +590,8 @@ cdef class KVCache:
                 raise ValueError(
                     f"Invalid value of block_tokens: expected a multiple of page_size {self.page_size}, got {per_block}"
                 )
-            prompt_len = check_int(num_prompt_tokens, "num_prompt_tokens", 0, blocks.shape[0] * per_block)
+            prompt_len = check_int(num_prompt_tokens, "num_prompt_tokens", 0,
+                                   min(blocks.shape[0] * per_block, MAX_POSITION))
         if self._prefix is not None:
             # Without a prompt or block ids the sequence starts empty; token ids
             # that append is given are hashed as they fill pages.
@@ -637,7 +672,9 @@ cdef class KVCache:
         KeyError
             Unknown ``parent_id``.
         ValueError
-            ``child_id`` already exists.
+            ``child_id`` already exists, or a page of the parent already has
+            ``2**31 - 1`` references (the int32 ref count limit); nothing
+            changes.
         TypeError
             ``child_id`` is not an integer.
         """
@@ -648,7 +685,8 @@ cdef class KVCache:
             parent = self._table(parent_id)
             if key in self._tables:
                 raise ValueError(f"Invalid value of child_id: sequence {key} already exists")
-            child = PageTable(self.pool, self.page_size, self._window, self.sink_tokens)
+            child = PageTable(self.pool, self.page_size, self._window, self.sink_tokens,
+                              _owner_key=owner_key())
             child.copy_from(parent)
             self._tables[key] = child
         finally:
@@ -725,8 +763,9 @@ cdef class KVCache:
         seq_ids : sequence of int, shape ``[B]``
             Distinct, known sequence ids.
         num_tokens : sequence of int, shape ``[B]``
-            Tokens to append per sequence, ``>= 0``. A sequence with 0 is
-            left untouched.
+            Tokens to append per sequence, ``>= 0``, with every sequence's
+            length staying at most ``2**62``. A sequence with 0 is left
+            untouched.
         token_ids : sequence of int, shape ``[sum(num_tokens)]``, optional
             Token ids of the new tokens, in the same order as the slots. Used
             by prefix caching only: pages they fill become cached (prompt
@@ -749,8 +788,9 @@ cdef class KVCache:
         KeyError
             Unknown sequence id.
         ValueError
-            Duplicate sequence id, negative count, length mismatch, or
-            ``token_ids`` not of length ``sum(num_tokens)`` or outside int32.
+            Duplicate sequence id, negative count, a length past ``2**62``,
+            length mismatch, or ``token_ids`` not of length
+            ``sum(num_tokens)`` or outside int32.
         OutOfPagesError
             The pool cannot supply the pages the whole batch needs (new pages
             and copy-on-write copies), counting the pages this call's own
@@ -770,7 +810,9 @@ cdef class KVCache:
         cdef Py_ssize_t num_cow = 0, num_released = 0, i
         # No call can place more tokens than every page of the pool plus the free
         # room of each sequence's last page: refuse early, before sizing any output.
-        cdef int64_t most = (<int64_t>self.pool.num_pages + batch) * self.page_size
+        # Sequences with room hold their last page, so at most num_pages have
+        # room: most <= 2 * (2**31 - 2) * 2**20 < 2**53.
+        cdef int64_t most = (<int64_t>self.pool.num_pages + min(<int64_t>batch, <int64_t>self.pool.num_pages)) * self.page_size
         for i in range(batch):
             if count_view[i] < 0:
                 raise ValueError(f"Invalid value of num_tokens: expected counts >= 0, got {count_view[i]}")
@@ -794,6 +836,13 @@ cdef class KVCache:
                 raise ValueError(
                     f"Invalid shape of num_tokens: expected ({len(tables)},) to match seq_ids, got ({batch},)"
                 )
+            for i in range(batch):
+                if count_view[i] > MAX_POSITION - (<PageTable>tables[i]).length:
+                    raise ValueError(
+                        f"Invalid value of num_tokens: the sequence at index {i} would pass 2**62 "
+                        f"tokens, the length limit of a sequence; got {count_view[i]} more after "
+                        f"{(<PageTable>tables[i]).length}"
+                    )
             if ids is not None and self._prefix is not None:
                 for i in range(batch):  # grow token buffers now: nothing may fail after append_batch
                     table = <PageTable>tables[i]
@@ -961,14 +1010,26 @@ cdef class KVCache:
         ------
         KeyError
             Unknown sequence id.
+        ValueError
+            The page tables of the batch list more than ``2**31 - 1`` pages
+            in total (repeats counted each time), the int32 limit of the CSR
+            ``indptr``; nothing is allocated.
         """
         cdef object ids = as_int_array(seq_ids, "seq_ids", np.int64)
         cdef Py_ssize_t batch = ids.shape[0], b, nnz = 0
+        cdef int64_t total = 0
         cdef PageTable table
         cdef PageTableView view = PageTableView.__new__(PageTableView)
         self._lock.acquire()
         try:
             tables = [self._table(seq_id) for seq_id in ids.tolist()]
+            for b in range(batch):  # at most 2**31 - 2 pages per table: no int64 overflow
+                total += (<PageTable>tables[b]).num_held()
+            if total > _MAX_CSR_PAGES:
+                raise ValueError(
+                    f"Invalid value of seq_ids: the page tables of the batch list {total} pages, more "
+                    f"than 2**31 - 1, the limit of the int32 indptr of the CSR page table; split the batch"
+                )
             indptr = np.empty(batch + 1, dtype=np.int32)
             last_page_len = np.empty(batch, dtype=np.int32)
             seq_lens = np.empty(batch, dtype=np.int64)

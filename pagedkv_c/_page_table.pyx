@@ -21,7 +21,7 @@ from libc.stdint cimport INT64_MAX
 from libc.stdlib cimport malloc, free
 from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t, NO_PAGE
 from pagedkv_c._pool cimport (PagePool, pkv_free_queue, pkv_decref, pkv_drop_ref, pkv_incref,
-                              pkv_prefetch_record, pkv_queue_push, pkv_set_ref)
+                              pkv_prefetch_record, pkv_queue_push, pkv_ref, pkv_set_ref)
 from pagedkv_c._prefix cimport pkv_index_is_cached, pkv_index_remove
 from pagedkv_c._checks cimport check_int
 from pagedkv_c._checks import check_sink_window
@@ -36,6 +36,18 @@ cdef int64_t NO_WINDOW = INT64_MAX
 cdef Py_ssize_t _INITIAL_RING = 8
 # Pages ahead whose allocator records drop_tail prefetches.
 cdef Py_ssize_t _RELEASE_PREFETCH_DISTANCE = 16
+# Largest sequence length, window and sink length, in tokens: positions plus a
+# page or a window stay below 2**63, and attention accepts the same limit.
+cdef int64_t MAX_POSITION = 2**62
+# Largest ref count of a page (the allocator's counts are int32).
+cdef int32_t _MAX_REF = 2**31 - 1
+# Passed by the structure that owns a pool (KVCache) to build its tables on it.
+cdef object _OWNER_KEY = object()
+
+
+cdef object owner_key():
+    """The key that lets the owner of a pool build page tables on it (see PageTable)."""
+    return _OWNER_KEY
 
 
 cdef inline int64_t _ceil_div(int64_t a, int64_t b) noexcept nogil:
@@ -53,15 +65,23 @@ cdef class PageTable:
     pool : PagePool
         Allocator shared by all sequences; page ids come from it.
     page_size : int
-        Tokens per page, ``>= 1``.
+        Tokens per page, ``1 <= page_size <= 2**31 - 1``.
     window : int or None
-        Sliding window ``W`` in tokens (``>= 1``): the query at position ``p``
-        attends to keys ``[p - W + 1, p]``. None means full attention (no
-        page is ever released).
+        Sliding window ``W`` in tokens, ``1 <= W <= 2**62``: the query at
+        position ``p`` attends to keys ``[p - W + 1, p]``. None means full
+        attention (no page is ever released).
     sink_tokens : int
-        Attention-sink tokens ``S >= 0``: positions ``[0, S)`` stay attended
-        and their pages pinned. Only with a window: ``S > 0`` without one
-        raises ValueError.
+        Attention-sink tokens ``0 <= S <= 2**62``: positions ``[0, S)`` stay
+        attended and their pages pinned. Only with a window: ``S > 0``
+        without one raises ValueError.
+
+    Raises
+    ------
+    RuntimeError
+        ``pool`` belongs to a ``KVCache`` (``pool.owner`` is set): its pages
+        are taken only through the cache's sequences.
+    TypeError, ValueError
+        A size is not an integer or out of its range.
 
     Notes
     -----
@@ -70,25 +90,36 @@ cdef class PageTable:
     append longer than the window is in flight, because the appended tokens'
     own queries need all of it. After an append of ``T`` tokens the table
     holds at most ``ceil((W + T - 2) / page_size) + 1`` window pages plus
-    ``ceil(S / page_size)`` sink pages.
+    ``ceil(S / page_size)`` sink pages (never more than the pool has).
+
+    A sequence is at most ``2**62`` tokens long: positions, slots (``page_id
+    * page_size + offset < 2**62``) and window bounds then fit int64.
 
     This class keeps page ids only; the K/V bytes and copy-on-write copies
     are the owning cache's job.
     """
 
-    def __cinit__(self, PagePool pool not None, page_size, window=None, sink_tokens=0):
+    def __cinit__(self, PagePool pool not None, page_size, window=None, sink_tokens=0, *, _owner_key=None):
+        if pool.owner is not None and _owner_key is not _OWNER_KEY:
+            raise RuntimeError(
+                f"PageTable cannot be built on the pool of a {pool.owner}: its pages are taken and "
+                f"released only through the {pool.owner}'s sequences (the pool is read-only)"
+            )
         self.pool = pool
         self.page_size = <int32_t>check_int(page_size, "page_size", 1, 2**31 - 1)
         cdef int64_t w = NO_WINDOW
         if window is not None:
-            w = check_int(window, "window", 1, INT64_MAX)
+            w = check_int(window, "window", 1, MAX_POSITION)
         self._window = w
-        self.sink_tokens = check_int(sink_tokens, "sink_tokens", 0, INT64_MAX)
+        self.sink_tokens = check_int(sink_tokens, "sink_tokens", 0, MAX_POSITION)
         if w == NO_WINDOW and self.sink_tokens:
             check_sink_window(window, self.sink_tokens)
         self.num_sink_pages = 0
         if w != NO_WINDOW:
-            self.num_sink_pages = <int32_t>_ceil_div(self.sink_tokens, self.page_size)
+            # A sequence never holds more pages than the pool: sink pages past
+            # that are never reached (and would not fit int32).
+            self.num_sink_pages = <int32_t>min(_ceil_div(self.sink_tokens, self.page_size),
+                                               <int64_t>pool.num_pages)
         # Without sink pages every table shares one empty array (no allocation).
         self.sinks = np.empty(self.num_sink_pages, dtype=np.int32) if self.num_sink_pages else _NO_SINKS
         cdef Py_ssize_t wanted = _INITIAL_RING, capacity = 1
@@ -230,7 +261,20 @@ cdef class PageTable:
             self.hashes.truncate(new_len, self.page_size)
 
     cdef int copy_from(self, PageTable other) except -1:
-        """Make this (empty) table share every page of ``other`` (ref counts +1)."""
+        """Make this (empty) table share every page of ``other`` (ref counts +1).
+
+        Raises ValueError, changing nothing, when a page already has the
+        largest ref count, ``2**31 - 1``.
+        """
+        cdef Py_ssize_t j
+        cdef page_id_t shared
+        for j in range(other.num_held()):
+            shared = other.sinks[j] if j < other.sink_count else other.ring_page(j - other.sink_count)
+            if pkv_ref(&self.pool.q, shared) >= _MAX_REF:
+                raise ValueError(
+                    f"Invalid value of the forked sequence: expected pages with fewer than 2**31 - 1 "
+                    f"references (the int32 ref count limit), got page {shared} with {_MAX_REF}"
+                )
         self.sinks = np.asarray(other.sinks).copy()
         self.ring = np.asarray(other.ring).copy()
         self.ring_mask = other.ring_mask
@@ -312,7 +356,7 @@ cdef class PageTable:
         Parameters
         ----------
         num_tokens : int
-            Tokens to append, ``>= 0``.
+            Tokens to append, ``0 <= num_tokens <= 2**62 - seq_len``.
 
         Returns
         -------
@@ -326,8 +370,10 @@ cdef class PageTable:
         ------
         OutOfPagesError
             The pool cannot supply the pages; nothing changed.
+        ValueError
+            ``num_tokens`` negative or past the 2**62-token length limit.
         """
-        cdef int64_t n = check_int(num_tokens, "num_tokens", 0, INT64_MAX - self.length)
+        cdef int64_t n = check_int(num_tokens, "num_tokens", 0, MAX_POSITION - self.length)
         slots = np.empty(n, dtype=np.int64)
         cow = np.empty((2, 1), dtype=np.int32)
         cdef Py_ssize_t num_cow = 0, num_released = 0
@@ -359,8 +405,16 @@ cdef class PageTable:
         self.drop_tail(n)
 
     def fork(self):
-        """Return a new table sharing every page of this one (ref counts +1)."""
-        cdef PageTable child = PageTable(self.pool, self.page_size, self.window, self.sink_tokens)
+        """Return a new table sharing every page of this one (ref counts +1).
+
+        Raises
+        ------
+        ValueError
+            A page already has ``2**31 - 1`` references (the int32 ref count
+            limit); nothing changes.
+        """
+        cdef PageTable child = PageTable(self.pool, self.page_size, self.window, self.sink_tokens,
+                                         _owner_key=_OWNER_KEY)
         child.copy_from(self)
         return child
 

@@ -17,6 +17,8 @@ from pagedkv_c._prefix cimport (pkv_index, pkv_index_is_cached, pkv_index_evict,
 cnp.import_array()
 
 _INT32_MAX = 2**31 - 2
+# Largest ref count of a page (int32).
+cdef int32_t _MAX_REF_COUNT = 2**31 - 1
 # Pages ahead whose prefix-index slots take() prefetches while evicting.
 cdef Py_ssize_t _EVICT_PREFETCH_DISTANCE = 16
 # Queue entries ahead whose page records take() prefetches while popping.
@@ -353,18 +355,68 @@ cdef class PagePool:
         Raises
         ------
         ValueError
-            A page id is out of range or not allocated; nothing changes.
+            A page id is out of range or not allocated, or a page would pass
+            ``2**31 - 1`` references (the int32 ref count limit, counting
+            every time the page is listed); nothing changes.
         TypeError
             ``page_ids`` is not a 1-D sequence of integers.
         RuntimeError
             The pool belongs to a ``KVCache`` (see :attr:`owner`).
         """
         self._check_unowned("incref")
-        cdef cnp.ndarray ids = self._checked_ids(page_ids, False)
-        cdef const page_id_t* ids_ptr = <const page_id_t*>cnp.PyArray_DATA(ids)
-        cdef Py_ssize_t i
-        for i in range(cnp.PyArray_DIMS(ids)[0]):  # with the GIL: see Threads in the class notes
-            self._ref_count[ids_ptr[i]] += 1
+        cdef cnp.ndarray ids_array = self._checked_ids(page_ids, False)
+        cdef const page_id_t* ids = <const page_id_t*>cnp.PyArray_DATA(ids_array)
+        cdef Py_ssize_t i, n = cnp.PyArray_DIMS(ids_array)[0], bad = -1
+        cdef int32_t page_id, most = 0
+        # With the GIL (see Threads in the class notes): the check and the
+        # change run with no Python code between them.
+        # Common case: no listed page is within n references of the limit,
+        # so no page can pass it, however often it is listed.
+        for i in range(n):
+            if self._ref_count[ids[i]] > most:
+                most = self._ref_count[ids[i]]
+        if n <= _MAX_REF_COUNT - most:
+            for i in range(n):
+                self._ref_count[ids[i]] += 1
+        else:
+            # Count each page's new references in the scratch first: a
+            # page may be listed many times, and nothing may change on
+            # failure.
+            for i in range(n):
+                page_id = ids[i]
+                if self._pending[page_id] >= _MAX_REF_COUNT - self._ref_count[page_id]:
+                    bad = i
+                    break
+                self._pending[page_id] += 1
+            if bad < 0:
+                for i in range(n):
+                    page_id = ids[i]
+                    self._ref_count[page_id] += self._pending[page_id]
+                    self._pending[page_id] = 0
+            else:
+                for i in range(bad):
+                    self._pending[ids[i]] = 0
+        if bad >= 0:
+            raise ValueError(
+                f"Invalid value of page_ids: page {ids[bad]} would pass 2**31 - 1 references, the "
+                f"limit of the int32 ref count (it has {self._ref_count[ids[bad]]})"
+            )
+
+    def _set_ref_count_for_tests(self, page_id, count):
+        """Set the ref count of an allocated page (tests of the int32 ref count limit).
+
+        Reaching ``2**31 - 1`` through ``incref`` takes 2**31 increments
+        (tens of seconds); this puts a page next to the limit directly.
+        ``count`` is in ``[1, 2**31 - 1]``, so the page stays allocated and
+        the allocator's invariants hold. Raises ValueError for a free page
+        or a count out of range, RuntimeError on the pool of a ``KVCache``.
+        """
+        self._check_unowned("_set_ref_count_for_tests")
+        cdef int32_t p = <int32_t>check_int(page_id, "page_id", 0, self.num_pages - 1)
+        cdef int32_t n = <int32_t>check_int(count, "count", 1, _MAX_REF_COUNT)
+        if self._ref_count[p] == 0:
+            raise ValueError(f"Invalid value of page_id: page {p} is not allocated (ref count 0)")
+        self._ref_count[p] = n
 
     def ref_count(self, page_id):
         """Return the ref count of one page (0 = free).

@@ -1,4 +1,5 @@
 # Type stub of the compiled module pagedkv_c._prefix (see _prefix.pyx for the documentation).
+from collections.abc import Sequence
 from typing import Any, Self, TypeAlias
 
 import numpy as np
@@ -10,6 +11,9 @@ _Int: TypeAlias = int | np.integer[Any]
 ALGORITHMS: dict[str, int]
 
 def xxh3_in_c() -> bool: ...
+def token_page_input(parent: int, salt: int, token_ids: Sequence[_Int] | NDArray[np.integer[Any]]) -> bytes: ...
+def block_page_input(parent: int, salt: int, block_id: _Int, index_in_block: _Int) -> bytes: ...
+def salt_digest(algorithm: str, extra_key: str | bytes | _Int | None) -> int: ...
 
 @disjoint_base
 class PrefixIndex:

@@ -10,6 +10,30 @@ equal history, as in vLLM's automatic prefix caching
 (vllm/v1/core/kv_cache_utils.py, ``hash_block_tokens``) and SGLang's
 RadixAttention, and two tenants with different salts never share a page.
 
+Hashed bytes (all integers little-endian; ``parent`` is zeros for the first page):
+
+========================  ================================================
+token-keyed page          ``parent.lo, parent.hi, salt.lo, salt.hi``
+(32 + 4 * page_size B)    (uint64 each), then the page's ``page_size``
+                          token ids (int32 each)
+block-keyed page (45 B)   ``parent.lo, parent.hi, salt.lo, salt.hi``
+                          (uint64 each), the block id (int64), the page's
+                          index inside its block (uint32), then the domain
+                          tag byte ``0x42`` (``b"B"``)
+salt digest ``s``         ``H(b"pagedkv-salt\\x00" + t + value)`` with the
+                          type tag ``t`` = ``b"s"`` (str, UTF-8), ``b"b"``
+                          (bytes) or ``b"i"`` (int, decimal ASCII)
+========================  ================================================
+
+The domain of a page is part of its input: a token-keyed input is a whole
+number of 4-byte words (32 + 4 * page_size bytes), a block-keyed input is
+45 bytes, one more than a multiple of four, ending in the tag. No token-keyed
+input can therefore equal a block-keyed input, whatever the token ids (-1 and
+the int32 extremes included), block ids, salts or page sizes. On top of the
+hash, a block-keyed lookup never accepts a page registered by a token-keyed
+sequence and a token-keyed lookup never accepts a page without token ids, so
+no page is shared between the two kinds of request.
+
 Hash functions (``H``):
 
 ``xxh3_128`` (default)
@@ -61,8 +85,12 @@ _MASK64 = (1 << 64) - 1
 # write goes through reserve_*, which replaces them first).
 _NO_HASHES = np.zeros((0, 2), dtype=np.uint64)
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
-# Domain tag of pages keyed by external block ids (never a token id).
-cdef int32_t _BLOCK_TAG = -1
+# Domain tag of pages keyed by external block ids: the last of their 45
+# hashed bytes (token-keyed inputs are a multiple of 4 bytes long).
+cdef uint64_t _BLOCK_TAG = 0x42
+# Bytes hashed per block-keyed page: parent, salt, block id, index, tag.
+cdef enum:
+    BLOCK_INPUT_BYTES = 45
 
 
 def xxh3_in_c():
@@ -119,7 +147,8 @@ cdef int hash_token_pages(int algorithm, hash128 parent, hash128 salt, const int
 
     Page i hashes the bytes ``parent.lo, parent.hi, salt.lo, salt.hi`` (uint64
     little-endian) followed by its ``page_size`` token ids (int32
-    little-endian), where ``parent`` is the previous page's hash.
+    little-endian), where ``parent`` is the previous page's hash (see the
+    module notes for the layout and its domain tag).
     """
     cdef Py_ssize_t length = 32 + 4 * page_size
     cdef char* buffer = <char*>malloc(length)
@@ -130,7 +159,7 @@ cdef int hash_token_pages(int algorithm, hash128 parent, hash128 salt, const int
         memcpy(buffer + 16, &salt, 16)
         for i in range(num_pages):
             memcpy(buffer, &parent, 16)
-            memcpy(buffer + 32, tokens + i * page_size, 4 * page_size)
+            _write_token_content(buffer, tokens + i * page_size, page_size)
             if algorithm != HASH_XXH3_128 or not pkv_xxh3_128(buffer, length, &parent.lo, &parent.hi):
                 parent = _hash_bytes(algorithm, buffer, length)
             out[i] = parent
@@ -145,35 +174,121 @@ cdef int hash_block_pages(int algorithm, hash128 parent, hash128 salt, const int
     """Chained hashes of pages keyed by external block ids.
 
     Global page g lies in block ``g // pages_per_block`` at index ``j = g %
-    pages_per_block``; it hashes ``parent, salt`` (as above), the block id
-    (int64), ``j`` (int32) and a tag -1 (int32) that no token page has.
-    ``block_ids`` is indexed from the first block; pages ``first_page ..
-    first_page + num_pages - 1`` are hashed, chained on ``parent``.
+    pages_per_block``; it hashes 45 bytes: ``parent, salt`` (as above), the
+    block id (int64), ``j`` (uint32) and the domain tag byte 0x42 (see the
+    module notes: no token-keyed input has that length). ``block_ids`` is
+    indexed from the first block; pages ``first_page .. first_page +
+    num_pages - 1`` are hashed, chained on ``parent``.
     """
     cdef char buffer[48]
     cdef Py_ssize_t i
     cdef Py_ssize_t block = first_page // pages_per_block
     cdef uint32_t j = <uint32_t>(first_page % pages_per_block)
-    # Bytes 40..47 (j, then the tag) are written as one uint64: a 4-byte store
-    # of j read back by the hash's 8-byte load would defeat store-to-load
-    # forwarding and stall every page (little-endian byte order, as above).
-    cdef uint64_t tag_high = (<uint64_t><uint32_t>_BLOCK_TAG) << 32
-    cdef uint64_t index_and_tag
     cdef bint fast = algorithm == HASH_XXH3_128
     memcpy(buffer + 16, &salt, 16)
     for i in range(num_pages):
         memcpy(buffer, &parent, 16)
-        memcpy(buffer + 32, &block_ids[block], 8)
-        index_and_tag = tag_high | j
-        memcpy(buffer + 40, &index_and_tag, 8)
-        if not (fast and pkv_xxh3_128(buffer, 48, &parent.lo, &parent.hi)):
-            parent = _hash_bytes(algorithm, buffer, 48)
+        _write_block_content(buffer, block_ids[block], j)
+        if not (fast and pkv_xxh3_128(buffer, BLOCK_INPUT_BYTES, &parent.lo, &parent.hi)):
+            parent = _hash_bytes(algorithm, buffer, BLOCK_INPUT_BYTES)
         out[i] = parent
         j += 1
         if j == pages_per_block:
             j = 0
             block += 1
     return 0
+
+
+cdef inline void _write_token_content(char* buffer, const int32_t* tokens, Py_ssize_t page_size) noexcept nogil:
+    """Bytes 32 .. 32 + 4 * page_size - 1 of a token-keyed page's hashed input."""
+    memcpy(buffer + 32, tokens, 4 * page_size)
+
+
+cdef inline void _write_block_content(char* buffer, int64_t block_id, uint32_t j) noexcept nogil:
+    """Bytes 32 .. 47 of a block-keyed page's input (bytes 32 .. 44 are hashed).
+
+    Bytes 40 .. 47 (j, the tag, padding) are written as one uint64: a 4-byte
+    store of j read back by the hash's 8-byte load would defeat
+    store-to-load forwarding and stall every page (little-endian, as above).
+    """
+    cdef uint64_t index_and_tag = (_BLOCK_TAG << 32) | j
+    memcpy(buffer + 32, &block_id, 8)
+    memcpy(buffer + 40, &index_and_tag, 8)
+
+
+cdef bytes _head_bytes(object parent, object salt):
+    return (int(parent) & _MASK64).to_bytes(8, "little") + (int(parent) >> 64).to_bytes(8, "little") + \
+        (int(salt) & _MASK64).to_bytes(8, "little") + (int(salt) >> 64).to_bytes(8, "little")
+
+
+def token_page_input(parent, salt, token_ids):
+    """The bytes hashed for a token-keyed page (the writer the hash chain uses).
+
+    Parameters
+    ----------
+    parent, salt : int
+        128-bit previous page hash and salt digest (``hi << 64 | lo``), in
+        ``[0, 2**128)``.
+    token_ids : sequence of int, shape ``[page_size]``
+        int32 token ids, ``page_size >= 1``.
+
+    Returns
+    -------
+    bytes
+        ``32 + 4 * page_size`` bytes, laid out as in the module notes.
+    """
+    cdef object tokens = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64))
+    if tokens.ndim != 1 or tokens.shape[0] < 1:
+        raise ValueError(f"Invalid shape of token_ids: expected (page_size,) with page_size >= 1, got {tokens.shape}")
+    if tokens.min() < -2**31 or tokens.max() > 2**31 - 1:
+        raise ValueError("Invalid value of token_ids: expected int32 values")
+    cdef int32_t[::1] view = tokens.astype(np.int32)
+    cdef Py_ssize_t page_size = view.shape[0]
+    cdef bytearray buffer = bytearray(_head_bytes(parent, salt) + bytes(4 * page_size))
+    _write_token_content(<char*>buffer, &view[0], page_size)
+    return bytes(buffer)
+
+
+def block_page_input(parent, salt, block_id, index_in_block):
+    """The bytes hashed for a block-keyed page (the writer the hash chain uses).
+
+    Parameters
+    ----------
+    parent, salt : int
+        As in :func:`token_page_input`.
+    block_id : int
+        Block id in ``[-2**63, 2**64)``: a uint64 id hashes as the int64 with
+        the same 64 bits, as in ``KVCache.add_sequence``.
+    index_in_block : int
+        Index of the page inside its block, ``0 <= index_in_block < 2**31``.
+
+    Returns
+    -------
+    bytes
+        45 bytes, laid out as in the module notes.
+    """
+    cdef char buffer[48]
+    value = int(block_id)
+    if not -2**63 <= value < 2**64:
+        raise ValueError(f"Invalid value of block_id: expected an int64 or uint64 id, got {value}")
+    if not 0 <= index_in_block < 2**31:
+        raise ValueError(f"Invalid value of index_in_block: expected 0 <= index_in_block < 2**31, got {index_in_block}")
+    cdef int64_t block = value - 2**64 if value >= 2**63 else value
+    cdef uint32_t j = <uint32_t>index_in_block
+    head = _head_bytes(parent, salt)
+    memcpy(buffer, <const char*>head, 32)
+    _write_block_content(buffer, block, j)
+    return buffer[:BLOCK_INPUT_BYTES]
+
+
+def salt_digest(algorithm, extra_key):
+    """The 128-bit digest ``s`` of a request's ``extra_key`` (``hi << 64 | lo``; 0 for None).
+
+    ``algorithm`` is ``"xxh3_128"`` or ``"sha256"``. Raises TypeError for a
+    salt of another type than str, bytes, int or None.
+    """
+    cdef hash128 h = hash_salt(ALGORITHMS[algorithm], extra_key)
+    return (int(h.hi) << 64) | int(h.lo)
 
 
 def _zeros_line_aligned(Py_ssize_t rows, Py_ssize_t cols):
@@ -220,13 +335,19 @@ cdef class PrefixIndex:
     Raises
     ------
     ValueError
-        An unknown ``algorithm``, or more than ``2**30`` pages.
+        An unknown ``algorithm``, ``num_pages`` or ``page_size`` below 1, or
+        more than ``2**30`` pages.
     MemoryError
         The table cannot be allocated.
     """
 
     def __cinit__(self, int32_t num_pages, int32_t page_size, str algorithm="xxh3_128"):
         self.ix.slots = NULL
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(
+                f"Invalid value of {'num_pages' if num_pages < 1 else 'page_size'}: expected >= 1, "
+                f"got {num_pages if num_pages < 1 else page_size}"
+            )
         if algorithm not in ALGORITHMS:
             raise ValueError(
                 f"Invalid value of prefix_hash: expected one of {sorted(ALGORITHMS)}, got {algorithm!r}"

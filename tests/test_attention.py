@@ -791,7 +791,7 @@ def test_decode_rejects_negative_page_positions():
                                    seq_lens=view.seq_lens - 4)
 
     cache = make_cache(cls=EditedTableCache, edit=shifted)
-    with pytest.raises(ValueError, match=r"page_positions: expected positions >= 0, got -4"):
+    with pytest.raises(ValueError, match=r"page_positions: expected positions in \[0, 2\*\*62\], got -4"):
         attention.decode(GOOD_Q, cache, 0, ["a", "b"])
 
 

@@ -13,8 +13,14 @@ kernels do on GPUs. They work on any object with the attention contract of
 - ``cache.page_table(seq_ids)``: FlashInfer CSR arrays ``indptr`` int32[B+1]
   and ``indices`` int32[nnz] (the pages each sequence holds, in position
   order), ``page_positions`` int64[nnz] (first token position of each listed
-  page: >= 0, and within a sequence each at least ``page_size`` past the one
-  before) and ``seq_lens`` int64[B] (tokens appended so far).
+  page: in ``[0, 2**62]``, and within a sequence each at least ``page_size``
+  past the one before) and ``seq_lens`` int64[B] (tokens appended so far,
+  at most ``2**62``).
+
+Positions, lengths, ``cache.window`` and ``cache.sink_tokens`` are limited to
+``2**62`` tokens, so that every position plus a page or a window fits int64;
+``indptr`` being int32, a batch lists at most ``2**31 - 1`` pages
+(``KVCache.page_table`` refuses larger batches).
 
 Mask
 ----
@@ -70,7 +76,7 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
         float16, float64, integers, nested lists and other layouts are
         converted to float32 first (the array rule of
         :class:`pagedkv.KVCache`). ``Hq`` must be a positive multiple of
-        ``cache.num_kv_heads`` and ``D`` equal to ``cache.head_dim`` (at
+        ``cache.num_kv_heads``, at most ``2**20``, and ``D`` equal to ``cache.head_dim`` (at
         most 256).
     cache : KVCache-like
         Object with the attention contract described in the module docstring
@@ -117,12 +123,14 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
         ``layer`` is out of range (as in ``KVCache.store``/``gather``).
     ValueError
         ``q`` has the wrong shape or is a ragged nesting (``B`` not ``len(seq_ids)``, ``D`` not
-        ``head_dim``, ``Hq`` not a multiple of ``num_kv_heads``),
+        ``head_dim``, ``Hq`` not a multiple of ``num_kv_heads`` or above
+        ``2**20``),
         ``cache.head_dim > 256``, ``scale`` is not finite or
         ``|scale| > 1e38``, ``num_threads`` is out of range, a sequence
         holds no cached token, the page table the
-        cache returned is malformed, or it no longer lists a key the query
-        attends to (a position in its window or a sink).
+        cache returned is malformed (positions or lengths past ``2**62``
+        included), or it no longer lists a key the query attends to (a
+        position in its window or a sink).
     TypeError
         ``q`` is not real numbers (bools, complex numbers, strings, objects),
         ``cache.kv`` is neither float32 nor float16, or ``layer``,
