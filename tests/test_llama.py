@@ -91,6 +91,24 @@ def test_chat_format_reproduces_the_reference_chat_prompt(smollm2, reference):
     assert text == reference["prompts"]["chat"]["text"]
     with_system = format_chatml([("system", "Be brief."), ("user", "Hi")], default_system=system)
     assert with_system.count("<|im_start|>system") == 1 and "Be brief." in with_system
+    # The tokenizer itself is accepted too, and a string is one user message.
+    assert default_system_prompt(tokenizer) == system
+    assert format_chatml("What is the capital of France?", default_system=system) == reference["prompts"]["chat"]["text"]
+
+
+def test_chat_helpers_say_what_they_want():
+    template = "{% if not system %}<|im_start|>system\nBe kind.<|im_end|>\n{% endif %}"
+    assert default_system_prompt(template) == "Be kind."
+    assert default_system_prompt(None) is None
+    assert default_system_prompt("no system message here") is None
+    with pytest.raises(TypeError, match="expected a LlamaTokenizer, its chat_template"):
+        default_system_prompt(42)
+    assert format_chatml("Hi") == format_chatml([("user", "Hi")]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    for bad in (["Hi"], [("user",)], [{"role": "user"}], [("user", 3)]):
+        with pytest.raises(TypeError, match="expected a string \\(one user message\\) or a sequence of"):
+            format_chatml(bad)
+    with pytest.raises(ValueError, match="Invalid role"):
+        format_chatml([("robot", "Hi")])
 
 
 # --------------------------------------------------- 2. greedy ids and top-5 logits
