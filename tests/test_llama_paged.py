@@ -192,16 +192,60 @@ def test_generate_command_batch_with_window_prints_each_completion(smollm2, tmp_
                        "--sinks", "2", "--page-size", "4", "--dtype", "float32"])
     captured = capsys.readouterr()
     assert status == 0
-    lines = [line for line in captured.out.splitlines() if line.startswith("[")]
-    assert sorted(line[:3] for line in lines) == ["[0]", "[1]", "[2]"]
-    assert "batch of 3" in captured.err and "window 8 tokens + 2 sinks" in captured.err
-    # Each completion equals the same prompt generated alone by the dense reference.
+    headers = [line for line in captured.out.splitlines() if line.startswith("--- prompt ")]
     texts = ["The capital of France is", "Once upon a time", "The three primary colors are"]
+    assert sorted(headers) == [f"--- prompt {i + 1} (line {line}): {text}"
+                               for i, (line, text) in enumerate(zip((1, 3, 4), texts))]
+    assert "batch of 3" in captured.err and "window 8 tokens + 2 sinks" in captured.err
+    # Each completion equals the same prompt generated alone by the dense reference, indented under its header.
     for i, text in enumerate(texts):
         alone = generate_greedy(model, DenseBackend.for_config(model.config, window=8, sink_tokens=2),
                                 [tokenizer.encode(text)], max_new_tokens=6, stop_token_ids=tokenizer.stop_token_ids)
         expected = tokenizer.decode(alone.token_ids[0], skip_special_tokens=True)
-        assert f"[{i}] {expected}" in captured.out
+        body = "\n".join("  " + line for line in expected.strip("\n").split("\n"))
+        assert f"(line {(1, 3, 4)[i]}): {text}\n{body}\n\n" in captured.out
+
+
+def test_completion_blocks_indent_multi_line_answers():
+    from pagedkv.commands.generate import format_completion
+
+    block = format_completion(0, 3, "List two colors", "\n1. red\n2. blue\n")
+    assert block == "--- prompt 1 (line 3): List two colors\n  1. red\n  2. blue\n"
+
+
+def test_generate_rejects_an_empty_prompt_before_loading(capsys, no_model_load):
+    err = usage_error(["generate", ""], capsys)
+    assert "argument PROMPT: the prompt is empty" in err
+
+
+def test_generate_rejects_sampling_options_without_temperature(capsys, no_model_load):
+    for option, value in (("--top-k", "5"), ("--top-p", "0.9"), ("--seed", "1")):
+        err = usage_error(["generate", "hi", option, value], capsys)
+        assert f"argument {option}: only used when sampling; add --temperature" in err
+    for option, value, message in (("--temperature", "-1", "expected a finite number >= 0"),
+                                   ("--top-p", "0", "expected a number in (0, 1]"),
+                                   ("--top-p", "1.5", "expected a number in (0, 1]"),
+                                   ("--top-k", "0", "expected an integer >= 1")):
+        err = usage_error(["generate", "hi", "--temperature", "1", option, value], capsys)
+        assert f"argument {option}: {message}" in err
+
+
+def test_generate_command_samples_reproducibly(smollm2, capsys, monkeypatch):
+    model, tokenizer = smollm2
+    monkeypatch.setattr(LlamaModel, "from_gguf", classmethod(lambda cls, path=None: (model, tokenizer)))
+    argv = ["generate", "Once upon a time", "--max-new-tokens", "12", "--temperature", "1.2", "--top-k", "50",
+            "--top-p", "0.95"]
+    outputs = []
+    for seed in ("7", "7", "8"):
+        assert cli.main(argv + ["--seed", seed]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+    assert outputs[0] != outputs[2]
+    assert cli.main(["generate", "Once upon a time", "--max-new-tokens", "12"]) == 0
+    greedy = capsys.readouterr().out
+    assert cli.main(["generate", "Once upon a time", "--max-new-tokens", "12", "--temperature", "0.7",
+                     "--top-k", "1", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == greedy
 
 
 def test_commands_reject_sinks_without_window_before_loading(capsys, monkeypatch):

@@ -36,6 +36,28 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """argparse type: a float in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
 def run_reporting_errors(command: str, body, args: argparse.Namespace) -> int:
     """Run ``body(args)``; print a :class:`CommandError` as ``pagedkv <command>: <message>`` and return 2."""
     try:
