@@ -463,6 +463,19 @@ def test_page_bounds():
         max_pages_per_sequence(10, 16, None, 4)
 
 
+def test_paged_backend_defaults_match_the_cache_and_the_commands():
+    """float16 pool like KVCache and the commands; one attention thread like the commands."""
+    import pagedkv
+    from pagedkv.commands import generate as generate_command
+
+    backend = PagedBackend(1, 1, 4, num_pages=2)
+    assert backend.dtype == np.float16 == pagedkv.KVCache(1, 1, 4, 2).dtype
+    assert backend.num_threads == 1
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "hi"])
+    assert args.dtype == "float16" and args.threads == 1 and args.run is generate_command.run
+
+
 def test_paged_backend_rejects_bad_input_without_changing_state():
     backend = PagedBackend(1, 1, 4, num_pages=2, page_size=4)
     backend.add_sequence(0)
@@ -511,6 +524,6 @@ def test_tiny_model_paged_generation_equals_dense(tmp_path, window, sinks):
     expected = generate_greedy(model, dense, prompts, max_new_tokens=12, prefill_chunk_size=3)
     lengths = [len(p) + 12 for p in prompts]
     backend = PagedBackend.for_config(config, PagedBackend.pages_for(lengths, 2, window, sinks, 3), page_size=2,
-                                      window=window, sink_tokens=sinks)
+                                      dtype=np.float32, window=window, sink_tokens=sinks)
     got = generate_greedy(model, backend, prompts, max_new_tokens=12, prefill_chunk_size=3)
     assert got.token_ids == expected.token_ids

@@ -19,6 +19,14 @@ openmp_enabled, build_info
     Whether the compiled core uses OpenMP (not in macOS wheels), and the
     other facts of its build.
 """
+import os as _os
+
+# Idle OpenMP workers of the attention kernels sleep instead of spinning, so that they do not
+# take the cores that NumPy's BLAS threads or other processes need (pagedkv.models.threads).
+# The OpenMP runtime reads the variable once, when the compiled core below loads it; a value
+# the environment already sets is kept.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from pagedkv_c._build_info import build_info, openmp_enabled
 from pagedkv_c._classic import PagedKVCache
 from pagedkv_c._kv_cache import KVCache, PageTableView

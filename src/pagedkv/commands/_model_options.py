@@ -118,8 +118,10 @@ def check_thread_control(num_threads: int) -> None:
                            "pip install 'pagedkv[cli]'") from exc
 
 
-def load_model(gguf_path: str | None):
-    """Load a Llama model and its tokenizer, printing the load time to stderr.
+def load_model(gguf_path: str | None, num_threads: int = DEFAULT_NUM_THREADS):
+    """Load a Llama model (running NumPy's BLAS on ``num_threads`` threads) and its tokenizer.
+
+    Prints the load time to stderr.
 
     Returns
     -------
@@ -136,6 +138,7 @@ def load_model(gguf_path: str | None):
 
         start = time.perf_counter()
         model, tokenizer = LlamaModel.from_gguf(gguf_path)
+        model.num_threads = num_threads
     except ModuleNotFoundError as exc:
         raise CommandError(f"{exc.name} is not installed: pip install 'pagedkv[cli]'") from exc
     except (FileNotFoundError, ValueError) as exc:

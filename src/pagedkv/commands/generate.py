@@ -172,14 +172,13 @@ def _run(args: argparse.Namespace) -> int:
     _check_sampling_arguments(args)
     prompts, line_numbers = _read_prompts(args)
     check_thread_control(args.threads)
-    model, tokenizer = load_model(args.gguf)
+    model, tokenizer = load_model(args.gguf, args.threads)
 
     import numpy as np
 
     from pagedkv import OutOfPagesError
     from pagedkv.models import default_system_prompt, format_chatml, generate
     from pagedkv.models.paged_backend import PagedBackend, max_pages_per_sequence
-    from pagedkv.models.threads import blas_threads
 
     if args.chat:
         system = args.system if args.system is not None else default_system_prompt(tokenizer)
@@ -233,11 +232,10 @@ def _run(args: argparse.Namespace) -> int:
             print(format_completion(i, line_numbers[i], prompts[i], streams[i].text()), flush=True)
 
     try:
-        with blas_threads(args.threads):
-            result = generate(model, backend, prompt_ids, max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              stop_token_ids=stop, prefill_chunk_size=args.prefill_chunk,
-                              on_token=on_token, release=False)
+        result = generate(model, backend, prompt_ids, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          stop_token_ids=stop, prefill_chunk_size=args.prefill_chunk,
+                          on_token=on_token, release=False)
     except OutOfPagesError as exc:
         if line_open:  # end the streamed line, so that the error message starts on its own
             sys.stdout.write("\n")

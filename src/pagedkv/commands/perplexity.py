@@ -423,7 +423,7 @@ def _run(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from exc
     content = read_input(args.file, json_ids=args.token_ids)  # a bad FILE fails before the model loads
     check_thread_control(args.threads)
-    model, tokenizer = load_model(args.gguf)
+    model, tokenizer = load_model(args.gguf, args.threads)
     token_ids = first_token_ids(content, tokenizer, args.tokens, args.file)
     if token_ids.min() < 0 or token_ids.max() >= model.config.vocab_size:
         raise CommandError(f"token ids of {args.file!r} must lie in [0, {model.config.vocab_size})")

@@ -8,7 +8,16 @@ pool steal the cores the other pool needs, and every parallel region waits for a
 descheduled worker. On a shared 2-core machine this made a decode step several times
 slower than running both pools with a single thread (see the README section on
 SmolLM2-135M for the measurements). One thread for both is therefore the default of the
+library (``LlamaModel(num_threads=1)``, ``PagedBackend(num_threads=1)``) and of the
 ``pagedkv`` commands.
+
+The OpenMP side is made harmless for more threads too: ``import pagedkv`` sets
+``OMP_WAIT_POLICY=PASSIVE`` (unless the environment already sets it) before the
+compiled core loads the OpenMP runtime, which reads the variable once, at load. Idle
+attention workers then sleep at once instead of spinning, so they neither take the
+cores the BLAS threads need between two attention calls nor fight a neighbouring
+process; a sleeping worker woken by the scheduler also runs sooner than one that has
+used its time slice spinning.
 """
 from __future__ import annotations
 
@@ -16,6 +25,66 @@ import contextlib
 from collections.abc import Iterator
 
 DEFAULT_NUM_THREADS = 1
+"""BLAS and attention threads of the models and the commands unless told otherwise."""
+
+
+class BlasThreadLimit:
+    """Reusable context manager: NumPy's BLAS runs ``num_threads`` threads inside each ``with`` block.
+
+    Unlike :func:`blas_threads`, the loaded BLAS libraries are looked up once (a
+    ``threadpoolctl.ThreadpoolController`` made on first use), so entering the block
+    costs microseconds and can wrap every forward pass.
+
+    Parameters
+    ----------
+    num_threads : int or None
+        Threads, >= 1; None makes the block do nothing.
+
+    Raises
+    ------
+    ValueError
+        If ``num_threads`` is neither None nor an int >= 1.
+    ModuleNotFoundError
+        If ``num_threads`` is not None and ``threadpoolctl`` is not installed.
+    """
+
+    _controller = None  # one ThreadpoolController for the process, made on first use
+
+    def __init__(self, num_threads: int | None) -> None:
+        if num_threads is not None:
+            _check_num_threads(num_threads)
+            _import_threadpoolctl()
+        self.num_threads = num_threads
+        self._limiter = None
+
+    def __enter__(self) -> BlasThreadLimit:
+        if self.num_threads is not None:
+            if BlasThreadLimit._controller is None:
+                BlasThreadLimit._controller = _import_threadpoolctl().ThreadpoolController()
+            self._limiter = BlasThreadLimit._controller.limit(limits=self.num_threads, user_api="blas")
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        limiter, self._limiter = self._limiter, None
+        if limiter is not None:
+            limiter.restore_original_limits()
+
+
+def _check_num_threads(num_threads) -> None:
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"Invalid value of num_threads: expected None or an int >= 1, got {num_threads!r}")
+
+
+def _import_threadpoolctl():
+    try:
+        import threadpoolctl
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            "threadpoolctl is needed to set the BLAS thread count: pip install threadpoolctl "
+            "(or the 'cli' extra of pagedkv); or pass num_threads=None to leave NumPy's BLAS alone",
+            name="threadpoolctl",
+        ) from exc
+    return threadpoolctl
 
 
 @contextlib.contextmanager
