@@ -455,3 +455,20 @@ def test_import_makes_idle_openmp_workers_sleep():
         assert out.stdout.strip() == expected
         if "OMP_WAIT_POLICY" in out.stderr:  # libgomp and LLVM's libomp print it; MSVC's runtime does not
             assert re.search(rf"OMP_WAIT_POLICY\s*=\s*'{expected.upper()}'", out.stderr), out.stderr
+
+
+def test_import_makes_idle_openblas_workers_sleep_if_numpy_is_not_loaded_yet():
+    """OPENBLAS_THREAD_TIMEOUT is set before NumPy loads OpenBLAS; after that it would be read by nobody."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, sys; {}import pagedkv; print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    for prelude, expected in (("", "4"), ("import numpy; ", "None")):
+        out = subprocess.run([sys.executable, "-c", code.format(prelude)], env=env, capture_output=True, text=True,
+                             check=True)
+        assert out.stdout.strip() == expected
+    out = subprocess.run([sys.executable, "-c", code.format("")], env=dict(env, OPENBLAS_THREAD_TIMEOUT="20"),
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "20"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedkv replay: {exc}", file=sys.stderr)
         return 2
     trace_format = args.format
-    if trace_format is None:
+    if trace_format is None and os.path.exists(args.trace):  # a missing file is reported by load_trace below
         try:
             trace_format = infer_format(args.trace)
         except ValueError:

@@ -11,13 +11,18 @@ SmolLM2-135M for the measurements). One thread for both is therefore the default
 library (``LlamaModel(num_threads=1)``, ``PagedBackend(num_threads=1)``) and of the
 ``pagedkv`` commands.
 
-The OpenMP side is made harmless for more threads too: ``import pagedkv`` sets
-``OMP_WAIT_POLICY=PASSIVE`` (unless the environment already sets it) before the
-compiled core loads the OpenMP runtime, which reads the variable once, at load. Idle
-attention workers then sleep at once instead of spinning, so they neither take the
-cores the BLAS threads need between two attention calls nor fight a neighbouring
-process; a sleeping worker woken by the scheduler also runs sooner than one that has
-used its time slice spinning.
+For more threads, ``import pagedkv`` makes the idle workers of both pools sleep at once
+instead of spinning, so that they neither take the cores the other pool needs nor
+fight a neighbouring process (and a sleeping worker, once woken, is scheduled sooner
+than one that has used its time slice spinning):
+
+- ``OMP_WAIT_POLICY=PASSIVE``, set before the compiled core loads the OpenMP runtime,
+  which reads it once, at load;
+- ``OPENBLAS_THREAD_TIMEOUT=4`` (OpenBLAS's minimum: workers spin 2**4 cycles, instead
+  of 2**28, before they sleep), set only if NumPy has not been imported yet, since
+  OpenBLAS reads it when NumPy loads it.
+
+A variable the environment already sets is left as it is.
 """
 from __future__ import annotations
 
