@@ -216,6 +216,8 @@ def test_completion_blocks_indent_multi_line_answers():
 def test_generate_rejects_an_empty_prompt_before_loading(capsys, no_model_load):
     err = usage_error(["generate", ""], capsys)
     assert "argument PROMPT: the prompt is empty" in err
+    err = usage_error(["generate", "hi", "--system", "Be brief."], capsys)
+    assert "argument --system: only used with --chat" in err
 
 
 def test_generate_rejects_sampling_options_without_temperature(capsys, no_model_load):

@@ -170,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     check_window_arguments(args.parser, args)
     _check_sampling_arguments(args)
+    if args.system is not None and not args.chat:
+        args.parser.error("argument --system: only used with --chat")
     prompts, line_numbers = _read_prompts(args)
     check_thread_control(args.threads)
     model, tokenizer = load_model(args.gguf, args.threads)
@@ -184,8 +186,6 @@ def _run(args: argparse.Namespace) -> int:
         system = args.system if args.system is not None else default_system_prompt(tokenizer)
         texts = [format_chatml([("user", p)], default_system=system) for p in prompts]
     else:
-        if args.system is not None:
-            args.parser.error("argument --system: only used with --chat")
         texts = prompts
     prompt_ids = [tokenizer.encode(text) for text in texts]
     for i, ids in enumerate(prompt_ids):
