@@ -64,36 +64,47 @@ def _list() -> int:
     return 0
 
 
-def _progress_bar(name: str, enabled: bool):
-    """A ``(callback, close)`` pair drawing a tqdm bar in bytes, or no-ops without tqdm."""
-    if not enabled:
-        return None, lambda: None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None, lambda: None
-    bar = tqdm(desc=name, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+class _ProgressBar:
+    """A tqdm bar in bytes, drawn from the first chunk on (so a failed connection draws none)."""
 
-    def update(done: int, total: int | None) -> None:
-        if total is not None and bar.total != total:
-            bar.total = total
-        bar.update(done - bar.n)
+    def __init__(self, name: str, enabled: bool) -> None:
+        self._name = name
+        self._bar = None
+        self._tqdm = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:  # optional (extra 'cli'): no bar then
+                pass
+            else:
+                self._tqdm = tqdm
 
-    return update, bar.close
+    def update(self, done: int, total: int | None) -> None:
+        """Progress callback of :func:`pagedkv.data.fetch`."""
+        if self._tqdm is None:
+            return
+        if self._bar is None:
+            self._bar = self._tqdm(desc=self._name, total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                                   leave=False)
+        self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 def _fetch(names: list[str], force: bool, progress: bool) -> int:
     failures = 0
     for name in names or list(data.DATASETS):
-        update, close = _progress_bar(name, progress)
+        bar = _ProgressBar(name, progress)
         try:
-            path = data.fetch(name, force=force, progress=update)
+            path = data.fetch(name, force=force, progress=bar.update)
         except data.DataError as exc:
+            bar.close()
             print(f"pagedkv data fetch: {exc}", file=sys.stderr)
             failures += 1
             continue
-        finally:
-            close()
+        bar.close()
         print(f"{name}: {path} (SHA-256 verified)")
     return 2 if failures else 0
 
