@@ -99,8 +99,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "from the token counts, the window and the sinks)")
     parser.add_argument("--threads", type=positive_int, default=DEFAULT_NUM_THREADS, metavar="N",
                         help="threads of NumPy's BLAS and of the attention kernels (default "
-                             f"{DEFAULT_NUM_THREADS}: two thread pools that spin while idle fight over "
-                             "a small or busy machine; raise it on an idle machine with many cores)")
+                             f"{DEFAULT_NUM_THREADS}: on a small or busy machine every parallel step "
+                             "waits for workers that other work has descheduled; raise it on an idle "
+                             "machine with more cores)")
 
 
 def check_thread_control(num_threads: int) -> None:
