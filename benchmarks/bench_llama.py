@@ -205,7 +205,7 @@ def main():
 
     machine_before = machine_info()
     start = time.perf_counter()
-    model, tokenizer = LlamaModel.from_gguf(args.gguf)
+    model, tokenizer = LlamaModel.from_gguf(args.gguf, num_threads=args.threads)
     load_seconds = time.perf_counter() - start
     print(f"model loaded in {load_seconds:.2f} s; {args.threads} BLAS/attention thread(s); "
           f"load average {machine_before['load_average']}")

@@ -10,6 +10,7 @@
   Q/K row pairing or GQA head mapping without the real model).
 * The dense backend's windowed/sink attention against an explicit-mask softmax.
 """
+import re
 import time
 
 import numpy as np
@@ -91,6 +92,24 @@ def test_chat_format_reproduces_the_reference_chat_prompt(smollm2, reference):
     assert text == reference["prompts"]["chat"]["text"]
     with_system = format_chatml([("system", "Be brief."), ("user", "Hi")], default_system=system)
     assert with_system.count("<|im_start|>system") == 1 and "Be brief." in with_system
+    # The tokenizer itself is accepted too, and a string is one user message.
+    assert default_system_prompt(tokenizer) == system
+    assert format_chatml("What is the capital of France?", default_system=system) == reference["prompts"]["chat"]["text"]
+
+
+def test_chat_helpers_say_what_they_want():
+    template = "{% if not system %}<|im_start|>system\nBe kind.<|im_end|>\n{% endif %}"
+    assert default_system_prompt(template) == "Be kind."
+    assert default_system_prompt(None) is None
+    assert default_system_prompt("no system message here") is None
+    with pytest.raises(TypeError, match="expected a LlamaTokenizer, its chat_template"):
+        default_system_prompt(42)
+    assert format_chatml("Hi") == format_chatml([("user", "Hi")]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    for bad in (["Hi"], [("user",)], [{"role": "user"}], [("user", 3)]):
+        with pytest.raises(TypeError, match="expected a string \\(one user message\\) or a sequence of"):
+            format_chatml(bad)
+    with pytest.raises(ValueError, match="Invalid role"):
+        format_chatml([("robot", "Hi")])
 
 
 # --------------------------------------------------- 2. greedy ids and top-5 logits
@@ -386,3 +405,70 @@ def test_batched_generation_equals_one_prompt_at_a_time(tmp_path, window, sinks)
     alone = [generate_greedy(model, backend, [p], max_new_tokens=12).token_ids[0] for p in prompts]
     assert together.token_ids == alone
     assert all(len(ids) == 12 for ids in alone)
+
+
+# ------------------------------------------------------------ thread defaults
+def test_forward_runs_blas_on_the_model_threads_and_restores_them(tmp_path):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    config, weights, _ = load_llama_gguf(tiny_llama_path(tmp_path))
+    seen = []
+
+    class Recording(DenseBackend):
+        def attend(self, batch, layer, q):
+            seen.append({lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"})
+            return super().attend(batch, layer, q)
+
+    blas_libs = [lib for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"]
+    if not blas_libs:
+        pytest.skip("NumPy's BLAS is not visible to threadpoolctl")
+    with threadpoolctl.threadpool_limits(3, "blas"):
+        for num_threads, expected in ((None, {3}), (1, {1}), (2, {2})):
+            model = LlamaModel(config, weights, num_threads=num_threads)
+            backend = Recording.for_config(config)
+            backend.add_sequence(0)
+            seen.clear()
+            model.forward(backend, [0], [[1, 2, 3]])
+            assert seen and all(s == expected for s in seen), (num_threads, seen)
+            assert {lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"} == {3}
+    assert LlamaModel(config, weights).num_threads == 1
+    with pytest.raises(ValueError, match="num_threads"):
+        LlamaModel(config, weights, num_threads=0)
+
+
+def test_import_makes_idle_openmp_workers_sleep():
+    """The OpenMP runtime of the core reads OMP_WAIT_POLICY=PASSIVE, unless the user set a policy."""
+    import os
+    import subprocess
+    import sys
+
+    import pagedkv
+
+    if not pagedkv.openmp_enabled():
+        pytest.skip("the core is built without OpenMP")
+    code = "import os, pagedkv; print(os.environ['OMP_WAIT_POLICY'])"
+    for preset, expected in ((None, "PASSIVE"), ("active", "active")):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        env["OMP_DISPLAY_ENV"] = "TRUE"  # the runtime prints the settings it read, at load
+        if preset:
+            env["OMP_WAIT_POLICY"] = preset
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected
+        if "OMP_WAIT_POLICY" in out.stderr:  # libgomp and LLVM's libomp print it; MSVC's runtime does not
+            assert re.search(rf"OMP_WAIT_POLICY\s*=\s*'{expected.upper()}'", out.stderr), out.stderr
+
+
+def test_import_makes_idle_openblas_workers_sleep_if_numpy_is_not_loaded_yet():
+    """OPENBLAS_THREAD_TIMEOUT is set before NumPy loads OpenBLAS; after that it would be read by nobody."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, sys; {}import pagedkv; print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    for prelude, expected in (("", "4"), ("import numpy; ", "None")):
+        out = subprocess.run([sys.executable, "-c", code.format(prelude)], env=env, capture_output=True, text=True,
+                             check=True)
+        assert out.stdout.strip() == expected
+    out = subprocess.run([sys.executable, "-c", code.format("")], env=dict(env, OPENBLAS_THREAD_TIMEOUT="20"),
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "20"

@@ -192,16 +192,62 @@ def test_generate_command_batch_with_window_prints_each_completion(smollm2, tmp_
                        "--sinks", "2", "--page-size", "4", "--dtype", "float32"])
     captured = capsys.readouterr()
     assert status == 0
-    lines = [line for line in captured.out.splitlines() if line.startswith("[")]
-    assert sorted(line[:3] for line in lines) == ["[0]", "[1]", "[2]"]
-    assert "batch of 3" in captured.err and "window 8 tokens + 2 sinks" in captured.err
-    # Each completion equals the same prompt generated alone by the dense reference.
+    headers = [line for line in captured.out.splitlines() if line.startswith("--- prompt ")]
     texts = ["The capital of France is", "Once upon a time", "The three primary colors are"]
+    assert sorted(headers) == [f"--- prompt {i + 1} (line {line}): {text}"
+                               for i, (line, text) in enumerate(zip((1, 3, 4), texts))]
+    assert "batch of 3" in captured.err and "window 8 tokens + 2 sinks" in captured.err
+    # Each completion equals the same prompt generated alone by the dense reference, indented under its header.
     for i, text in enumerate(texts):
         alone = generate_greedy(model, DenseBackend.for_config(model.config, window=8, sink_tokens=2),
                                 [tokenizer.encode(text)], max_new_tokens=6, stop_token_ids=tokenizer.stop_token_ids)
         expected = tokenizer.decode(alone.token_ids[0], skip_special_tokens=True)
-        assert f"[{i}] {expected}" in captured.out
+        body = "\n".join("  " + line for line in expected.strip("\n").split("\n"))
+        assert f"(line {(1, 3, 4)[i]}): {text}\n{body}\n\n" in captured.out
+
+
+def test_completion_blocks_indent_multi_line_answers():
+    from pagedkv.commands.generate import format_completion
+
+    block = format_completion(0, 3, "List two colors", "\n1. red\n2. blue\n")
+    assert block == "--- prompt 1 (line 3): List two colors\n  1. red\n  2. blue\n"
+
+
+def test_generate_rejects_an_empty_prompt_before_loading(capsys, no_model_load):
+    err = usage_error(["generate", ""], capsys)
+    assert "argument PROMPT: the prompt is empty" in err
+    err = usage_error(["generate", "hi", "--system", "Be brief."], capsys)
+    assert "argument --system: only used with --chat" in err
+
+
+def test_generate_rejects_sampling_options_without_temperature(capsys, no_model_load):
+    for option, value in (("--top-k", "5"), ("--top-p", "0.9"), ("--seed", "1")):
+        err = usage_error(["generate", "hi", option, value], capsys)
+        assert f"argument {option}: only used when sampling; add --temperature" in err
+    for option, value, message in (("--temperature", "-1", "expected a finite number >= 0"),
+                                   ("--top-p", "0", "expected a number in (0, 1]"),
+                                   ("--top-p", "1.5", "expected a number in (0, 1]"),
+                                   ("--top-k", "0", "expected an integer >= 1")):
+        err = usage_error(["generate", "hi", "--temperature", "1", option, value], capsys)
+        assert f"argument {option}: {message}" in err
+
+
+def test_generate_command_samples_reproducibly(smollm2, capsys, monkeypatch):
+    model, tokenizer = smollm2
+    monkeypatch.setattr(LlamaModel, "from_gguf", classmethod(lambda cls, path=None: (model, tokenizer)))
+    argv = ["generate", "Once upon a time", "--max-new-tokens", "12", "--temperature", "1.2", "--top-k", "50",
+            "--top-p", "0.95"]
+    outputs = []
+    for seed in ("7", "7", "8"):
+        assert cli.main(argv + ["--seed", seed]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+    assert outputs[0] != outputs[2]
+    assert cli.main(["generate", "Once upon a time", "--max-new-tokens", "12"]) == 0
+    greedy = capsys.readouterr().out
+    assert cli.main(["generate", "Once upon a time", "--max-new-tokens", "12", "--temperature", "0.7",
+                     "--top-k", "1", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == greedy
 
 
 def test_commands_reject_sinks_without_window_before_loading(capsys, monkeypatch):
@@ -419,6 +465,19 @@ def test_page_bounds():
         max_pages_per_sequence(10, 16, None, 4)
 
 
+def test_paged_backend_defaults_match_the_cache_and_the_commands():
+    """float16 pool like KVCache and the commands; one attention thread like the commands."""
+    import pagedkv
+    from pagedkv.commands import generate as generate_command
+
+    backend = PagedBackend(1, 1, 4, num_pages=2)
+    assert backend.dtype == np.float16 == pagedkv.KVCache(1, 1, 4, 2).dtype
+    assert backend.num_threads == 1
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "hi"])
+    assert args.dtype == "float16" and args.threads == 1 and args.run is generate_command.run
+
+
 def test_paged_backend_rejects_bad_input_without_changing_state():
     backend = PagedBackend(1, 1, 4, num_pages=2, page_size=4)
     backend.add_sequence(0)
@@ -467,6 +526,6 @@ def test_tiny_model_paged_generation_equals_dense(tmp_path, window, sinks):
     expected = generate_greedy(model, dense, prompts, max_new_tokens=12, prefill_chunk_size=3)
     lengths = [len(p) + 12 for p in prompts]
     backend = PagedBackend.for_config(config, PagedBackend.pages_for(lengths, 2, window, sinks, 3), page_size=2,
-                                      window=window, sink_tokens=sinks)
+                                      dtype=np.float32, window=window, sink_tokens=sinks)
     got = generate_greedy(model, backend, prompts, max_new_tokens=12, prefill_chunk_size=3)
     assert got.token_ids == expected.token_ids

@@ -18,8 +18,21 @@ def python_blocks():
 def test_readme_python_example_runs(index, capsys):
     blocks = python_blocks()
     assert blocks, "README.md has no ```python example"
+    if "LlamaModel.from_gguf()" in blocks[index]:
+        # The model API example needs SmolLM2-135M and the model extras.
+        for module in ("gguf", "tokenizers", "threadpoolctl"):
+            pytest.importorskip(module, reason=f"the model example needs {module}")
+        from pagedkv.models import find_smollm2_gguf
+
+        try:
+            find_smollm2_gguf()
+        except FileNotFoundError as exc:
+            pytest.skip(str(exc))
     exec(compile(blocks[index], f"README.md example {index}", "exec"), {})
     printed = capsys.readouterr().out
+    if "LlamaModel.from_gguf()" in blocks[index]:
+        # The greedy answer the example's comment promises, then the speed line.
+        assert "The capital of France is Paris." in printed and "decode: " in printed
     if "[ 0 10 20 30] [4 3 4]" in blocks[index]:
         # The output the example's comments promise.
         assert "[ 0 10 20 30] [4 3 4]" in printed and "\n20\n" in "\n" + printed

@@ -271,7 +271,8 @@ def test_cli_reports_bad_input(tmp_path, capsys):
     unknown = tmp_path / "trace.txt"
     unknown.write_text("")
     assert main(["replay", str(unknown), "--no-progress"]) == 2
-    assert "cannot infer the trace format" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot tell the format of" in err and "give --format mooncake or --format azure" in err
     azure = tmp_path / "trace.csv"
     azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,10,2\n")
     assert main(["replay", str(azure), "--plot", str(tmp_path / "x.png"), "--no-progress"]) == 2

@@ -19,6 +19,18 @@ openmp_enabled, build_info
     Whether the compiled core uses OpenMP (not in macOS wheels), and the
     other facts of its build.
 """
+import os as _os
+import sys as _sys
+
+# Idle workers of the two thread pools a model alternates between sleep instead of spinning, so
+# that they do not take the cores the other pool or other processes need (pagedkv.models.threads).
+# Each runtime reads its variable once, when it loads: OpenMP when the compiled core below loads
+# it, OpenBLAS when NumPy is first imported (so only if it has not been yet). Values the
+# environment already sets are kept.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "numpy" not in _sys.modules:
+    _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # OpenBLAS's minimum: 2**4 cycles of spinning
+
 from pagedkv_c._build_info import build_info, openmp_enabled
 from pagedkv_c._classic import PagedKVCache
 from pagedkv_c._kv_cache import KVCache, PageTableView

@@ -36,6 +36,28 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """argparse type: a float in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
 def run_reporting_errors(command: str, body, args: argparse.Namespace) -> int:
     """Run ``body(args)``; print a :class:`CommandError` as ``pagedkv <command>: <message>`` and return 2."""
     try:
@@ -80,8 +102,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "from the token counts, the window and the sinks)")
     parser.add_argument("--threads", type=positive_int, default=DEFAULT_NUM_THREADS, metavar="N",
                         help="threads of NumPy's BLAS and of the attention kernels (default "
-                             f"{DEFAULT_NUM_THREADS}: two thread pools that spin while idle fight over "
-                             "a small or busy machine; raise it on an idle machine with many cores)")
+                             f"{DEFAULT_NUM_THREADS}: on a small or busy machine every parallel step "
+                             "waits for workers that other work has descheduled; raise it on an idle "
+                             "machine with more cores)")
 
 
 def check_thread_control(num_threads: int) -> None:
@@ -99,8 +122,10 @@ def check_thread_control(num_threads: int) -> None:
                            "pip install 'pagedkv[cli]'") from exc
 
 
-def load_model(gguf_path: str | None):
-    """Load a Llama model and its tokenizer, printing the load time to stderr.
+def load_model(gguf_path: str | None, num_threads: int = DEFAULT_NUM_THREADS):
+    """Load a Llama model (running NumPy's BLAS on ``num_threads`` threads) and its tokenizer.
+
+    Prints the load time to stderr.
 
     Returns
     -------
@@ -117,6 +142,7 @@ def load_model(gguf_path: str | None):
 
         start = time.perf_counter()
         model, tokenizer = LlamaModel.from_gguf(gguf_path)
+        model.num_threads = num_threads
     except ModuleNotFoundError as exc:
         raise CommandError(f"{exc.name} is not installed: pip install 'pagedkv[cli]'") from exc
     except (FileNotFoundError, ValueError) as exc:

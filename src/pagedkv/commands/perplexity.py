@@ -23,7 +23,8 @@ from pagedkv.commands._model_options import (
     positive_int,
     run_reporting_errors,
 )
-from pagedkv.commands._paths import output_file, plot_file
+from pagedkv.commands._paths import dataset_or_path, output_file, plot_file
+from pagedkv.data import DataError
 
 DEFAULT_NUM_TOKENS = 4096
 DEFAULT_SEGMENT_TOKENS = 512
@@ -175,7 +176,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("file", metavar="FILE", help="UTF-8 text file (or JSON token ids with --token-ids)")
+    parser.add_argument("file", metavar="FILE",
+                        help="UTF-8 text file (or JSON token ids with --token-ids), or the name of a "
+                             "downloaded dataset (tinyshakespeare; see `pagedkv data list`)")
     parser.add_argument("--token-ids", action="store_true",
                         help="FILE is JSON: a list of token ids, or an object with a 'token_ids' list")
     parser.add_argument("--tokens", type=positive_int, default=DEFAULT_NUM_TOKENS, metavar="N",
@@ -420,9 +423,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.setting and (args.window is not None or args.sinks):
         args.parser.error("give the cache settings either with --setting (repeatable) or with --window/--sinks")
     settings = args.setting or [CacheSetting(args.window, args.sinks)]
+    try:
+        args.file = dataset_or_path(args.file)
+    except DataError as exc:
+        raise CommandError(str(exc)) from exc
     content = read_input(args.file, json_ids=args.token_ids)  # a bad FILE fails before the model loads
     check_thread_control(args.threads)
-    model, tokenizer = load_model(args.gguf)
+    model, tokenizer = load_model(args.gguf, args.threads)
     token_ids = first_token_ids(content, tokenizer, args.tokens, args.file)
     if token_ids.min() < 0 or token_ids.max() >= model.config.vocab_size:
         raise CommandError(f"token ids of {args.file!r} must lie in [0, {model.config.vocab_size})")

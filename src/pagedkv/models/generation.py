@@ -1,4 +1,4 @@
-"""Greedy generation and teacher-forced scoring on top of any attention backend."""
+"""Generation (greedy or sampled) and teacher-forced scoring on top of any attention backend."""
 from __future__ import annotations
 
 import time
@@ -13,7 +13,7 @@ from pagedkv.models.llama import LlamaModel
 
 @dataclass
 class GenerationResult:
-    """Output and timing of :func:`generate_greedy`.
+    """Output and timing of :func:`generate` (and :func:`generate_greedy`).
 
     Attributes
     ----------
@@ -55,23 +55,151 @@ def _check_positive(name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"Invalid value of {name}: expected an int >= 1, got {value!r}")
 
 
-def generate_greedy(
+def sample_token(
+    logits: np.ndarray,
+    rng: np.random.Generator | None = None,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+) -> int:
+    """Choose the next token from one row of logits: greedy, or sampled with temperature, top-k and top-p.
+
+    With ``temperature == 0`` (or ``top_k == 1``) the result is ``argmax(logits)`` (the
+    lowest id among equal maxima) and ``rng`` is not used. Otherwise the token is drawn
+    from ``softmax(logits / temperature)`` restricted first to the ``top_k`` most likely
+    ids, then to the smallest set of most likely ids whose probability sums to at least
+    ``top_p`` (renormalised), with one ``rng.random()`` draw.
+
+    Parameters
+    ----------
+    logits : numpy.ndarray
+        Shape ``[vocab_size]``, float (float32 from the model); computed in float64.
+    rng : numpy.random.Generator or None
+        Source of the draw; required unless the choice is greedy.
+    temperature : float
+        >= 0; 0 is greedy. Values below 1 sharpen the distribution, above 1 flatten it.
+    top_k : int or None
+        Keep only the ``top_k`` most likely ids (>= 1); None keeps all.
+    top_p : float
+        Nucleus mass in ``(0, 1]``; 1 keeps all.
+
+    Returns
+    -------
+    int
+        Token id in ``[0, vocab_size)``.
+
+    Raises
+    ------
+    ValueError
+        For ``logits`` not 1-D and non-empty, or a parameter out of range.
+    TypeError
+        If a draw is needed and ``rng`` is not a ``numpy.random.Generator``.
+
+    Notes
+    -----
+    Top-k sampling: Fan et al., "Hierarchical Neural Story Generation", ACL 2018.
+    Top-p (nucleus) sampling: Holtzman et al., "The Curious Case of Neural Text
+    Degeneration", ICLR 2020. Ties at the top-k boundary are broken by
+    :func:`numpy.argpartition`.
+    """
+    _check_sampling(temperature, top_k, top_p)
+    row = np.asarray(logits)
+    if row.ndim != 1 or row.size == 0:
+        raise ValueError(f"Invalid shape of logits: expected [vocab_size] with vocab_size >= 1, got {row.shape}")
+    if temperature == 0 or top_k == 1:
+        return int(np.argmax(row))
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"Invalid type of rng: expected numpy.random.Generator, got {type(rng).__name__}")
+    ids, probs = sampling_distribution(row, temperature=temperature, top_k=top_k, top_p=top_p)
+    cumulative = np.cumsum(probs)
+    index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    return int(ids[min(index, ids.size - 1)])
+
+
+def sampling_distribution(
+    logits: np.ndarray,
+    *,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ids that :func:`sample_token` may draw and their probabilities.
+
+    Parameters
+    ----------
+    logits : numpy.ndarray
+        Shape ``[vocab_size]``.
+    temperature : float
+        > 0.
+    top_k : int or None
+        As for :func:`sample_token`.
+    top_p : float
+        As for :func:`sample_token`.
+
+    Returns
+    -------
+    ids : numpy.ndarray
+        int64, shape ``[n]``: the kept ids, most likely first (equal logits: lower id
+        first).
+    probs : numpy.ndarray
+        float64, shape ``[n]``: their probabilities after temperature, top-k and top-p,
+        summing to 1.
+
+    Raises
+    ------
+    ValueError
+        For ``temperature <= 0`` or another parameter out of range.
+    """
+    _check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        raise ValueError("Invalid value of temperature: expected > 0 for a distribution, got 0 (greedy)")
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    if top_k is not None and top_k < z.size:
+        ids = np.argpartition(-z, top_k - 1)[:top_k]
+    else:
+        ids = np.arange(z.size)
+    ids = ids[np.lexsort((ids, -z[ids]))]  # most likely first, ties by id
+    probs = np.exp(z[ids] - z[ids[0]])
+    probs /= probs.sum()
+    if top_p < 1.0:
+        # The smallest prefix whose mass reaches top_p.
+        keep = min(int(np.searchsorted(np.cumsum(probs), top_p, side="left")) + 1, ids.size)
+        ids, probs = ids[:keep], probs[:keep] / probs[:keep].sum()
+    return ids.astype(np.int64, copy=False), probs
+
+
+def _check_sampling(temperature, top_k, top_p) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)) \
+            or not 0 <= temperature < float("inf"):
+        raise ValueError(f"Invalid value of temperature: expected a finite number >= 0, got {temperature!r}")
+    _check_positive("top_k", top_k, allow_none=True)
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float, np.integer, np.floating)) or not 0 < top_p <= 1:
+        raise ValueError(f"Invalid value of top_p: expected 0 < top_p <= 1, got {top_p!r}")
+
+
+def generate(
     model: LlamaModel,
     backend: AttentionBackend,
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    seed: int | np.random.Generator | None = None,
     stop_token_ids: Iterable[int] = (),
     seq_ids: Sequence[int] | None = None,
     prefill_chunk_size: int | None = None,
     on_token: Callable[[int, int], None] | None = None,
     release: bool = True,
 ) -> GenerationResult:
-    """Generate greedily (argmax) for several prompts, decoding them as one batch.
+    """Generate for several prompts, decoding them as one batch; greedy unless a temperature is given.
 
     All prompts are prefilled together (a ragged batch, optionally in chunks), then each
     decode step feeds one token per still-running sequence. A sequence stops after
-    emitting a stop token or ``max_new_tokens`` tokens.
+    emitting a stop token or ``max_new_tokens`` tokens. Each token is chosen by
+    :func:`sample_token` from the logits of its sequence.
 
     Parameters
     ----------
@@ -83,6 +211,18 @@ def generate_greedy(
         ``[batch_size]`` non-empty prompts, token ids in ``[0, vocab_size)``.
     max_new_tokens : int
         Upper bound of generated tokens per sequence, >= 1.
+    temperature : float
+        >= 0; 0 (the default) is greedy (argmax), and then ``top_k``, ``top_p`` and
+        ``seed`` have no effect.
+    top_k : int or None
+        Sample among the ``top_k`` most likely tokens only (>= 1; 1 is greedy).
+    top_p : float
+        Nucleus sampling: among the most likely tokens whose probability sums to at
+        least ``top_p``, in ``(0, 1]`` (default 1: all).
+    seed : int, numpy.random.Generator or None
+        Seed of the ``numpy.random.default_rng`` that draws the tokens (or a generator
+        to draw from); the same seed, prompts and settings give the same tokens. None:
+        fresh entropy from the operating system.
     stop_token_ids : iterable of int
         Ids that end a sequence (e.g. ``tokenizer.stop_token_ids``).
     seq_ids : sequence of int or None
@@ -104,12 +244,19 @@ def generate_greedy(
     ------
     ValueError
         For an empty prompt list or prompt, a token id out of range, ``max_new_tokens``
-        or ``prefill_chunk_size`` < 1, or ``seq_ids`` of the wrong length, repeated or
-        already in ``backend``; raised before the backend changes. Errors of
-        :meth:`LlamaModel.forward` (and of the backend) propagate.
+        or ``prefill_chunk_size`` < 1, a sampling parameter out of range, or ``seq_ids``
+        of the wrong length, repeated or already in ``backend``; raised before the
+        backend changes. Errors of :meth:`LlamaModel.forward` (and of the backend)
+        propagate.
+
+    Notes
+    -----
+    Tokens are drawn in prompt order within each step, so a batch's output for a seed
+    depends on the batch composition as well as on the seed.
     """
     _check_positive("max_new_tokens", max_new_tokens)
     _check_positive("prefill_chunk_size", prefill_chunk_size, allow_none=True)
+    _check_sampling(temperature, top_k, top_p)
     if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
         raise ValueError("Invalid value of prompts: expected at least one prompt, each non-empty")
     ids = list(range(len(prompts))) if seq_ids is None else [int(s) for s in seq_ids]
@@ -123,12 +270,19 @@ def generate_greedy(
     for p in prompt_arrays:
         if p.ndim != 1 or not np.issubdtype(p.dtype, np.integer) or p.min() < 0 or p.max() >= vocab_size:
             raise ValueError(f"Invalid value of prompts: expected 1-D token ids in [0, {vocab_size})")
+    greedy = temperature == 0 or top_k == 1
+    rng = None if greedy else np.random.default_rng(seed)
+
+    def choose(row: np.ndarray) -> int:
+        if greedy:
+            return int(np.argmax(row))
+        return sample_token(row, rng, temperature=temperature, top_k=top_k, top_p=top_p)
 
     for s in ids:
         backend.add_sequence(s)
     try:
-        outputs, prefill_seconds, decode_seconds, num_decode_tokens = _greedy_loop(
-            model, backend, ids, prompt_arrays, max_new_tokens, stop, prefill_chunk_size, on_token
+        outputs, prefill_seconds, decode_seconds, num_decode_tokens = _generation_loop(
+            model, backend, ids, prompt_arrays, max_new_tokens, stop, prefill_chunk_size, on_token, choose
         )
     finally:
         if release:
@@ -143,8 +297,28 @@ def generate_greedy(
     )
 
 
-def _greedy_loop(model, backend, ids, prompt_arrays, max_new_tokens, stop, prefill_chunk_size, on_token):
-    """Prefill every prompt, then decode the running sequences as one batch."""
+def generate_greedy(
+    model: LlamaModel,
+    backend: AttentionBackend,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Iterable[int] = (),
+    seq_ids: Sequence[int] | None = None,
+    prefill_chunk_size: int | None = None,
+    on_token: Callable[[int, int], None] | None = None,
+    release: bool = True,
+) -> GenerationResult:
+    """Generate greedily (argmax): :func:`generate` with ``temperature=0``.
+
+    Parameters, return value and errors are those of :func:`generate`.
+    """
+    return generate(model, backend, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                    seq_ids=seq_ids, prefill_chunk_size=prefill_chunk_size, on_token=on_token, release=release)
+
+
+def _generation_loop(model, backend, ids, prompt_arrays, max_new_tokens, stop, prefill_chunk_size, on_token, choose):
+    """Prefill every prompt, then decode the running sequences as one batch; ``choose`` picks each token."""
     outputs: list[list[int]] = [[] for _ in prompt_arrays]
     last_logits = np.empty((len(prompt_arrays), model.config.vocab_size), dtype=np.float32)
     start = time.perf_counter()
@@ -162,7 +336,7 @@ def _greedy_loop(model, backend, ids, prompt_arrays, max_new_tokens, stop, prefi
                 last_logits[i] = logits[row]
     running = []
     for i in range(len(prompt_arrays)):
-        token = int(np.argmax(last_logits[i]))
+        token = choose(last_logits[i])
         outputs[i].append(token)
         if on_token is not None:
             on_token(i, token)
@@ -177,7 +351,7 @@ def _greedy_loop(model, backend, ids, prompt_arrays, max_new_tokens, stop, prefi
         num_decode_tokens += len(running)
         still = []
         for row, i in enumerate(running):
-            token = int(np.argmax(logits[row]))
+            token = choose(logits[row])
             outputs[i].append(token)
             if on_token is not None:
                 on_token(i, token)

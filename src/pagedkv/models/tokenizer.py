@@ -235,23 +235,43 @@ class LlamaTokenizer:
         return self._tokens[token_id]
 
 
-def default_system_prompt(chat_template: str | None) -> str | None:
-    """System prompt that a ChatML template inserts when the chat has none.
+def default_system_prompt(template_source) -> str | None:
+    """System prompt that a model's ChatML template inserts when the chat has none.
 
-    SmolLM2-Instruct's template (in the GGUF's ``tokenizer.chat_template``, the same as
-    the model card's) starts a chat without a system message with ``<|im_start|>system
-    \\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>``.
+    Pass the tokenizer: ``default_system_prompt(tokenizer)`` (or its
+    ``tokenizer.chat_template`` text). SmolLM2-Instruct's template (in the GGUF's
+    ``tokenizer.chat_template``, the same as the model card's) starts a chat without a
+    system message with ``<|im_start|>system\nYou are a helpful AI assistant named
+    SmolLM, trained by Hugging Face<|im_end|>``.
 
     Parameters
     ----------
-    chat_template : str or None
-        Jinja template text.
+    template_source : LlamaTokenizer, str or None
+        A tokenizer (its ``chat_template`` is read), the Jinja template text itself, or
+        None (a model without a template).
 
     Returns
     -------
     str or None
         The literal system message of the template, or None if it has none.
+
+    Raises
+    ------
+    TypeError
+        If ``template_source`` is none of the above.
+
+    Examples
+    --------
+    >>> model, tokenizer = LlamaModel.from_gguf()  # doctest: +SKIP
+    >>> format_chatml("What is a KV cache?", default_system=default_system_prompt(tokenizer))  # doctest: +SKIP
     """
+    if template_source is None or isinstance(template_source, str):
+        chat_template = template_source
+    elif isinstance(getattr(template_source, "chat_template", 0), (str, type(None))):
+        chat_template = template_source.chat_template  # a LlamaTokenizer, or any object with the attribute
+    else:
+        raise TypeError("Invalid type of template_source: expected a LlamaTokenizer, its chat_template "
+                        f"(str) or None, got {type(template_source).__name__}")
     if not chat_template:
         return None
     match = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", chat_template, re.DOTALL)
@@ -259,7 +279,7 @@ def default_system_prompt(chat_template: str | None) -> str | None:
 
 
 def format_chatml(
-    messages: Sequence[tuple[str, str]] | Sequence[dict],
+    messages: str | Sequence[tuple[str, str]] | Sequence[dict],
     *,
     default_system: str | None = None,
     add_generation_prompt: bool = True,
@@ -273,8 +293,9 @@ def format_chatml(
 
     Parameters
     ----------
-    messages : sequence of (role, content) pairs or of {"role", "content"} dicts
-        Roles are ``"system"``, ``"user"`` or ``"assistant"``.
+    messages : str, or sequence of (role, content) pairs or of {"role", "content"} dicts
+        Roles are ``"system"``, ``"user"`` or ``"assistant"``. A single string is one
+        user message: ``format_chatml("Hi")`` equals ``format_chatml([("user", "Hi")])``.
     default_system : str or None
         See :func:`default_system_prompt`.
     add_generation_prompt : bool
@@ -286,10 +307,26 @@ def format_chatml(
 
     Raises
     ------
+    TypeError
+        If ``messages`` is neither a string nor a sequence of (role, content) pairs or
+        {"role", "content"} dicts with string roles and contents.
     ValueError
         If a role is not one of the three above.
     """
-    pairs = [(m["role"], m["content"]) if isinstance(m, dict) else (m[0], m[1]) for m in messages]
+    if isinstance(messages, str):
+        messages = [("user", messages)]
+    pairs = []
+    for m in messages:
+        if isinstance(m, dict) and set(m) >= {"role", "content"}:
+            pair = (m["role"], m["content"])
+        elif isinstance(m, (tuple, list)) and len(m) == 2:
+            pair = (m[0], m[1])
+        else:
+            pair = None
+        if pair is None or not all(isinstance(part, str) for part in pair):
+            raise TypeError("Invalid type of messages: expected a string (one user message) or a sequence of "
+                            f"(role, content) string pairs or {{'role': ..., 'content': ...}} dicts, got an item {m!r}")
+        pairs.append(pair)
     for role, _ in pairs:
         if role not in ("system", "user", "assistant"):
             raise ValueError(
