@@ -353,3 +353,101 @@ def test_pool_tensor_shares_memory(model, tokenizer):
 def test_import_pagedkv_does_not_import_torch():
     code = "import sys, pagedkv; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], env=os.environ.copy()).returncode == 0
+
+
+# ---------------------------------------------------------------------------------------
+# Without a model: random K/V through update() and random batch edits, against DynamicCache.
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _tiny_config():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                         intermediate_size=64, vocab_size=128, max_position_embeddings=512)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_random_edits_gather_what_dynamic_cache_holds(data):
+    """Stored then gathered K/V equal DynamicCache's in every non-padding column, through
+    appends, row repeats, selections, beam reorders and crops (float32: exact copies)."""
+    config = _tiny_config()
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    paged = pt.PagedCache(config, num_pages=128, page_size=4, dtype=torch.float32)
+    dense = DynamicCache(config=config)
+    batch = data.draw(st.integers(1, 3), label="batch")
+    prompt = data.draw(st.integers(1, 9), label="prompt")
+    pads = np.array(data.draw(st.lists(st.integers(0, prompt - 1), min_size=batch, max_size=batch), label="pads"))
+    lengths = np.zeros(batch, dtype=np.int64)  # real tokens per row
+
+    def append(num_new, pad=None):
+        nonlocal lengths
+        pad = np.zeros(len(lengths), dtype=np.int64) if pad is None else pad
+        positions = np.zeros((len(lengths), num_new), dtype=np.int64)
+        for b in range(len(lengths)):
+            positions[b, pad[b]:] = np.arange(lengths[b], lengths[b] + num_new - pad[b])
+        for layer in range(config.num_hidden_layers):
+            k = torch.from_numpy(rng.standard_normal((len(lengths), 2, num_new, 8), dtype=np.float32))
+            v = torch.from_numpy(rng.standard_normal((len(lengths), 2, num_new, 8), dtype=np.float32))
+            got_k, got_v = paged.update(k, v, layer, kwargs={"position_ids": torch.from_numpy(positions)})
+            want_k, want_v = dense.update(k, v, layer)
+            assert got_k.shape == want_k.shape
+            for b in range(len(lengths)):
+                first = want_k.shape[2] - (lengths[b] + num_new - pad[b])
+                assert torch.equal(got_k[b, :, first:], want_k[b, :, first:])
+                assert torch.equal(got_v[b, :, first:], want_v[b, :, first:])
+                assert not got_k[b, :, :first].any()  # padding columns hold nothing
+        lengths = lengths + num_new - pad
+
+    append(prompt, pads)
+    for _ in range(data.draw(st.integers(1, 6), label="num_edits")):
+        op = data.draw(st.sampled_from(["append", "repeat", "select", "reorder", "crop"]), label="op")
+        rows = len(lengths)
+        if op == "append":
+            append(data.draw(st.integers(1, 5), label="tokens"))
+        elif op == "repeat" and rows <= 4:
+            r = data.draw(st.integers(1, 3), label="repeats")
+            paged.batch_repeat_interleave(r)
+            dense.batch_repeat_interleave(r)
+            lengths = np.repeat(lengths, r)
+        elif op in ("select", "reorder"):
+            size = rows if op == "reorder" else data.draw(st.integers(1, rows), label="size")
+            idx = data.draw(st.lists(st.integers(0, rows - 1), min_size=size, max_size=size), label="rows")
+            getattr(paged, "reorder_cache" if op == "reorder" else "batch_select_indices")(torch.tensor(idx))
+            getattr(dense, "reorder_cache" if op == "reorder" else "batch_select_indices")(torch.tensor(idx))
+            lengths = lengths[idx]
+        elif op == "crop" and lengths.min() > 1:
+            n = data.draw(st.integers(1, int(lengths.min()) - 1), label="crop")
+            paged.crop(-n)
+            dense.crop(-n)
+            lengths = lengths - n
+        assert paged.get_seq_length() == dense.get_seq_length()
+        paged.kv_cache.check_invariants()
+    append(1)
+    assert paged.num_stored_tokens <= paged.stats()["tokens_appended"]
+
+
+def test_edits_are_validated_before_any_change():
+    config = _tiny_config()
+    cache = pt.PagedCache(config, num_pages=16, page_size=4, dtype=torch.float32)
+    keys = torch.zeros((2, 2, 3, 8))
+    for layer in range(2):
+        cache.update(keys, keys, layer, kwargs={"position_ids": torch.tensor([[0, 1, 2], [5, 0, 1]])})
+    held = [cache.kv_cache.seq_len(s) for s in cache.seq_ids]
+    assert held == [3, 2]
+    with pytest.raises(ValueError, match="left padding"):
+        cache.crop(-3)
+    with pytest.raises(ValueError, match="indices"):
+        cache.reorder_cache(torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="layer_idx"):
+        cache.update(keys[:, :, :1], keys[:, :, :1], 1)
+    with pytest.raises(ValueError, match="position_ids"):
+        cache.update(keys[:, :, :1], keys[:, :, :1], 0, kwargs={"position_ids": torch.tensor([[3], [7]])})
+    with pytest.raises(ValueError, match="batch size"):
+        cache.update(keys[:1, :, :1], keys[:1, :, :1], 0, kwargs={"position_ids": torch.tensor([[3]])})
+    assert [cache.kv_cache.seq_len(s) for s in cache.seq_ids] == held and cache.get_seq_length() == 3

@@ -421,7 +421,7 @@ class PagedCache(Cache):
             padded = not bool(np.all(mask != 0))
         self.reset()
         if self.kv_cache is None:
-            self._make_kv_cache(ids.shape[0], torch.float32 if self._dtype is None else torch.float32)
+            self._make_kv_cache(ids.shape[0], torch.float32)  # dtype=None: float32 before any keys are seen
         kv = self.kv_cache
         hits = []
         for row in ids:
