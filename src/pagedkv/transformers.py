@@ -18,7 +18,10 @@ Example::
 
 Supported versions and models
 -----------------------------
-transformers 5.x, tested with 5.24.0 and torch 2.13 (CPU). Decoder-only models with
+transformers >= 5.24 within 5.x; 5.24.0 (with torch 2.13.0, CPU build) is the release the
+tests ran on. 5.24 passes the attention layer's keyword arguments, ``position_ids``
+included, to ``Cache.update``, which the padding rule below needs; earlier releases are
+not supported. Decoder-only models with
 standard multi-head or GQA attention whose attention layers call ``cache.update`` and then
 the configured attention function (the Llama code path of transformers). Tested family:
 Llama (SmolLM2-135M-Instruct loaded from GGUF). Mistral, Qwen2 and other Llama-like
