@@ -293,8 +293,9 @@ def test_window_bounds_pages_over_a_long_generation(model, tokenizer):
 
     class PageProbe(BaseStreamer):
         def put(self, value):
+            # Called with the prompt before the first forward, then once per generated token.
             if cache.kv_cache is not None and cache.get_seq_length():
-                pages.append(cache.kv_cache.seq_ids and cache.stats()["pages_in_use"])
+                pages.append(cache.stats()["pages_in_use"])
 
         def end(self):
             pass

@@ -76,7 +76,6 @@ attention weights output (``output_attentions``) with the pagedkv attention; dro
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -146,7 +145,7 @@ class _PagedLayer(CacheLayerMixin):
 
 
 class _Step:
-    """What the attention function needs of the current forward: rows, stored tokens, cache."""
+    """Tag on the keys that update() returns: the cache and layer the attention function reads."""
 
     __slots__ = ("cache", "layer_idx")
 
