@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 # Linux x86-64 torch wheel needs the nvidia-* packages (several GB): there, take the CPU
 # build from the PyTorch index instead, as the README's install section says.
 pip install "torch==2.13.0"
-pip install ".[transformers]"
+# The extra's other requirements; pagedkv itself is already installed (no rebuild).
+pip install -r <(python scripts/extra_requirements.py transformers)
 
 export PAGEDKV_REQUIRE_TRANSFORMERS=1 HF_HUB_OFFLINE=1
 pytest -q tests/test_transformers.py
