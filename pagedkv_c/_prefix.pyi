@@ -10,6 +10,7 @@ _Int: TypeAlias = int | np.integer[Any]
 ALGORITHMS: dict[str, int]
 
 def xxh3_in_c() -> bool: ...
+def xxh3_128_intdigest(data: bytes | bytearray | memoryview) -> int: ...
 
 @disjoint_base
 class PrefixIndex:
