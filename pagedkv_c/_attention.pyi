@@ -4,11 +4,11 @@ from collections.abc import Hashable, Sequence
 from typing import Any, Literal, Protocol, TypeAlias, overload
 
 import numpy as np
-from numpy.typing import NDArray
+from numpy.typing import ArrayLike, NDArray
 
 _Int: TypeAlias = int | np.integer[Any]
 _F32: TypeAlias = NDArray[np.float32]
-_Query: TypeAlias = NDArray[np.float32] | NDArray[np.float16]
+_Query: TypeAlias = ArrayLike  # real numbers, converted to float32
 
 class _PageTableLike(Protocol):
     """The CSR page table that ``cache.page_table(seq_ids)`` returns."""

@@ -19,7 +19,7 @@ from cython.parallel cimport prange, threadid
 from libc.stdint cimport int32_t, int64_t, uint16_t
 from libc.stdlib cimport malloc, free
 
-from pagedkv_c._checks cimport check_int, check_index, check_array, as_int_array
+from pagedkv_c._checks cimport check_int, check_index, check_array, check_float_array, as_int_array
 
 cnp.import_array()
 
@@ -349,12 +349,8 @@ cdef class _Problem:
 cdef _Problem _validate_common(object q, object cache, object layer, object seq_ids,
                                object scale, object num_threads, object return_lse):
     cdef _Problem p = _Problem()
-    if not isinstance(q, np.ndarray):
-        raise TypeError(f"Invalid type of q: expected numpy.ndarray, got {type(q).__name__}")
-    if q.dtype != np.float32 and q.dtype != np.float16:
-        raise TypeError(f"Invalid dtype of q: expected float16 or float32, got {q.dtype}")
-    if q.ndim != 3:
-        raise ValueError(f"Invalid shape of q: expected a 3-D array (tokens, Hq, D), got {q.shape}")
+    # The kernels read float32: any array-like of real numbers is converted once.
+    q = check_float_array(q, "q", (-1, -1, -1), np.float32, "(tokens, Hq, D)")
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"Invalid type of return_lse: expected bool, got {type(return_lse).__name__}")
 
@@ -433,7 +429,7 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
     p.head_dim = head_dim
     p.num_qo_heads = num_qo_heads
     p.batch_size = batch_size
-    p.q = np.ascontiguousarray(q, dtype=np.float32)
+    p.q = q
     return p
 
 

@@ -7,4 +7,6 @@ cdef int64_t check_int(object value, str name, int64_t low, int64_t high) except
 cdef int64_t check_index(object value, str name, int64_t size) except? -1
 cdef object check_array(object arr, str name, object dtype, tuple shape)
 cdef object as_int_array(object values, str name, object dtype)
-cdef object check_float_array(object arr, str name, tuple shape, object pool_dtype)
+cdef object check_float_array(object arr, str name, tuple shape, object pool_dtype, str shape_names=*)
+cdef object check_pool_dtype(object dtype, str name, tuple allowed)
+cdef str invalid(str what, str name)

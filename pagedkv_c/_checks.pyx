@@ -14,6 +14,15 @@ from libc.stdint cimport int64_t
 cnp.import_array()
 
 
+cdef str invalid(str what, str name):
+    """The start of an error message: ``Invalid <what> of <name>``.
+
+    When the argument is named after the property being checked (``dtype``),
+    the message reads ``Invalid dtype`` rather than ``Invalid dtype of dtype``.
+    """
+    return f"Invalid {what}" if what == name else f"Invalid {what} of {name}"
+
+
 cdef int64_t check_int(object value, str name, int64_t low, int64_t high) except? -1:
     """Return ``value`` as a C integer in ``[low, high]``.
 
@@ -31,11 +40,11 @@ cdef int64_t check_int(object value, str name, int64_t low, int64_t high) except
                 return fast
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(
-            f"Invalid type of {name}: expected an integer, got {type(value).__name__}"
+            f"{invalid('type', name)}: expected an integer, got {type(value).__name__}"
         )
     cdef object v = operator.index(value)
     if v < low or v > high:
-        raise ValueError(f"Invalid value of {name}: expected {low} <= {name} <= {high}, got {v}")
+        raise ValueError(f"{invalid('value', name)}: expected {low} <= {name} <= {high}, got {v}")
     return <int64_t>v
 
 
@@ -48,7 +57,7 @@ cdef int64_t check_index(object value, str name, int64_t size) except? -1:
     try:
         return check_int(value, name, 0, size - 1)
     except ValueError:  # check_int's only ValueError: out of range
-        raise IndexError(f"Invalid value of {name}: expected 0 <= {name} < {size}, got {value}") from None
+        raise IndexError(f"{invalid('value', name)}: expected 0 <= {name} < {size}, got {value}") from None
 
 
 cdef str _shape_text(tuple shape):
@@ -64,7 +73,7 @@ cdef int _check_shape(object arr, str name, tuple shape) except -1:
                 ok = False
                 break
     if not ok:
-        raise ValueError(f"Invalid shape of {name}: expected {_shape_text(shape)}, got {arr.shape}")
+        raise ValueError(f"{invalid('shape', name)}: expected {_shape_text(shape)}, got {arr.shape}")
     return 0
 
 
@@ -76,12 +85,12 @@ cdef object check_array(object arr, str name, object dtype, tuple shape):
     contiguity).
     """
     if not isinstance(arr, np.ndarray):
-        raise TypeError(f"Invalid type of {name}: expected numpy.ndarray, got {type(arr).__name__}")
+        raise TypeError(f"{invalid('type', name)}: expected numpy.ndarray, got {type(arr).__name__}")
     if arr.dtype != dtype:
-        raise TypeError(f"Invalid dtype of {name}: expected {np.dtype(dtype)}, got {arr.dtype}")
+        raise TypeError(f"{invalid('dtype', name)}: expected {np.dtype(dtype)}, got {arr.dtype}")
     _check_shape(arr, name, shape)
     if not arr.flags.c_contiguous:
-        raise ValueError(f"Invalid layout of {name}: expected a C-contiguous array, got strides {arr.strides}")
+        raise ValueError(f"{invalid('layout', name)}: expected a C-contiguous array, got strides {arr.strides}")
     return arr
 
 
@@ -91,8 +100,13 @@ cdef object as_int_array(object values, str name, object dtype):
     An ndarray that already has ``dtype`` and that layout is returned as is
     (callers only read it).
 
-    Accepts lists, tuples and integer ndarrays; rejects floats, bools and
-    values that do not fit ``dtype``. Raises TypeError or ValueError.
+    The rule for every integer array argument of the API (sequence ids,
+    token ids, counts, slot mappings, page ids, offsets): any 1-D array-like
+    of integers (list, tuple, range, ndarray of any integer dtype, byte order
+    or layout), every value fitting ``dtype``. As in NumPy indexing, floats
+    (even whole ones such as ``2.0``), bools and object arrays are refused
+    with TypeError; values outside ``dtype`` and other shapes with
+    ValueError.
     """
     cdef object arr
     cdef int type_num = cnp.NPY_INT64 if dtype is np.int64 else (cnp.NPY_INT32 if dtype is np.int32 else -1)
@@ -110,9 +124,15 @@ cdef object as_int_array(object values, str name, object dtype):
         try:
             arr = np.asarray(values)
         except (TypeError, ValueError) as exc:
-            raise TypeError(f"Invalid type of {name}: expected a 1-D sequence of integers, got {type(values).__name__}") from exc
+            raise TypeError(f"{invalid('type', name)}: expected a 1-D sequence of integers, got {type(values).__name__}") from exc
         if arr.size == 0:
             arr = arr.astype(dtype)
+        elif arr.ndim == 1 and arr.dtype.kind in "iu" and isinstance(values, (list, tuple)):
+            # NumPy turns [1, True] into [1, 1]: a bool where an integer is
+            # meant is refused, as it is alone and in a bool array.
+            kinds = set(map(type, values))
+            if bool in kinds or np.bool_ in kinds:
+                raise TypeError(f"{invalid('type', name)}: expected integers, got a bool among them")
         elif arr.ndim == 1 and arr.dtype.kind in "fO":
             items = list(values)
             if all(isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)) for v in items):
@@ -121,11 +141,13 @@ cdef object as_int_array(object values, str name, object dtype):
                 _check_range(items, name, dtype)
                 arr = np.asarray(items, dtype=dtype)
     if arr.ndim == 0 and not isinstance(values, (np.ndarray, np.generic, numbers.Number)):  # None, a string
-        raise TypeError(f"Invalid type of {name}: expected a 1-D sequence of integers, got {type(values).__name__}")
+        raise TypeError(f"{invalid('type', name)}: expected a 1-D sequence of integers, got {type(values).__name__}")
     if arr.ndim != 1:
-        raise ValueError(f"Invalid shape of {name}: expected a 1-D sequence, got shape {arr.shape}")
+        raise ValueError(f"{invalid('shape', name)}: expected a 1-D sequence, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"Invalid dtype of {name}: expected integers, got {arr.dtype}")
+        raise TypeError(
+            f"{invalid('dtype', name)}: expected integers (floats, bools and objects are refused), got {arr.dtype}"
+        )
     if arr.size:
         _check_range([arr.min(), arr.max()], name, dtype)
     return np.ascontiguousarray(arr, dtype=dtype)
@@ -138,24 +160,109 @@ cdef int _check_range(object values, str name, object dtype) except -1:
     hi = int(max(values))
     if lo < info.min or hi > info.max:
         raise ValueError(
-            f"Invalid value of {name}: expected values in [{info.min}, {info.max}], got range [{lo}, {hi}]"
+            f"{invalid('value', name)}: expected values in [{info.min}, {info.max}], got range [{lo}, {hi}]"
         )
     return 0
 
 
-cdef object check_float_array(object arr, str name, tuple shape, object pool_dtype):
-    """Check a K/V or query array: float16 or float32 ndarray of ``shape``.
+cdef object check_float_array(object arr, str name, tuple shape, object pool_dtype, str shape_names=None):
+    """Convert a K/V or query argument to a C-contiguous array of ``pool_dtype``.
 
-    Returns a C-contiguous array of ``pool_dtype``; converts (float32 into a
-    float16 pool) or copies (non-contiguous) only when needed.
-    Raises TypeError for a non-array or a non-float dtype, ValueError for a
-    shape mismatch.
+    The rule for every floating array argument of the API: any array-like of
+    real numbers (an ndarray of float16, float32, float64 or an integer
+    dtype, in any layout, or nested lists and tuples) with exactly ``shape``
+    (entries of -1 match any length; nothing is reshaped or broadcast),
+    converted to ``pool_dtype`` as ``numpy.asarray`` would (float64 rounds
+    to the nearest float16/float32). Bools, complex numbers, strings and
+    objects are refused. An ndarray that already has ``pool_dtype`` and a
+    C-contiguous layout is returned as is; anything else is copied.
+
+    ``shape_names`` spells the expected shape in words (``"(n, dim)"``) for
+    the message. Raises TypeError (not numbers) or ValueError (shape,
+    ragged nesting).
     """
-    if not isinstance(arr, np.ndarray):
-        raise TypeError(f"Invalid type of {name}: expected numpy.ndarray, got {type(arr).__name__}")
-    if arr.dtype != np.float32 and arr.dtype != np.float16:
-        raise TypeError(f"Invalid dtype of {name}: expected float16 or float32, got {arr.dtype}")
-    _check_shape(arr, name, shape)
-    if arr.dtype != pool_dtype or not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr, dtype=pool_dtype)
-    return arr
+    cdef object a
+    if isinstance(arr, np.ndarray):
+        a = arr
+        if (cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>a) and a.dtype == pool_dtype
+                and _shape_matches(a, shape)):
+            return a
+    else:
+        expected = _shape_text(shape) if shape_names is None else f"{shape_names} = {_shape_text(shape)}"
+        try:
+            a = np.asarray(arr)
+        except ValueError as exc:  # NumPy: "inhomogeneous shape"
+            raise ValueError(f"{invalid('shape', name)}: expected {expected}, got a ragged sequence") from exc
+        except TypeError as exc:
+            raise TypeError(f"{invalid('type', name)}: expected an array of numbers, got {type(arr).__name__}") from exc
+        if a.dtype.kind == "O" or a.ndim == 0 and a.dtype.kind not in "iuf":
+            raise TypeError(f"{invalid('type', name)}: expected an array of numbers, got {type(arr).__name__}")
+        if a.shape == (0,) and len(shape) > 1 and shape[0] == 0 and min(shape) >= 0:
+            # An empty sequence carries no row length: it is an empty batch.
+            a = a.reshape(shape)
+    if a.dtype.kind not in "iuf":
+        raise TypeError(
+            f"{invalid('dtype', name)}: expected real numbers (float16, float32, float64 or integers), got {a.dtype}"
+        )
+    if not _shape_matches(a, shape):
+        expected = _shape_text(shape) if shape_names is None else f"{shape_names} = {_shape_text(shape)}"
+        raise ValueError(f"{invalid('shape', name)}: expected {expected}, got {a.shape}")
+    return np.ascontiguousarray(a, dtype=pool_dtype)
+
+
+cdef bint _shape_matches(object arr, tuple shape):
+    cdef Py_ssize_t i
+    if arr.ndim != len(shape):
+        return False
+    for i in range(len(shape)):
+        if shape[i] >= 0 and arr.shape[i] != shape[i]:
+            return False
+    return True
+
+
+cdef object check_pool_dtype(object dtype, str name, tuple allowed):
+    """Return ``numpy.dtype(dtype)`` if it is one of ``allowed`` (numpy dtypes).
+
+    None is refused rather than read as float64, as ``numpy.dtype(None)`` would.
+    Raises TypeError naming the allowed dtypes.
+    """
+    cdef str expected = " or ".join([str(d) for d in allowed])
+    if dtype is None:
+        raise TypeError(f"{invalid('dtype', name)}: expected {expected}, got None")
+    try:
+        np_dtype = np.dtype(dtype)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{invalid('dtype', name)}: expected {expected}, got {dtype!r}") from exc
+    if np_dtype not in allowed:
+        raise TypeError(f"{invalid('dtype', name)}: expected {expected}, got {np_dtype}")
+    return np_dtype
+
+
+def check_sink_window(window, sink_tokens, str sinks_name="sink_tokens", str window_name="window=W"):
+    """Refuse attention sinks without a sliding window.
+
+    The one check shared by ``KVCache``, ``PagedBackend`` and the command
+    line (which passes ``"--sinks"`` and ``"--window W"`` as the names):
+    sinks are the first positions a windowed query keeps seeing
+    (StreamingLLM, Xiao et al., 2023); without a window every position is
+    visible, so sinks would silently do nothing.
+
+    Parameters
+    ----------
+    window : int or None
+        Sliding window in tokens, None for full attention.
+    sink_tokens : int
+        Attention-sink tokens requested.
+    sinks_name, window_name : str
+        How the two arguments are named in the message.
+
+    Raises
+    ------
+    ValueError
+        ``sink_tokens > 0`` and ``window`` is None.
+    """
+    if window is None and sink_tokens:
+        raise ValueError(
+            f"{invalid('value', sinks_name)}: expected 0 without a sliding window (attention sinks "
+            f"only exist with one: add {window_name}), got {sink_tokens}"
+        )

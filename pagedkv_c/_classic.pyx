@@ -14,7 +14,7 @@ import numpy as np
 cimport numpy as cnp
 from libc.string cimport memcpy, memset
 from pagedkv_c._types cimport page_id_t, int32_t, int64_t, uint8_t, NO_PAGE
-from pagedkv_c._checks cimport check_int, check_array, as_int_array
+from pagedkv_c._checks cimport check_int, check_array, check_float_array, as_int_array
 from pagedkv_c._pool cimport PagePool
 from pagedkv_c._page_map cimport PageMap
 
@@ -58,46 +58,6 @@ cdef int _raise_busy() except -1:
         "PagedKVCache is in use by a batch call running in another thread; "
         "a cache is not thread-safe, guard it with a lock"
     )
-
-
-cdef object _shape_text(tuple shape):
-    return "(" + ", ".join([str(d) for d in shape]) + (",)" if len(shape) == 1 else ")")
-
-
-cdef object _as_float_array(object arr, str name, tuple shape, str shape_names, object dtype):
-    """Validate a key/value input and return it as a C-contiguous array of ``dtype``.
-
-    Accepts an ndarray or array-like of integer or floating numbers with
-    exactly ``shape`` (no reshaping); casts to ``dtype`` as ``numpy.asarray``
-    would. Raises TypeError (not numeric) or ValueError (shape, ragged).
-    """
-    cdef object a
-    if isinstance(arr, np.ndarray):
-        a = arr
-    else:
-        try:
-            a = np.asarray(arr)
-        except ValueError as exc:
-            raise ValueError(
-                f"Invalid shape of {name}: expected {shape_names} = {_shape_text(shape)}, "
-                f"got a ragged sequence"
-            ) from exc
-        except TypeError as exc:
-            raise TypeError(
-                f"Invalid type of {name}: expected an array of numbers, got {type(arr).__name__}"
-            ) from exc
-        if a.shape == (0,) and len(shape) == 2 and shape[0] == 0:
-            # An empty sequence carries no row length: it is an empty batch.
-            a = a.reshape(shape)
-    if a.dtype.kind not in "iuf":
-        raise TypeError(
-            f"Invalid dtype of {name}: expected integer or floating numbers, got {a.dtype}"
-        )
-    if a.shape != shape:
-        raise ValueError(
-            f"Invalid shape of {name}: expected {shape_names} = {_shape_text(shape)}, got {a.shape}"
-        )
-    return np.ascontiguousarray(a, dtype=dtype)
 
 
 cdef class PagedKVCache:
@@ -350,7 +310,7 @@ cdef class PagedKVCache:
             if (cnp.PyArray_NDIM(a) == 1 and cnp.PyArray_DIMS(a)[0] == self.dim
                     and cnp.PyArray_TYPE(a) == self._type_num and cnp.PyArray_ISCARRAY_RO(a)):
                 return a
-        return _as_float_array(arr, name, (self.dim,), "(dim,)", self.dtype)
+        return check_float_array(arr, name, (self.dim,), self.dtype, "(dim,)")
 
     cdef object _matrix(self, object arr, str name, Py_ssize_t num_rows):
         """``arr`` as a C-contiguous (num_rows, dim) array of dtype."""
@@ -361,7 +321,7 @@ cdef class PagedKVCache:
                     and cnp.PyArray_DIMS(a)[1] == self.dim
                     and cnp.PyArray_TYPE(a) == self._type_num and cnp.PyArray_ISCARRAY_RO(a)):
                 return a
-        return _as_float_array(arr, name, (num_rows, self.dim), "(len(token_idxs), dim)", self.dtype)
+        return check_float_array(arr, name, (num_rows, self.dim), self.dtype, "(len(token_idxs), dim)")
 
     cdef object _token_array(self, object token_idxs):
         """``token_idxs`` as a C-contiguous int64 array, every entry checked >= 0."""

@@ -16,7 +16,8 @@ from pagedkv_c._pool cimport PagePool, pkv_incref, pkv_queue_remove, pkv_ref, pk
 from pagedkv_c._pool import OutOfPagesError
 from pagedkv_c._prefix import ALGORITHMS as _PREFIX_HASHES
 from pagedkv_c._page_table cimport PageTable, append_batch
-from pagedkv_c._checks cimport check_int, check_index, check_float_array, as_int_array
+from pagedkv_c._checks cimport check_int, check_index, check_float_array, check_pool_dtype, as_int_array
+from pagedkv_c._checks import check_sink_window
 from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash_salt,
                                 pkv_index_find, pkv_index_insert,
                                 pkv_index_is_cached, pkv_index_prefetch)
@@ -137,8 +138,8 @@ cdef class KVCache:
         W``). None: full attention.
     sink_tokens : int
         Attention-sink tokens ``S >= 0``: positions ``[0, S)`` stay attended
-        and their pages pinned (StreamingLLM, Xiao et al. 2023). Only used
-        with a window.
+        and their pages pinned (StreamingLLM, Xiao et al. 2023). Only with a
+        window: ``sink_tokens > 0`` without one raises ValueError.
     enable_prefix_caching : bool
         Reuse the K/V of shared prompt prefixes across sequences (vLLM's
         automatic prefix caching): full pages are indexed by a hash chained
@@ -172,7 +173,7 @@ cdef class KVCache:
     TypeError
         A non-integer size, or a dtype other than float16/float32.
     ValueError
-        A size out of range.
+        A size out of range, or ``sink_tokens > 0`` without a ``window``.
     MemoryError
         The pool array cannot be allocated.
 
@@ -184,6 +185,19 @@ cdef class KVCache:
     out of the window of the next query, no sink position), so a held page
     may still contain positions that the window masks; attention kernels
     apply the exact mask per position.
+
+    *Array arguments.* One rule for every method of the API (``KVCache``,
+    ``PagePool``, ``PagedKVCache``, ``pagedkv.attention``): integer arguments
+    (sequence ids, token ids, counts, slot mappings, page ids, offsets) accept
+    any 1-D array-like of integers (list, tuple, ndarray of any integer dtype
+    and layout), each value within the target type; as in NumPy indexing,
+    floats (even ``2.0``), bools and object arrays raise TypeError. Floating
+    arguments (``k``, ``v``, queries) accept any array-like of real numbers
+    (float16, float32, float64 or integers; lists; any layout) of exactly the
+    documented shape, converted to the pool dtype (float64 rounds); arrays
+    of bools, complex numbers, strings or objects raise TypeError. Arrays that already have the
+    target dtype and a C-contiguous layout are read in place, others are
+    copied first.
 
     *Threads.* Every method that reads or changes page tables takes an
     internal lock; the copy loops run without the GIL.
@@ -197,19 +211,13 @@ cdef class KVCache:
         self.head_dim = <int32_t>check_int(head_dim, "head_dim", 1, 2**16)
         self.page_size = <int32_t>check_int(page_size, "page_size", 1, 2**20)
         check_int(num_pages, "num_pages", 1, 2**31 - 2)
-        if dtype is None:  # np.dtype(None) would silently mean float64
-            raise TypeError("Invalid dtype of dtype: expected float16 or float32, got None")
-        try:
-            np_dtype = np.dtype(dtype)
-        except TypeError as exc:
-            raise TypeError(f"Invalid dtype of dtype: expected float16 or float32, got {dtype!r}") from exc
-        if np_dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(f"Invalid dtype of dtype: expected float16 or float32, got {np_dtype}")
+        np_dtype = check_pool_dtype(dtype, "dtype", _SUPPORTED_DTYPES)
         if window is not None:
             check_int(window, "window", 1, INT64_MAX)
             window = int(window)
         self._window = window
         self.sink_tokens = check_int(sink_tokens, "sink_tokens", 0, INT64_MAX)
+        check_sink_window(window, self.sink_tokens)
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise TypeError(
                 f"Invalid type of enable_prefix_caching: expected a bool, got {type(enable_prefix_caching).__name__}"
@@ -685,8 +693,10 @@ cdef class KVCache:
             Duplicate sequence id, negative count, length mismatch, or
             ``token_ids`` not of length ``sum(num_tokens)`` or outside int32.
         OutOfPagesError
-            The pool cannot supply the pages the whole batch needs, counting
-            the pages this call's own releases free. Nothing changed.
+            The pool cannot supply the pages the whole batch needs (new pages
+            and copy-on-write copies), counting the pages this call's own
+            window releases free. The message names the tokens and pages
+            asked for and the pages free. Nothing changed.
 
         Notes
         -----
@@ -706,10 +716,7 @@ cdef class KVCache:
             if count_view[i] < 0:
                 raise ValueError(f"Invalid value of num_tokens: expected counts >= 0, got {count_view[i]}")
             if count_view[i] > most - total:
-                raise OutOfPagesError(
-                    f"cannot append: num_tokens asks for more than {most} tokens in one call, more than "
-                    f"the {self.pool.num_pages} pages of {self.page_size} tokens can hold"
-                )
+                raise OutOfPagesError(_over_pool_text(self, counts))
             total += count_view[i]
         cdef object ids = None
         if token_ids is not None:
@@ -765,9 +772,10 @@ cdef class KVCache:
             Layer index, ``0 <= layer < num_layers``.
         slot_mapping : numpy.ndarray or sequence of int, shape ``[T]``
             Slots from :meth:`append`; -1 marks padding (the token is skipped).
-        k, v : numpy.ndarray
-            float16 or float32, shape ``[T, num_kv_heads, head_dim]``;
-            converted to the pool dtype when they differ.
+        k, v : array-like of real numbers, shape ``[T, num_kv_heads, head_dim]``
+            float16, float32, float64 or integers, ndarray or nested lists;
+            converted to the pool dtype when they differ (see *Array
+            arguments* in the class docstring).
 
         Raises
         ------
@@ -777,7 +785,8 @@ cdef class KVCache:
             Shape or length mismatch, or a slot outside
             ``[-1, num_pages * page_size)``. Nothing is written.
         TypeError
-            Non-array or non-float ``k``/``v``.
+            ``k``/``v`` not real numbers (bools, complex, objects), or a
+            non-integer ``slot_mapping``.
 
         Notes
         -----
@@ -1064,6 +1073,27 @@ cdef inline int _look_ahead(PrefixIndex index, SequenceHashes hashes, int64_t k,
     if ahead < end:
         pkv_index_prefetch(&index.ix, hashes.chain[ahead].lo)
     return 0
+
+
+cdef str _over_pool_text(KVCache cache, object counts):
+    """Message of append's OutOfPagesError for a call larger than the whole pool."""
+    negative = np.flatnonzero(counts < 0)
+    if negative.size:  # the count error comes first, as it would without the overflow
+        raise ValueError(f"Invalid value of num_tokens: expected counts >= 0, got {counts[negative[0]]}")
+    cdef object num_asked = sum(counts.tolist())  # Python int: cannot overflow
+    cdef Py_ssize_t num_seqs = np.count_nonzero(counts)
+    cdef int64_t ps = cache.page_size
+    # Each sequence's last page may have up to page_size - 1 free slots.
+    cdef object least = -(-(num_asked - num_seqs * (ps - 1)) // ps)
+    text = (f"Cannot append {num_asked} token{'s' if num_asked != 1 else ''} to {num_seqs} "
+            f"sequence{'s' if num_seqs != 1 else ''}: they need at least {least} new pages of "
+            f"{ps} tokens, more than the whole pool holds ({cache.pool.num_pages} pages, "
+            f"{cache.pool.q.num_free} of them free). Nothing was changed. ")
+    if cache._window is None:
+        return text + (f"Create the cache with num_pages >= {least}, or with a sliding window "
+                       f"(window=W) and append in smaller chunks.")
+    return text + (f"Append in smaller chunks (the window releases earlier pages between appends), "
+                   f"or create the cache with num_pages >= {least}.")
 
 
 cdef int _take_cached(PagePool pool, page_id_t page_id) except -1:

@@ -24,6 +24,7 @@ from pagedkv_c._pool cimport (PagePool, pkv_free_queue, pkv_decref, pkv_drop_ref
                               pkv_prefetch_record, pkv_queue_push, pkv_set_ref)
 from pagedkv_c._prefix cimport pkv_index_is_cached, pkv_index_remove
 from pagedkv_c._checks cimport check_int
+from pagedkv_c._checks import check_sink_window
 
 from pagedkv_c._pool import OutOfPagesError
 
@@ -59,7 +60,8 @@ cdef class PageTable:
         page is ever released).
     sink_tokens : int
         Attention-sink tokens ``S >= 0``: positions ``[0, S)`` stay attended
-        and their pages pinned. Only meaningful with a window.
+        and their pages pinned. Only with a window: ``S > 0`` without one
+        raises ValueError.
 
     Notes
     -----
@@ -82,6 +84,8 @@ cdef class PageTable:
             w = check_int(window, "window", 1, INT64_MAX)
         self._window = w
         self.sink_tokens = check_int(sink_tokens, "sink_tokens", 0, INT64_MAX)
+        if w == NO_WINDOW and self.sink_tokens:
+            check_sink_window(window, self.sink_tokens)
         self.num_sink_pages = 0
         if w != NO_WINDOW:
             self.num_sink_pages = <int32_t>_ceil_div(self.sink_tokens, self.page_size)
@@ -437,11 +441,7 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
         if scratch.copy[b]:
             pending[table.page_at(table.num_logical() - 1)] = 0
     if needed > available:
-        raise OutOfPagesError(
-            f"cannot append: the call needs {needed} new page{'s' if needed != 1 else ''} but only {available} of "
-            f"{pool.num_pages} are free, counting the {available - pool.q.num_free} that its "
-            f"own window releases would free"
-        )
+        raise OutOfPagesError(_out_of_pages_text(pool, tables, num_tokens, scratch, needed, available))
     scratch.ensure_taken(needed)
 
     # ---- 2. execute; nothing below can fail.
@@ -503,6 +503,44 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
         slot_offset += num_tokens[b]
     num_cow[0] = pairs
     return 0
+
+
+cdef str _plural(int64_t count, str noun, str nouns=None):
+    return f"{count} {noun if count == 1 else (nouns or noun + 's')}"
+
+
+cdef str _out_of_pages_text(PagePool pool, list tables, const int64_t* num_tokens, _Scratch scratch,
+                            int64_t needed, int64_t available):
+    """Message of append_batch's OutOfPagesError: what was asked, what is free, what to do."""
+    cdef Py_ssize_t b
+    cdef int64_t num_asked = 0, num_seqs = 0, num_copies = 0
+    for b in range(len(tables)):
+        num_asked += num_tokens[b]
+        num_seqs += num_tokens[b] > 0
+        num_copies += scratch.copy[b]
+    cdef PageTable first = <PageTable>tables[0]
+    cdef bint windowed = first._window != NO_WINDOW
+    text = (f"Cannot append {_plural(num_asked, 'token')} to {_plural(num_seqs, 'sequence')}: "
+            f"they need {_plural(needed, 'new page')} of {first.page_size} tokens")
+    if num_copies:
+        text += (f" (including {_plural(num_copies, 'copy-on-write copy', 'copy-on-write copies')} "
+                 f"of a shared last page)")
+    text += f", but only {pool.q.num_free} of the {pool.num_pages} pages {'is' if pool.q.num_free == 1 else 'are'} free"
+    if pool.prefix is not None:
+        cached_free = int(np.count_nonzero((np.asarray(pool._ref_count) == 0)
+                                           & (np.asarray(pool.prefix.page_cached) != 0)))
+        if cached_free:
+            text += f" ({cached_free} of them hold cached prefixes, taken back as needed)"
+    if windowed:
+        text += f", plus {available - pool.q.num_free} that the window releases in this call"
+    text += (f". Nothing was changed. Free pages by removing or truncating sequences "
+             f"(remove_sequence, truncate), or create the cache with num_pages >= "
+             f"{pool.num_pages + needed - available}")
+    if windowed:
+        text += ", or append fewer tokens per call (the window releases earlier pages between appends)"
+    else:
+        text += " or with a sliding window (window=W), which releases the pages that leave it"
+    return text + "."
 
 
 cdef class _Scratch:

@@ -237,7 +237,9 @@ cdef class PagePool:
         cdef Py_ssize_t count = <Py_ssize_t>check_int(n, "n", 0, self.num_pages)
         if count > self.q.num_free:
             raise OutOfPagesError(
-                f"cannot allocate {count} pages: only {self.q.num_free} of {self.num_pages} are free"
+                f"Cannot allocate {count} pages: only {self.q.num_free} of the {self.num_pages} pages "
+                f"{'is' if self.q.num_free == 1 else 'are'} free. Nothing was allocated. Free pages you no longer need (free), or create "
+                f"the pool with num_pages >= {self.num_pages + count - self.q.num_free}."
             )
         cdef cnp.ndarray out = np.empty(count, dtype=np.int32)
         cdef page_id_t* out_ptr = <page_id_t*>cnp.PyArray_DATA(out)

@@ -650,9 +650,10 @@ def make_cache(**kw):
 GOOD_Q = np.zeros((2, 4, 8), np.float32)
 
 DECODE_BAD = [
-    (dict(q=[[0.0]]), TypeError, "type of q"),
-    (dict(q=GOOD_Q.astype(np.float64)), TypeError, "dtype of q"),
-    (dict(q=GOOD_Q.astype(np.int32)), TypeError, "dtype of q"),
+    (dict(q=[[0.0]]), ValueError, "shape of q"),
+    (dict(q=GOOD_Q.astype(bool)), TypeError, "dtype of q"),
+    (dict(q=GOOD_Q.astype(np.complex64)), TypeError, "dtype of q"),
+    (dict(q=None), TypeError, "type of q"),
     (dict(q=GOOD_Q[0]), ValueError, "shape of q"),
     (dict(q=np.zeros((3, 4, 8), np.float32)), ValueError, "shape of q"),
     (dict(q=np.zeros((2, 4, 9), np.float32)), ValueError, "shape of q"),

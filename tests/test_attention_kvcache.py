@@ -101,7 +101,8 @@ def test_bad_layer_and_dtype_raise_as_kvcache_does():
             call(5)
         with pytest.raises(TypeError, match=r"^Invalid type of layer: expected an integer, got float$"):
             call(1.0)
-    with pytest.raises(TypeError, match="^Invalid dtype of k: expected float16 or float32, got float64$"):
-        cache.store(0, slots, k.astype(np.float64), k)
-    with pytest.raises(TypeError, match="^Invalid dtype of q: expected float16 or float32, got float64$"):
-        attention.decode(q[:1].astype(np.float64), cache, 0, [0])
+    real = "expected real numbers \\(float16, float32, float64 or integers\\)"
+    with pytest.raises(TypeError, match=f"^Invalid dtype of k: {real}, got bool$"):
+        cache.store(0, slots, k.astype(bool), k)
+    with pytest.raises(TypeError, match=f"^Invalid dtype of q: {real}, got complex128$"):
+        attention.decode(q[:1].astype(complex), cache, 0, [0])

@@ -53,7 +53,7 @@ def test_out_of_pages_changes_nothing():
     pool = PagePool(3)
     pool.allocate(2)
     before = snapshot(pool)
-    with pytest.raises(OutOfPagesError, match="only 1 of 3"):
+    with pytest.raises(OutOfPagesError, match="^Cannot allocate 2 pages: only 1 of the 3 pages is free"):
         pool.allocate(2)
     assert issubclass(OutOfPagesError, MemoryError)
     assert snapshot(pool) == before

@@ -25,7 +25,7 @@ import pagedkv_c
 
 HERE = Path(__file__).resolve().parent
 # Compiled modules with no Python-level API (only cdef functions), hence no stub.
-NO_PYTHON_API = {"_checks"}
+NO_PYTHON_API: set[str] = set()
 
 
 def _mypy_env():

@@ -65,17 +65,22 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
 
     Parameters
     ----------
-    q : numpy.ndarray, shape ``(B, Hq, D)``, float32 or float16
-        One query per sequence; float16 is converted to float32. ``Hq`` must
-        be a positive multiple of ``cache.num_kv_heads`` and ``D`` equal to
-        ``cache.head_dim`` (at most 256).
+    q : array-like of real numbers, shape ``(B, Hq, D)``
+        One query per sequence: float32 is read in place when C-contiguous;
+        float16, float64, integers, nested lists and other layouts are
+        converted to float32 first (the array rule of
+        :class:`pagedkv.KVCache`). ``Hq`` must be a positive multiple of
+        ``cache.num_kv_heads`` and ``D`` equal to ``cache.head_dim`` (at
+        most 256).
     cache : KVCache-like
         Object with the attention contract described in the module docstring
         (``pagedkv.KVCache``).
     layer : int
         Layer index, ``0 <= layer < cache.num_layers``.
     seq_ids : sequence of hashable, length ``B``
-        Sequences to attend for; each must hold at least one token. Query
+        Sequences to attend for, as ``cache.page_table`` takes them (for
+        ``pagedkv.KVCache``: integers, any 1-D array-like); each must hold at
+        least one token. Query
         ``b`` sits at position ``seq_len(seq_ids[b]) - 1``, the last token
         appended (already stored).
     scale : float, optional
@@ -111,7 +116,7 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
     IndexError
         ``layer`` is out of range (as in ``KVCache.store``/``gather``).
     ValueError
-        ``q`` has the wrong shape (``B`` not ``len(seq_ids)``, ``D`` not
+        ``q`` has the wrong shape or is a ragged nesting (``B`` not ``len(seq_ids)``, ``D`` not
         ``head_dim``, ``Hq`` not a multiple of ``num_kv_heads``),
         ``cache.head_dim > 256``, ``scale`` is not finite or
         ``|scale| > 1e38``, ``num_threads`` is out of range, a sequence
@@ -119,9 +124,9 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
         cache returned is malformed, or it no longer lists a key the query
         attends to (a position in its window or a sink).
     TypeError
-        ``q`` is not an ndarray, ``q`` or ``cache.kv`` is neither float32 nor
-        float16, or ``layer``, ``num_threads``, ``scale`` or ``return_lse`` has
-        the wrong type.
+        ``q`` is not real numbers (bools, complex numbers, strings, objects),
+        ``cache.kv`` is neither float32 nor float16, or ``layer``,
+        ``num_threads``, ``scale`` or ``return_lse`` has the wrong type.
 
     Every check runs before any work: nothing is computed when one fails.
 
@@ -144,17 +149,17 @@ def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, r
 
     Parameters
     ----------
-    q : numpy.ndarray, shape ``(T, Hq, D)``, float32 or float16
+    q : array-like of real numbers, shape ``(T, Hq, D)``
         The queries of all sequences, sequence after sequence (FlashInfer's
-        ragged layout); ``T = qo_indptr[B]``. Same head rules as
-        :func:`decode`.
+        ragged layout); ``T = qo_indptr[B]``. Same conversion and head rules
+        as :func:`decode`.
     cache : KVCache-like
         See :func:`decode`.
     layer : int
         Layer index, ``0 <= layer < cache.num_layers``.
     seq_ids : sequence of hashable, length ``B``
         Sequences of the batch.
-    qo_indptr : sequence of int or numpy.ndarray of integers, shape ``(B + 1,)``
+    qo_indptr : sequence of int or numpy.ndarray of any integer dtype, shape ``(B + 1,)``
         Offsets of each sequence's queries in ``q``: starts at 0, never
         decreases, ends at ``T``, and ``qo_len_b <= seq_len_b``. A sequence
         may have ``qo_len_b = 0``.
@@ -186,7 +191,7 @@ def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, r
         run prefill over each append's tokens before appending more).
     TypeError
         As in :func:`decode`, or ``qo_indptr`` is not a 1-D sequence of
-        integers.
+        integers (floats, bools and objects are refused).
 
     Every check runs before any work: nothing is computed when one fails.
 

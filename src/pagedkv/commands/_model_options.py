@@ -58,9 +58,12 @@ def add_window_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_window_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject ``--sinks`` without ``--window`` through ``parser.error`` (exit status 2)."""
-    if args.sinks and args.window is None:
-        parser.error(f"argument --sinks: sinks only exist with a sliding window; add --window W "
-                     f"(got --sinks {args.sinks} without --window)")
+    from pagedkv_c._checks import check_sink_window
+
+    try:
+        check_sink_window(args.window, args.sinks, "--sinks", "--window W")
+    except ValueError as exc:  # the wording KVCache and PagedBackend use
+        parser.error(str(exc))
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -102,7 +102,13 @@ def parse_setting(text: str) -> CacheSetting:
         values[match.group(1)] = int(match.group(2))
     window, sinks = values.get("window"), values.get("sinks", 0)
     if window is None:
-        raise argparse.ArgumentTypeError(f"sinks need a window: expected 'window=W,sinks=S', got {text!r}")
+        from pagedkv_c._checks import check_sink_window
+
+        try:
+            check_sink_window(window, sinks, "sinks", "window=W")  # the wording KVCache uses
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{exc} in {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected 'full' or 'window=W,sinks=S', got {text!r}")
     if window < 1:
         raise argparse.ArgumentTypeError(f"expected a window >= 1, got {text!r}")
     return CacheSetting(window, sinks)

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedkv_c._checks import check_sink_window
+
 
 @dataclass
 class ForwardBatch:
@@ -228,9 +230,7 @@ def check_window(window: int | None, sink_tokens: int) -> None:
         raise ValueError(f"Invalid value of window: expected None or an int >= 1, got {window!r}")
     if not isinstance(sink_tokens, (int, np.integer)) or sink_tokens < 0:
         raise ValueError(f"Invalid value of sink_tokens: expected an int >= 0, got {sink_tokens!r}")
-    if sink_tokens > 0 and window is None:
-        raise ValueError("Invalid value of sink_tokens: expected 0 without a window, got "
-                         f"{sink_tokens}")
+    check_sink_window(window, sink_tokens)  # the wording KVCache and the CLI use
 
 
 def attention_mask(

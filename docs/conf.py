@@ -1,0 +1,37 @@
+"""Sphinx configuration: the API reference is generated from the numpydoc docstrings.
+
+Build (from the repository root, with the package installed or built in place):
+``pip install ".[docs]" && sphinx-build -W -b html docs docs/_build/html``.
+"""
+import pagedkv
+
+project = "pagedkv"
+author = "The pagedkv authors"
+copyright = "the pagedkv authors, MIT licence"
+version = release = pagedkv.__version__
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
+    "sphinx.ext.intersphinx",
+    "numpydoc",
+    "myst_parser",
+]
+source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
+exclude_patterns = ["_build"]
+root_doc = "index"
+
+# Docstrings are numpydoc; Cython embeds each signature as the docstring's first line.
+autodoc_default_options = {"members": True, "undoc-members": False, "show-inheritance": True}
+autodoc_docstring_signature = True
+autodoc_member_order = "bysource"
+numpydoc_show_class_members = False
+numpydoc_class_members_toctree = False
+numpydoc_xref_param_type = False
+
+# Links between the Markdown pages and to heading anchors.
+myst_heading_anchors = 3
+
+html_theme = "alabaster"
+html_static_path: list[str] = []
+intersphinx_mapping: dict[str, tuple[str, None]] = {}
