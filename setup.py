@@ -9,22 +9,27 @@ PAGEDKV_DEBUG=1
 PAGEDKV_OPENMP=0 / 1
     Force OpenMP off or on. Default: on with GCC/Clang on Linux and with MSVC on
     Windows, off on macOS (Apple Clang ships no OpenMP runtime).
-PAGEDKV_XXHASH=0 / 1, XXHASH_INCLUDE_DIR=...
-    XXH3-128 for prefix caching, compiled in from xxhash.h (version 0.8.0 or
-    later; Debian: libxxhash-dev) when the build finds it, else computed by the
-    Python ``xxhash`` package. 0: never compile it in; 1: require it (the build
-    fails without a suitable xxhash.h); unset: use it when found.
-    XXHASH_INCLUDE_DIR names the directory to look in first.
+
+Build speed
+-----------
+Cython translates the modules in parallel and ``build_ext`` compiles them in
+parallel, one job per CPU (``os.cpu_count()``; ``build_ext -j N`` overrides),
+and release builds carry no debug information (``-g0``: about a third less
+compile time, smaller wheels). Installing again from the same checkout reuses
+its generated C and compiled modules (see ``_use_current_c_files``).
 """
 
+import json
+import multiprocessing
 import os
-import re
 import sys
 from pathlib import Path
 
+import Cython
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
 DEBUG = os.environ.get("PAGEDKV_DEBUG", "0") == "1"
@@ -46,7 +51,7 @@ if IS_MSVC:
     if OPENMP:
         compile_args.append("/openmp")
 else:
-    compile_args = ["-O0", "-g"] if DEBUG else ["-O3"]
+    compile_args = ["-O0", "-g"] if DEBUG else ["-O3", "-g0"]
     compile_args += ["-std=c11", "-Wno-unused-function", "-Wno-unreachable-code"]
     link_args = []
     if OPENMP:
@@ -58,57 +63,9 @@ else:
             link_args.append("-fopenmp")
 
 
-
-# XXH3's output is frozen from xxHash 0.8.0 on; older headers hash differently
-# from the Python xxhash package, so they are never used.
-XXH3_MIN_VERSION = (0, 8, 0)
-
-
-def _xxhash_version(header: str) -> tuple[int, ...] | None:
-    """(major, minor, release) from the XXH_VERSION_* macros of an xxhash.h."""
-    text = Path(header).read_text(errors="replace")
-    parts = [re.search(rf"#\s*define\s+XXH_VERSION_{part}\s+(\d+)", text) for part in ("MAJOR", "MINOR", "RELEASE")]
-    return tuple(int(m.group(1)) for m in parts) if all(parts) else None
-
-
-def _find_xxhash_include() -> str | None:
-    """Directory holding a usable xxhash.h (XXH3-128 for prefix caching), if any.
-
-    Without it the build still works: page hashes then go through the Python
-    ``xxhash`` package, which computes the same values, one call per page.
-    """
-    mode = os.environ.get("PAGEDKV_XXHASH", "")
-    if mode == "0":
-        return None
-    candidates = [os.environ.get("XXHASH_INCLUDE_DIR", ""), "/usr/include", "/usr/local/include",
-                  "/opt/homebrew/include", os.path.join(sys.prefix, "include")]
-    rejected = []
-    for directory in candidates:
-        header = os.path.join(directory, "xxhash.h") if directory else ""
-        if header and os.path.isfile(header):
-            version = _xxhash_version(header)
-            if version is not None and version >= XXH3_MIN_VERSION:
-                print(f"pagedkv: XXH3-128 compiled in from {header} (xxHash {'.'.join(map(str, version))})",
-                      file=sys.stderr)
-                return directory
-            rejected.append(f"{header} (version {version})")
-    if mode == "1":
-        raise SystemExit(
-            "PAGEDKV_XXHASH=1 but no xxhash.h >= 0.8.0 was found (install libxxhash-dev / xxhash-devel / "
-            f"xxhash-dev, or set XXHASH_INCLUDE_DIR); looked in {[c for c in candidates if c]}, "
-            f"rejected {rejected or 'nothing'}"
-        )
-    return None
-
-
-XXHASH_INCLUDE = _find_xxhash_include()
-# The system directory is searched anyway; naming it again can break #include_next.
-EXTRA_INCLUDES = [XXHASH_INCLUDE] if XXHASH_INCLUDE not in (None, "/usr/include") else []
-
 define_macros = [
     ("NPY_NO_DEPRECATED_API", "NPY_2_0_API_VERSION"),
     ("PAGEDKV_HAVE_OPENMP", "1" if OPENMP else "0"),
-    ("PAGEDKV_HAVE_XXHASH", "1" if XXHASH_INCLUDE else "0"),
 ]
 
 # Extra C sources per module (hand-written kernels called from Cython).
@@ -126,12 +83,38 @@ for pyx in sorted((HERE / "pagedkv_c").glob("*.pyx")):
             f"pagedkv_c.{name}",
             sources=[f"pagedkv_c/{pyx.name}", *EXTRA_SOURCES.get(name, [])],
             depends=C_HEADERS,
-            include_dirs=[np.get_include(), "pagedkv_c", *EXTRA_INCLUDES],
+            include_dirs=[np.get_include(), "pagedkv_c"],
             define_macros=define_macros,
             extra_compile_args=compile_args,
             extra_link_args=link_args,
         )
     )
+
+
+def _cython_jobs() -> int:
+    """Worker processes for Cython's translation: one per CPU on Linux, else 0 (serial).
+
+    cythonize starts its pool with multiprocessing's default start method;
+    spawn and forkserver (the defaults on macOS and Windows, and on Linux from
+    Python 3.14) would run this script again in every worker, so the pool is
+    used only where fork can be made the start method before anything else
+    chose one.
+    """
+    if not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
+        return 0
+    if multiprocessing.get_start_method(allow_none=True) is None:
+        multiprocessing.set_start_method("fork")
+    return (os.cpu_count() or 1) if multiprocessing.get_start_method() == "fork" else 0
+
+
+class ParallelBuildExt(build_ext):
+    """build_ext that compiles the extension modules in parallel, one job per CPU by default."""
+
+    def finalize_options(self):
+        if self.parallel is None:
+            self.parallel = os.cpu_count() or 1
+        super().finalize_options()
+
 
 directives = {
     "language_level": 3,
@@ -142,11 +125,46 @@ directives = {
     "initializedcheck": DEBUG,
 }
 
+# What the generated C depends on besides the project's own .pyx/.pxd files,
+# recorded by the last translation.
+CYTHON_STAMP = HERE / "build" / "cython-stamp.json"
+CYTHON_INPUTS = json.dumps({"cython": Cython.__version__, "numpy": np.__version__, "directives": directives},
+                           sort_keys=True)
+
+
+def _use_current_c_files(modules: list[Extension]) -> None:
+    """Point each module whose generated C is current at that C file, so Cython skips it.
+
+    Current: translated by this Cython, against this NumPy, with these
+    directives (the stamp), after the last change to any .pyx/.pxd of
+    pagedkv_c. Cython's own check would translate every module that cimports
+    numpy again on each ``pip install``: build isolation installs NumPy's
+    .pxd afresh, newer than the C files, and the C compiler then rebuilds
+    those modules too.
+    """
+    own_sources = [*(HERE / "pagedkv_c").glob("*.pyx"), *(HERE / "pagedkv_c").glob("*.pxd")]
+    newest_source = max(path.stat().st_mtime for path in own_sources)
+    for module in modules:
+        c_file = Path(module.sources[0]).with_suffix(".c")
+        if (HERE / c_file).is_file() and (HERE / c_file).stat().st_mtime >= newest_source:
+            module.sources[0] = c_file.as_posix()
+
+
+# Translate everything again when the stamp differs (another Cython, NumPy or
+# directives: the debug switch flipped) and for every debug build.
+STAMP_MATCHES = CYTHON_STAMP.is_file() and CYTHON_STAMP.read_text() == CYTHON_INPUTS
+if STAMP_MATCHES and not DEBUG:
+    _use_current_c_files(extensions)
+ext_modules = cythonize(
+    extensions,
+    compiler_directives=directives,
+    nthreads=_cython_jobs(),
+    force=DEBUG or not STAMP_MATCHES,
+)
+CYTHON_STAMP.parent.mkdir(exist_ok=True)
+CYTHON_STAMP.write_text(CYTHON_INPUTS)
+
 setup(
-    ext_modules=cythonize(
-        extensions,
-        compiler_directives=directives,
-        # Rebuild when the debug switch flips, even if sources did not change.
-        force=DEBUG,
-    ),
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": ParallelBuildExt},
 )

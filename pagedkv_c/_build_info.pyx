@@ -50,9 +50,9 @@ def build_info():
         ``openmp`` (bool, see :func:`openmp_enabled`), ``openmp_version``
         (int, the ``_OPENMP`` date ``yyyymm`` of the specification the
         compiler implements, 0 without OpenMP), ``openmp_max_threads`` (int,
-        see :func:`openmp_max_threads`) and ``xxh3_in_c`` (bool: XXH3-128 for
-        prefix caching was compiled in from xxhash.h; otherwise the Python
-        ``xxhash`` package computes the same hashes).
+        see :func:`openmp_max_threads`) and ``xxh3_in_c`` (bool: XXH3-128,
+        the page hash of prefix caching, runs in C; True in every build, as
+        the core carries its own implementation).
     """
     return {
         "openmp": openmp_enabled(),

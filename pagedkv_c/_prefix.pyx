@@ -37,9 +37,10 @@ no page is shared between the two kinds of request.
 Hash functions (``H``):
 
 ``xxh3_128`` (default)
-    xxHash XXH3, 128-bit (https://github.com/Cyan4973/xxHash). Compiled in
-    from the system's xxhash.h when the build found it, otherwise computed by
-    the Python ``xxhash`` package (same values). The chance that any two of
+    xxHash XXH3, 128-bit, seed 0 (https://github.com/Cyan4973/xxHash), in C
+    in the core (``xxh3.h``, written from the xxHash specification; the same
+    values as ``XXH3_128bits`` and the Python ``xxhash`` package's
+    ``xxh3_128_intdigest``). The chance that any two of
     ``n`` distinct pages collide is about ``n**2 / 2**129`` (below 1e-20 for
     a billion pages), but XXH3 is not designed to resist an adversary who
     crafts collisions on purpose.
@@ -70,21 +71,15 @@ cdef extern from "huge_alloc.h":
     void* pkv_huge_alloc(size_t n) noexcept nogil
     void pkv_huge_free(void* p) noexcept nogil
 
-cdef extern from "hash128.h":
-    int PKV_XXH3_IN_C
-    int pkv_xxh3_128(const void* data, size_t length, uint64_t* lo, uint64_t* hi) noexcept nogil
-
-try:
-    import xxhash as _xxhash
-except ImportError:  # only needed when xxhash.h was not compiled in
-    _xxhash = None
+cdef extern from "xxh3.h":
+    void pkv_xxh3_128(const void* data, size_t length, uint64_t* lo, uint64_t* hi) noexcept nogil
 
 ALGORITHMS = {"xxh3_128": HASH_XXH3_128, "sha256": HASH_SHA256}
-_MASK64 = (1 << 64) - 1
 # Shared zero-length buffers of a new SequenceHashes (never written: every
 # write goes through reserve_*, which replaces them first).
 _NO_HASHES = np.zeros((0, 2), dtype=np.uint64)
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
+_MASK64 = (1 << 64) - 1
 # Domain tag of pages keyed by external block ids: the last of their 45
 # hashed bytes (token-keyed inputs are a multiple of 4 bytes long).
 cdef uint64_t _BLOCK_TAG = 0x42
@@ -94,22 +89,47 @@ cdef enum:
 
 
 def xxh3_in_c():
-    """True when XXH3-128 was compiled into the core (else the Python xxhash package is used)."""
-    return bool(PKV_XXH3_IN_C)
+    """Whether XXH3-128 runs in C: always True.
+
+    Kept for :func:`pagedkv.build_info`; builds before XXH3 was part of the
+    core fell back to the Python ``xxhash`` package without ``xxhash.h``.
+    """
+    return True
+
+
+def xxh3_128_intdigest(const unsigned char[::1] data not None):
+    """XXH3-128 (seed 0) of a byte string, computed by the core's C code.
+
+    Parameters
+    ----------
+    data : bytes-like, shape (n,), C-contiguous
+        The input; any length in bytes, 0 included.
+
+    Returns
+    -------
+    int
+        The 128-bit digest ``hi * 2**64 + lo``, equal to
+        ``xxhash.xxh3_128_intdigest(data)``.
+
+    Notes
+    -----
+    The hash function of prefix caching's ``"xxh3_128"`` page hashes; see
+    the module notes. Algorithm: the xxHash specification
+    (https://github.com/Cyan4973/xxHash, doc/xxhash_spec.md).
+    """
+    cdef uint64_t lo = 0, hi = 0
+    cdef Py_ssize_t length = data.shape[0]
+    cdef const unsigned char* start = &data[0] if length > 0 else NULL
+    with nogil:
+        pkv_xxh3_128(start, <size_t>length, &lo, &hi)
+    return (int(hi) << 64) | int(lo)
 
 
 cdef hash128 _hash_bytes(int algorithm, const char* data, Py_ssize_t length) except *:
     """H(data) as two little-endian 64-bit halves."""
     cdef hash128 h
-    cdef object value
     if algorithm == HASH_XXH3_128:
-        if pkv_xxh3_128(data, length, &h.lo, &h.hi):
-            return h
-        if _xxhash is None:
-            raise RuntimeError("xxh3_128 needs xxhash.h at build time or the Python 'xxhash' package")
-        value = _xxhash.xxh3_128_intdigest(data[:length])
-        h.lo = value & _MASK64
-        h.hi = value >> 64
+        pkv_xxh3_128(data, length, &h.lo, &h.hi)
         return h
     digest = hashlib.sha256(data[:length]).digest()
     h.lo = int.from_bytes(digest[0:8], "little")
@@ -160,7 +180,9 @@ cdef int hash_token_pages(int algorithm, hash128 parent, hash128 salt, const int
         for i in range(num_pages):
             memcpy(buffer, &parent, 16)
             _write_token_content(buffer, tokens + i * page_size, page_size)
-            if algorithm != HASH_XXH3_128 or not pkv_xxh3_128(buffer, length, &parent.lo, &parent.hi):
+            if algorithm == HASH_XXH3_128:
+                pkv_xxh3_128(buffer, length, &parent.lo, &parent.hi)
+            else:
                 parent = _hash_bytes(algorithm, buffer, length)
             out[i] = parent
     finally:
@@ -189,7 +211,9 @@ cdef int hash_block_pages(int algorithm, hash128 parent, hash128 salt, const int
     for i in range(num_pages):
         memcpy(buffer, &parent, 16)
         _write_block_content(buffer, block_ids[block], j)
-        if not (fast and pkv_xxh3_128(buffer, BLOCK_INPUT_BYTES, &parent.lo, &parent.hi)):
+        if fast:
+            pkv_xxh3_128(buffer, BLOCK_INPUT_BYTES, &parent.lo, &parent.hi)
+        else:
             parent = _hash_bytes(algorithm, buffer, BLOCK_INPUT_BYTES)
         out[i] = parent
         j += 1

@@ -61,13 +61,6 @@ for platform in linux macos windows; do
 done
 
 step "python -m build: sdist, then a wheel built from the sdist"
-# XXH3 in C when this machine has xxhash.h (scripts/install_xxhash.sh provides it); the
-# test run below then checks that the wheel really has it.
-if bash "$ROOT/scripts/install_xxhash.sh" --check; then
-    export PAGEDKV_XXHASH=1 EXPECT_XXH3=1
-else
-    export PAGEDKV_XXHASH=0 EXPECT_XXH3=0
-fi
 "$TOOLS/python" -m build --outdir "$WORK/dist" "$ROOT" 2>&1 | tee "$WORK/build.log" | grep -E "^(\* |  - |Successfully|pagedkv:)" || true
 grep -q "^Successfully built" "$WORK/build.log" || { tail -40 "$WORK/build.log"; fail "python -m build"; }
 grep -q "Building wheel from sdist" "$WORK/build.log" || fail "the wheel was not built from the sdist"
@@ -175,7 +168,7 @@ for module in (pagedkv, pagedkv_c, pagedkv_c._pool):
 import numpy
 print("build:", pagedkv.build_info(), "| numpy", numpy.__version__, "at run time")
 PY
-PAGEDKV_EXPECT_INSTALLED=1 PAGEDKV_EXPECT_OPENMP=1 PAGEDKV_EXPECT_XXH3_IN_C="$EXPECT_XXH3" \
+PAGEDKV_EXPECT_INSTALLED=1 PAGEDKV_EXPECT_OPENMP=1 \
     "$VENV/pytest" -p no:cacheprovider -ra
 cd "$ROOT"
 

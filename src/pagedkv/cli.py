@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from pagedkv import __version__
 from pagedkv.commands import COMMANDS
 
 
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedkv",
         description="Paged KV cache for transformer inference: run a real model, score text, replay traces.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS:
         subparser = module.add_parser(subparsers)
