@@ -6,6 +6,12 @@ PAGEDKV_DEBUG=1
     Turn Cython's bounds, wraparound and initialized checks back on and compile
     without optimisation, so that an out-of-range index inside the core raises
     IndexError instead of corrupting memory. Used once per CI run.
+PAGEDKV_SANITIZE=1
+    Compile and link the core with AddressSanitizer and UndefinedBehaviorSanitizer
+    (GCC/Clang only; any undefined behaviour aborts). Python itself is not
+    instrumented, so run it with the compiler's ASan runtime preloaded:
+    ``LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0``
+    (see scripts/sanitize.sh). Combine with PAGEDKV_DEBUG=1 for the Cython checks.
 PAGEDKV_OPENMP=0 / 1
     Force OpenMP off or on. Default: on with GCC/Clang on Linux and with MSVC on
     Windows, off on macOS (Apple Clang ships no OpenMP runtime).
@@ -28,6 +34,7 @@ from setuptools import Extension, setup
 
 HERE = Path(__file__).parent
 DEBUG = os.environ.get("PAGEDKV_DEBUG", "0") == "1"
+SANITIZE = os.environ.get("PAGEDKV_SANITIZE", "0") == "1"
 IS_MSVC = sys.platform == "win32"
 
 
@@ -56,7 +63,14 @@ else:
         else:
             compile_args.append("-fopenmp")
             link_args.append("-fopenmp")
-
+    if SANITIZE:
+        sanitizers = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+        if not DEBUG:
+            compile_args[0] = "-O1"  # readable reports at a bearable speed
+        compile_args += [*sanitizers, "-fno-omit-frame-pointer", "-g"]
+        link_args += sanitizers
+if SANITIZE and IS_MSVC:
+    raise SystemExit("PAGEDKV_SANITIZE=1 needs GCC or Clang")
 
 
 # XXH3's output is frozen from xxHash 0.8.0 on; older headers hash differently
@@ -146,7 +160,7 @@ setup(
     ext_modules=cythonize(
         extensions,
         compiler_directives=directives,
-        # Rebuild when the debug switch flips, even if sources did not change.
-        force=DEBUG,
+        # Rebuild when the debug or sanitizer switch flips, even if sources did not change.
+        force=DEBUG or SANITIZE,
     ),
 )
