@@ -48,10 +48,12 @@ BOUNDARY_INTS = (
 # shape that reaches it, so that the fuzzer can look past them. TEMPORARY:
 # delete an entry, and the code that consults it, once its fix is merged.
 KNOWN_UNFIXED = {
-    # KVCache accepts any window up to 2**63 - 1, but add_sequence then sizes the
-    # window's ring for ceil((W - 1) / page_size) + 1 pages whatever num_pages is:
-    # window=2**31 - 1, page_size=1 tries to allocate 8 GiB (MemoryError or OOM).
-    "kvcache-window-ring-unbounded",
+    # KVCache accepts sink_tokens up to 2**63 - 1, but every sequence then holds an
+    # int32 array of ceil(sink_tokens / page_size) sink pages: sink_tokens=2**31 - 1,
+    # page_size=1 allocates 8 GiB per add_sequence (MemoryError, or OOM under the
+    # fuzzer), and the count wraps in int32 from 2**31 pages on: sink_tokens=2**32
+    # keeps no sink page at all (positions 0..3 released with window=2).
+    "kvcache-sink-tokens-beyond-int32-pages",
 }
 
 BAD_OR_SMALL_SIZES = (0, -1, -2**31, 2**31, 2**32, 2**63, 2**64, -2**63 - 1, 10**30, 1, 2, 3,
@@ -245,11 +247,11 @@ class KVCacheProgram:
         self.dtype = d.pick([np.float16, np.float32])
         self.window = None if d.flag(2) else (d.int_in(1, 12) if not d.flag(15) else
                                               d.pick([2**31 - 1, 2**31, 2**62, 2**63 - 1]))
-        if self.window is not None and self.window > 2**20 and "kvcache-window-ring-unbounded" in KNOWN_UNFIXED:
-            self.window = self.num_pages * self.page_size + d.int_in(0, 3)
         self.sinks = 0
         if self.window is not None:
             self.sinks = d.int_in(0, 6) if not d.flag(15) else d.pick([2**31 - 1, 2**31, 2**63 - 1])
+            if self.sinks > 2**20 and "kvcache-sink-tokens-beyond-int32-pages" in KNOWN_UNFIXED:
+                self.sinks = self.num_pages * self.page_size + d.int_in(0, 3)
         self.prefix = d.flag(2)
         self.prefix_hash = d.pick(["xxh3_128", "sha256"])
         self.cache = KVCache(self.num_layers, self.heads, self.head_dim, self.num_pages,
@@ -328,7 +330,10 @@ class KVCacheProgram:
             kwargs["block_tokens"] = block_tokens
             kwargs["num_prompt_tokens"] = d.int_or_hostile(0, len(blocks) * (block_tokens if type(block_tokens) is int and block_tokens > 0 else 1))
         result, exc = self.call(self.cache.add_sequence, sid, extra_key=extra_key, **kwargs)
+        new_id = plain_int(sid)
         if exc is not None:
+            check(kwargs or extra_key is not None or new_id is None or new_id in self.seqs
+                  or not -2**63 <= new_id < 2**63, f"add_sequence({sid!r}) raised {exc!r}")
             return
         key = int(sid)
         check(key not in self.seqs, f"add_sequence accepted existing id {key}")
@@ -798,13 +803,14 @@ def construct_hostile(data):
     which = d.int_in(0, 2)
     args = [d.pick(BAD_OR_SMALL_SIZES) for _ in range(5)]
     window = None if d.flag(2) else d.hostile_int()
-    if "kvcache-window-ring-unbounded" in KNOWN_UNFIXED and plain_int(window) is not None and window > 2**20:
-        window = d.int_in(1, 64)
+    sink_tokens = d.int_or_hostile(0, 4, 2)
+    if "kvcache-sink-tokens-beyond-int32-pages" in KNOWN_UNFIXED and (plain_int(sink_tokens) or 0) > 2**20:
+        sink_tokens = d.int_in(0, 64)
     try:
         if which == 0:
             obj = KVCache(args[0], args[1], args[2], args[3], page_size=args[4],
                           window=window,
-                          sink_tokens=d.int_or_hostile(0, 4, 2), dtype=d.pick([np.float16, np.float32, np.float64, None]))
+                          sink_tokens=sink_tokens, dtype=d.pick([np.float16, np.float32, np.float64, None]))
         elif which == 1:
             obj = PagedKVCache(args[0], args[1], page_size=args[2], dtype=d.pick([np.float16, np.float64, np.int32, "f4"]))
         else:
