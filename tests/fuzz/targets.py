@@ -364,7 +364,7 @@ class KVCacheProgram:
         counts = [d.int_or_hostile(0, 2 * self.page_size + 2, 25) for _ in range(n)]
         token_ids = None
         if d.flag(3):
-            total = sum(c for c in counts if type(c) is int)
+            total = min(sum(c for c in counts if type(c) is int), 4096)  # beyond the pool anyway
             token_ids = [d.int_in(-2, 6) for _ in range(total + (d.int_in(-1, 1) if d.flag(12) else 0))]
             if token_ids and d.flag(20):
                 token_ids[d.int_in(0, len(token_ids) - 1)] = d.boundary_int()
