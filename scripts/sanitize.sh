@@ -50,7 +50,8 @@ if [ "$TESTS" = 1 ]; then
     step "test suite on the sanitizer build"
     start=$SECONDS
     # --capture=sys: a sanitizer report goes to the log even though it ends the process.
-    LD_PRELOAD="$LIBASAN $LIBSTDCXX" python -m pytest -q --capture=sys -p no:cacheprovider
+    # The pytest command, not python -m pytest: the checkout must not shadow the installed core.
+    LD_PRELOAD="$LIBASAN $LIBSTDCXX" pytest -q --capture=sys -p no:cacheprovider
     echo "sanitize: test suite took $((SECONDS - start)) s"
 fi
 
