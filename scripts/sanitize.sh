@@ -77,7 +77,7 @@ PY
     LD_PRELOAD="$LIBPYTHON $ATHERIS_CORE $LIBASAN $LIBSTDCXX" \
         ASAN_OPTIONS="$ASAN_OPTIONS:verify_asan_link_order=0" \
         python tests/fuzz/fuzz_pagedkv.py "$corpus" tests/fuzz/corpus \
-            -max_total_time="$FUZZ_SECONDS" -timeout=60 -rss_limit_mb=4096 \
+            -max_total_time="$FUZZ_SECONDS" -timeout=60 -rss_limit_mb=4096 -detect_leaks=0 \
             -artifact_prefix="$ARTIFACTS/" -print_final_stats=1 || status=$?
     rm -rf "$corpus"
     echo "sanitize: fuzzing took $((SECONDS - start)) s"
