@@ -6,6 +6,12 @@ PAGEDKV_DEBUG=1
     Turn Cython's bounds, wraparound and initialized checks back on and compile
     without optimisation, so that an out-of-range index inside the core raises
     IndexError instead of corrupting memory. Used once per CI run.
+PAGEDKV_SANITIZE=1
+    Compile and link the core with AddressSanitizer and UndefinedBehaviorSanitizer
+    (GCC/Clang only; any undefined behaviour aborts). Python itself is not
+    instrumented, so run it with the compiler's ASan runtime preloaded:
+    ``LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0``
+    (see scripts/sanitize.sh). Combine with PAGEDKV_DEBUG=1 for the Cython checks.
 PAGEDKV_OPENMP=0 / 1
     Force OpenMP off or on. Default: on with GCC/Clang on Linux and with MSVC on
     Windows, off on macOS (Apple Clang ships no OpenMP runtime).
@@ -33,6 +39,7 @@ from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
 DEBUG = os.environ.get("PAGEDKV_DEBUG", "0") == "1"
+SANITIZE = os.environ.get("PAGEDKV_SANITIZE", "0") == "1"
 IS_MSVC = sys.platform == "win32"
 
 
@@ -61,7 +68,14 @@ else:
         else:
             compile_args.append("-fopenmp")
             link_args.append("-fopenmp")
-
+    if SANITIZE:
+        sanitizers = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+        if not DEBUG:
+            compile_args[0] = "-O1"  # readable reports at a bearable speed
+        compile_args += [*sanitizers, "-fno-omit-frame-pointer", "-g"]
+        link_args += sanitizers
+if SANITIZE and IS_MSVC:
+    raise SystemExit("PAGEDKV_SANITIZE=1 needs GCC or Clang")
 
 define_macros = [
     ("NPY_NO_DEPRECATED_API", "NPY_2_0_API_VERSION"),
@@ -128,8 +142,11 @@ directives = {
 # What the generated C depends on besides the project's own .pyx/.pxd files,
 # recorded by the last translation.
 CYTHON_STAMP = HERE / "build" / "cython-stamp.json"
-CYTHON_INPUTS = json.dumps({"cython": Cython.__version__, "numpy": np.__version__, "directives": directives},
-                           sort_keys=True)
+# The compiler flags are part of it: C files are translated again, and so compiled
+# again, when a switch (debug, sanitizers, OpenMP) changes them.
+CYTHON_INPUTS = json.dumps({"cython": Cython.__version__, "numpy": np.__version__, "directives": directives,
+                            "compile_args": compile_args, "link_args": link_args,
+                            "define_macros": define_macros}, sort_keys=True)
 
 
 def _use_current_c_files(modules: list[Extension]) -> None:
@@ -150,16 +167,16 @@ def _use_current_c_files(modules: list[Extension]) -> None:
             module.sources[0] = c_file.as_posix()
 
 
-# Translate everything again when the stamp differs (another Cython, NumPy or
-# directives: the debug switch flipped) and for every debug build.
+# Translate everything again when the stamp differs (another Cython, NumPy,
+# directives or compiler flags) and for every debug or sanitizer build.
 STAMP_MATCHES = CYTHON_STAMP.is_file() and CYTHON_STAMP.read_text() == CYTHON_INPUTS
-if STAMP_MATCHES and not DEBUG:
+if STAMP_MATCHES and not (DEBUG or SANITIZE):
     _use_current_c_files(extensions)
 ext_modules = cythonize(
     extensions,
     compiler_directives=directives,
     nthreads=_cython_jobs(),
-    force=DEBUG or not STAMP_MATCHES,
+    force=DEBUG or SANITIZE or not STAMP_MATCHES,
 )
 CYTHON_STAMP.parent.mkdir(exist_ok=True)
 CYTHON_STAMP.write_text(CYTHON_INPUTS)

@@ -707,8 +707,11 @@ cdef class KVCache:
             Unknown ``seq_id``.
         ValueError
             ``new_len`` out of range, or with a window, the query at position
-            ``new_len`` would need keys the window already released (allowed
-            lengths are named in the message).
+            ``new_len`` would need keys the window already released, or the
+            window's ring would have to move back onto a released page (a
+            window of 1 needs no cached key, yet only lengths inside the sink
+            pages or from the first held window page's start + W - 1 on are
+            allowed; the message names them).
         """
         cdef PageTable table
         self._lock.acquire()

@@ -154,7 +154,18 @@ class RefCache:
         if new_len == 0 or self.window is None:
             return True
         lo = max(0, new_len - self.window + 1)
-        return all(p // self.page_size in seq.pages for p in range(lo, new_len))
+        if not all(p // self.page_size in seq.pages for p in range(lo, new_len)):
+            return False
+        # The ring never moves back onto a released page: below the first held
+        # window page, only lengths inside the sink pages are allowed (this
+        # matters for window 1, whose next query needs no cached key).
+        ps = self.page_size
+        sink_end = -(-self.sink_tokens // ps) * ps
+        window_pages = [k for k in seq.pages if k * ps >= sink_end]
+        if new_len <= sink_end or not window_pages:
+            return True
+        ring_first = min(window_pages)
+        return ring_first * ps <= sink_end or new_len >= ring_first * ps + self.window - 1
 
     def truncate(self, seq_id, new_len):
         seq = self.seqs[seq_id]
@@ -170,3 +181,78 @@ class RefCache:
     def store(self, layer, tokens, k, v):
         for (sid, pos), key, value in zip(tokens, k, v):
             self.seqs[sid].kv.setdefault(pos, {})[layer] = (key.copy(), value.copy())
+
+
+class RefClassicCache:
+    """The classic single-stream cache (``PagedKVCache``) in plain Python.
+
+    A dict of logical pages (each a dict offset -> (key, value) in the cache
+    dtype) and a FIFO list of resident logical pages, oldest first: a put
+    into a page that is not resident, with ``max_pages`` resident, evicts
+    the oldest page and all of its tokens.
+    """
+
+    def __init__(self, max_pages, dim, page_size, dtype):
+        self.max_pages, self.dim, self.page_size = max_pages, dim, page_size
+        self.dtype = dtype
+        self.pages = {}
+        self.fifo = []  # resident logical pages, oldest first
+        self.evictions = 0
+
+    def put(self, token, key, value):
+        logical_page, offset = divmod(token, self.page_size)
+        if logical_page not in self.pages:
+            if len(self.fifo) == self.max_pages:
+                del self.pages[self.fifo.pop(0)]
+                self.evictions += 1
+            self.pages[logical_page] = {}
+            self.fifo.append(logical_page)
+        self.pages[logical_page][offset] = (key.astype(self.dtype), value.astype(self.dtype))
+
+    def get(self, token):
+        logical_page, offset = divmod(token, self.page_size)
+        return self.pages.get(logical_page, {}).get(offset)
+
+    def clear(self):
+        self.pages.clear()
+        self.fifo.clear()
+
+    def __len__(self):
+        return sum(len(page) for page in self.pages.values())
+
+    def tokens(self):
+        """Every present token index, increasing."""
+        return sorted(k * self.page_size + o for k, page in self.pages.items() for o in page)
+
+
+class RefPagePool:
+    """PagePool in plain Python: ref counts and a FIFO free queue (least recently freed first)."""
+
+    def __init__(self, num_pages):
+        self.num_pages = num_pages
+        self.refs = [0] * num_pages
+        self.free_queue = list(range(num_pages))
+
+    def allocate(self, n):
+        if n > len(self.free_queue):
+            raise OutOfPages(n, len(self.free_queue))
+        taken, self.free_queue = self.free_queue[:n], self.free_queue[n:]
+        for page in taken:
+            self.refs[page] = 1
+        return taken
+
+    def valid(self, ids, forbid_duplicates):
+        """Whether ``free`` (forbid_duplicates) or ``incref`` accepts these page ids."""
+        if any(not 0 <= p < self.num_pages or self.refs[p] == 0 for p in ids):
+            return False
+        return not forbid_duplicates or len(set(ids)) == len(ids)
+
+    def free(self, ids):
+        for page in ids:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self.free_queue.append(page)
+
+    def incref(self, ids):
+        for page in ids:
+            self.refs[page] += 1
