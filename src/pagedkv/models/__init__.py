@@ -34,6 +34,7 @@ from pagedkv.models.attention_backend import (
     DenseBackend,
     ForwardBatch,
     attention_mask,
+    check_positions,
 )
 from pagedkv.models.generation import GenerationResult, generate_greedy, log_softmax_nll, score_tokens
 from pagedkv.models.gguf_loader import (
@@ -68,6 +69,7 @@ __all__ = [
     "RotaryEmbedding",
     "attention_mask",
     "blas_threads",
+    "check_positions",
     "decode_page_bound",
     "default_system_prompt",
     "find_smollm2_gguf",
