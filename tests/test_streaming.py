@@ -8,9 +8,14 @@ cache positions, in float64, at every step. The backends store keys rotated once
 absolute positions and score the sinks with a second query; they must agree with it for
 decode steps, prefill chunks (longer than the window too), forks and truncation.
 """
+import argparse
+import json
+
 import numpy as np
 import pytest
 
+from pagedkv import cli
+from pagedkv.commands.perplexity import parse_setting
 from pagedkv.models import (
     DenseBackend,
     LayerWeights,
@@ -302,3 +307,62 @@ def test_smollm2_cache_positions_match_the_oracle(smollm2):
     got = [model.forward(backend, [0], [tokens[:20]], all_logits=True)]
     got += [model.forward(backend, [0], [[t]]) for t in tokens[20:]]
     assert_logits_close(np.concatenate(got), streaming_oracle(model, tokens, window, sinks))
+
+
+# ----------------------------------------------------------------- command line
+
+def test_setting_specs_take_positions():
+    setting = parse_setting("window=1024,sinks=4,positions=cache")
+    assert (setting.window, setting.sink_tokens, setting.positions) == (1024, 4, "cache")
+    assert setting.label == "window 1024 + 4 sinks, cache positions"
+    assert parse_setting("window=8,sinks=2,positions=absolute").positions == "absolute"
+    assert parse_setting("window=8").positions == "absolute"
+    for bad, reason in (("window=8,positions=cache", "needs window=W and sinks=S >= 1"),
+                        ("positions=cache", "sinks need a window"),
+                        ("window=8,sinks=2,positions=relative", "expected 'full'"),
+                        ("window=8,sinks=2,positions=cache,positions=cache", "expected 'full'")):
+        with pytest.raises(argparse.ArgumentTypeError, match=reason):
+            parse_setting(bad)
+
+
+def test_commands_reject_cache_positions_without_window_and_sinks(capsys, monkeypatch):
+    def no_load(cls, path=None):
+        raise AssertionError("the model must not be loaded for a bad command line")
+
+    monkeypatch.setattr(LlamaModel, "from_gguf", classmethod(no_load))
+    for argv, reason in (
+        (["generate", "hi", "--positions", "cache"], "argument --positions: 'cache' needs --window W"),
+        (["generate", "hi", "--positions", "cache", "--window", "8"], "without sinks every distance"),
+        (["perplexity", "x.txt", "--positions", "cache", "--window", "8"], "argument --positions"),
+        (["perplexity", "x.txt", "--setting", "window=8,positions=cache"], "argument --setting"),
+        (["perplexity", "x.txt", "--setting", "full", "--positions", "cache", "--window", "4",
+          "--sinks", "1"], "either with --setting"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        assert exc.value.code == 2
+        assert reason in capsys.readouterr().err
+
+
+def test_perplexity_command_scores_with_cache_positions(tmp_path, capsys, monkeypatch):
+    """The --setting spec reaches the backend: the NLL equals the oracle's."""
+    model = tiny_model()
+    monkeypatch.setattr(LlamaModel, "from_gguf", classmethod(lambda cls, path=None: (model, None)))
+    tokens = np.random.default_rng(8).integers(0, 40, size=40)
+    ids_file = tmp_path / "ids.json"
+    ids_file.write_text(json.dumps(tokens.tolist()))
+    out = tmp_path / "ppl.json"
+    status = cli.main(["perplexity", str(ids_file), "--token-ids", "--tokens", "40", "--dtype", "float32",
+                       "--no-progress", "--segment-tokens", "20", "--json", str(out),
+                       "--setting", "window=6,sinks=2", "--setting", "window=6,sinks=2,positions=cache"])
+    capsys.readouterr()
+    assert status == 0
+    absolute, cache = json.loads(out.read_text())["settings"]
+    assert (absolute["positions"], cache["positions"]) == ("absolute", "cache")
+    for result, positions in ((absolute, "absolute"), (cache, "cache")):
+        logits = streaming_oracle(model, tokens, 6, 2, positions=positions)[:-1]
+        top = logits.max(axis=1)
+        log_z = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
+        nll = log_z - logits[np.arange(39), tokens[1:]]
+        assert result["mean_nll"] == pytest.approx(nll.mean(), rel=1e-5)
+    assert abs(absolute["mean_nll"] - cache["mean_nll"]) > 1e-3
