@@ -162,6 +162,8 @@ class PagedBackend(AttentionBackend):
     cache : pagedkv.KVCache
         The paged storage; ``cache.stats()`` reports pages in use, the peak, window
         evictions and bytes.
+    positions : str
+        The positions mode given.
 
     Raises
     ------
