@@ -111,6 +111,7 @@ def flatness(segments, segment_tokens):
 
 def plot(results, args, path):
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FormatStrFormatter
 
     figure = Figure(figsize=(7.0, 4.0), dpi=100)
     axes = figure.add_subplot()
@@ -119,6 +120,9 @@ def plot(results, args, path):
         axes.plot(ends, r["segment_perplexity"], marker="o", label=r["label"])
     axes.axvline(TRAINED_CONTEXT, color="grey", linestyle=":", label="trained context")
     axes.set_yscale("log")
+    axes.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    axes.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    axes.tick_params(axis="y", which="minor", labelsize=7)
     axes.set_xlabel(f"position (tokens; end of each {args.segment_tokens}-token segment)")
     axes.set_ylabel("perplexity of the segment")
     axes.set_title(f"SmolLM2-135M on tinyshakespeare, {args.tokens} tokens", fontsize=10)
