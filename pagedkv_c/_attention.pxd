@@ -21,6 +21,8 @@ cdef int paged_decode(
     int64_t sink_tokens,             # S in tokens, used only with a window
     float scale,                     # multiplies q.k before the softmax
     const float* q,                  # shape (B, Hq, D): one query per sequence
+    const float* q_sink,             # shape (B, Hq, D): queries for the keys at positions
+                                     # < sink_tokens, or NULL (q for every key)
     float* out,                      # shape (B, Hq, D): written
     float* lse,                      # shape (B, Hq): natural-log LSE, or NULL
     int num_threads,                 # OpenMP threads, >= 1
@@ -44,6 +46,7 @@ cdef int paged_prefill(
     int64_t sink_tokens,
     float scale,
     const float* q,                  # shape (T, Hq, D), T = qo_indptr[B]
+    const float* q_sink,             # shape (T, Hq, D) or NULL, as in paged_decode
     float* out,                      # shape (T, Hq, D): written
     float* lse,                      # shape (T, Hq) or NULL
     int num_threads,

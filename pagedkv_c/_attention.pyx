@@ -47,6 +47,7 @@ cdef extern from "attention_kernels.h" nogil:
         int64_t sink_tokens
         float scale
         const float* q
+        const float* q_sink
         float* out
         float* lse
     ctypedef struct pkv_work_item:
@@ -210,8 +211,8 @@ cdef void _fill_args(pkv_attention_args* args, const void* pool_layer, bint pool
                      int64_t page_size, int64_t num_kv_heads, int64_t head_dim,
                      int64_t num_qo_heads, const int32_t* indptr, const int32_t* indices,
                      const int64_t* page_positions, const int64_t* seq_lens, int64_t window,
-                     int64_t sink_tokens, float scale, const float* q, float* out,
-                     float* lse) noexcept nogil:
+                     int64_t sink_tokens, float scale, const float* q, const float* q_sink,
+                     float* out, float* lse) noexcept nogil:
     args.pool = pool_layer
     args.pool_is_f16 = 1 if pool_is_f16 else 0
     args.page_size = page_size
@@ -226,6 +227,7 @@ cdef void _fill_args(pkv_attention_args* args, const void* pool_layer, bint pool
     args.sink_tokens = sink_tokens
     args.scale = scale
     args.q = q
+    args.q_sink = q_sink
     args.out = out
     args.lse = lse
 
@@ -234,8 +236,8 @@ cdef int paged_decode(
     const void* pool_layer, bint pool_is_f16, int64_t page_size, int64_t num_kv_heads,
     int64_t head_dim, int64_t num_qo_heads, int64_t batch_size, const int32_t* indptr,
     const int32_t* indices, const int64_t* page_positions, const int64_t* seq_lens,
-    int64_t window, int64_t sink_tokens, float scale, const float* q, float* out,
-    float* lse, int num_threads,
+    int64_t window, int64_t sink_tokens, float scale, const float* q, const float* q_sink,
+    float* out, float* lse, int num_threads,
 ) except -1 nogil:
     """One query per sequence at position seq_len - 1.
 
@@ -249,7 +251,7 @@ cdef int paged_decode(
     cdef pkv_attention_args args
     _fill_args(&args, pool_layer, pool_is_f16, page_size, num_kv_heads, head_dim,
                num_qo_heads, indptr, indices, page_positions, seq_lens, window, sink_tokens,
-               scale, q, out, lse)
+               scale, q, q_sink, out, lse)
     if batch_size == 0:
         return 0
     cdef int64_t wanted_blocks = (4 * num_threads + batch_size - 1) // batch_size
@@ -291,7 +293,7 @@ cdef int paged_prefill(
     int64_t head_dim, int64_t num_qo_heads, int64_t batch_size, const int32_t* indptr,
     const int32_t* indices, const int64_t* page_positions, const int64_t* seq_lens,
     const int64_t* qo_indptr, int64_t window, int64_t sink_tokens, float scale,
-    const float* q, float* out, float* lse, int num_threads,
+    const float* q, const float* q_sink, float* out, float* lse, int num_threads,
 ) except -1 nogil:
     """Ragged causal prefill; work item = (sequence, KV head, tile of consecutive queries).
 
@@ -301,7 +303,7 @@ cdef int paged_prefill(
     cdef pkv_attention_args args
     _fill_args(&args, pool_layer, pool_is_f16, page_size, num_kv_heads, head_dim,
                num_qo_heads, indptr, indices, page_positions, seq_lens, window, sink_tokens,
-               scale, q, out, lse)
+               scale, q, q_sink, out, lse)
     cdef int64_t group = args.group_size
     cdef int64_t tile = PREFILL_ROWS // group if PREFILL_ROWS // group > 1 else 1
     cdef Py_ssize_t num_items = 0
@@ -360,6 +362,7 @@ cdef class _Problem:
     cdef int num_threads
     cdef bint auto_threads       # num_threads=None: choose from the amount of work
     cdef object q                # float32 C-contiguous
+    cdef object q_sink           # float32 C-contiguous like q, or None
     cdef object indptr, indices, page_positions, seq_lens
     cdef int64_t num_pages
 
@@ -448,7 +451,23 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
     p.num_qo_heads = num_qo_heads
     p.batch_size = batch_size
     p.q = q
+    p.q_sink = None
     return p
+
+
+cdef int _validate_q_sink(_Problem p, object q_sink) except -1:
+    """Check q_sink like q (the array rule, q's shape) and that the cache has sinks."""
+    if q_sink is None:
+        return 0
+    q_sink = check_float_array(q_sink, "q_sink", tuple(p.q.shape), np.float32, "the shape of q")
+    if p.window <= 0 or p.sink_tokens <= 0:
+        raise ValueError(
+            "Invalid value of q_sink: expected None for a cache without attention sinks (it scores "
+            f"only the keys at positions < sink_tokens, which exist with a window), got an array for "
+            f"a cache with window={None if p.window <= 0 else p.window} and sink_tokens={p.sink_tokens}"
+        )
+    p.q_sink = q_sink
+    return 0
 
 
 
@@ -697,13 +716,14 @@ cdef int _explain_prefill(_Problem p, object seq_ids, object qo) except -1:
     return 0
 
 
-def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=False):
+def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=False, *, q_sink=None):
     """Paged decode attention. See ``pagedkv.attention.decode``."""
     cdef _Problem p = _validate_common(q, cache, layer, seq_ids, scale, num_threads, return_lse)
     if p.q.shape[0] != p.batch_size:
         raise ValueError(
             f"Invalid shape of q: expected ({p.batch_size}, Hq, D) (one query per sequence), got {p.q.shape}"
         )
+    _validate_q_sink(p, q_sink)
     if not _table_ok(p, NULL, 0):
         _explain_table_error(p, seq_ids, None)
     _cap_threads(p, 1)
@@ -720,18 +740,23 @@ cdef int _call_decode(_Problem p, object out, object lse) except -1:
     cdef const int64_t* positions = <const int64_t*>cnp.PyArray_DATA(p.page_positions)
     cdef const int64_t* seq_lens = <const int64_t*>cnp.PyArray_DATA(p.seq_lens)
     cdef const float* q = <const float*>cnp.PyArray_DATA(p.q)
+    cdef const float* q_sink = NULL
+    if p.q_sink is not None:
+        q_sink = <const float*>cnp.PyArray_DATA(p.q_sink)
     cdef float* out_ptr = <float*>cnp.PyArray_DATA(out)
     cdef float* lse_ptr = NULL if lse is None else <float*>cnp.PyArray_DATA(lse)
     with nogil:
         paged_decode(pool, p.pool_is_f16, p.page_size, p.num_kv_heads, p.head_dim,
                      p.num_qo_heads, p.batch_size, indptr, indices, positions, seq_lens,
-                     p.window, p.sink_tokens, p.scale, q, out_ptr, lse_ptr, p.num_threads)
+                     p.window, p.sink_tokens, p.scale, q, q_sink, out_ptr, lse_ptr, p.num_threads)
     return 0
 
 
-def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, return_lse=False):
+def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, return_lse=False, *,
+            q_sink=None):
     """Paged prefill attention. See ``pagedkv.attention.prefill``."""
     cdef _Problem p = _validate_common(q, cache, layer, seq_ids, scale, num_threads, return_lse)
+    _validate_q_sink(p, q_sink)
     qo = as_int_array(qo_indptr, "qo_indptr", np.int64)
     num_tokens = p.q.shape[0]
     if qo.shape[0] != p.batch_size + 1:
@@ -755,10 +780,13 @@ cdef int _call_prefill(_Problem p, object qo, object out, object lse) except -1:
     cdef const int64_t* seq_lens = <const int64_t*>cnp.PyArray_DATA(p.seq_lens)
     cdef const int64_t* qo_ptr = <const int64_t*>cnp.PyArray_DATA(qo)
     cdef const float* q = <const float*>cnp.PyArray_DATA(p.q)
+    cdef const float* q_sink = NULL
+    if p.q_sink is not None:
+        q_sink = <const float*>cnp.PyArray_DATA(p.q_sink)
     cdef float* out_ptr = <float*>cnp.PyArray_DATA(out)
     cdef float* lse_ptr = NULL if lse is None else <float*>cnp.PyArray_DATA(lse)
     with nogil:
         paged_prefill(pool, p.pool_is_f16, p.page_size, p.num_kv_heads, p.head_dim,
                       p.num_qo_heads, p.batch_size, indptr, indices, positions, seq_lens, qo_ptr,
-                      p.window, p.sink_tokens, p.scale, q, out_ptr, lse_ptr, p.num_threads)
+                      p.window, p.sink_tokens, p.scale, q, q_sink, out_ptr, lse_ptr, p.num_threads)
     return 0

@@ -51,7 +51,7 @@
 int64_t pkv_scratch_floats(int64_t max_rows, int64_t head_dim)
 {
     const int64_t dim_pad = (head_dim + 15) / 16 * 16;
-    return 2 * max_rows * dim_pad + max_rows * PKV_CHUNK_TOKENS + 2 * max_rows;
+    return 3 * max_rows * dim_pad + max_rows * PKV_CHUNK_TOKENS + 2 * max_rows;
 }
 
 /* ------------------------------------------------------------------ float16 */

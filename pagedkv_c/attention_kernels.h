@@ -13,6 +13,13 @@
  * Mask: the query at position p attends to the cached key at position k iff
  *   k <= p and (window <= 0 or k >= p - window + 1 or k < sink_tokens).
  *
+ * Sink queries: with q_sink set (and a window), the keys at positions
+ * k < sink_tokens are scored with the row of q_sink instead of the row of q;
+ * every other key with q. Rotary scores depend only on the distance between
+ * the positions q and k were rotated to, so a q_sink rotated to another
+ * position gives the sinks another distance (StreamingLLM's positions inside
+ * the cache) while the stored keys keep their own rotation.
+ *
  * Portable C99 outside the x86 dispatch section, which needs GCC or Clang.
  */
 #ifndef PAGEDKV_ATTENTION_KERNELS_H
@@ -57,6 +64,8 @@ typedef struct {
     int64_t sink_tokens;           /* S in tokens, used only with a window */
     float scale;                   /* multiplies q.k before the softmax */
     const float *q;                /* [num_tokens, Hq, D] float32 queries */
+    const float *q_sink;           /* [num_tokens, Hq, D] queries for the keys at
+                                      positions < sink_tokens, or NULL: q for all */
     float *out;                    /* [num_tokens, Hq, D] float32 output */
     float *lse;                    /* [num_tokens, Hq] natural-log LSE, or NULL */
 } pkv_attention_args;
@@ -84,7 +93,8 @@ typedef void (*pkv_item_kernel)(const pkv_attention_args *args, const pkv_work_i
                                 const pkv_work_item *next, float *scratch);
 
 /* Floats of scratch one work item of at most max_rows (query, head) rows
- * needs; rows = num_kv_heads * num_tokens * group_size. */
+ * needs (with room for the sink queries); rows = num_kv_heads * num_tokens *
+ * group_size. */
 int64_t pkv_scratch_floats(int64_t max_rows, int64_t head_dim);
 
 /* Best path this CPU and build support. */

@@ -330,6 +330,8 @@ typedef struct {
     int64_t first_position;  /* position of the item's first query */
     int64_t window, sink_tokens;
     float *qs;               /* [rows, dim_pad] q * scale * log2(e) */
+    float *qs_sink;          /* [rows, dim_pad] q_sink * scale * log2(e) for the
+                                keys below sink_tokens, or NULL: qs for all */
     float *acc;              /* [rows, dim_pad] running sum of p * v */
     float *s;                /* [rows, PKV_CHUNK_TOKENS] scores, then probabilities */
     float *m;                /* [rows] running max (log2 domain) */
@@ -397,10 +399,12 @@ PKV_TARGET static void FN(pv_admitted)(const FN(pkv_state) *st, const KV_T *cons
 }
 
 /* Scores of tokens t .. t+7 of a chunk of n (tokens past n repeat token t and
- * fill padding slots) for every row of one KV head; its rows start at
- * k_rows[u] + head_offset. The first block of rows also prefetches the rows
- * pf_rows[u] + head_offset (of a later chunk) unless pf_rows is NULL. */
-PKV_TARGET static inline void FN(score_tokens)(const FN(pkv_state) *st, const KV_T *const *k_rows,
+ * fill padding slots) for every row of one KV head, with the scaled queries
+ * qs ([rows, dim_pad]); its rows start at k_rows[u] + head_offset. The first
+ * block of rows also prefetches the rows pf_rows[u] + head_offset (of a later
+ * chunk) unless pf_rows is NULL. */
+PKV_TARGET static inline void FN(score_tokens)(const FN(pkv_state) *st, const float *qs,
+                                               const KV_T *const *k_rows,
                                                const KV_T *const *pf_rows, int64_t t, int64_t n,
                                                int64_t head_offset)
 {
@@ -418,7 +422,7 @@ PKV_TARGET static inline void FN(score_tokens)(const FN(pkv_state) *st, const KV
         pf = p8;
     }
     for (r = 0; r + 4 <= rows; r += 4) {
-        const float *q = st->qs + r * dim_pad;
+        const float *q = qs + r * dim_pad;
         float *s = st->s + r * ch + t;
 #if PKV_DOT_WIDE
         FN(dot_4x4)(q, dim_pad, k8, pf, dim, dim / SW * SW, s, ch);
@@ -430,7 +434,7 @@ PKV_TARGET static inline void FN(score_tokens)(const FN(pkv_state) *st, const KV
         pf = NULL; /* once per chunk: later row blocks read the same rows */
     }
     for (; r < rows; r++) {
-        FN(dot_1x8)(st->qs + r * dim_pad, k8, pf, dim, dim_vec, st->s + r * ch + t);
+        FN(dot_1x8)(qs + r * dim_pad, k8, pf, dim, dim_vec, st->s + r * ch + t);
         pf = NULL;
     }
 }
@@ -548,9 +552,11 @@ PKV_TARGET static void FN(finish_chunk)(const FN(pkv_state) *st, const KV_T *con
  * item) are prefetched: row t along with token t, by the loops that read
  * token t, so that the prefetches spread evenly over the arithmetic.
  * Scoring goes token-major (8 tokens, all heads, then the next 8), so K is
- * read as one sequential stream; V is then read head by head from cache. */
+ * read as one sequential stream; V is then read head by head from cache.
+ * sinks: 1 if the chunk holds only keys below sink_tokens and the heads have
+ * sink queries (scored with qs_sink), else 0. */
 PKV_TARGET static void FN(process_heads)(const FN(pkv_state) *heads, int64_t num_heads,
-                                         int64_t head_dim, const KV_T *const *k_rows,
+                                         int64_t head_dim, int sinks, const KV_T *const *k_rows,
                                          const KV_T *const *v_rows, const int64_t *positions,
                                          int64_t n, const KV_T *const *pf_k,
                                          const KV_T *const *pf_v, int64_t pf_count)
@@ -567,7 +573,8 @@ PKV_TARGET static void FN(process_heads)(const FN(pkv_state) *heads, int64_t num
     }
     for (t = 0; t < n; t += 8)
         for (hh = 0; hh < num_heads; hh++)
-            FN(score_tokens)(&heads[hh], k_rows, prefetch ? pk : NULL, t, n, hh * head_dim);
+            FN(score_tokens)(&heads[hh], sinks ? heads[hh].qs_sink : heads[hh].qs, k_rows,
+                             prefetch ? pk : NULL, t, n, hh * head_dim);
     for (hh = 0; hh < num_heads; hh++)
         FN(finish_chunk)(&heads[hh], v_rows, prefetch ? pv : NULL, positions, n,
                          hh * head_dim);
@@ -666,15 +673,29 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
         st->m = st->s + rows * PKV_CHUNK_TOKENS;
         st->l = st->m + rows;
         next_free = st->l + rows;
+        st->qs_sink = NULL;
+        if (a->q_sink != NULL && st->sink_tokens > 0) {
+            st->qs_sink = next_free;
+            next_free += rows * dim_pad;
+        }
         for (r = 0; r < rows; r++) {
             const int64_t i = r / G, g = r % G;
-            const float *q = a->q + (item->first_token + i) * Hq * D + (kv_head * G + g) * D;
+            const int64_t q_offset = (item->first_token + i) * Hq * D + (kv_head * G + g) * D;
+            const float *q = a->q + q_offset;
             float *qs = st->qs + r * dim_pad;
             float *acc = st->acc + r * dim_pad;
             for (d = 0; d < D; d++)
                 qs[d] = q[d] * qscale;
             for (; d < dim_pad; d++)
                 qs[d] = 0.0f;
+            if (st->qs_sink != NULL) {
+                const float *q_sink = a->q_sink + q_offset;
+                float *qs_sink = st->qs_sink + r * dim_pad;
+                for (d = 0; d < D; d++)
+                    qs_sink[d] = q_sink[d] * qscale;
+                for (; d < dim_pad; d++)
+                    qs_sink[d] = 0.0f;
+            }
             for (d = 0; d < dim_pad; d++)
                 acc[d] = 0.0f;
             st->m[r] = -INFINITY;
@@ -693,8 +714,17 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
     FN(cursor_init)(&cursor, a, item);
     int64_t n = FN(list_rows)(&cursor, a, k_rows, v_rows, positions, 0, CAP);
     const KV_T *next_k[CH], *next_v[CH];
+    const int64_t sink_end = heads[0].qs_sink != NULL ? heads[0].sink_tokens : 0;
     while (n > 0) {
-        const int64_t m = n < CH ? n : CH;
+        int64_t m = n < CH ? n : CH;
+        /* With sink queries a chunk holds sink keys only or none: the sinks
+         * come first in position order, so it ends at the first non-sink. */
+        const int sinks = positions[0] < sink_end;
+        if (sinks) {
+            int64_t u = 1;
+            while (u < m && positions[u] < sink_end) u++;
+            m = u;
+        }
         const KV_T *const *pf_k = k_rows + (CAP - CH), *const *pf_v = v_rows + (CAP - CH);
         int64_t pf_count = n - (CAP - CH);
         if (pf_count <= 0 && next != NULL && next->num_kv_heads >= num_heads && PKV_PREFETCH_CHUNKS) {
@@ -706,7 +736,8 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
             pf_k = next_k;
             pf_v = next_v;
         }
-        FN(process_heads)(heads, num_heads, D, k_rows, v_rows, positions, m, pf_k, pf_v, pf_count);
+        FN(process_heads)(heads, num_heads, D, sinks, k_rows, v_rows, positions, m, pf_k, pf_v,
+                          pf_count);
         memmove(k_rows, k_rows + m, (n - m) * sizeof k_rows[0]);
         memmove(v_rows, v_rows + m, (n - m) * sizeof v_rows[0]);
         memmove(positions, positions + m, (n - m) * sizeof positions[0]);

@@ -35,8 +35,12 @@ def attends(key_positions, p, window, sink_tokens):
     return mask
 
 
-def reference(cache, layer, seq_id, q, positions, scale):
-    """Dense float64 attention of queries q[n, Hq, D] at ``positions`` over the gathered K/V."""
+def reference(cache, layer, seq_id, q, positions, scale, q_sink=None):
+    """Dense float64 attention of queries q[n, Hq, D] at ``positions`` over the gathered K/V.
+
+    With ``q_sink`` (shape of q), the keys at positions < sink_tokens are
+    scored with its rows instead of q's.
+    """
     k, v, key_pos = cache.gather(layer, seq_id)
     k, v = k.astype(np.float64), v.astype(np.float64)
     n, num_qo_heads, dim = q.shape
@@ -54,6 +58,10 @@ def reference(cache, layer, seq_id, q, positions, scale):
         assert mask.sum() == expected, "the test cache lost a key that the query needs"
         qh = q[i].astype(np.float64).reshape(num_kv_heads, group, dim)
         scores = np.einsum("hgd,mhd->hgm", qh, k[mask]) * scale
+        if q_sink is not None:
+            sink_h = q_sink[i].astype(np.float64).reshape(num_kv_heads, group, dim)
+            is_sink = key_pos[mask] < sinks
+            scores[..., is_sink] = np.einsum("hgd,mhd->hgm", sink_h, k[mask][is_sink]) * scale
         top = scores.max(axis=-1, keepdims=True)
         weights = np.exp(scores - top)
         total = weights.sum(axis=-1, keepdims=True)
@@ -103,11 +111,14 @@ def random_q(rng, n, num_qo_heads, dim):
     return rng.standard_normal((n, num_qo_heads, dim), dtype=np.float32)
 
 
-def check_decode(cache, seq_ids, num_qo_heads, rng, layer=0, scale=None, threads=(1, 2)):
+def check_decode(cache, seq_ids, num_qo_heads, rng, layer=0, scale=None, threads=(1, 2),
+                 sink_queries=False):
     lens = [cache.seq_len(s) for s in seq_ids]
     poison_unread_slots(cache, {s: [n - 1] for s, n in zip(seq_ids, lens)})
     q = random_q(rng, len(seq_ids), num_qo_heads, cache.head_dim)
-    results = [attention.decode(q, cache, layer, seq_ids, scale=scale, num_threads=t, return_lse=True)
+    q_sink = random_q(rng, len(seq_ids), num_qo_heads, cache.head_dim) if sink_queries else None
+    results = [attention.decode(q, cache, layer, seq_ids, scale=scale, num_threads=t, return_lse=True,
+                                q_sink=q_sink)
                for t in threads]
     out, lse = results[0]
     for other_out, other_lse in results[1:]:
@@ -116,13 +127,15 @@ def check_decode(cache, seq_ids, num_qo_heads, rng, layer=0, scale=None, threads
     used_scale = 1.0 / np.sqrt(cache.head_dim) if scale is None else scale
     dtype = cache.kv.dtype.type
     for b, (seq_id, n) in enumerate(zip(seq_ids, lens)):
-        ref_out, ref_lse = reference(cache, layer, seq_id, q[b:b + 1], [n - 1], used_scale)
+        ref_out, ref_lse = reference(cache, layer, seq_id, q[b:b + 1], [n - 1], used_scale,
+                                     None if q_sink is None else q_sink[b:b + 1])
         assert_close(out[b], ref_out[0], dtype)
         assert_close(lse[b], ref_lse[0], dtype)
     return out
 
 
-def check_prefill(cache, seq_ids, qo_lens, num_qo_heads, rng, layer=0, threads=(1, 2)):
+def check_prefill(cache, seq_ids, qo_lens, num_qo_heads, rng, layer=0, threads=(1, 2),
+                  sink_queries=False):
     lens = [cache.seq_len(s) for s in seq_ids]
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int64)
     queries = {}
@@ -130,7 +143,9 @@ def check_prefill(cache, seq_ids, qo_lens, num_qo_heads, rng, layer=0, threads=(
         queries.setdefault(s, []).extend(range(n - m, n))
     poison_unread_slots(cache, queries)
     q = random_q(rng, int(qo_indptr[-1]), num_qo_heads, cache.head_dim)
-    results = [attention.prefill(q, cache, layer, seq_ids, qo_indptr, num_threads=t, return_lse=True)
+    q_sink = random_q(rng, int(qo_indptr[-1]), num_qo_heads, cache.head_dim) if sink_queries else None
+    results = [attention.prefill(q, cache, layer, seq_ids, qo_indptr, num_threads=t, return_lse=True,
+                                 q_sink=q_sink)
                for t in threads]
     out, lse = results[0]
     for other_out, other_lse in results[1:]:
@@ -140,7 +155,8 @@ def check_prefill(cache, seq_ids, qo_lens, num_qo_heads, rng, layer=0, threads=(
     dtype = cache.kv.dtype.type
     for b, (seq_id, n, m) in enumerate(zip(seq_ids, lens, qo_lens)):
         rows = slice(qo_indptr[b], qo_indptr[b + 1])
-        ref_out, ref_lse = reference(cache, layer, seq_id, q[rows], list(range(n - m, n)), scale)
+        ref_out, ref_lse = reference(cache, layer, seq_id, q[rows], list(range(n - m, n)), scale,
+                                     None if q_sink is None else q_sink[rows])
         assert_close(out[rows], ref_out, dtype)
         assert_close(lse[rows], ref_lse, dtype)
     return out
@@ -261,6 +277,60 @@ def test_prefill_matches_reference_on_every_path(isa, dtype, shape):
         cache.add_sequence(i, n, hold_from=hold_from)
     with kernel_path(isa):
         check_prefill(cache, list(range(len(lengths))), qo_lens, num_kv_heads * group, rng)
+
+
+SINK_SHAPES = [shape for shape in SHAPES if shape[5] > 0]
+
+
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("shape", SINK_SHAPES)
+def test_decode_with_sink_queries_matches_reference_on_every_path(isa, dtype, shape):
+    # Random q_sink rows, unrelated to q: a sink key scored with q, or a window
+    # key scored with q_sink, changes the result far beyond the tolerance.
+    num_kv_heads, group, dim, ps, window, sinks = shape
+    rng = np.random.default_rng(31)
+    cache = FakeCache(2, num_kv_heads, dim, 200, ps, dtype, window, sinks, seed=32)
+    lengths = [1, sinks, sinks + 1, ps, 3 * ps, 2 * ps + 1, 70, 129]
+    for i, n in enumerate(lengths):
+        cache.add_sequence(i, n)
+    with kernel_path(isa):
+        check_decode(cache, list(range(len(lengths))), num_kv_heads * group, rng, layer=1,
+                     sink_queries=True)
+
+
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("shape", SINK_SHAPES)
+def test_prefill_with_sink_queries_matches_reference_on_every_path(isa, dtype, shape):
+    num_kv_heads, group, dim, ps, window, sinks = shape
+    rng = np.random.default_rng(33)
+    cache = FakeCache(1, num_kv_heads, dim, 300, ps, dtype, window, sinks, seed=34)
+    # whole prompts, a chunk longer than the window after context, an empty chunk
+    lengths = [1, 2 * ps, 50, 70, 33, 3 * window + 10]
+    qo_lens = [1, 2 * ps, 50, 0, 9, 2 * window + 3]
+    for i, (n, m) in enumerate(zip(lengths, qo_lens)):
+        cache.add_sequence(i, n, hold_from=n - m - window + 1)
+    with kernel_path(isa):
+        check_prefill(cache, list(range(len(lengths))), qo_lens, num_kv_heads * group, rng,
+                      sink_queries=True)
+
+
+def test_sink_queries_identical_for_any_thread_count():
+    rng = np.random.default_rng(35)
+    seq_ids = list(range(6))
+    check_decode(windowed_batch(), seq_ids, 8, rng, threads=(1, 2, 3, 7), sink_queries=True)
+    check_prefill(windowed_batch(), seq_ids, [40, 17, 33, 1, 5, 40], 8, rng, threads=(1, 2, 3, 7),
+                  sink_queries=True)
+
+
+def test_sink_queries_equal_to_q_give_the_plain_result():
+    rng = np.random.default_rng(37)
+    cache = windowed_batch()
+    q = random_q(rng, 6, 8, 64)
+    plain = attention.decode(q, cache, 0, list(range(6)))
+    np.testing.assert_allclose(attention.decode(q, cache, 0, list(range(6)), q_sink=q.copy()), plain,
+                               rtol=0, atol=1e-6)
 
 
 def test_windowed_cost_skips_released_and_out_of_window_pages():
@@ -817,3 +887,29 @@ def test_prefill_over_tokens_of_an_earlier_append_raises_once_the_window_release
     out = attention.prefill(q[2:], cache, 0, [0], [0, 1])  # position 8 needs 5..8: held
     want, _ = reference(cache, 0, 0, q[2:], [8], 1 / np.sqrt(dim))
     assert_close(out, want, np.float32)
+
+
+SINK_CACHE = dict(window=3, sink_tokens=1)
+Q_SINK_BAD = [
+    (dict(q_sink=[[0.0]]), dict(SINK_CACHE), ValueError, r"shape of q_sink: expected .*\(2, 4, 8\), got \(1, 1\)"),
+    (dict(q_sink=GOOD_Q.astype(np.complex64)), dict(SINK_CACHE), TypeError, "dtype of q_sink"),
+    (dict(q_sink=GOOD_Q[:1]), dict(SINK_CACHE), ValueError, r"shape of q_sink: expected .*\(2, 4, 8\)"),
+    (dict(q_sink=GOOD_Q), dict(window=3, sink_tokens=0), ValueError,
+     "q_sink: expected None for a cache without attention sinks"),
+    (dict(q_sink=GOOD_Q), dict(), ValueError, "q_sink: expected None for a cache without attention sinks"),
+]
+
+
+@pytest.mark.parametrize("change, cache_args, exc, match", Q_SINK_BAD)
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_q_sink_bad_input(change, cache_args, exc, match, kind):
+    cache = make_cache(**cache_args)
+    kv_before = cache.kv.copy()
+    args = dict(q=GOOD_Q, cache=cache, layer=0, seq_ids=["a", "b"])
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        if kind == "decode":
+            attention.decode(**args)
+        else:
+            attention.prefill(qo_indptr=[0, 1, 2], **args)
+    np.testing.assert_array_equal(cache.kv, kv_before)

@@ -414,9 +414,9 @@ def test_forward_runs_blas_on_the_model_threads_and_restores_them(tmp_path):
     seen = []
 
     class Recording(DenseBackend):
-        def attend(self, batch, layer, q):
+        def attend(self, batch, layer, q, q_sink=None):
             seen.append({lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"})
-            return super().attend(batch, layer, q)
+            return super().attend(batch, layer, q, q_sink)
 
     blas_libs = [lib for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"]
     if not blas_libs:

@@ -29,6 +29,21 @@ The query at position ``p`` attends to the cached key at position ``k`` iff
 ``S = sink_tokens`` attention-sink positions). This is FlashInfer's
 ``window_left = W - 1`` and Hugging Face's ``sliding_window = W``.
 
+Sink queries
+------------
+``decode`` and ``prefill`` take an optional ``q_sink`` of the shape of ``q``:
+the keys at positions ``k < S`` are then scored with ``q_sink`` and every
+other key with ``q`` (one softmax over all admitted keys). Rotary scores
+depend only on the distance between the positions the query and the key were
+rotated to, so a ``q_sink`` rotated to position ``min(p, S + W - 1)`` gives
+the attention of StreamingLLM's positions inside the cache (Xiao et al.,
+2023, "Efficient Streaming Language Models with Attention Sinks", section
+3.2: sinks at ``0 .. S-1``, the window after them) while the keys stay stored
+at their absolute positions: the query's distance to a window key ``k`` is
+``p - k`` in both schemes, and only the sink keys ``j`` need the distance
+``min(p, S + W - 1) - j`` instead of ``p - j``. No stored key is rotated
+again.
+
 Non-finite values
 -----------------
 Results are those of dense softmax attention over the keys the mask admits
@@ -66,7 +81,7 @@ from pagedkv_c import _attention
 __all__ = ["decode", "prefill", "kernel_info"]
 
 
-def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=False):
+def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=False, *, q_sink=None):
     """Attention of one new query per sequence over its cached tokens (decode step).
 
     Parameters
@@ -103,6 +118,12 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
         survive fork (``kernel_info()["max_threads"]`` is then 1).
     return_lse : bool, default False
         Also return the log-sum-exp of the scaled scores.
+    q_sink : array-like of real numbers, shape ``(B, Hq, D)``, optional
+        Queries that score the keys at positions ``< cache.sink_tokens``
+        (the attention sinks) in place of ``q``; every other key is scored
+        with ``q``. See "Sink queries" in the module docstring. Only for a
+        cache with a window and ``sink_tokens >= 1``. Default: ``q`` scores
+        every key.
 
     Returns
     -------
@@ -124,7 +145,8 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
     ValueError
         ``q`` has the wrong shape or is a ragged nesting (``B`` not ``len(seq_ids)``, ``D`` not
         ``head_dim``, ``Hq`` not a multiple of ``num_kv_heads`` or above
-        ``2**20``),
+        ``2**20``), ``q_sink`` is given and its shape differs from ``q``'s
+        or the cache has no window or no sink tokens,
         ``cache.head_dim > 256``, ``scale`` is not finite or
         ``|scale| > 1e38``, ``num_threads`` is out of range, a sequence
         holds no cached token, the page table the
@@ -132,7 +154,8 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
         included), or it no longer lists a key the query attends to (a
         position in its window or a sink).
     TypeError
-        ``q`` is not real numbers (bools, complex numbers, strings, objects),
+        ``q`` or a given ``q_sink`` is not real numbers (bools, complex
+        numbers, strings, objects),
         ``cache.kv`` is neither float32 nor float16, or ``layer``,
         ``num_threads``, ``scale`` or ``return_lse`` has the wrong type.
 
@@ -144,10 +167,11 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
     mask admits exactly once per KV head, so its cost follows the number of
     tokens in the window (plus sinks), not the sequence length.
     """
-    return _attention.decode(q, cache, layer, seq_ids, scale, num_threads, return_lse)
+    return _attention.decode(q, cache, layer, seq_ids, scale, num_threads, return_lse, q_sink=q_sink)
 
 
-def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, return_lse=False):
+def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, return_lse=False, *,
+            q_sink=None):
     """Causal attention of a ragged chunk of new tokens per sequence (prefill / extend).
 
     The new tokens must already be appended and stored in the cache. The
@@ -173,6 +197,10 @@ def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, r
         may have ``qo_len_b = 0``.
     scale, num_threads, return_lse
         As in :func:`decode`.
+    q_sink : array-like of real numbers, shape ``(T, Hq, D)``, optional
+        As in :func:`decode`, row for row with ``q``: each query row has its
+        own sink query (for StreamingLLM positions, rotated to
+        ``min(p, S + W - 1)`` for the row's own position ``p``).
 
     Returns
     -------
@@ -190,7 +218,7 @@ def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, r
     IndexError
         ``layer`` is out of range.
     ValueError
-        As in :func:`decode`, and: ``qo_indptr`` has the wrong length, does
+        As in :func:`decode` (``q_sink`` included), and: ``qo_indptr`` has the wrong length, does
         not start at 0, decreases, does not end at ``T``, or gives a sequence
         more new tokens than it has (``qo_len_b > seq_len_b``) or than it
         still holds in its page table; a sequence with queries holds no
@@ -209,7 +237,8 @@ def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, r
     head and a tile of consecutive queries so that each K/V row read serves
     every query of the tile.
     """
-    return _attention.prefill(q, cache, layer, seq_ids, qo_indptr, scale, num_threads, return_lse)
+    return _attention.prefill(q, cache, layer, seq_ids, qo_indptr, scale, num_threads, return_lse,
+                              q_sink=q_sink)
 
 
 def kernel_info():

@@ -9,6 +9,10 @@ from pagedkv.commands._paths import input_file
 from pagedkv.models.threads import DEFAULT_NUM_THREADS
 
 DTYPES = ("float16", "float32")
+# Why cache positions need a window and sinks (the backends say the same).
+CACHE_POSITIONS_WHY = ("cache positions change only the distance from a query to the sink keys; without a "
+                       "window no key ever leaves the cache, and without sinks every distance is already "
+                       "the same as with absolute positions")
 
 
 class CommandError(Exception):
@@ -68,7 +72,7 @@ def run_reporting_errors(command: str, body, args: argparse.Namespace) -> int:
 
 
 def add_window_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--window W`` and ``--sinks S``."""
+    """Add ``--window W``, ``--sinks S`` and ``--positions {absolute,cache}``."""
     parser.add_argument("--window", type=positive_int, default=None, metavar="W",
                         help="sliding window in tokens: each query sees its last W positions "
                              "(itself included); pages that leave the window are released "
@@ -76,16 +80,25 @@ def add_window_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sinks", type=non_negative_int, default=0, metavar="S",
                         help="attention sinks: the first S positions stay visible and their pages "
                              "pinned (StreamingLLM); needs --window (default 0)")
+    parser.add_argument("--positions", choices=("absolute", "cache"), default="absolute",
+                        help="rotary positions of a windowed sequence: 'absolute' (each token at its "
+                             "position in the text) or 'cache' (StreamingLLM: the sinks at 0..S-1 and "
+                             "the window right after them, so no distance exceeds S + W - 1 however "
+                             "long the text); 'cache' needs --window and --sinks (default absolute)")
 
 
 def check_window_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Reject ``--sinks`` without ``--window`` through ``parser.error`` (exit status 2)."""
+    """Reject ``--sinks`` without ``--window``, and ``--positions cache`` without both, through
+    ``parser.error`` (exit status 2)."""
     from pagedkv_c._checks import check_sink_window
 
     try:
         check_sink_window(args.window, args.sinks, "--sinks", "--window W")
     except ValueError as exc:  # the wording KVCache and PagedBackend use
         parser.error(str(exc))
+    if args.positions == "cache" and (args.window is None or args.sinks < 1):
+        parser.error(f"argument --positions: 'cache' needs --window W and --sinks S >= 1 "
+                     f"({CACHE_POSITIONS_WHY}); got --window {args.window}, --sinks {args.sinks}")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

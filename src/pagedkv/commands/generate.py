@@ -193,6 +193,8 @@ def _run(args: argparse.Namespace) -> int:
             raise CommandError(f"prompt {i} encodes to no token")
     context = model.config.context_length
     longest = max(len(ids) for ids in prompt_ids) + args.max_new_tokens
+    if args.positions == "cache":  # no query-key distance exceeds S + W - 1
+        longest = min(longest, args.sinks + args.window)
     if longest > context:
         print(f"warning: sequences reach {longest} tokens, beyond the {context} the model was trained for",
               file=sys.stderr)
@@ -209,7 +211,7 @@ def _run(args: argparse.Namespace) -> int:
     num_pages = args.num_pages or needed
     backend = PagedBackend.for_config(
         model.config, num_pages, page_size=args.page_size, dtype=np.dtype(args.dtype),
-        window=args.window, sink_tokens=args.sinks, num_threads=args.threads,
+        window=args.window, sink_tokens=args.sinks, num_threads=args.threads, positions=args.positions,
     )
 
     streams = [TextStream(tokenizer) for _ in prompts]
@@ -266,7 +268,8 @@ def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int)
         line("decode: no decode step (every sequence stopped at its first token)")
     per_page = stats["bytes_per_page"]
     window = "full attention" if backend.window is None else (
-        f"window {backend.window} tokens" + (f" + {backend.sink_tokens} sinks" if backend.sink_tokens else ""))
+        f"window {backend.window} tokens" + (f" + {backend.sink_tokens} sinks" if backend.sink_tokens else "")
+        + (", cache positions" if backend.positions == "cache" else ""))
     line(f"cache: {backend.dtype} pool of {num_pages} pages x {backend.page_size} tokens "
          f"({format_bytes(num_pages * per_page)}), {window}")
     line(f"pages in use {stats['pages_in_use']} ({format_bytes(stats['bytes_in_use'])}), "

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedkv.commands._model_options import (
+    CACHE_POSITIONS_WHY,
     CommandError,
     add_model_arguments,
     add_window_arguments,
@@ -41,12 +42,14 @@ less).
 Several cache settings can be compared in one run (the model is loaded once):
 repeat --setting SPEC, where SPEC is "full" (full attention), "window=W" or
 "window=W,sinks=S" (a sliding window of W tokens that keeps the first S positions
-visible, as StreamingLLM does), e.g.
+visible, as StreamingLLM does), optionally followed by ",positions=cache" (StreamingLLM's
+rotary positions inside the cache instead of the positions in the text), e.g.
 
   pagedkv perplexity ../shared/data/tinyshakespeare.txt --tokens 4096 \\
-      --setting full --setting window=256 --setting window=256,sinks=4 --plot ppl.png
+      --setting full --setting window=256 --setting window=256,sinks=4 \\
+      --setting window=256,sinks=4,positions=cache --plot ppl.png
 
-Without --setting, --window and --sinks give the one setting. --plot draws the
+Without --setting, --window, --sinks and --positions give the one setting. --plot draws the
 per-segment perplexity of every setting on one chart; --json writes all figures.
 
 Input: FILE is UTF-8 text, tokenized with the model's tokenizer (only as much of its
@@ -65,41 +68,51 @@ class CacheSetting:
         Sliding window in tokens; None for full attention.
     sink_tokens : int
         Attention-sink tokens (0 without a window).
+    positions : str
+        ``"absolute"`` or ``"cache"`` (StreamingLLM positions inside the cache; needs a
+        window and sinks), see :class:`pagedkv.models.PagedBackend`.
     """
 
     window: int | None = None
     sink_tokens: int = 0
+    positions: str = "absolute"
 
     @property
     def label(self) -> str:
         """Short description, e.g. ``"window 256 + 4 sinks"``."""
         if self.window is None:
             return "full cache"
-        return f"window {self.window}" + (f" + {self.sink_tokens} sinks" if self.sink_tokens else "")
+        return (f"window {self.window}" + (f" + {self.sink_tokens} sinks" if self.sink_tokens else "")
+                + (", cache positions" if self.positions == "cache" else ""))
 
 
 _SETTING_KEYS = {"window", "sinks"}
+_SETTING_FORMS = "'full', 'window=W' or 'window=W,sinks=S[,positions=cache]' (W >= 1, S >= 0)"
 
 
 def parse_setting(text: str) -> CacheSetting:
-    """Parse a ``--setting`` SPEC: ``full``, ``window=W`` or ``window=W,sinks=S``.
+    """Parse a ``--setting`` SPEC: ``full``, ``window=W`` or ``window=W,sinks=S``, optionally
+    with ``,positions=absolute`` or ``,positions=cache``.
 
     Raises
     ------
     argparse.ArgumentTypeError
-        For an unknown key, a value that is not an integer in range, or sinks without a
-        window.
+        For an unknown key, a value that is not an integer in range, sinks without a
+        window, or ``positions=cache`` without a window and sinks.
     """
     spec = text.strip().lower()
     if spec in ("full", "full cache"):
         return CacheSetting()
-    values = {}
+    values: dict[str, int] = {}
+    positions = None
     for part in spec.split(","):
+        mode = re.fullmatch(r"\s*positions\s*=\s*(absolute|cache)\s*", part)
+        if mode is not None and positions is None:
+            positions = mode.group(1)
+            continue
         match = re.fullmatch(r"\s*([a-z_]+)\s*=\s*(\d+)\s*", part)
         if match is None or match.group(1) not in _SETTING_KEYS or match.group(1) in values:
-            raise argparse.ArgumentTypeError(
-                f"expected 'full', 'window=W' or 'window=W,sinks=S' (W >= 1, S >= 0), got {text!r}"
-            )
+            raise argparse.ArgumentTypeError(f"expected {_SETTING_FORMS}, got {text!r}")
         values[match.group(1)] = int(match.group(2))
     window, sinks = values.get("window"), values.get("sinks", 0)
     if window is None:
@@ -109,10 +122,18 @@ def parse_setting(text: str) -> CacheSetting:
             check_sink_window(window, sinks, "sinks", "window=W")  # the wording KVCache uses
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"{exc} in {text!r}") from None
+        if positions == "cache":
+            raise argparse.ArgumentTypeError(
+                f"positions=cache needs window=W and sinks=S >= 1 ({CACHE_POSITIONS_WHY}), got {text!r}"
+            )
         raise argparse.ArgumentTypeError(f"expected 'full' or 'window=W,sinks=S', got {text!r}")
     if window < 1:
         raise argparse.ArgumentTypeError(f"expected a window >= 1, got {text!r}")
-    return CacheSetting(window, sinks)
+    if positions == "cache" and sinks < 1:
+        raise argparse.ArgumentTypeError(
+            f"positions=cache needs window=W and sinks=S >= 1 ({CACHE_POSITIONS_WHY}), got {text!r}"
+        )
+    return CacheSetting(window, sinks, positions or "absolute")
 
 
 @dataclass
@@ -187,8 +208,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help=f"positions per reported segment (default {DEFAULT_SEGMENT_TOKENS})")
     add_window_arguments(parser)
     parser.add_argument("--setting", type=parse_setting, action="append", default=None, metavar="SPEC",
-                        help="cache setting to score, repeatable: 'full', 'window=W' or 'window=W,sinks=S' "
-                             "(replaces --window/--sinks)")
+                        help="cache setting to score, repeatable: 'full', 'window=W' or "
+                             "'window=W,sinks=S', optionally with ',positions=cache' "
+                             "(replaces --window/--sinks/--positions)")
     parser.add_argument("--plot", type=plot_file, default=None, metavar="OUT.png",
                         help="draw per-segment perplexity of every setting on one chart (needs matplotlib; "
                              "the extension gives the image format)")
@@ -324,7 +346,7 @@ def score_setting(model, token_ids: np.ndarray, setting: CacheSetting, *, page_s
     pages = num_pages or pages_needed(token_ids.size, setting, page_size)
     backend = PagedBackend.for_config(model.config, pages, page_size=page_size, dtype=dtype,
                                       window=setting.window, sink_tokens=setting.sink_tokens,
-                                      num_threads=num_threads)
+                                      num_threads=num_threads, positions=setting.positions)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -398,6 +420,7 @@ def _to_json(results, path, num_tokens, segment_tokens, dtype, page_size) -> dic
                 "label": r.setting.label,
                 "window": r.setting.window,
                 "sink_tokens": r.setting.sink_tokens,
+                "positions": r.setting.positions,
                 "perplexity": r.perplexity,
                 "mean_nll": float(r.nll.mean()),
                 "segment_perplexity": r.segment_perplexities(segment_tokens),
@@ -420,9 +443,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     check_window_arguments(args.parser, args)
-    if args.setting and (args.window is not None or args.sinks):
-        args.parser.error("give the cache settings either with --setting (repeatable) or with --window/--sinks")
-    settings = args.setting or [CacheSetting(args.window, args.sinks)]
+    if args.setting and (args.window is not None or args.sinks or args.positions != "absolute"):
+        args.parser.error("give the cache settings either with --setting (repeatable) or with "
+                          "--window/--sinks/--positions")
+    settings = args.setting or [CacheSetting(args.window, args.sinks, args.positions)]
     try:
         args.file = dataset_or_path(args.file)
     except DataError as exc:

@@ -35,6 +35,7 @@ from pagedkv.models.attention_backend import (
     DenseBackend,
     ForwardBatch,
     attention_mask,
+    check_positions,
 )
 from pagedkv.models.generation import (
     GenerationResult,
@@ -77,6 +78,7 @@ __all__ = [
     "RotaryEmbedding",
     "attention_mask",
     "blas_threads",
+    "check_positions",
     "decode_page_bound",
     "default_system_prompt",
     "find_smollm2_gguf",

@@ -22,6 +22,16 @@ slot mapping, and ``attend`` is a paged prefill or decode kernel.
 Window semantics (as in ``pagedkv.KVCache``): with ``window=W`` and ``sink_tokens=S`` the query at
 position ``p`` attends to the keys at positions ``[p-W+1, p]`` plus ``[0, S)``; without
 a window it attends to ``[0, p]`` (causal).
+
+Positions (the rotary positions of a windowed sequence): ``"absolute"`` rotates every
+token to its position in the sequence. ``"cache"`` gives the positions inside the cache
+of StreamingLLM (Xiao et al., 2023, "Efficient Streaming Language Models with Attention
+Sinks", section 3.2): the sinks at ``0 .. S-1`` and the window right after them, so no
+query-key distance exceeds ``S + W - 1`` however long the sequence grows. Keys are stored
+rotated to their absolute positions in both modes, which already gives every window key
+its cache distance ``p - k``; only the sink keys ``j`` need the distance
+``min(p, S + W - 1) - j``, which a second query rotated to ``min(p, S + W - 1)`` provides
+(``ForwardBatch.sink_positions``, the ``q_sink`` of :meth:`AttentionBackend.attend`).
 """
 from __future__ import annotations
 
@@ -50,12 +60,18 @@ class ForwardBatch:
         token (the sequence length before the call plus 0, 1, ...).
     is_decode : bool
         True when every sequence has exactly one new token.
+    sink_positions : numpy.ndarray or None
+        int64, shape ``[num_tokens]``: with ``"cache"`` positions, the position each
+        new query is rotated to for the sink keys, ``min(p, S + W - 1)``; None when
+        the sinks take the queries at their absolute positions (``"absolute"``
+        positions, or no query yet past ``S + W - 1``).
     """
 
     seq_ids: np.ndarray
     qo_indptr: np.ndarray
     positions: np.ndarray
     is_decode: bool
+    sink_positions: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +100,8 @@ class AttentionBackend(abc.ABC):
         Sliding window in tokens, None for full attention.
     sink_tokens : int
         Attention sinks: first positions every query keeps seeing (0 without a window).
+    positions : str
+        ``"absolute"`` or ``"cache"`` (StreamingLLM): see the module notes.
     """
 
     num_layers: int
@@ -91,6 +109,7 @@ class AttentionBackend(abc.ABC):
     head_dim: int
     window: int | None
     sink_tokens: int
+    positions: str = "absolute"
 
     @abc.abstractmethod
     def __contains__(self, seq_id: int) -> bool:
@@ -166,7 +185,8 @@ class AttentionBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def attend(self, batch: ForwardBatch, layer: int, q: np.ndarray) -> np.ndarray:
+    def attend(self, batch: ForwardBatch, layer: int, q: np.ndarray,
+               q_sink: np.ndarray | None = None) -> np.ndarray:
         """Attention output of the new queries of ``layer`` (call after :meth:`store`).
 
         Parameters
@@ -175,6 +195,11 @@ class AttentionBackend(abc.ABC):
         layer : int
         q : numpy.ndarray
             float32, shape ``[T, Hq, D]``, after the rotary embedding, not yet scaled.
+        q_sink : numpy.ndarray or None
+            float32, shape ``[T, Hq, D]``: the queries rotated to
+            ``batch.sink_positions``, which score the sink keys (positions
+            ``< sink_tokens``) in place of ``q``; pass it whenever
+            ``batch.sink_positions`` is not None, else None.
 
         Returns
         -------
@@ -231,6 +256,79 @@ def check_window(window: int | None, sink_tokens: int) -> None:
     if not isinstance(sink_tokens, (int, np.integer)) or sink_tokens < 0:
         raise ValueError(f"Invalid value of sink_tokens: expected an int >= 0, got {sink_tokens!r}")
     check_sink_window(window, sink_tokens)  # the wording KVCache and the CLI use
+
+
+POSITIONS = ("absolute", "cache")
+
+
+def check_positions(positions: str, window: int | None, sink_tokens: int) -> str:
+    """Validate a positions mode against the window and the sinks.
+
+    Parameters
+    ----------
+    positions : str
+        ``"absolute"`` or ``"cache"``.
+    window : int or None
+        Sliding window in tokens.
+    sink_tokens : int
+        Attention sinks in tokens.
+
+    Returns
+    -------
+    str
+        ``positions``.
+
+    Raises
+    ------
+    ValueError
+        If ``positions`` is not one of :data:`POSITIONS`, or is ``"cache"`` without a
+        window or without sinks: cache positions differ from absolute ones only in the
+        distance to the sink keys, so without them there is nothing to change.
+    """
+    if positions not in POSITIONS:
+        raise ValueError(f"Invalid value of positions: expected one of {POSITIONS}, got {positions!r}")
+    if positions == "cache" and (window is None or sink_tokens < 1):
+        raise ValueError(
+            "Invalid value of positions: 'cache' needs a sliding window and at least one attention "
+            "sink (cache positions change only the distance from a query to the sink keys; without "
+            "a window no key ever leaves the cache, and without sinks every distance is already the "
+            f"same as with absolute positions), got window={window!r}, sink_tokens={sink_tokens}"
+        )
+    return positions
+
+
+def sink_query_positions(positions: np.ndarray, mode: str, window: int | None,
+                         sink_tokens: int) -> np.ndarray | None:
+    """Positions the queries take for the sink keys: ``min(p, S + W - 1)`` in ``"cache"`` mode.
+
+    Parameters
+    ----------
+    positions : numpy.ndarray
+        int64, shape ``[T]``: absolute positions of the new queries.
+    mode : str
+        ``"absolute"`` or ``"cache"`` (validated by :func:`check_positions`).
+    window, sink_tokens : int
+        W and S.
+
+    Returns
+    -------
+    numpy.ndarray or None
+        int64, shape ``[T]``; None when every entry would equal ``positions``
+        (absolute mode, or no query past ``S + W - 1`` yet).
+
+    Notes
+    -----
+    A query at ``p <= S + W - 1`` has seen no key leave (its window starts at or below
+    ``S``), so its cache positions equal the absolute ones. Past that the cache holds
+    ``S + W`` keys and the query is the last of them, at cache position ``S + W - 1``
+    (StreamingLLM, Xiao et al. 2023, section 3.2).
+    """
+    if mode != "cache" or positions.size == 0:
+        return None
+    last = sink_tokens + window - 1
+    if int(positions.max()) <= last:
+        return None
+    return np.minimum(positions, last)
 
 
 def attention_mask(
@@ -301,11 +399,15 @@ class DenseBackend(AttentionBackend):
         Attention sinks S kept visible with a window (StreamingLLM, Xiao et al. 2023).
     initial_capacity : int
         Token capacity allocated for a new sequence.
+    positions : str
+        ``"absolute"`` (default) or ``"cache"`` (StreamingLLM positions inside the cache;
+        needs a window and sinks): see the module notes.
 
     Raises
     ------
     ValueError
-        For sizes < 1 or an invalid window/sink combination (see :func:`check_window`).
+        For sizes < 1, an invalid window/sink combination (see :func:`check_window`) or
+        positions mode (see :func:`check_positions`).
 
     Notes
     -----
@@ -323,12 +425,14 @@ class DenseBackend(AttentionBackend):
         window: int | None = None,
         sink_tokens: int = 0,
         initial_capacity: int = 256,
+        positions: str = "absolute",
     ) -> None:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("initial_capacity", initial_capacity)):
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"Invalid value of {name}: expected an int >= 1, got {value!r}")
         check_window(window, sink_tokens)
+        self.positions = check_positions(positions, window, sink_tokens)
         self.num_layers = int(num_layers)
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
@@ -417,6 +521,7 @@ class DenseBackend(AttentionBackend):
             qo_indptr=qo_indptr,
             positions=positions,
             is_decode=bool(np.all(counts == 1)),
+            sink_positions=sink_query_positions(positions, self.positions, self.window, self.sink_tokens),
             key_plans=plans,
         )
 
@@ -456,9 +561,15 @@ class DenseBackend(AttentionBackend):
             self._keys[s][layer, :, start:start + b - a] = k[a:b].transpose(1, 0, 2)
             self._values[s][layer, :, start:start + b - a] = v[a:b].transpose(1, 0, 2)
 
-    def attend(self, batch: ForwardBatch, layer: int, q: np.ndarray) -> np.ndarray:
+    def attend(self, batch: ForwardBatch, layer: int, q: np.ndarray,
+               q_sink: np.ndarray | None = None) -> np.ndarray:
         """Attention of one layer's queries over the cache; see :meth:`AttentionBackend.attend`."""
         self._check_batch(batch, layer, q, None, "q")
+        if q_sink is not None:
+            self._check_batch(batch, layer, q_sink, q.shape[1], "q_sink")
+            if self.window is None or self.sink_tokens == 0:
+                raise ValueError("Invalid value of q_sink: expected None for a backend without "
+                                 "attention sinks")
         num_heads = q.shape[1]
         if num_heads % self.num_kv_heads != 0:
             raise ValueError(
@@ -483,6 +594,12 @@ class DenseBackend(AttentionBackend):
             # [n, Hq, D] -> [Hkv, group * n, D]; query head h reads kv head h // group.
             q_seq = (q[a:b] * scale).reshape(n, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, group * n, d)
             scores = np.matmul(q_seq, k_seq.transpose(0, 2, 1))  # [Hkv, group*n, L]
+            num_sinks = min(self.sink_tokens, plan.ranges[0][1]) if plan.ranges[0][0] == 0 else 0
+            if q_sink is not None and num_sinks > 0:
+                # the sink keys are the first columns: score them with the sink queries
+                qs_seq = (q_sink[a:b] * scale).reshape(n, hkv, group, d).transpose(1, 2, 0, 3)
+                scores[:, :, :num_sinks] = np.matmul(qs_seq.reshape(hkv, group * n, d),
+                                                     k_seq[:, :num_sinks].transpose(0, 2, 1))
             if plan.bias is not None:
                 scores = scores.reshape(hkv, group, n, -1)
                 scores += plan.bias

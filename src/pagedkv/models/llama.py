@@ -260,6 +260,9 @@ class LlamaModel:
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         q_cols, k_cols = hq * d, hkv * d
         cos, sin = self.rope.tables(batch.positions)
+        # StreamingLLM cache positions: the sink keys take a second query rotated to
+        # min(p, S + W - 1); the stored keys keep their absolute rotation.
+        sink_tables = None if batch.sink_positions is None else self.rope.tables(batch.sink_positions)
         x = w.token_embedding[tokens]  # [T, hidden], a copy: the residual stream
         for layer, lw in enumerate(w.layers):
             h = rms_norm(x, lw.attn_norm, c.rms_norm_eps)
@@ -269,8 +272,11 @@ class LlamaModel:
             q = qk[:, :hq]
             k = qk[:, hq:]
             v = qkv[:, q_cols + k_cols :].reshape(num_tokens, hkv, d)
+            q_sink = None
+            if sink_tables is not None:
+                q_sink = RotaryEmbedding.apply(qkv[:, :q_cols].reshape(num_tokens, hq, d), *sink_tables)
             backend.store(batch, layer, np.ascontiguousarray(k), np.ascontiguousarray(v))
-            attn = backend.attend(batch, layer, np.ascontiguousarray(q))
+            attn = backend.attend(batch, layer, np.ascontiguousarray(q), q_sink)
             x += attn.reshape(num_tokens, q_cols) @ lw.o_proj
             h = rms_norm(x, lw.ffn_norm, c.rms_norm_eps)
             gate_up = h @ lw.gate_up_proj  # [T, 2 * intermediate]

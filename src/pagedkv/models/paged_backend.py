@@ -20,7 +20,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv import attention
-from pagedkv.models.attention_backend import AttentionBackend, ForwardBatch, _check_batch_arguments, check_window
+from pagedkv.models.attention_backend import (
+    AttentionBackend,
+    ForwardBatch,
+    _check_batch_arguments,
+    check_positions,
+    check_window,
+    sink_query_positions,
+)
 from pagedkv.models.threads import DEFAULT_NUM_THREADS
 from pagedkv_c._kv_cache import KVCache
 
@@ -149,18 +156,28 @@ class PagedBackend(AttentionBackend):
         :data:`~pagedkv.models.threads.DEFAULT_NUM_THREADS` (1: see
         :mod:`pagedkv.models.threads`); None: OpenMP's default (``OMP_NUM_THREADS``,
         else one per core). Results do not depend on it.
+    positions : str
+        ``"absolute"`` (default): every token at its position in the sequence.
+        ``"cache"``: StreamingLLM's positions inside the cache (sinks at ``0 .. S-1``,
+        the window after them; needs a window and sinks). Keys stay stored at their
+        absolute rotation; the sink keys are scored with a second query rotated to
+        ``min(p, S + W - 1)`` (the kernels' ``q_sink``), so no stored key is ever
+        rotated again. See :mod:`pagedkv.models.attention_backend`.
 
     Attributes
     ----------
     cache : pagedkv.KVCache
         The paged storage; ``cache.stats()`` reports pages in use, the peak, window
         evictions and bytes.
+    positions : str
+        The positions mode given.
 
     Raises
     ------
     ValueError
         For sizes out of range, an unsupported dtype, ``sink_tokens`` without a window
-        (a cache would silently ignore them) or ``num_threads`` < 1.
+        (a cache would silently ignore them), ``num_threads`` < 1, or ``positions``
+        not ``"absolute"``/``"cache"`` or ``"cache"`` without a window and sinks.
     MemoryError
         If the pool cannot be allocated.
 
@@ -183,11 +200,13 @@ class PagedBackend(AttentionBackend):
         window: int | None = None,
         sink_tokens: int = 0,
         num_threads: int | None = DEFAULT_NUM_THREADS,
+        positions: str = "absolute",
     ) -> None:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("num_pages", num_pages), ("page_size", page_size)):
             _check_size(name, value, 1)
         check_window(window, sink_tokens)
+        check_positions(positions, window, sink_tokens)
         if num_threads is not None:
             _check_size("num_threads", num_threads, 1)
         try:
@@ -202,6 +221,7 @@ class PagedBackend(AttentionBackend):
         self.window = None if window is None else int(window)
         self.sink_tokens = int(sink_tokens)
         self.num_threads = None if num_threads is None else int(num_threads)
+        self.positions = positions
         self.cache = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, int(num_pages),
                              page_size=int(page_size), dtype=np_dtype, window=self.window,
                              sink_tokens=self.sink_tokens)
@@ -298,6 +318,7 @@ class PagedBackend(AttentionBackend):
             qo_indptr=qo_indptr,
             positions=positions,
             is_decode=num_tokens == seq_ids.size,
+            sink_positions=sink_query_positions(positions, self.positions, self.window, self.sink_tokens),
             slot_mapping=slot_mapping,
         )
 
@@ -310,10 +331,12 @@ class PagedBackend(AttentionBackend):
         self._check_batch(batch)
         self.cache.store(layer, batch.slot_mapping, k, v)
 
-    def attend(self, batch: ForwardBatch, layer: int, q: np.ndarray) -> np.ndarray:
+    def attend(self, batch: ForwardBatch, layer: int, q: np.ndarray,
+               q_sink: np.ndarray | None = None) -> np.ndarray:
         """Attention of one layer's queries over the cache; see :meth:`AttentionBackend.attend`."""
         self._check_batch(batch)
         if batch.is_decode:
-            return attention.decode(q, self.cache, layer, batch.seq_ids, num_threads=self.num_threads)
+            return attention.decode(q, self.cache, layer, batch.seq_ids, num_threads=self.num_threads,
+                                    q_sink=q_sink)
         return attention.prefill(q, self.cache, layer, batch.seq_ids, batch.qo_indptr,
-                                 num_threads=self.num_threads)
+                                 num_threads=self.num_threads, q_sink=q_sink)
