@@ -15,7 +15,7 @@ at most ``(P - 1) // page_size`` pages served, and one cached page per hash
 duplicates, which changes which page is evicted later). Page hashes use the
 same hash function as pagedkv (XXH3-128 from the ``xxhash`` package, or
 SHA-256 truncated to 128 bits from ``hashlib``) over the same bytes per page:
-parent hash, salt (zeros), block id, index of the page in its block and a domain tag.
+parent hash, salt (zeros), block id, index of the page in its block, pages per block and a domain tag.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import struct
 
 import xxhash
 
-_PAGE_KEY = struct.Struct("<qIB")     # block id (int64), page index in the block (uint32), domain tag 0x42
+_PAGE_KEY = struct.Struct("<qIIB")    # block id (int64), page index in the block, pages per block (uint32), tag 0x42
 _ROOT_HASH = bytes(16)                # parent hash of a prompt's first page
 _SALT = bytes(16)                     # no per-request salt
 
@@ -175,7 +175,7 @@ def hash_request_pages(block_ids: list[int], pages_per_block: int, num_full_page
     parent = _ROOT_HASH
     for page in range(num_full_pages):
         parent = hash_function(
-            parent + _SALT + _PAGE_KEY.pack(block_ids[page // pages_per_block], page % pages_per_block, 0x42))
+            parent + _SALT + _PAGE_KEY.pack(block_ids[page // pages_per_block], page % pages_per_block, pages_per_block, 0x42))
         hashes.append(parent)
     return hashes
 

@@ -16,10 +16,12 @@ Hashed bytes (all integers little-endian; ``parent`` is zeros for the first page
 token-keyed page          ``parent.lo, parent.hi, salt.lo, salt.hi``
 (32 + 4 * page_size B)    (uint64 each), then the page's ``page_size``
                           token ids (int32 each)
-block-keyed page (45 B)   ``parent.lo, parent.hi, salt.lo, salt.hi``
+block-keyed page (49 B)   ``parent.lo, parent.hi, salt.lo, salt.hi``
                           (uint64 each), the block id (int64), the page's
-                          index inside its block (uint32), then the domain
-                          tag byte ``0x42`` (``b"B"``)
+                          index inside its block (uint32), the pages per
+                          block (uint32: the same id over blocks of another
+                          size is other content), then the domain tag byte
+                          ``0x42`` (``b"B"``)
 salt digest ``s``         ``H(b"pagedkv-salt\\x00" + t + value)`` with the
                           type tag ``t`` = ``b"s"`` (str, UTF-8), ``b"b"``
                           (bytes) or ``b"i"`` (int, decimal ASCII)
@@ -27,7 +29,7 @@ salt digest ``s``         ``H(b"pagedkv-salt\\x00" + t + value)`` with the
 
 The domain of a page is part of its input: a token-keyed input is a whole
 number of 4-byte words (32 + 4 * page_size bytes), a block-keyed input is
-45 bytes, one more than a multiple of four, ending in the tag. No token-keyed
+49 bytes, one more than a multiple of four, ending in the tag. No token-keyed
 input can therefore equal a block-keyed input, whatever the token ids (-1 and
 the int32 extremes included), block ids, salts or page sizes. On top of the
 hash, a block-keyed lookup never accepts a page registered by a token-keyed
@@ -80,12 +82,12 @@ ALGORITHMS = {"xxh3_128": HASH_XXH3_128, "sha256": HASH_SHA256}
 _NO_HASHES = np.zeros((0, 2), dtype=np.uint64)
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
 _MASK64 = (1 << 64) - 1
-# Domain tag of pages keyed by external block ids: the last of their 45
+# Domain tag of pages keyed by external block ids: the last of their 49
 # hashed bytes (token-keyed inputs are a multiple of 4 bytes long).
 cdef uint64_t _BLOCK_TAG = 0x42
-# Bytes hashed per block-keyed page: parent, salt, block id, index, tag.
+# Bytes hashed per block-keyed page: parent, salt, block id, index, pages per block, tag.
 cdef enum:
-    BLOCK_INPUT_BYTES = 45
+    BLOCK_INPUT_BYTES = 49
 
 
 def xxh3_in_c():
@@ -196,13 +198,14 @@ cdef int hash_block_pages(int algorithm, hash128 parent, hash128 salt, const int
     """Chained hashes of pages keyed by external block ids.
 
     Global page g lies in block ``g // pages_per_block`` at index ``j = g %
-    pages_per_block``; it hashes 45 bytes: ``parent, salt`` (as above), the
-    block id (int64), ``j`` (uint32) and the domain tag byte 0x42 (see the
+    pages_per_block``; it hashes 49 bytes: ``parent, salt`` (as above), the
+    block id (int64), ``j`` and ``pages_per_block`` (uint32 each) and the
+    domain tag byte 0x42 (see the
     module notes: no token-keyed input has that length). ``block_ids`` is
     indexed from the first block; pages ``first_page .. first_page +
     num_pages - 1`` are hashed, chained on ``parent``.
     """
-    cdef char buffer[48]
+    cdef char buffer[56]
     cdef Py_ssize_t i
     cdef Py_ssize_t block = first_page // pages_per_block
     cdef uint32_t j = <uint32_t>(first_page % pages_per_block)
@@ -210,7 +213,7 @@ cdef int hash_block_pages(int algorithm, hash128 parent, hash128 salt, const int
     memcpy(buffer + 16, &salt, 16)
     for i in range(num_pages):
         memcpy(buffer, &parent, 16)
-        _write_block_content(buffer, block_ids[block], j)
+        _write_block_content(buffer, block_ids[block], j, <uint32_t>pages_per_block)
         if fast:
             pkv_xxh3_128(buffer, BLOCK_INPUT_BYTES, &parent.lo, &parent.hi)
         else:
@@ -228,16 +231,20 @@ cdef inline void _write_token_content(char* buffer, const int32_t* tokens, Py_ss
     memcpy(buffer + 32, tokens, 4 * page_size)
 
 
-cdef inline void _write_block_content(char* buffer, int64_t block_id, uint32_t j) noexcept nogil:
-    """Bytes 32 .. 47 of a block-keyed page's input (bytes 32 .. 44 are hashed).
+cdef inline void _write_block_content(char* buffer, int64_t block_id, uint32_t j,
+                                      uint32_t pages_per_block) noexcept nogil:
+    """Bytes 32 .. 55 of a block-keyed page's input (bytes 32 .. 48 are hashed).
 
-    Bytes 40 .. 47 (j, the tag, padding) are written as one uint64: a 4-byte
-    store of j read back by the hash's 8-byte load would defeat
-    store-to-load forwarding and stall every page (little-endian, as above).
+    Bytes 40 .. 47 (j, pages per block) and 48 .. 55 (the tag, padding) are
+    written as uint64s: 4-byte stores read back by the hash's 8-byte loads
+    would defeat store-to-load forwarding and stall every page
+    (little-endian, as above).
     """
-    cdef uint64_t index_and_tag = (_BLOCK_TAG << 32) | j
+    cdef uint64_t index_and_size = (<uint64_t>pages_per_block << 32) | j
+    cdef uint64_t tag = _BLOCK_TAG
     memcpy(buffer + 32, &block_id, 8)
-    memcpy(buffer + 40, &index_and_tag, 8)
+    memcpy(buffer + 40, &index_and_size, 8)
+    memcpy(buffer + 48, &tag, 8)
 
 
 cdef bytes _head_bytes(object parent, object salt):
@@ -273,7 +280,7 @@ def token_page_input(parent, salt, token_ids):
     return bytes(buffer)
 
 
-def block_page_input(parent, salt, block_id, index_in_block):
+def block_page_input(parent, salt, block_id, index_in_block, pages_per_block):
     """The bytes hashed for a block-keyed page (the writer the hash chain uses).
 
     Parameters
@@ -285,23 +292,28 @@ def block_page_input(parent, salt, block_id, index_in_block):
         the same 64 bits, as in ``KVCache.add_sequence``.
     index_in_block : int
         Index of the page inside its block, ``0 <= index_in_block < 2**31``.
+    pages_per_block : int
+        Pages per block (``block_tokens // page_size``), ``1 <= pages_per_block
+        < 2**31``.
 
     Returns
     -------
     bytes
-        45 bytes, laid out as in the module notes.
+        49 bytes, laid out as in the module notes.
     """
-    cdef char buffer[48]
+    cdef char buffer[56]
     value = int(block_id)
     if not -2**63 <= value < 2**64:
         raise ValueError(f"Invalid value of block_id: expected an int64 or uint64 id, got {value}")
     if not 0 <= index_in_block < 2**31:
         raise ValueError(f"Invalid value of index_in_block: expected 0 <= index_in_block < 2**31, got {index_in_block}")
     cdef int64_t block = value - 2**64 if value >= 2**63 else value
+    if not 1 <= pages_per_block < 2**31:
+        raise ValueError(f"Invalid value of pages_per_block: expected 1 <= pages_per_block < 2**31, got {pages_per_block}")
     cdef uint32_t j = <uint32_t>index_in_block
     head = _head_bytes(parent, salt)
     memcpy(buffer, <const char*>head, 32)
-    _write_block_content(buffer, block, j)
+    _write_block_content(buffer, block, j, <uint32_t>pages_per_block)
     return buffer[:BLOCK_INPUT_BYTES]
 
 

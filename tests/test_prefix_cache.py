@@ -482,8 +482,8 @@ def test_block_keyed_hashes_are_the_documented_chain_over_many_pages():
     table = cache.page_table([0])
     parent = 0
     for k in range(50):
-        # 45 bytes: parent, salt, block id, index in block, domain tag b"B"
-        data = struct.pack("<QQQQqIB", parent & (2**64 - 1), parent >> 64, 0, 0, blocks[k // 4], k % 4, 0x42)
+        # 49 bytes: parent, salt, block id, index in block, pages per block, domain tag b"B"
+        data = struct.pack("<QQQQqIIB", parent & (2**64 - 1), parent >> 64, 0, 0, blocks[k // 4], k % 4, 4, 0x42)
         parent = xxhash.xxh3_128_intdigest(data)
         assert index.page_hash(int(table.indices[k])) == parent, k
     # A second request with the same blocks is served every full page but the last token's.

@@ -59,8 +59,8 @@ def test_issue_case_block_page_never_serves_a_token_request():
 
 def test_issue_case_bytes_differ():
     tokens = token_page_input(0, 0, [7, 5, 0, -1])
-    block = block_page_input(0, 0, (5 << 32) | 7, 0)
-    assert len(tokens) == 48 and len(block) == 45 and block[-1:] == b"B"
+    block = block_page_input(0, 0, (5 << 32) | 7, 0, 1)
+    assert len(tokens) == 48 and len(block) == 49 and block[-1:] == b"B"
     assert tokens != block
 
 
@@ -105,14 +105,14 @@ def test_block_hashes_are_xxh3_of_the_documented_bytes(extra_key):
     parent = 0
     pages = cache.page_table([0]).indices.tolist()
     for k in range(15 // page_size):
-        data = block_page_input(parent, salt, blocks[k // 2], k % 2)
-        assert len(data) == 45
+        data = block_page_input(parent, salt, blocks[k // 2], k % 2, 2)
+        assert len(data) == 49
         parent = xxhash.xxh3_128_intdigest(data)
         assert cache.prefix_index.page_hash(pages[k]) == parent
 
 
 def test_uint64_block_ids_hash_as_their_int64_bits():
-    assert block_page_input(1, 2, 2**64 - 1, 0) == block_page_input(1, 2, -1, 0)
+    assert block_page_input(1, 2, 2**64 - 1, 0, 1) == block_page_input(1, 2, -1, 0, 1)
 
 
 # ------------------------------------------------------------ no two inputs share bytes
@@ -124,14 +124,15 @@ hash128 = st.one_of(st.sampled_from([0, 1, 2**64 - 1, 2**64, 2**128 - 1]), st.in
 salt_key = st.one_of(st.none(), st.integers(-3, 3), st.sampled_from(["", "1", "-1", b"", b"1", b"-1"]),
                      st.text(max_size=4), st.binary(max_size=4), st.integers(*INT64))
 token_page = st.tuples(st.just("t"), hash128, hash128, st.lists(token_id, min_size=1, max_size=8).map(tuple))
-block_page = st.tuples(st.just("b"), hash128, hash128, block_id, st.integers(0, 2**31 - 1))
+block_page = st.tuples(st.just("b"), hash128, hash128, block_id, st.integers(0, 2**31 - 1),
+                       st.integers(1, 2**31 - 1))
 page = st.one_of(token_page, block_page)
 
 
 def page_bytes(desc):
     if desc[0] == "t":
         return token_page_input(desc[1], desc[2], list(desc[3]))
-    return block_page_input(desc[1], desc[2], desc[3], desc[4])
+    return block_page_input(desc[1], desc[2], desc[3], desc[4], desc[5])
 
 
 def forgeries(desc):
@@ -143,11 +144,14 @@ def forgeries(desc):
     if desc[0] == "t" and len(desc[3]) >= 2:
         t = desc[3]
         out.append(("b", desc[1], desc[2], int64((t[1] << 32) | (t[0] & 0xFFFFFFFF)),
-                    (t[2] & 0xFFFFFFFF) if len(t) > 2 and t[2] >= 0 else 0))
+                    (t[2] & 0xFFFFFFFF) if len(t) > 2 and t[2] >= 0 else 0,
+                    (t[3] & 0x7FFFFFFF) or 1 if len(t) > 3 else 1))
         out.append(("t", desc[1], desc[2], t[:-1] + (int32(t[-1] + 1),)))
     if desc[0] == "b":
-        out.append(("b", desc[1], desc[2], desc[3], (desc[4] + 1) % 2**31))
-        out.append(("b", desc[1], desc[2], int64(desc[3] + 1), desc[4]))
+        out.append(("b", desc[1], desc[2], desc[3], (desc[4] + 1) % 2**31, desc[5]))
+        out.append(("b", desc[1], desc[2], int64(desc[3] + 1), desc[4], desc[5]))
+        # The same block id and index over blocks of another size: other content.
+        out.append(("b", desc[1], desc[2], desc[3], desc[4], desc[5] % (2**31 - 1) + 1))
     return out
 
 
@@ -247,3 +251,15 @@ def test_a_prefix_hit_equals_a_cold_computation(page_size, pages_per_block, requ
             assert np.array_equal(k[p, 0], want_k) and np.array_equal(v[p, 0], want_v), (p, hit)
         cache.check_invariants()
         cache.remove_sequence(seq_id)
+
+
+def test_a_block_id_over_blocks_of_another_size_is_no_hit():
+    """Block id 3 over 5-token blocks and over 10-token blocks names different content:
+    the first page of one must not serve the other (pages per block are hashed)."""
+    cache = new_cache(5)
+    cache.add_sequence(1, block_hashes=[3, 2], block_tokens=5, num_prompt_tokens=10, extra_key=1)
+    cache.append([1], [10], return_slot_mapping=False)
+    assert cache.add_sequence(4, block_hashes=[3, 4], block_tokens=10, num_prompt_tokens=20, extra_key=1) == 0
+    # The same block size still hits.
+    assert cache.add_sequence(5, block_hashes=[3, 2], block_tokens=5, num_prompt_tokens=10, extra_key=1) == 5
+    cache.check_invariants()
