@@ -241,8 +241,9 @@ def default_system_prompt(template_source) -> str | None:
     Pass the tokenizer: ``default_system_prompt(tokenizer)`` (or its
     ``tokenizer.chat_template`` text). SmolLM2-Instruct's template (in the GGUF's
     ``tokenizer.chat_template``, the same as the model card's) starts a chat without a
-    system message with ``<|im_start|>system\nYou are a helpful AI assistant named
-    SmolLM, trained by Hugging Face<|im_end|>``.
+    system message with the system turn ``<|im_start|>system``, a newline, then
+    ``You are a helpful AI assistant named SmolLM, trained by Hugging Face`` and
+    ``<|im_end|>``.
 
     Parameters
     ----------
