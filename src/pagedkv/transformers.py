@@ -111,36 +111,46 @@ class _PagedLayer(CacheLayerMixin):
         self._layer_idx = layer_idx
 
     def lazy_initialization(self, key_states, value_states) -> None:
+        """Mark the layer initialized: its K/V live in the owner's pool, nothing to allocate."""
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        """Store this layer's new K/V through :meth:`PagedCache.update` (same arguments and result)."""
         return self._owner.update(key_states, value_states, self._layer_idx, *args, **kwargs)
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        """(kv_length, kv_offset) in tokens, from :meth:`PagedCache.get_mask_sizes`."""
         return self._owner.get_mask_sizes(query_length, self._layer_idx)
 
     def get_seq_length(self) -> int:
+        """Cached tokens of the batch, from :meth:`PagedCache.get_seq_length`."""
         return self._owner.get_seq_length(self._layer_idx)
 
     def get_max_length(self) -> int:
+        """-1: no fixed maximum length in tokens (pages are taken as needed)."""
         return -1
 
     def get_max_cache_shape(self) -> int:
+        """-1: no fixed cache shape (pages are taken as needed)."""
         return -1
 
     def reset(self) -> None:
         """Nothing per layer: :meth:`PagedCache.reset` releases the shared sequences."""
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Raise RuntimeError: rows share page tables across layers; crop the whole PagedCache."""
         raise RuntimeError("Invalid call of crop on a layer of a PagedCache: call PagedCache.crop")
 
     def reorder_cache(self, beam_idx) -> None:
+        """Raise RuntimeError: reorder the whole PagedCache instead."""
         raise RuntimeError("Invalid call of reorder_cache on a layer of a PagedCache: call PagedCache.reorder_cache")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Raise RuntimeError: repeat rows of the whole PagedCache instead."""
         raise RuntimeError("Invalid call on a layer of a PagedCache: call PagedCache.batch_repeat_interleave")
 
     def batch_select_indices(self, indices) -> None:
+        """Raise RuntimeError: select rows of the whole PagedCache instead."""
         raise RuntimeError("Invalid call on a layer of a PagedCache: call PagedCache.batch_select_indices")
 
 
@@ -323,6 +333,7 @@ class PagedCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
+        """False: the pages are NumPy memory, not torch.compile-able static tensors."""
         return False
 
     # ------------------------------------------------------------------ pool

@@ -89,6 +89,7 @@ class _ProgressBar:
         self._bar.update(done - self._bar.n)
 
     def close(self) -> None:
+        """Close the progress bar, if one was shown."""
         if self._bar is not None:
             self._bar.close()
 

@@ -274,6 +274,7 @@ def generate(
     rng = None if greedy else np.random.default_rng(seed)
 
     def choose(row: np.ndarray) -> int:
+        """Next token id from one row of logits, shape (vocab_size,): argmax or a sample."""
         if greedy:
             return int(np.argmax(row))
         return sample_token(row, rng, temperature=temperature, top_k=top_k, top_p=top_p)

@@ -148,6 +148,7 @@ class LlamaModel:
 
     @num_threads.setter
     def num_threads(self, value: int | None) -> None:
+        """Set the BLAS threads of :meth:`forward` (None: leave the process's setting)."""
         self._blas = BlasThreadLimit(value)
 
     @classmethod
