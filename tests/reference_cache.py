@@ -17,6 +17,8 @@ slot arithmetic:
 import itertools
 import math
 
+import numpy as np
+
 
 class OutOfPages(Exception):
     pass
@@ -186,18 +188,22 @@ class RefCache:
 class RefClassicCache:
     """The classic single-stream cache (``PagedKVCache``) in plain Python.
 
-    A dict of logical pages (each a dict offset -> (key, value) in the cache
-    dtype) and a FIFO list of resident logical pages, oldest first: a put
-    into a page that is not resident, with ``max_pages`` resident, evicts
-    the oldest page and all of its tokens.
+    A dict of logical pages and a FIFO list of resident logical pages, oldest
+    first: a put into a page that is not resident, with ``max_pages``
+    resident, evicts the oldest page and all of its tokens.
+
+    Each page is a dict offset -> (key, value); keys and values are stored as
+    arrays of the cache dtype, as ``numpy.array(x, dtype)`` casts them.
     """
 
     def __init__(self, max_pages, dim, page_size, dtype):
         self.max_pages, self.dim, self.page_size = max_pages, dim, page_size
-        self.dtype = dtype
+        self.dtype = np.dtype(dtype)
         self.pages = {}
-        self.fifo = []  # resident logical pages, oldest first
+        self.fifo = []  # logical pages, oldest first
         self.evictions = 0
+        self.hits = 0  # lookups by get/get_many that found the token (counted by the caller)
+        self.misses = 0
 
     def put(self, token, key, value):
         logical_page, offset = divmod(token, self.page_size)
@@ -207,22 +213,34 @@ class RefClassicCache:
                 self.evictions += 1
             self.pages[logical_page] = {}
             self.fifo.append(logical_page)
-        self.pages[logical_page][offset] = (key.astype(self.dtype), value.astype(self.dtype))
+        self.pages[logical_page][offset] = (
+            np.array(key, dtype=self.dtype),
+            np.array(value, dtype=self.dtype),
+        )
 
     def get(self, token):
         logical_page, offset = divmod(token, self.page_size)
         return self.pages.get(logical_page, {}).get(offset)
 
+    def lookup(self, token):
+        """``get`` that counts a hit or a miss, as the cache's get and get_many do."""
+        found = self.get(token)
+        if found is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return found
+
     def clear(self):
         self.pages.clear()
         self.fifo.clear()
 
+    def tokens(self):
+        """Present token indices, ascending."""
+        return sorted(page * self.page_size + offset for page, slots in self.pages.items() for offset in slots)
+
     def __len__(self):
         return sum(len(page) for page in self.pages.values())
-
-    def tokens(self):
-        """Every present token index, increasing."""
-        return sorted(k * self.page_size + o for k, page in self.pages.items() for o in page)
 
 
 class RefPagePool:

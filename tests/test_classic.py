@@ -5,62 +5,9 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pagedkv import PagedKVCache
+from reference_cache import RefClassicCache
 
 INT64_MAX = 2**63 - 1
-
-
-class ReferenceCache:
-    """The classic algorithm in plain Python: a dict of pages and a FIFO list of pages.
-
-    Each page is a dict offset -> (key, value); keys and values are stored as
-    arrays of the cache dtype, as ``numpy.array(x, dtype)`` casts them.
-    """
-
-    def __init__(self, max_pages, dim, page_size, dtype):
-        self.max_pages, self.dim, self.page_size = max_pages, dim, page_size
-        self.dtype = np.dtype(dtype)
-        self.pages = {}
-        self.fifo = []  # logical pages, oldest first
-        self.evictions = 0
-        self.hits = 0  # lookups by get/get_many that found the token (counted by the caller)
-        self.misses = 0
-
-    def put(self, token, key, value):
-        logical_page, offset = divmod(token, self.page_size)
-        if logical_page not in self.pages:
-            if len(self.fifo) == self.max_pages:
-                del self.pages[self.fifo.pop(0)]
-                self.evictions += 1
-            self.pages[logical_page] = {}
-            self.fifo.append(logical_page)
-        self.pages[logical_page][offset] = (
-            np.array(key, dtype=self.dtype),
-            np.array(value, dtype=self.dtype),
-        )
-
-    def get(self, token):
-        logical_page, offset = divmod(token, self.page_size)
-        return self.pages.get(logical_page, {}).get(offset)
-
-    def lookup(self, token):
-        """``get`` that counts a hit or a miss, as the cache's get and get_many do."""
-        found = self.get(token)
-        if found is None:
-            self.misses += 1
-        else:
-            self.hits += 1
-        return found
-
-    def clear(self):
-        self.pages.clear()
-        self.fifo.clear()
-
-    def tokens(self):
-        """Present token indices, ascending."""
-        return sorted(page * self.page_size + offset for page, slots in self.pages.items() for offset in slots)
-
-    def __len__(self):
-        return sum(len(page) for page in self.pages.values())
 
 
 def same_array(got, expected):
@@ -232,7 +179,7 @@ def test_put_many_spanning_more_pages_than_the_limit_evicts_within_the_call():
     cache = PagedKVCache(2, 1, page_size=2)
     tokens = [0, 1, 2, 3, 4, 0, 5]  # page 0 is evicted by page 2, then comes back
     cache.put_many(tokens, rows(7, 1), rows(7, 1, start=100))
-    reference = ReferenceCache(2, 1, 2, np.float32)
+    reference = RefClassicCache(2, 1, 2, np.float32)
     for token, key, value in zip(tokens, rows(7, 1), rows(7, 1, start=100)):
         reference.put(token, key, value)
     assert cache.resident_pages.tolist() == reference.fifo == [2, 0]
@@ -534,7 +481,7 @@ FORMS = st.sampled_from(["exact", "list", "float64", "strided"])
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """Random put/get/put_many/get_many/clear and failing calls against ReferenceCache."""
+    """Random put/get/put_many/get_many/clear and failing calls against RefClassicCache."""
 
     @initialize(
         max_pages=st.integers(1, 4),
@@ -544,7 +491,7 @@ class CacheMachine(RuleBasedStateMachine):
     )
     def make(self, max_pages, page_size, dim, dtype):
         self.cache = PagedKVCache(max_pages, dim, page_size=page_size, dtype=dtype)
-        self.model = ReferenceCache(max_pages, dim, page_size, dtype)
+        self.model = RefClassicCache(max_pages, dim, page_size, dtype)
         self.dim = dim
         self.counter = 0
         self.seen = set()

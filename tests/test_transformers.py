@@ -36,19 +36,24 @@ import pagedkv.transformers as pt  # noqa: E402
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and precisely."
 
 
+def smollm2_gguf():
+    """Path of the SmolLM2 GGUF; a skip saying how to install it (a failure when REQUIRED)."""
+    from pagedkv.models import find_smollm2_gguf
+
+    try:
+        return find_smollm2_gguf()
+    except FileNotFoundError as exc:
+        if REQUIRED:
+            raise
+        pytest.skip(str(exc))
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2():
     """(model, tokenizer) of SmolLM2-135M-Instruct loaded by transformers from its GGUF."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedkv.models import find_smollm2_gguf
-
-    try:
-        path = find_smollm2_gguf()
-    except FileNotFoundError as exc:
-        if REQUIRED:
-            raise
-        pytest.skip(str(exc))
+    path = smollm2_gguf()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # One thread for torch and the paged kernels alike: the machines that run the suite
     # are small, and the comparisons below do not depend on the thread count.
@@ -255,14 +260,9 @@ def test_prefix_caching_reuses_a_shared_prompt_across_requests(model, tokenizer)
 @pytest.fixture(scope="session")
 def numpy_smollm2():
     """pagedkv's own NumPy SmolLM2 (same GGUF file), for the window and sink reference."""
-    from pagedkv.models import LlamaModel, find_smollm2_gguf
+    from pagedkv.models import LlamaModel
 
-    try:
-        path = find_smollm2_gguf()
-    except FileNotFoundError as exc:
-        if REQUIRED:
-            raise
-        pytest.skip(str(exc))
+    path = smollm2_gguf()
     return LlamaModel.from_gguf(path)[0]
 
 
