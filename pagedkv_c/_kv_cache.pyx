@@ -1067,14 +1067,17 @@ cdef class KVCache:
         return view
 
     # ------------------------------------------------------------ reporting
-    def stats(self, *, bint histograms=False):
+    def stats(self, *, bint metrics=False):
         """Usage counters.
 
         Parameters
         ----------
-        histograms : bool
-            Also return ``prefix_hit_histogram`` (with prefix caching), a
-            tuple; the other values are numbers.
+        metrics : bool
+            Also return the counters that only :mod:`pagedkv.metrics` needs:
+            ``out_of_pages_errors`` and, with prefix caching,
+            ``prefix_hit_histogram`` (a tuple; every other value is a number).
+            Without them the dict is the same before and after a call that
+            raised.
 
         Returns
         -------
@@ -1095,14 +1098,14 @@ cdef class KVCache:
             taken from the free queue: new pages and copy-on-write copies; a
             cached free page taken back by a prefix hit is not counted);
             ``ring_reuses`` (window pages a sequence's ring reused in place,
-            without the free queue); ``out_of_pages_errors``
-            (``OutOfPagesError`` raised by :meth:`append`);
-            ``sequences_added`` (sequences created by :meth:`add_sequence`
+            without the free queue); ``sequences_added`` (sequences created by :meth:`add_sequence`
             and :meth:`fork`). With prefix caching also
             ``prefix_cached_free_pages`` (free pages still findable by hash,
             a subset of ``prefix_cached_pages``) and ``prefix_lookups``
             (:meth:`add_sequence` calls that looked up a prompt); with
-            ``histograms=True`` also ``prefix_hit_histogram``: a tuple of ``len(PREFIX_HIT_BUCKETS) +
+            ``metrics=True`` also ``out_of_pages_errors``
+            (``OutOfPagesError`` raised by :meth:`append`) and, with prefix
+            caching, ``prefix_hit_histogram``: a tuple of ``len(PREFIX_HIT_BUCKETS) +
             1`` counts, lookups whose served tokens ``h`` were at most each
             bound of ``pagedkv_c._kv_cache.PREFIX_HIT_BUCKETS`` (in tokens:
             0, 16, 32, ..., ``2**20``) and above the previous one, the last
@@ -1124,7 +1127,7 @@ cdef class KVCache:
                     "prefix_cached_free_pages": self.pool.q.num_cached_free,
                     "prefix_lookups": sum(hit_counts),
                 }
-                if histograms:
+                if metrics:
                     extra["prefix_hit_histogram"] = hit_counts
             return {
                 "pages_in_use": in_use,
@@ -1139,9 +1142,8 @@ cdef class KVCache:
                 "num_pages": self.pool.num_pages,
                 "pages_allocated": self.pool.num_taken,
                 "ring_reuses": self.pool.num_reused_in_place,
-                "out_of_pages_errors": self._num_out_of_pages,
                 "sequences_added": self._sequences_added,
-            } | extra
+            } | extra | ({"out_of_pages_errors": self._num_out_of_pages} if metrics else {})
         finally:
             self._lock.leave()
 
