@@ -20,6 +20,7 @@ import gc
 import math
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -528,3 +529,38 @@ def test_prefix_hit_histogram_in_stats_counts_each_lookup_once():
     assert stats["prefix_lookups"] == len(served) and sum(served) == stats["prefix_hits"]
     assert served == [0, 40, 8, 16, 0, 0, 36]
     assert math.isclose(stats["prefix_hit_rate"], sum(served) / sum([41, 41, 9, 17, 1, 0, 40]))
+
+
+@needs_prometheus
+def test_generate_cli_serves_metrics_and_writes_the_state_its_report_prints(smollm2, tmp_path, capsys,
+                                                                             monkeypatch):
+    from pagedkv import cli
+    from pagedkv.models import LlamaModel
+
+    model, tokenizer = smollm2
+    monkeypatch.setattr(LlamaModel, "from_gguf", classmethod(lambda cls, path=None: (model, tokenizer)))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The capital of France is\nOnce upon a time\n")
+    metrics_file = tmp_path / "generate.prom"
+    status = cli.main(["generate", "--prompts", str(prompts), "--max-new-tokens", "12", "--window", "8",
+                       "--sinks", "2", "--page-size", "4", "--dtype", "float32", "--metrics-port", "0",
+                       "--metrics-file", str(metrics_file)])
+    err = capsys.readouterr().err
+    assert status == 0
+    assert "pagedkv generate: serving metrics at http://127.0.0.1:" in err
+    scraped = parse(metrics_file.read_text())
+    info = dict(next(iter(scraped["pagedkv_cache_config_info"])))
+    assert info == {"cache": "KVCache", "num_layers": str(model.config.num_layers),
+                    "num_kv_heads": str(model.config.num_kv_heads), "head_dim": str(model.config.head_dim),
+                    "num_pages": info["num_pages"], "page_size": "4", "dtype": "float32", "window": "8",
+                    "sink_tokens": "2", "prefix_caching": "false", "prefix_hash": "none"}
+    # The file holds the state the report on stderr describes (before the sequences are released).
+    report = re.search(r"pages in use (\d+) .*peak (\d+) .*evictions (\d+), tokens appended (\d+)", err)
+    in_use, peak, released, appended = map(int, report.groups())
+    assert value(scraped, "pagedkv_pages_in_use") == in_use
+    assert value(scraped, "pagedkv_pages_in_use_peak") == peak
+    assert value(scraped, "pagedkv_window_pages_released_total") == released > 0
+    assert value(scraped, "pagedkv_tokens_appended_total") == appended
+    assert value(scraped, "pagedkv_sequences") == value(scraped, "pagedkv_sequences_added_total") == 2
+    assert value(scraped, "pagedkv_out_of_pages_errors_total") == 0
+    assert value(scraped, "pagedkv_num_pages") == int(info["num_pages"])
