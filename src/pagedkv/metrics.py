@@ -202,7 +202,7 @@ class Collector:
         if cache is None:
             self._leave_registries()
             return iter(())
-        stats = cache.stats() if self._classic else cache.stats(metrics=True)
+        stats: dict[str, Any] = cache.stats(metrics=True) if isinstance(cache, KVCache) else cache.stats()
         del cache  # the weak reference alone decides the collector's life
         return self._families(stats)
 
@@ -303,4 +303,5 @@ def exposition_text(collector: Collector) -> str:
     prom = _prometheus()
     registry = prom.CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    return prom.generate_latest(registry).decode()
+    text: bytes = prom.generate_latest(registry)
+    return text.decode()
