@@ -2,7 +2,7 @@
 cimport cython
 from pagedkv_c._types cimport int32_t, int64_t, page_id_t
 from pagedkv_c._pool cimport PagePool
-from pagedkv_c._prefix cimport PrefixIndex
+from pagedkv_c._prefix cimport PrefixIndex, SequenceHashes
 from pagedkv_c._page_table cimport PageTable
 from pagedkv_c._lock cimport CacheLock
 
@@ -40,3 +40,8 @@ cdef class KVCache:
     cdef int64_t _serve_prefix(self, PageTable table, const int32_t* prompt, int64_t prompt_len,
                                int64_t servable, page_id_t* hit) except -1
     cdef int _register_full_pages(self, PageTable table) except -1
+    # Shared tier (pagedkv.tiers): sealed pages go to it, add_sequence fetches from it.
+    cdef object _tier                     # the tier, or None
+    cdef int64_t _tier_hits               # prompt tokens served from the tier, in tokens
+    cdef object _tier_lookup(self, PageTable table, object prompt, int64_t prompt_len)
+    cdef int64_t _tier_install(self, PageTable table, object fetched, int64_t num_local) except -1

@@ -45,6 +45,7 @@ class KVCache:
         sink_tokens: _Int = 0,
         enable_prefix_caching: bool = False,
         prefix_hash: str = "xxh3_128",
+        tier: Any | None = None,
     ) -> Self: ...
     @property
     def kv(self) -> _FloatArray: ...
