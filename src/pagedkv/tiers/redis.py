@@ -166,7 +166,8 @@ class RedisTier:
             ``pages_written``, ``bytes_written``, ``pages_existing`` (already in the
             store: ``SET NX`` did nothing), ``dropped_writes`` (pages not queued:
             ``max_inflight_bytes`` was reached), ``write_errors`` (pages whose write
-            failed); ``fetch_errors`` (fetches or values lost to a server or network
+            failed), ``stale_writes`` (pages not sent: their copy no longer matched the
+            checksum of the seal); ``fetch_errors`` (fetches or values lost to a server or network
             fault), ``unreachable_skips`` (fetches answered as misses while the
             store was taken as down); ``rejected_<kind>`` for each kind of bad
             value (``truncated``, ``format``, ``layout``, ``hash``, ``tokens``,
@@ -178,7 +179,7 @@ class RedisTier:
             inflight = self._inflight_bytes
         out = {name: counts.get(name, 0) for name in (
             "lookups", "pages_requested", "hit_pages", "misses", "bytes_read", "pages_written",
-            "bytes_written", "pages_existing", "dropped_writes", "write_errors", "fetch_errors",
+            "bytes_written", "pages_existing", "dropped_writes", "write_errors", "stale_writes", "fetch_errors",
             "unreachable_skips")}
         out["hit_tokens"] = out["hit_pages"] * (self.layout.page_size if self.layout else 0)
         for kind in REJECT_KINDS[1:]:
@@ -267,15 +268,20 @@ class RedisTier:
         token_ids : numpy.ndarray or None
             int32, shape ``[n, page_size]``; None for block-keyed pages.
         checksums : numpy.ndarray
-            uint64, shape ``[n]``: page checksums of the bodies.
+            uint64, shape ``[n]``: page checksums recorded at the seal. The
+            writer checks each copy against its checksum and does not send a
+            page whose bytes changed after the seal (``stale_writes``).
         bodies : numpy.ndarray
             uint8, shape ``[n, body_bytes]``: a copy the tier owns.
         """
         n = len(page_hashes)
         keys = page_keys(self._prefix, page_hashes)
-        items = [(keys[i], encode_header(self.layout, page_hashes[i],
-                                         None if token_ids is None else token_ids[i], checksums[i]),
-                  bodies[i].data) for i in range(n)]
+        items = []
+        for i in range(n):
+            # A block-keyed page has no token ids (the sealed-page log gives -1s).
+            tokens = None if token_ids is None or (token_ids[i] == -1).all() else token_ids[i]
+            items.append((keys[i], encode_header(self.layout, page_hashes[i], tokens, checksums[i]),
+                          int(checksums[i]), bodies[i].data))
         with self._lock:
             self._queue.extend(items)
             if self._writer is None:
@@ -388,15 +394,18 @@ class RedisTier:
                     size += per_page
                 self._writing = len(batch)
             written = existing = failed = num_bytes = 0
+            # A copy whose bytes changed after the seal (another thread wrote the page
+            # between the seal and the copy) is not sent.
+            fresh = [item for item in batch if _body_checksum(item[3], self.layout) == item[2]]
             try:
                 pipe = self._client().pipeline(transaction=False)
-                for key, header, body in batch:
+                for key, header, checksum, body in fresh:
                     pipe.set(key, b"".join((header, body)), nx=True, ex=self.ttl_seconds)
-                results = pipe.execute(raise_on_error=False)
+                results = pipe.execute(raise_on_error=False) if fresh else []
             except Exception as exc:
-                results = [exc] * len(batch)
+                results = [exc] * len(fresh)
             error = None
-            for (key, header, body), result in zip(batch, results):
+            for (key, header, checksum, body), result in zip(fresh, results):
                 if isinstance(result, Exception):
                     failed += 1
                     error = result
@@ -413,6 +422,7 @@ class RedisTier:
                 self._counts["pages_written"] += written
                 self._counts["bytes_written"] += num_bytes
                 self._counts["pages_existing"] += existing
+                self._counts["stale_writes"] += len(batch) - len(fresh)
                 self._inflight_bytes -= len(batch) * per_page
                 self._writing = 0
                 self._lock.notify_all()
