@@ -561,7 +561,12 @@ cdef class KVCache:
             query's window and sinks need is cached; pages before the window
             are not taken. Token-keyed and block-keyed requests never share a
             page (see ``pagedkv_c._prefix`` for the hashed bytes), and a page
-            whose ref count reached ``2**31 - 1`` is not served.
+            whose ref count reached ``2**31 - 1`` is not served. With a
+            ``tier``, the pages after the leading local hits come from the
+            tier as far as it holds valid ones (at most the free pages; they
+            are copied into new pages and cached locally): the count includes
+            them (``stats()["tier_hits"]``), and a fault of the tier only
+            makes it smaller.
 
         Raises
         ------
