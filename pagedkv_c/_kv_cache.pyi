@@ -1,6 +1,6 @@
 # Type stub of the compiled module pagedkv_c._kv_cache (see _kv_cache.pyx for the documentation).
 from collections.abc import Sequence
-from typing import Any, Literal, Self, TypeAlias, overload
+from typing import Any, Literal, Self, TypeAlias, TypedDict, overload
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
@@ -31,6 +31,26 @@ class PageTableView:
     def batch_size(self) -> int: ...
     def block_tables(self, pad: _Int = -1) -> NDArray[np.int32]: ...
 
+class BadPage:
+    page_id: int
+    expected: int
+    actual: int
+    seq_ids: list[int]
+    def __init__(self, page_id: int, expected: int, actual: int, seq_ids: list[int]) -> None: ...
+    def __eq__(self, other: object) -> bool: ...
+    __hash__: None  # type: ignore[assignment]
+
+class PageCheckReport:
+    num_pages_checked: int
+    bad_pages: list[BadPage]
+    def __init__(self, num_pages_checked: int, bad_pages: list[BadPage]) -> None: ...
+    def __bool__(self) -> bool: ...
+
+class _SealedState(TypedDict):
+    sealed: NDArray[np.uint8]
+    checksums: NDArray[np.uint64] | None
+    pages_sealed: int
+
 @disjoint_base
 class KVCache:
     def __new__(
@@ -45,6 +65,7 @@ class KVCache:
         sink_tokens: _Int = 0,
         enable_prefix_caching: bool = False,
         prefix_hash: str = "xxh3_128",
+        page_checksums: bool = False,
         tier: Any | None = None,
     ) -> Self: ...
     @property
@@ -102,3 +123,16 @@ class KVCache:
     def page_table(self, seq_ids: _IntArray) -> PageTableView: ...
     def stats(self) -> dict[str, int | float]: ...
     def check_invariants(self) -> None: ...
+    @property
+    def page_checksums_enabled(self) -> bool: ...
+    def seal(self, seq_ids: _IntArray | None = None) -> int: ...
+    def verify_pages(self, seq_ids: _IntArray | None = None) -> PageCheckReport: ...
+    def _enable_sealed_log(self, enabled: bool, capacity: _Int = 4096) -> None: ...
+    def _take_sealed_pages(
+        self,
+    ) -> tuple[NDArray[np.int32], NDArray[np.uint8], NDArray[np.int32], NDArray[np.uint64]]: ...
+    def _sealed_log_stats(self) -> dict[str, int | bool]: ...
+    def _sealed_state(self) -> _SealedState: ...
+    def _restore_sealed_state(
+        self, sealed: NDArray[np.uint8], checksums: NDArray[np.uint64] | None = None, pages_sealed: _Int = 0
+    ) -> None: ...
