@@ -12,13 +12,11 @@ Starts a cluster with ``scripts/redis_cluster.sh`` (or uses ``--url``) and measu
   step: ``append``, ``store`` of every layer): tokens/s with the tier against the same loop
   without one (goal: within 5%). Every 16 steps each sequence seals a page, which is copied out
   and queued.
-* **Trace split.** The Mooncake conversation trace, requests dealt round-robin over 4 page-only
-  caches (``num_layers=0``: the tier stores page headers only) of ``--capacity`` tokens each:
-  the token hit rate of 4 isolated caches, of the same 4 sharing the tier, and of one cache of
-  4x the capacity.
 
-Not measured here: time to first token of a second ``pagedkv generate`` process (the generate
-command does not take a tier).
+The trace split (hit rate of 4 isolated caches, of the same 4 sharing the tier, of one cache of
+4x the capacity) is ``pagedkv replay TRACE --tier URL --instances 4 --capacity-tokens 2500000``.
+Not measured: time to first token of a second ``pagedkv generate`` process (the generate command
+does not take a tier).
 
 Prints a table (medians and ratios) and writes ``benchmarks/results/bench_tier.json``.
 

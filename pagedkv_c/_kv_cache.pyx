@@ -1335,6 +1335,8 @@ cdef class KVCache:
         between is not sent). Pages that do not fit the tier's queue are
         dropped there and counted; nothing waits on the network.
         """
+        if not self._log_enabled or pkv_sealed_log_count(&self._log) == 0:
+            return 0  # most decode steps seal nothing
         page_ids, page_hashes, token_ids, checksums = self._take_sealed_pages()
         cdef Py_ssize_t n = page_ids.shape[0], k, i, layer
         if n == 0:

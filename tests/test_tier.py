@@ -324,8 +324,9 @@ def _prompt_keys(tier, prompt):
 @pytest.mark.parametrize("damage, counter", [
     ("flip", "checksum_failures"), ("truncate", "rejected_truncated"), ("forge", "rejected_tokens"),
     ("moved", "rejected_hash"), ("layout", "rejected_layout")])
-def test_bad_values_are_rejected_and_counted(cluster, damage, counter):
-    """A damaged third page: the first two are served, the rest computed; nothing wrong is read."""
+def test_bad_values_are_rejected_and_counted(cluster, damage, counter, caplog):
+    """A damaged third page: the first two are served, the rest computed; nothing wrong is read.
+    Each kind of fault is logged once however often it happens."""
     from pagedkv.tiers._format import HEADER
 
     ns = namespace()
@@ -352,6 +353,9 @@ def test_bad_values_are_rejected_and_counted(cluster, damage, counter):
     stats = cache.stats()
     assert stats[f"tier_{counter}"] == 1 and stats["tier_hits"] == 32
     cache.check_invariants()
+    assert cache.add_sequence(1, prompt) == 32  # two local pages, then the same bad value
+    assert cache.stats()[f"tier_{counter}"] == 2
+    assert len([r for r in caplog.records if r.name == "pagedkv.tiers"]) == 1
 
 
 # ------------------------------------------------------------------ back-pressure and faults
@@ -434,3 +438,25 @@ def _finish(proc):
 
 def _replay(url, ns, workers, iterations):
     return [_finish(p) for p in _start_replay(url, ns, workers, iterations)]
+
+
+def test_replays_share_pages_through_the_tier(standalone):
+    """A second replay of a trace gets every servable page from what the first one offloaded
+    (headers only: the caches have no layers)."""
+    from pagedkv.replay import replay
+    from pagedkv.traces import Trace
+
+    blocks = [[1, 2, 3], [1, 2, 4], [5, 6], [1, 2, 3, 7]]
+    prompts = np.array([90, 80, 60, 120])
+    offsets = np.concatenate([[0], np.cumsum([len(b) for b in blocks])])
+    trace = Trace(format="mooncake", source="<test>", arrival_seconds=np.zeros(4), input_lengths=prompts,
+                  output_lengths=np.full(4, 5), block_ids=np.array(sum(blocks, []), dtype=np.int64),
+                  block_offsets=offsets, block_tokens=32)
+    ns = namespace()
+    first = replay(trace, 4096, page_size=16, tier=RedisTier(standalone, namespace=ns))
+    assert first.tier_hit_tokens == 0
+    second_tier = RedisTier(standalone, namespace=ns)
+    second = replay(trace, 4096, page_size=16, tier=second_tier)
+    assert second.hit_tokens == int(((prompts - 1) // 16 * 16).sum())
+    assert 0 < second.tier_hit_tokens <= second.hit_tokens
+    assert second_tier.stats()["bytes_read"] > 0 and second_tier.stats()["rejected_tokens"] == 0
