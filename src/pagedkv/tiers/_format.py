@@ -116,6 +116,7 @@ class PageLayout:
         return b"pagedkv:" + hashlib.sha256(text.encode()).hexdigest()[:24].encode() + b":"
 
     def header_fields(self) -> tuple:
+        """The layout fields of a value header: layers, KV heads, head dim, page size, dtype and hash codes."""
         return (self.num_layers, self.num_kv_heads, self.head_dim, self.page_size,
                 _DTYPE_CODES[self.dtype], _HASH_CODES[self.hash_algorithm])
 

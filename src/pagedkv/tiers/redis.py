@@ -98,6 +98,17 @@ class RedisTier:
     timeout_seconds : float
         Connect and read timeout of URL clients, in seconds (default 2.0).
 
+    Attributes
+    ----------
+    namespace : str
+        The model fingerprint given.
+    is_cluster : bool
+        True for a Redis Cluster client.
+    layout : PageLayout or None
+        The layout of the caches served, set by the first cache.
+    ttl_seconds, max_inflight_bytes
+        As given.
+
     Raises
     ------
     TypeError, ValueError
@@ -121,6 +132,9 @@ class RedisTier:
 
     *One layout.* A tier serves caches of one layout, fixed by the first
     cache it is given to; a cache of another layout raises ValueError.
+
+    *Exit.* The writer is a daemon thread: call :meth:`flush` or
+    :meth:`close` before the process exits to write what is still queued.
     """
 
     def __init__(self, url_or_client, *, namespace, ttl_seconds=None, max_inflight_bytes=256 * 2**20,
