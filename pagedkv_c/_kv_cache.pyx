@@ -1282,6 +1282,18 @@ cdef class KVCache:
                 f"head_dim={self.head_dim}, num_pages={self.pool.num_pages}, page_size={self.page_size}, "
                 f"dtype={self.kv.dtype}, window={self._window}, sink_tokens={self.sink_tokens})")
 
+    # ------------------------------------------------------------ metrics
+    cdef void _note_prefix_hit(self, int64_t tokens) noexcept nogil:
+        """Count one prefix lookup that served ``tokens`` in the prefix-hit histogram."""
+        cdef Py_ssize_t bucket = 0
+        cdef int64_t bound = 16
+        if tokens > 0:
+            bucket = 1
+            while bucket < NUM_PREFIX_HIT_BUCKETS - 1 and tokens > bound:
+                bound <<= 1
+                bucket += 1
+        self._prefix_hit_counts[bucket] = self._prefix_hit_counts[bucket] + 1
+
     # ------------------------------------------------------------ shared tier
     cdef object _tier_lookup(self, PageTable table, object prompt, int64_t prompt_len):
         """Fetch from the tier the prompt's pages after its leading local hits.
@@ -1954,19 +1966,6 @@ class PageCheckReport:
 
     def __repr__(self):
         return f"PageCheckReport(num_pages_checked={self.num_pages_checked}, bad_pages={self.bad_pages})"
-
-    # ------------------------------------------------------------ metrics
-    cdef void _note_prefix_hit(self, int64_t tokens) noexcept nogil:
-        """Count one prefix lookup that served ``tokens`` in the prefix-hit histogram."""
-        cdef Py_ssize_t bucket = 0
-        cdef int64_t bound = 16
-        if tokens > 0:
-            bucket = 1
-            while bucket < NUM_PREFIX_HIT_BUCKETS - 1 and tokens > bound:
-                bound <<= 1
-                bucket += 1
-        self._prefix_hit_counts[bucket] = self._prefix_hit_counts[bucket] + 1
-
 
 def _remove_deferred(tuple cache_and_key):
     """Remove a sequence whose removal a re-entrant remove_sequence deferred (under the lock)."""
