@@ -398,7 +398,10 @@ def test_a_slow_store_never_slows_the_producer(standalone):
     stats = cache.stats()
     sealed = 8 * 4  # pages 0 and 1 of the prompts (sealed at the first step), 2 and 3 later
     assert stats["tier_dropped_writes"] > 0
-    assert stats["tier_dropped_writes"] + stats["tier_pages_written"] + stats["tier_write_errors"] == sealed
+    # A write the server ran after its sleep but whose reply timed out is retried once by
+    # redis-py and then finds its key: it counts as existing.
+    outcomes = ("dropped_writes", "pages_written", "pages_existing", "write_errors", "stale_writes")
+    assert sum(stats[f"tier_{name}"] for name in outcomes) == sealed, stats
 
 
 def test_a_killed_cluster_node_turns_hits_into_misses_until_it_returns(tmp_path):
