@@ -3,7 +3,7 @@ cimport cython
 from pagedkv_c._types cimport int32_t, int64_t, page_id_t
 from libc.stdint cimport uint8_t, uint64_t
 from pagedkv_c._pool cimport PagePool
-from pagedkv_c._prefix cimport PrefixIndex
+from pagedkv_c._prefix cimport PrefixIndex, SequenceHashes
 from pagedkv_c._page_table cimport PageTable
 from pagedkv_c._lock cimport CacheLock
 from pagedkv_c._prefix cimport pkv_index
@@ -65,6 +65,12 @@ cdef class KVCache:
     cdef int64_t _serve_prefix(self, PageTable table, const int32_t* prompt, int64_t prompt_len,
                                int64_t servable, page_id_t* hit) except -1
     cdef int _register_full_pages(self, PageTable table) except -1
+    # Shared tier (pagedkv.tiers): sealed pages go to it, add_sequence fetches from it.
+    cdef object _tier                     # the tier, or None
+    cdef int64_t _tier_hits               # prompt tokens served from the tier, in tokens
+    cdef object _tier_lookup(self, PageTable table, object prompt, int64_t prompt_len)
+    cdef int64_t _tier_install(self, PageTable table, object fetched, int64_t num_local) except -1
+    cdef int _offload_sealed(self) except -1
 
     # ---- Sealed pages (docs/page_integrity.md): full pages whose K/V is complete in every layer.
     cdef object _sealed_array             # uint8 (num_pages,): 1 while the page is sealed

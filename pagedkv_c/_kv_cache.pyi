@@ -66,6 +66,7 @@ class KVCache:
         enable_prefix_caching: bool = False,
         prefix_hash: str = "xxh3_128",
         page_checksums: bool = False,
+        tier: Any | None = None,
     ) -> Self: ...
     @property
     def kv(self) -> _FloatArray: ...

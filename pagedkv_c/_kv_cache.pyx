@@ -175,6 +175,14 @@ cdef class KVCache:
         :meth:`verify_pages` can find pages whose bytes changed since. Costs
         8 bytes per page and one read of each sealed page's bytes. Default
         False.
+    tier : pagedkv.tiers.RedisTier or None
+        A prefix tier shared with other caches, processes and machines
+        (needs ``enable_prefix_caching=True`` and full attention,
+        ``window=None``). Each sealed page (full, its K/V complete in every
+        layer: see :meth:`seal`) is copied out and written to the tier in the
+        background; :meth:`add_sequence` fetches the prompt's pages that the
+        local prefix cache lacks. Faults of the tier are misses, never errors.
+        Its counters are in :meth:`stats` (``tier_*``).
 
     Attributes
     ----------
@@ -191,13 +199,15 @@ cdef class KVCache:
     Raises
     ------
     TypeError
-        A non-integer size, or a dtype other than float16/float32.
+        A non-integer size, a dtype other than float16/float32, or a
+        ``tier`` that is not a tier object.
     ValueError
         A size out of range: ``num_layers <= 2**20``, ``num_kv_heads <=
         2**16``, ``head_dim <= 2**16``, ``page_size <= 2**20``, ``num_pages
-        <= 2**31 - 2``; ``sink_tokens > 0`` without a ``window``.
-        (``enable_prefix_caching`` and ``page_checksums`` that are not bools
-        raise TypeError.)
+        <= 2**31 - 2``; ``sink_tokens > 0`` without a ``window``; a ``tier``
+        without prefix caching, with a window, or already serving caches of
+        another layout. (``enable_prefix_caching`` and ``page_checksums``
+        that are not bools raise TypeError.)
     MemoryError
         The pool array cannot be allocated, or one layer of it (``num_pages
         * 2 * page_size * num_kv_heads * head_dim * itemsize`` bytes) would
@@ -258,7 +268,7 @@ cdef class KVCache:
 
     def __cinit__(self, num_layers, num_kv_heads, head_dim, num_pages, page_size=16,
                   dtype=np.float16, window=None, sink_tokens=0, enable_prefix_caching=False,
-                  prefix_hash="xxh3_128", page_checksums=False):
+                  prefix_hash="xxh3_128", page_checksums=False, tier=None):
         self.num_layers = <int32_t>check_int(num_layers, "num_layers", 0, 2**20)
         self.num_kv_heads = <int32_t>check_int(num_kv_heads, "num_kv_heads", 1, 2**16)
         self.head_dim = <int32_t>check_int(head_dim, "head_dim", 1, 2**16)
@@ -324,6 +334,17 @@ cdef class KVCache:
             self._prefix = PrefixIndex(self.pool.num_pages, self.page_size, prefix_hash)
             self.pool.attach_prefix(self._prefix)
         self._init_sealing(bool(page_checksums))
+        # Shared tier (pagedkv.tiers): checked here, after the pool, so that it is bound
+        # to a cache that exists.
+        self._tier = None
+        self._tier_hits = 0
+        if tier is not None:
+            _check_tier(tier, enable_prefix_caching, window)
+            tier._attach(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size,
+                         np_dtype, prefix_hash)
+            # One call can seal every page of the pool (removing a long sequence).
+            self._enable_sealed_log(True, min(self.pool.num_pages, 2**24))
+            self._tier = tier
 
     # ------------------------------------------------------------ internals
     cdef object _table(self, object seq_id):
@@ -562,7 +583,12 @@ cdef class KVCache:
             query's window and sinks need is cached; pages before the window
             are not taken. Token-keyed and block-keyed requests never share a
             page (see ``pagedkv_c._prefix`` for the hashed bytes), and a page
-            whose ref count reached ``2**31 - 1`` is not served.
+            whose ref count reached ``2**31 - 1`` is not served. With a
+            ``tier``, the pages after the leading local hits come from the
+            tier as far as it holds valid ones (at most the free pages; they
+            are copied into new pages and cached locally): the count includes
+            them (``stats()["tier_hits"]``), and a fault of the tier only
+            makes it smaller.
 
         Raises
         ------
@@ -632,6 +658,11 @@ cdef class KVCache:
             hash_salt(0, extra_key)  # same type check as with caching on
         table.hashes = hashes
         cdef int64_t cached = 0
+        # Shared tier: ask it, without the lock, for the pages after the local hits.
+        cdef object fetched = None
+        if self._tier is not None and hashes is not None and (prompt is not None or blocks is not None) \
+                and key not in self._tables:
+            fetched = self._tier_lookup(table, prompt, prompt_len)
         self._lock.acquire()
         try:
             if key in self._tables:
@@ -644,6 +675,8 @@ cdef class KVCache:
                     hashes.num_hashable,
                 )
                 self._note_prefix_hit(cached)
+                if fetched is not None:
+                    cached += self._tier_install(table, fetched, cached // self.page_size)
                 self._note_usage()
             self._tables[key] = table
             self._sequences_added += 1
@@ -686,6 +719,8 @@ cdef class KVCache:
             del self._tables[_seq_key(seq_id)]
         finally:
             self._lock.leave()
+        if self._tier is not None:
+            self._offload_sealed()
 
     def fork(self, parent_id, child_id):
         """Create ``child_id`` sharing every page of ``parent_id`` (ref counts +1).
@@ -916,6 +951,8 @@ cdef class KVCache:
                     self._register_full_pages(<PageTable>tables[i])
         finally:
             self._lock.leave()
+        if self._tier is not None:
+            self._offload_sealed()
         return slots
 
     def store(self, layer, slot_mapping, k, v):
@@ -1117,6 +1154,11 @@ cdef class KVCache:
             and served from cache), ``prefix_hit_rate`` (hits / queries),
             ``prefix_cached_pages`` (pages findable by hash, free ones
             included) and ``prefix_evictions`` (cached pages whose hash was
+            dropped because the allocator handed them out again). With a
+            ``tier`` also ``tier_hits`` (prompt tokens served from the tier)
+            and the tier's own counters prefixed with ``tier_`` (see
+            :meth:`pagedkv.tiers.RedisTier.stats`: lookups, hits, bytes read
+            and written, dropped writes, fetch errors, checksum failures).
             dropped because the allocator handed them out again).
 
             Counters for metrics (:mod:`pagedkv.metrics`), since
@@ -1157,6 +1199,9 @@ cdef class KVCache:
                 }
                 if metrics:
                     extra["prefix_hit_histogram"] = hit_counts
+            if self._tier is not None:
+                extra["tier_hits"] = self._tier_hits
+                extra |= {f"tier_{name}": value for name, value in self._tier.stats().items()}
             return {
                 "pages_in_use": in_use,
                 "pages_free": self.pool.q.num_free,
@@ -1236,6 +1281,152 @@ cdef class KVCache:
         return (f"KVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, num_pages={self.pool.num_pages}, page_size={self.page_size}, "
                 f"dtype={self.kv.dtype}, window={self._window}, sink_tokens={self.sink_tokens})")
+
+    # ------------------------------------------------------------ shared tier
+    cdef object _tier_lookup(self, PageTable table, object prompt, int64_t prompt_len):
+        """Fetch from the tier the prompt's pages after its leading local hits.
+
+        The local hits are counted under the lock, the fetch runs without it.
+        Returns ``(first, bodies)``: the logical page of the first fetched page
+        and the verified bodies of the pages from there, or None. The table
+        (new, not yet visible) gets ring room for all of them, so that
+        :meth:`_tier_install` cannot fail.
+        """
+        cdef SequenceHashes hashes = table.hashes
+        cdef PrefixIndex index = self._prefix
+        cdef int64_t ps = self.page_size
+        cdef int64_t servable = min((prompt_len - 1) // ps if prompt_len > 0 else 0, hashes.num_hashable)
+        cdef int64_t first = 0, n = 0
+        cdef page_id_t page_id
+        cdef const int32_t* tokens = <const int32_t*>cnp.PyArray_DATA(prompt) if prompt is not None else NULL
+        if servable <= 0:
+            return None
+        self._lock.acquire()
+        try:
+            while first < servable:  # the leading run that _serve_prefix serves without a window
+                _look_ahead(index, hashes, first, servable)
+                page_id = pkv_index_find(&index.ix, hashes.chain[first].lo, hashes.chain[first].hi)
+                if page_id == -1 or pkv_ref(&self.pool.q, page_id) == _MAX_REF_COUNT:
+                    break
+                if (not index.tokens_match(page_id, tokens + first * ps) if tokens != NULL
+                        else index.has_tokens[page_id]):
+                    break
+                first += 1
+            n = min(servable - first, <int64_t>self.pool.q.num_free)
+        finally:
+            self._lock.leave()
+        if n <= 0:
+            return None
+        hashes.hash_upto(index.algorithm, first + n)
+        page_hashes = np.asarray(hashes.chain_array)[first:first + n].copy()
+        token_rows = prompt[first * ps:(first + n) * ps].reshape(n, ps) if prompt is not None else None
+        bodies = self._tier._fetch(page_hashes, token_rows)
+        if not bodies:
+            return None
+        table.reserve(first + len(bodies))
+        return first, bodies
+
+    cdef int64_t _tier_install(self, PageTable table, object fetched, int64_t num_local) except -1:
+        """Put the fetched pages that follow the ``num_local`` local hits into new pages.
+
+        Each page's body is copied into every layer of a page taken from the
+        free queue, the page is indexed under its hash (and token ids) and
+        appended to the table. Takes at most the free pages; none when the
+        local hits no longer end where the fetch began (a gap). Returns the
+        tokens added.
+        """
+        cdef int64_t first = fetched[0]
+        cdef list bodies = fetched[1]
+        cdef SequenceHashes hashes = table.hashes
+        cdef PrefixIndex index = self._prefix
+        cdef int64_t ps = self.page_size, k
+        cdef Py_ssize_t skip = num_local - first, r, i, t, layer
+        cdef Py_ssize_t body_bytes = self.num_layers * self._page_bytes
+        cdef const unsigned char[::1] body
+        cdef page_id_t page_id
+        if skip < 0 or table.length != num_local * ps or table.num_held() != num_local:
+            return 0
+        r = min(len(bodies) - skip, <Py_ssize_t>self.pool.q.num_free)
+        if r <= 0:
+            return 0
+        sources = []
+        for i in range(r):
+            body = bodies[skip + i]
+            if body.shape[0] != body_bytes:
+                break
+            sources.append(body)
+        r = len(sources)
+        if r == 0:
+            return 0
+        cdef object pages = np.empty(r, dtype=np.int32)
+        cdef int32_t[::1] page_view = pages
+        self.pool.take(&page_view[0], r)
+        for i in range(r):
+            page_id = page_view[i]
+            if body_bytes:
+                body = sources[i]
+                with nogil:
+                    for layer in range(self.num_layers):
+                        memcpy(self._data + layer * self._layer_bytes + page_id * self._page_bytes,
+                               &body[0] + layer * self._page_bytes, self._page_bytes)
+            k = num_local + i
+            if pkv_index_insert(&index.ix, hashes.chain[k].lo, hashes.chain[k].hi, page_id) and not hashes.external:
+                for t in range(ps):
+                    index.tokens[page_id, t] = hashes.token_ids[k * ps + t]
+                index.has_tokens[page_id] = 1
+            table.push_page(page_id)
+            # Complete in every layer: sealed now, and not logged (the tier holds it).
+            self._sealed[page_id] = 1
+            self._pages_sealed += 1
+            if self._checksums != NULL:
+                self._checksums[page_id] = pkv_page_checksum(
+                    <const uint8_t*>self._data, <size_t>self._layer_bytes, <size_t>self._page_bytes,
+                    self.num_layers, page_id, self._digest_scratch)
+        table.length += r * ps
+        hashes.num_registered = num_local + r
+        self._tier_hits += r * ps
+        return r * ps
+
+    cdef int _offload_sealed(self) except -1:
+        """Hand the pages the call just sealed to the tier: drain the log, copy the bytes, queue.
+
+        Called after the lock is released. The copies are checked against the
+        seal's checksums by the tier's writer (a page written again in
+        between is not sent). Pages that do not fit the tier's queue are
+        dropped there and counted; nothing waits on the network.
+        """
+        if not self._log_enabled or pkv_sealed_log_count(&self._log) == 0:
+            return 0  # most decode steps seal nothing
+        page_ids, page_hashes, token_ids, checksums = self._take_sealed_pages()
+        cdef Py_ssize_t n = page_ids.shape[0], k, i, layer
+        if n == 0:
+            return 0
+        k = self._tier._reserve(n)
+        if k == 0:
+            return 0
+        cdef int32_t[::1] ids
+        cdef uint8_t[:, ::1] out
+        try:
+            ids = page_ids[:k]
+            bodies = np.empty((k, self.num_layers * self._page_bytes), dtype=np.uint8)
+            out = bodies
+            self._lock.acquire()
+            try:
+                if self._page_bytes and self.num_layers:
+                    with nogil:
+                        for i in range(k):
+                            for layer in range(self.num_layers):
+                                memcpy(&out[i, layer * self._page_bytes],
+                                       self._data + layer * self._layer_bytes + ids[i] * self._page_bytes,
+                                       self._page_bytes)
+            finally:
+                self._lock.leave()
+            self._tier._enqueue(np.ascontiguousarray(page_hashes[:k]).view("<u8").reshape(k, 2),
+                                token_ids[:k], checksums[:k], bodies)
+        except BaseException:
+            self._tier._cancel(k)
+            raise
+        return 0
 
     # ---------------------------------------------------------- sealed pages
     # A page is sealed once it is full and its K/V complete in every layer (see
@@ -1436,6 +1627,8 @@ cdef class KVCache:
                     n += self._seal_table(table)
         finally:
             self._lock.leave()
+        if self._tier is not None:
+            self._offload_sealed()
         return n
 
     def verify_pages(self, seq_ids=None):
@@ -1936,4 +2129,16 @@ cdef int _fill_indices(list tables, int32_t[::1] indptr, int32_t[::1] indices,
         table = <PageTable>tables[b]
         if table.num_held():
             table.export(&indices[indptr[b]], &positions[indptr[b]])
+    return 0
+
+
+cdef int _check_tier(object tier, object enable_prefix_caching, object window) except -1:
+    """A tier needs prefix caching and full attention; it must be a tier object."""
+    if not all(hasattr(tier, name) for name in ("_attach", "_fetch", "_reserve", "_enqueue", "_cancel")):
+        raise TypeError(f"Invalid type of tier: expected a tier such as pagedkv.tiers.RedisTier, "
+                        f"got {type(tier).__name__}")
+    if not enable_prefix_caching:
+        raise ValueError("Invalid value of tier: a shared tier needs enable_prefix_caching=True")
+    if window is not None:
+        raise ValueError(f"Invalid value of tier: a shared tier needs full attention (window=None), got window={window}")
     return 0

@@ -52,8 +52,9 @@ if [ "$TESTS" = 1 ]; then
     # --capture=sys: a sanitizer report goes to the log even though it ends the process.
     # The pytest command, not python -m pytest: the checkout must not shadow the installed core.
     # torch is not built with the sanitizers: the transformers tests run on the release build.
+    # The tier tests (real Redis servers, subprocesses) ran on the release build too.
     LD_PRELOAD="$LIBASAN $LIBSTDCXX" pytest -q --capture=sys -p no:cacheprovider \
-        --ignore=tests/test_transformers.py
+        --ignore=tests/test_transformers.py --ignore=tests/test_tier.py
     echo "sanitize: test suite took $((SECONDS - start)) s"
 fi
 

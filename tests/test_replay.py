@@ -386,3 +386,18 @@ def test_sha256_page_hash_serves_the_same_hits(first_1000):
     safe = replay(head, 300_000, page_size=32, prefix_hash="sha256")
     np.testing.assert_array_equal(fast.cached_tokens, safe.cached_tokens)
     assert fast.prefix_evictions == safe.prefix_evictions > 0
+
+
+def test_split_round_robin_deals_requests_in_turn():
+    from pagedkv.replay import split_round_robin
+
+    blocks = [[i, i + 1] for i in range(7)]
+    trace = make_trace([40] * 7, list(range(7)), blocks, 32)
+    parts = [split_round_robin(trace, 3, part) for part in range(3)]
+    assert [len(p) for p in parts] == [3, 2, 2]
+    for part, piece in enumerate(parts):
+        np.testing.assert_array_equal(piece.output_lengths, np.arange(part, 7, 3))
+        for j in range(len(piece)):
+            np.testing.assert_array_equal(piece.blocks(j), blocks[part + 3 * j])
+    with pytest.raises(ValueError, match="part"):
+        split_round_robin(trace, 3, 3)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROGRAMS = ["scripts/check_wheel.sh"]
+PROGRAMS = ["scripts/check_wheel.sh", "scripts/redis_cluster.sh"]
 
 
 @pytest.mark.skipif(not (ROOT / "scripts").is_dir(), reason="scripts/ is not beside the tests (installed-wheel run)")

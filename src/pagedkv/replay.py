@@ -95,6 +95,8 @@ class ReplayResult:
         cache, -1 for a rejected request.
     cache : KVCache or None
         The cache after the replay, when :func:`replay` was asked to keep it.
+    tier_hit_tokens : int
+        Of ``hit_tokens``, those served from a shared tier (0 without one).
     """
 
     trace_format: str
@@ -115,6 +117,7 @@ class ReplayResult:
     seconds: float
     cached_tokens: np.ndarray = field(repr=False)
     cache: KVCache | None = field(default=None, repr=False)
+    tier_hit_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -185,7 +188,7 @@ def capacity_pages(capacity_tokens: int, page_size: int, max_pages: int = MAX_PA
 
 def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_hash: str = "xxh3_128",
            progress: Callable[[int], object] | None = None, keep_cache: bool = False,
-           on_cache: Callable[[KVCache], object] | None = None) -> ReplayResult:
+           on_cache: Callable[[KVCache], object] | None = None, tier=None) -> ReplayResult:
     """Replay a trace through a page manager of ``capacity_tokens`` tokens.
 
     See the module notes for the steps per request, the rejection rule and
@@ -213,6 +216,11 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
         Called as ``on_cache(cache)`` with the new :class:`pagedkv.KVCache`
         before the first request, e.g. to register a
         :class:`pagedkv.metrics.Collector` for it.
+    tier : pagedkv.tiers.RedisTier or None
+        A prefix tier shared with other replays (needs block ids): the pages
+        a request seals are written to it (headers only: a replay has no
+        K/V bytes), and a request fetches the pages its local cache lacks.
+        The replay waits for the tier's writes at the end.
 
     Returns
     -------
@@ -226,6 +234,8 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
     TypeError
         ``trace`` is not a :class:`Trace`, or a non-integer capacity or page size.
     """
+    if tier is not None and not trace.has_block_ids:
+        raise ValueError(f"Invalid value of tier: a shared tier needs block ids, the {trace.format} trace has none")
     if not isinstance(trace, Trace):
         raise TypeError(f"Invalid type of trace: expected pagedkv.traces.Trace, got {type(trace).__name__}")
     with_prefix = trace.has_block_ids
@@ -238,7 +248,7 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
             f"{trace.block_tokens}, got {page_size}"
         )
     cache = KVCache(0, 1, 1, num_pages, page_size=page_size, enable_prefix_caching=with_prefix,
-                    prefix_hash=prefix_hash)
+                    prefix_hash=prefix_hash, tier=tier)
     if on_cache is not None:
         on_cache(cache)
 
@@ -279,13 +289,15 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
         if progress is not None:
             progress(chunk_stop - chunk_start)
     seconds = time.perf_counter() - start
+    if tier is not None:
+        tier.flush()
 
     stats = cache.stats()
     admitted_inputs = int(inputs[admitted].sum())
     if stats["pages_in_use"] or stats["num_sequences"] or \
             (with_prefix and stats["prefix_queries"] != admitted_inputs):
         raise RuntimeError(f"replay left the cache inconsistent: {stats}")
-    hit_tokens = stats["prefix_hits"] if with_prefix else 0
+    hit_tokens = stats["prefix_hits"] + stats.get("tier_hits", 0) if with_prefix else 0
     total_pages = int(needed_pages[admitted].sum())
     pages_matched = hit_tokens // page_size
     return ReplayResult(
@@ -307,4 +319,32 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
         seconds=seconds,
         cached_tokens=np.asarray(cached_tokens, dtype=np.int64),
         cache=cache if keep_cache else None,
+        tier_hit_tokens=stats.get("tier_hits", 0),
     )
+
+
+def split_round_robin(trace: Trace, num_parts: int, part: int) -> Trace:
+    """Requests ``part, part + num_parts, part + 2 * num_parts, ...`` of a trace, in order.
+
+    How a load balancer that deals requests in turn spreads a trace over
+    ``num_parts`` instances.
+
+    Raises
+    ------
+    ValueError
+        ``num_parts < 1`` or ``part`` outside ``[0, num_parts)``.
+    """
+    if num_parts < 1 or not 0 <= part < num_parts:
+        raise ValueError(f"Invalid value of part: expected 0 <= part < num_parts with num_parts >= 1, "
+                         f"got part={part}, num_parts={num_parts}")
+    keep = np.arange(part, len(trace), num_parts)
+    block_ids = block_offsets = None
+    if trace.has_block_ids:
+        pieces = [trace.blocks(int(i)) for i in keep]
+        sizes = np.array([len(b) for b in pieces], dtype=np.int64)
+        block_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(trace.block_offsets.dtype)
+        block_ids = (np.concatenate(pieces) if pieces else trace.block_ids[:0]).astype(trace.block_ids.dtype)
+    return Trace(format=trace.format, source=f"{trace.source} (part {part} of {num_parts})",
+                 arrival_seconds=trace.arrival_seconds[keep], input_lengths=trace.input_lengths[keep],
+                 output_lengths=trace.output_lengths[keep], block_ids=block_ids, block_offsets=block_offsets,
+                 block_tokens=trace.block_tokens)

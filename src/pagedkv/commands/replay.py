@@ -67,6 +67,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="draw the token hit rate against capacity (needs matplotlib and a mooncake trace; "
                              "the extension gives the image format)")
     parser.add_argument("--no-progress", action="store_true", help="do not show the tqdm progress bar")
+    parser.add_argument("--tier", default=None, metavar="URL",
+                        help="a shared prefix tier (redis://HOST:PORT/DB or redis+cluster://HOST:PORT,...; needs "
+                             "the redis extra): split the trace round-robin over --instances processes that "
+                             "share it, and compare with isolated caches and one cache of the total capacity")
+    parser.add_argument("--instances", type=positive_int, default=4, metavar="N",
+                        help="replay processes with --tier, each with a cache of --capacity-tokens (default 4)")
     add_metrics_arguments(parser)
     return parser
 
@@ -166,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedkv replay: --plot needs a trace with block ids (mooncake); {trace.format} has none",
               file=sys.stderr)
         return 2
+    if args.tier is not None:
+        return _run_shared(args, trace, capacities)
     progress_bar = None
     if not args.no_progress:
         try:
@@ -220,3 +228,76 @@ def _replay_all(args: argparse.Namespace, trace, capacities: list[int], progress
                 bar.close()
         results.append(result)
     return results
+
+
+def _replay_part(trace, capacity, page_size, prefix_hash, url, namespace, num_parts, part):
+    """One instance of a shared-tier replay (run in its own process): (hit, tier hit, prompt) tokens."""
+    from pagedkv.replay import split_round_robin
+    from pagedkv.tiers import RedisTier
+
+    tier = RedisTier(url, namespace=namespace)
+    result = replay(split_round_robin(trace, num_parts, part), capacity, page_size=page_size,
+                    prefix_hash=prefix_hash, tier=tier)
+    tier.close()
+    stats = tier.stats()
+    return result.hit_tokens, result.tier_hit_tokens, result.prompt_tokens, stats["fetch_errors"], \
+        stats["dropped_writes"] + stats["write_errors"]
+
+
+def _run_shared(args: argparse.Namespace, trace, capacities) -> int:
+    """``--tier``: isolated caches, the same caches sharing the tier, one cache of the total capacity."""
+    import multiprocessing
+    import uuid
+
+    from pagedkv.replay import split_round_robin
+
+    if not trace.has_block_ids:
+        print(f"pagedkv replay: --tier needs a trace with block ids (mooncake); {trace.format} has none",
+              file=sys.stderr)
+        return 2
+    try:
+        from pagedkv.tiers import RedisTier
+
+        RedisTier(args.tier, namespace="check")  # the URL's form, before any replay
+    except ImportError:
+        print("pagedkv replay: --tier needs the redis extra (pip install 'pagedkv[redis]')", file=sys.stderr)
+        return 2
+    except (TypeError, ValueError) as exc:
+        print(f"pagedkv replay: --tier: {exc}", file=sys.stderr)
+        return 2
+    n = args.instances
+    print(f"{trace.format} trace {args.trace}: {len(trace):,} requests dealt round-robin over {n} instances; "
+          f"page size {args.page_size}. The tier stores page headers only: a replay has no K/V bytes. "
+          f"Each capacity runs under a namespace of its own.")
+    header = ["capacity per instance", f"{n} isolated", f"{n} sharing the tier", "of which from the tier",
+              f"one cache of {n}x"]
+    rows = [header]
+    context = multiprocessing.get_context("spawn")
+    for capacity in capacities:
+        isolated_hits = prompt_tokens = 0
+        for part in range(n):
+            result = replay(split_round_robin(trace, n, part), capacity, page_size=args.page_size,
+                            prefix_hash=args.prefix_hash)
+            isolated_hits += result.hit_tokens
+            prompt_tokens += result.prompt_tokens
+        namespace = f"pagedkv-replay-{uuid.uuid4().hex}"
+        with context.Pool(n) as pool:
+            parts = pool.starmap(_replay_part, [(trace, capacity, args.page_size, args.prefix_hash, args.tier,
+                                                 namespace, n, part) for part in range(n)])
+        shared_hits = sum(p[0] for p in parts)
+        tier_hits = sum(p[1] for p in parts)
+        shared_prompt = sum(p[2] for p in parts)
+        errors, lost_writes = sum(p[3] for p in parts), sum(p[4] for p in parts)
+        single = replay(trace, n * capacity, page_size=args.page_size, prefix_hash=args.prefix_hash)
+        rows.append([f"{capacity:,}", f"{100 * isolated_hits / max(prompt_tokens, 1):.2f}%",
+                     f"{100 * shared_hits / max(shared_prompt, 1):.2f}%",
+                     f"{100 * tier_hits / max(shared_prompt, 1):.2f}%", f"{100 * single.hit_rate:.2f}%"])
+        if errors or lost_writes:
+            print(f"note: at {capacity:,} tokens the tier had {errors} failed fetches and {lost_writes} "
+                  f"dropped or failed writes (counted as misses)", file=sys.stderr)
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    print("token hit rate (prompt tokens served from cache):")
+    print("\n".join(lines))
+    return 0

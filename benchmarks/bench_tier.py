@@ -1,0 +1,196 @@
+"""The shared prefix tier on a real 3-node Redis Cluster on loopback.
+
+Starts a cluster with ``scripts/redis_cluster.sh`` (or uses ``--url``) and measures, in one run:
+
+* **Fetch throughput.** A writer cache offloads the pages of a prompt of ``--pages`` SmolLM2-sized
+  pages (30 layers, 3 KV heads, head dim 64, 16-token pages, float16: 368,640 bytes of K/V per
+  page). Each repetition makes a new reader cache and times ``add_sequence`` of the same prompt:
+  one pipelined fetch, value checks (header, token ids, checksum), copy into the pool. The
+  baseline, timed in the same run, is redis-py's own cluster pipeline of GETs of the same keys
+  (the network part alone). Reported: pages/s, MB/s and the ratio (goal >= 0.8).
+* **Decode with offload.** A decode loop over ``--batch`` sequences (one token per sequence per
+  step: ``append``, ``store`` of every layer): tokens/s with the tier against the same loop
+  without one (goal: within 5%). Every 16 steps each sequence seals a page, which is copied out
+  and queued.
+
+The trace split (hit rate of 4 isolated caches, of the same 4 sharing the tier, of one cache of
+4x the capacity) is ``pagedkv replay TRACE --tier URL --instances 4 --capacity-tokens 2500000``.
+Not measured: time to first token of a second ``pagedkv generate`` process (the generate command
+does not take a tier).
+
+Prints a table (medians and ratios) and writes ``benchmarks/results/bench_tier.json``.
+
+Example::
+
+    nice -n 19 python benchmarks/bench_tier.py
+    python benchmarks/bench_tier.py --url redis+cluster://10.0.0.5:7000 --pages 32 --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import machine_info, write_json  # noqa: E402
+
+from pagedkv import KVCache  # noqa: E402
+from pagedkv.tiers import RedisTier  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, dtype=np.float16)
+
+
+def start_cluster(tmp: Path):
+    for _ in range(100):
+        base = random.randrange(20000, 45000)
+        if all(_free(p) and _free(p + 10000) for p in range(base, base + 3)):
+            break
+    env = dict(os.environ, REDIS_CLUSTER_DIR=str(tmp / "cluster"), REDIS_CLUSTER_PORT=str(base))
+    out = subprocess.run([str(REPO / "scripts" / "redis_cluster.sh"), "start", "3"], env=env,
+                         capture_output=True, text=True, check=True)
+    return "redis+cluster://" + out.stdout.strip(), env
+
+
+def _free(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def prefill(cache, seq_id, prompt, rng):
+    slots = cache.append([seq_id], [len(prompt)])
+    shape = (len(prompt), cache.num_kv_heads, cache.head_dim)
+    for layer in range(cache.num_layers):
+        cache.store(layer, slots, rng.standard_normal(shape, dtype=np.float32),
+                    rng.standard_normal(shape, dtype=np.float32))
+
+
+def bench_fetch(url, num_pages, repeats):
+    ns = f"bench-{uuid.uuid4().hex}"
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 49152, size=num_pages * 16 + 1).astype(np.int32)
+    writer_tier = RedisTier(url, namespace=ns)
+    writer = KVCache(num_pages=num_pages + 8, enable_prefix_caching=True, tier=writer_tier, **SMOLLM2)
+    writer.add_sequence(0, prompt)
+    prefill(writer, 0, prompt, rng)
+    writer.remove_sequence(0)
+    assert writer_tier.flush(120), "the offload did not finish"
+    assert writer_tier.stats()["pages_written"] == num_pages, writer_tier.stats()
+    from pagedkv.tiers._format import page_keys
+
+    index_cache = KVCache(0, 1, 1, num_pages + 8, enable_prefix_caching=True)
+    index_cache.add_sequence(0, prompt)
+    index_cache.append([0], [len(prompt)])
+    ids = index_cache.page_table([0]).indices[:num_pages]
+    hashes = [index_cache.prefix_index.page_hash(int(p)) for p in ids]
+    keys = page_keys(writer_tier._prefix, np.array([[h & (2**64 - 1), h >> 64] for h in hashes], dtype=np.uint64))
+
+    reader_tier = RedisTier(url, namespace=ns)
+    cache_times, raw_times = [], []
+    for _ in range(repeats):
+        reader = KVCache(num_pages=num_pages + 8, enable_prefix_caching=True, tier=reader_tier, **SMOLLM2)
+        reader.kv[...] = 0  # touch the pool outside the timed region
+        start = time.perf_counter()
+        served = reader.add_sequence(0, prompt)
+        cache_times.append(time.perf_counter() - start)
+        assert served == num_pages * 16, served
+        raw = reader_tier._client()
+        start = time.perf_counter()
+        pipe = raw.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        values = pipe.execute()
+        raw_times.append(time.perf_counter() - start)
+        assert all(v is not None for v in values)
+    page_bytes = writer.stats()["bytes_per_page"]
+    cache_s, raw_s = statistics.median(cache_times), statistics.median(raw_times)
+    return {
+        "pages": num_pages, "page_bytes": page_bytes,
+        "cache_pages_per_s": num_pages / cache_s, "cache_mb_per_s": num_pages * page_bytes / cache_s / 1e6,
+        "redis_py_pages_per_s": num_pages / raw_s, "redis_py_mb_per_s": num_pages * page_bytes / raw_s / 1e6,
+        "ratio": raw_s / cache_s,
+    }
+
+
+def decode_loop(cache, batch, steps, rng):
+    ids = list(range(batch))
+    for s in ids:
+        cache.add_sequence(s, rng.integers(0, 49152, size=33).astype(np.int32))
+    prefill_slots = cache.append(ids, [33] * batch)
+    shape = (33 * batch, cache.num_kv_heads, cache.head_dim)
+    rows = rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
+    for layer in range(cache.num_layers):
+        cache.store(layer, prefill_slots, rows, rows)
+    one = rng.standard_normal((batch, cache.num_kv_heads, cache.head_dim), dtype=np.float32).astype(np.float16)
+    tokens = np.zeros(batch, dtype=np.int32)
+    start = time.perf_counter()
+    for step in range(steps):
+        tokens[:] = step
+        slots = cache.append(ids, [1] * batch, tokens)
+        for layer in range(cache.num_layers):
+            cache.store(layer, slots, one, one)
+    return batch * steps / (time.perf_counter() - start)
+
+
+def bench_decode(url, batch, steps, repeats):
+    with_tier, without = [], []
+    for r in range(repeats):
+        for use_tier in (False, True):
+            tier = RedisTier(url, namespace=f"bench-decode-{uuid.uuid4().hex}") if use_tier else None
+            cache = KVCache(num_pages=batch * (steps // 16 + 8), enable_prefix_caching=True, tier=tier, **SMOLLM2)
+            rate = decode_loop(cache, batch, steps, np.random.default_rng(r))
+            (with_tier if use_tier else without).append(rate)
+            if tier is not None:
+                tier.flush(120)
+                tier.close()
+    return {"batch": batch, "steps": steps, "tokens_per_s_without_tier": statistics.median(without),
+            "tokens_per_s_with_tier": statistics.median(with_tier),
+            "ratio": statistics.median(with_tier) / statistics.median(without)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default=None, help="a cluster or server URL; default: start a 3-node cluster")
+    parser.add_argument("--pages", type=int, default=64, help="pages per fetch (default 64)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=8, help="decode batch (default 8)")
+    parser.add_argument("--steps", type=int, default=128, help="decode steps (default 128)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        env = None
+        url = args.url
+        if url is None:
+            url, env = start_cluster(Path(tmp))
+        try:
+            fetch = bench_fetch(url, args.pages, args.repeats)
+            decode = bench_decode(url, args.batch, args.steps, max(5, args.repeats // 2))
+        finally:
+            if env is not None:
+                subprocess.run([str(REPO / "scripts" / "redis_cluster.sh"), "stop"], env=env, check=True)
+    print(f"fetch of {fetch['pages']} pages of {fetch['page_bytes']} bytes (median of {args.repeats}):")
+    print(f"  through the cache   {fetch['cache_pages_per_s']:9.0f} pages/s {fetch['cache_mb_per_s']:8.0f} MB/s")
+    print(f"  redis-py pipeline   {fetch['redis_py_pages_per_s']:9.0f} pages/s {fetch['redis_py_mb_per_s']:8.0f} MB/s")
+    print(f"  ratio cache / redis-py: {fetch['ratio']:.2f} (goal >= 0.8)")
+    print(f"decode, batch {decode['batch']}, {decode['steps']} steps, SmolLM2 layout:")
+    print(f"  without tier {decode['tokens_per_s_without_tier']:9.0f} tokens/s")
+    print(f"  with tier    {decode['tokens_per_s_with_tier']:9.0f} tokens/s  ratio {decode['ratio']:.3f} (goal >= 0.95)")
+    write_json("bench_tier", {"machine": machine_info(), "fetch": fetch,
+                              "decode": decode, "store": "3-node cluster on loopback" if env else "given URL"})
+
+
+if __name__ == "__main__":
+    main()
