@@ -86,6 +86,8 @@ def model(hf_smollm2):
 def tokenizer(hf_smollm2):
     tokenizer = hf_smollm2[1]
     tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:  # the GGUF tokenizer of transformers 5.0 names none
+        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
