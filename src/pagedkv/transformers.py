@@ -672,9 +672,13 @@ class PagedCache(Cache):
             Layers must come in order ``0, 1, ...`` within each forward; layer 0 appends the
             new tokens to every row's page table.
         kwargs
-            transformers passes the attention keyword arguments as ``kwargs=...``; their
-            ``position_ids`` (``[batch or 1, new_tokens]``) tell stored tokens from left
-            padding (see the module docstring). Without them no token is padding.
+            transformers (5.24 and later) passes the attention keyword arguments as
+            ``kwargs=...``; their ``position_ids`` (``[batch or 1, new_tokens]``) tell
+            stored tokens from left padding (see the module docstring). Without them,
+            with ``attn_implementation="pagedkv"`` nothing is stored here and
+            :func:`paged_attention_forward` stores the K/V with the ``position_ids`` it
+            receives (earlier releases pass them only there); with another
+            implementation no token is padding.
 
         Returns
         -------
@@ -691,6 +695,11 @@ class PagedCache(Cache):
             not continue a row, or a window with a dense attention implementation.
         pagedkv.OutOfPagesError
             The pool has no room for the new tokens; the cache is unchanged.
+
+        Notes
+        -----
+        With ``positions="cache"``, layer 0 also prepares the rotation that turns each
+        stored query into its sink query (see the module docstring).
         """
         if layer_idx != self._next_layer:
             raise ValueError(f"Invalid value of layer_idx: expected {self._next_layer} (layers in order), got {layer_idx}")
@@ -849,6 +858,10 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         Score scale, default ``1 / sqrt(head_dim)``.
     dropout : float
         Must be 0 (inference only).
+    kwargs
+        The attention layer's keyword arguments; their ``position_ids`` are used when
+        :meth:`PagedCache.update` had none to store the layer's K/V with (transformers
+        before 5.24), the rest is ignored.
 
     Returns
     -------
@@ -860,13 +873,18 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     ------
     ValueError
         ``key`` does not come from a :class:`PagedCache` (the model ran without one, or
-        with ``use_cache=False``), or ``dropout`` is not 0.
+        with ``use_cache=False``), or ``dropout`` is not 0; when this call stores the
+        K/V, the errors of :meth:`PagedCache.update`.
+    pagedkv.OutOfPagesError
+        When this call stores the K/V and the pool has no room for them.
 
     Notes
     -----
     One-token steps call :func:`pagedkv.attention.decode`; prompts and multi-token steps
     call :func:`pagedkv.attention.prefill` over the stored tokens of each row (ragged,
-    FlashInfer's ``qo_indptr`` layout).
+    FlashInfer's ``qo_indptr`` layout). With ``positions="cache"`` the keys at positions
+    below ``sink_tokens`` are scored with the query turned to ``min(p, S + W - 1)``
+    (``q_sink``; StreamingLLM's positions, Xiao et al. 2023).
     """
     step = getattr(key, "_pagedkv_step", None)
     if step is None:
