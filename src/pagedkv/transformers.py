@@ -18,14 +18,24 @@ Example::
 
 Supported versions and models
 -----------------------------
-transformers >= 5.24 within 5.x; 5.24.0 (with torch 2.13.0, CPU build) is the release the
-tests ran on. 5.24 passes the attention layer's keyword arguments, ``position_ids``
-included, to ``Cache.update``, which the padding rule below needs; earlier releases are
-not supported. Decoder-only models with
-standard multi-head or GQA attention whose attention layers call ``cache.update`` and then
-the configured attention function (the Llama code path of transformers). Tested family:
-Llama (SmolLM2-135M-Instruct loaded from GGUF). Mistral, Qwen2 and other Llama-like
-families follow the same code path but are not tested here.
+transformers 5.0 to 5.24 (the newest release when this was written), with torch 2.13.0
+(CPU build); the tests run on 5.0.0 and 5.24.0. What changed across 5.x and how the cache
+meets it: 5.24 renamed the ``past_key_values`` argument of ``generate`` and ``forward``
+to ``cache`` (the old name warns until its removal, announced for 5.40), so pass the cache
+under the name your release expects; 5.24 passes the attention layer's keyword arguments,
+``position_ids`` included, to ``Cache.update``, while earlier releases pass them only to
+the attention function: there the pagedkv attention stores each layer's K/V itself, and
+a dense attention (``"sdpa"``, ``"eager"``), which cannot tell left padding from tokens,
+stores the padding too (a slot per padding token, same output). ``get_mask_sizes`` takes
+the new tokens' ``cache_position`` tensor in 5.0 and their count later; ``crop`` takes a
+length to keep (positive) in early releases and a count to remove (negative) later;
+``get_max_cache_shape`` became ``get_max_length``: the cache answers every form.
+
+Decoder-only models with standard multi-head or GQA attention whose attention layers
+call ``cache.update`` and then the configured attention function (the Llama code path
+of transformers). Tested family: Llama (SmolLM2-135M-Instruct loaded from GGUF).
+Mistral, Qwen2 and other Llama-like families follow the same code path but are not
+tested here.
 
 How batches map to pages
 ------------------------
@@ -48,11 +58,25 @@ Sliding window and attention sinks
 ``window=W`` (default: the config's ``sliding_window`` when it has one) and
 ``sink_tokens=S`` follow :class:`pagedkv.KVCache`: the query at position ``p`` attends to
 positions ``[p - W + 1, p]`` and ``[0, S)``, and a sequence holds a bounded number of
-pages (``pagedkv.models.decode_page_bound``). Sink keys keep their absolute positions:
-they are stored with the rotary embedding of the position at which they were computed,
-and queries keep their absolute positions too (no StreamingLLM re-numbering of
-positions inside the cache). A window needs ``attn_implementation="pagedkv"``: dense
-implementations would attend to positions the window has released.
+pages (``pagedkv.models.decode_page_bound``). A window needs
+``attn_implementation="pagedkv"``: dense implementations would attend to positions the
+window has released.
+
+Rotary positions, ``positions=``: with ``"absolute"`` (the default) queries and keys keep
+their positions in the sequence, as the model computes them, so the distance from a
+query to a sink grows without bound and passes the model's trained context in a long
+generation. ``"cache"`` gives StreamingLLM's positions inside the cache (Xiao et al.
+2023, "Efficient Streaming Language Models with Attention Sinks", section 3.2: sinks at
+``0 .. S-1``, the window after them, the query last), so every distance stays below
+``S + W``. Keys are stored once, rotated to their absolute positions by the model, and
+never rotated again: rotary scores depend only on the distance between the positions of
+query and key, so the window keys already have StreamingLLM's distances, and the sinks
+are scored with a second query, the model's query turned by ``min(p, S + W - 1) - p``
+(the ``q_sink`` argument of :func:`pagedkv.attention.decode` and ``prefill``). This
+needs transformers' rotate-half rotary convention (Llama's ``apply_rotary_pos_emb``)
+with fixed frequencies (``default``, ``linear``, ``llama3``, ``yarn`` rope types; not
+``dynamic`` or ``longrope``). Same positions for every layer and every forked row; a
+prompt chunk longer than the window is handled per query.
 
 Prefix reuse
 ------------
@@ -85,6 +109,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pagedkv import KVCache
 from pagedkv import attention as paged_attention
+from pagedkv.models.attention_backend import check_positions, sink_query_positions
 
 __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "paged_attention_forward"]
 
@@ -155,13 +180,19 @@ class _PagedLayer(CacheLayerMixin):
 
 
 class _Step:
-    """Tag on the keys that update() returns: the cache and layer the attention function reads."""
+    """Tag on the keys that update() returns: the cache and layer the attention function reads.
 
-    __slots__ = ("cache", "layer_idx")
+    ``deferred``: update() stored nothing (it got no ``position_ids``, as before
+    transformers 5.24); the attention function stores the layer's K/V with the
+    ``position_ids`` it receives.
+    """
 
-    def __init__(self, cache: PagedCache, layer_idx: int) -> None:
+    __slots__ = ("cache", "layer_idx", "deferred")
+
+    def __init__(self, cache: PagedCache, layer_idx: int, deferred: bool = False) -> None:
         self.cache = cache
         self.layer_idx = layer_idx
+        self.deferred = deferred
 
 
 def _check_size(name: str, value, low: int, allow_none: bool = True):
@@ -175,6 +206,48 @@ def _check_size(name: str, value, low: int, allow_none: bool = True):
 def _config_value(config, name: str, default=None):
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text_config, name, default)
+
+
+def _rotary_inverse_frequencies(config, head_dim: int) -> np.ndarray:
+    """Rotary inverse frequencies ``[rotary_dim // 2]`` (float64, radians per token) of a config.
+
+    Only rotary types whose angle is ``position * inv_freq`` with fixed frequencies
+    qualify: ``default``, ``linear``, ``llama3``, ``yarn`` and the like (their constant
+    ``attention_factor`` scales queries and keys alike and commutes with a rotation).
+    ``dynamic`` and ``longrope`` change the frequencies with the sequence length, and
+    per-layer-type rotary settings differ between layers: both raise ValueError.
+    """
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    params = getattr(text_config, "rope_parameters", None) or {}
+    if params and "rope_type" not in params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError("Invalid value of positions: 'cache' needs one rotary setting for every layer, "
+                         f"got per-layer-type settings {sorted(params)}")
+    rope_type = params.get("rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"Invalid value of positions: 'cache' needs fixed rotary frequencies, got rope_type "
+                         f"{rope_type!r} (its frequencies follow the sequence length)")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(text_config, "rope_theta", 10000.0))
+        factor = params.get("partial_rotary_factor", getattr(text_config, "partial_rotary_factor", 1.0))
+        dim = int(head_dim * factor)
+        return float(base) ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"Invalid value of positions: 'cache' does not know rope_type {rope_type!r}")
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](text_config)
+    return inv_freq.detach().cpu().double().numpy()
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x[..., D]`` by angles with ``cos``/``sin`` ``[..., R/2]`` (transformers' rotate_half).
+
+    The first ``R`` of the ``D`` features rotate, pairing feature ``i`` with ``i + R/2``
+    (the GPT-NeoX / Llama convention of transformers); the rest pass unchanged.
+    """
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
 class PagedCache(Cache):
@@ -206,7 +279,17 @@ class PagedCache(Cache):
         ``sliding_window`` if set, else full attention. Needs ``attn_implementation="pagedkv"``.
     sink_tokens : int
         Attention-sink tokens ``S >= 0`` kept in attention with a window (StreamingLLM,
-        Xiao et al. 2023), at their absolute positions. Default 0.
+        Xiao et al. 2023). Default 0.
+    positions : str
+        Rotary positions of a windowed cache with sinks. ``"absolute"`` (default): every
+        query and key keeps its position in the sequence, so the distance from a query to
+        the sinks grows without bound. ``"cache"``: StreamingLLM's positions inside the
+        cache (sinks at ``0 .. S-1``, the window after them, the query last), so every
+        distance stays below ``S + W``; the keys stay stored once at their absolute
+        positions and the sinks are scored with a second query rotated to
+        ``min(p, S + W - 1)`` (the kernels' ``q_sink``), see the module docstring.
+        ``"cache"`` needs a window, ``S >= 1``, ``attn_implementation="pagedkv"`` and a
+        rotary embedding with fixed frequencies in transformers' rotate-half convention.
     enable_prefix_caching : bool
         Index full prompt pages by hash so that :meth:`begin` reuses them (vLLM's
         automatic prefix caching). Default False.
@@ -230,7 +313,9 @@ class PagedCache(Cache):
     ------
     ValueError
         A size out of range, a config without the attention sizes, ``sink_tokens`` without
-        a window, or a dtype other than float32/float16.
+        a window, a dtype other than float32/float16, ``positions`` not ``"absolute"``
+        or ``"cache"``, or ``"cache"`` without a window and sinks or with a rotary type
+        whose frequencies change (``dynamic``, ``longrope``) or differ between layers.
 
     Notes
     -----
@@ -239,8 +324,8 @@ class PagedCache(Cache):
     """
 
     def __init__(self, config, *, num_pages=None, max_tokens=None, page_size=16, dtype=None,
-                 window=None, sink_tokens=0, enable_prefix_caching=False, prefix_hash="xxh3_128",
-                 num_threads=None) -> None:
+                 window=None, sink_tokens=0, positions="absolute", enable_prefix_caching=False,
+                 prefix_hash="xxh3_128", num_threads=None) -> None:
         num_layers = _config_value(config, "num_hidden_layers")
         num_heads = _config_value(config, "num_attention_heads")
         if not isinstance(num_layers, int) or not isinstance(num_heads, int):
@@ -259,6 +344,7 @@ class PagedCache(Cache):
         self._sink_tokens = _check_size("sink_tokens", sink_tokens, 0, allow_none=False)
         if self._sink_tokens and self._window is None:
             raise ValueError(f"Invalid value of sink_tokens: expected 0 without a window, got {sink_tokens}")
+        self._positions = check_positions(positions, self._window, self._sink_tokens)
         self._num_threads = _check_size("num_threads", num_threads, 1)
         if dtype is not None:
             dtype = _NUMPY_DTYPES.get(dtype, dtype) if isinstance(dtype, torch.dtype) else dtype
@@ -274,6 +360,7 @@ class PagedCache(Cache):
         self._num_layers = num_layers
         self._num_kv_heads = int(num_kv_heads)
         self._head_dim = int(head_dim)
+        self._inv_freq = _rotary_inverse_frequencies(config, self._head_dim) if positions == "cache" else None
         self.kv_cache: KVCache | None = None
         self.num_stored_tokens = 0
         self._seq_ids: list[int] = []
@@ -285,6 +372,9 @@ class PagedCache(Cache):
         self._counts = np.zeros(0, dtype=np.int64)
         self._stored = np.zeros(0, dtype=np.int64)
         self._starts = np.zeros(0, dtype=np.int64)
+        # With positions="cache": cos/sin [T, 1, R/2] that turn this forward's stored
+        # queries into their sink queries (None when no query is past S + W - 1).
+        self._sink_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
         self._next_layer = 0
         super().__init__(layers=[_PagedLayer(self, i) for i in range(num_layers)])
 
@@ -303,6 +393,11 @@ class PagedCache(Cache):
     def sink_tokens(self) -> int:
         """Attention-sink tokens."""
         return self._sink_tokens
+
+    @property
+    def positions(self) -> str:
+        """Rotary positions mode: ``"absolute"`` or ``"cache"`` (StreamingLLM)."""
+        return self._positions
 
     @property
     def seq_ids(self) -> list[int]:
@@ -490,8 +585,10 @@ class PagedCache(Cache):
             )
         positions = self._row_positions(attn_kwargs.get("position_ids"), batch_size, num_new)
         counts = np.empty(batch_size, dtype=np.int64)
+        lengths = np.empty(batch_size, dtype=np.int64)
         for row, seq_id in enumerate(self._seq_ids):
             length = kv.seq_len(seq_id)
+            lengths[row] = length
             count = int(positions[row, -1]) - length + 1
             if not 0 <= count <= num_new or not np.array_equal(
                     positions[row, num_new - count:], np.arange(length, length + count)):
@@ -517,8 +614,27 @@ class PagedCache(Cache):
         self._stored = stored
         self._counts = counts
         self._starts = num_new - counts
+        self._sink_rotation = self._sink_query_rotation(lengths, counts)
         self._num_columns += num_new
         self.num_stored_tokens += int(stored.sum())
+
+    def _sink_query_rotation(self, lengths: np.ndarray, counts: np.ndarray):
+        """cos/sin ``[T, 1, R/2]`` rotating each stored query from ``p`` to ``min(p, S + W - 1)``.
+
+        The queries arrive rotated to their absolute positions ``p`` (rows after rows,
+        ``counts[b]`` from position ``lengths[b]``); rotary rotations compose, so turning
+        one by ``min(p, S + W - 1) - p`` gives the query of StreamingLLM's cache positions.
+        None in absolute mode or while no query is past ``S + W - 1``.
+        """
+        if self._inv_freq is None:
+            return None
+        query_positions = np.repeat(lengths, counts) + (
+            np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts))
+        sink_positions = sink_query_positions(query_positions, self._positions, self._window, self._sink_tokens)
+        if sink_positions is None:
+            return None
+        angles = (sink_positions - query_positions).astype(np.float64)[:, None] * self._inv_freq[None, :]
+        return torch.from_numpy(np.cos(angles)[:, None, :]), torch.from_numpy(np.sin(angles)[:, None, :])
 
     @staticmethod
     def _duplicate_rows(key_states: torch.Tensor, positions: np.ndarray) -> dict[int, int]:
@@ -556,9 +672,13 @@ class PagedCache(Cache):
             Layers must come in order ``0, 1, ...`` within each forward; layer 0 appends the
             new tokens to every row's page table.
         kwargs
-            transformers passes the attention keyword arguments as ``kwargs=...``; their
-            ``position_ids`` (``[batch or 1, new_tokens]``) tell stored tokens from left
-            padding (see the module docstring). Without them no token is padding.
+            transformers (5.24 and later) passes the attention keyword arguments as
+            ``kwargs=...``; their ``position_ids`` (``[batch or 1, new_tokens]``) tell
+            stored tokens from left padding (see the module docstring). Without them,
+            with ``attn_implementation="pagedkv"`` nothing is stored here and
+            :func:`paged_attention_forward` stores the K/V with the ``position_ids`` it
+            receives (earlier releases pass them only there); with another
+            implementation no token is padding.
 
         Returns
         -------
@@ -575,6 +695,11 @@ class PagedCache(Cache):
             not continue a row, or a window with a dense attention implementation.
         pagedkv.OutOfPagesError
             The pool has no room for the new tokens; the cache is unchanged.
+
+        Notes
+        -----
+        With ``positions="cache"``, layer 0 also prepares the rotation that turns each
+        stored query into its sink query (see the module docstring).
         """
         if layer_idx != self._next_layer:
             raise ValueError(f"Invalid value of layer_idx: expected {self._next_layer} (layers in order), got {layer_idx}")
@@ -587,15 +712,25 @@ class PagedCache(Cache):
                 f"Invalid attn_implementation {self._config._attn_implementation!r} for a PagedCache with a window: "
                 f"expected {ATTN_IMPLEMENTATION!r} (dense attention would read released positions)"
             )
-        if layer_idx == 0:
-            self._begin_step(key_states, attn_kwargs)
+        if paged and attn_kwargs.get("position_ids") is None:
+            # transformers < 5.24 passes no position_ids to update(), but it passes them to
+            # the attention function: the layer's K/V are stored there (_store_layer).
+            self._next_layer = layer_idx + 1 if layer_idx + 1 < self._num_layers else 0
+            key_states._pagedkv_step = _Step(self, layer_idx, deferred=True)
+            return key_states, value_states
+        self._store_layer(layer_idx, key_states, value_states, attn_kwargs)
         self._next_layer = layer_idx + 1 if layer_idx + 1 < self._num_layers else 0
-        kv = self.kv_cache
-        kv.store(layer_idx, self._slots, self._stored_rows(key_states), self._stored_rows(value_states))
         if paged:
             key_states._pagedkv_step = _Step(self, layer_idx)
             return key_states, value_states
         return self._gather_dense(layer_idx, key_states.dtype)
+
+    def _store_layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
+                     attn_kwargs: dict) -> None:
+        """Write one layer's new K/V into the pages; layer 0 first appends the new tokens."""
+        if layer_idx == 0:
+            self._begin_step(key_states, attn_kwargs)
+        self.kv_cache.store(layer_idx, self._slots, self._stored_rows(key_states), self._stored_rows(value_states))
 
     def _gather_dense(self, layer_idx: int, dtype: torch.dtype):
         batch_size = len(self._seq_ids)
@@ -701,7 +836,7 @@ class PagedCache(Cache):
 
     def __repr__(self) -> str:
         return (f"PagedCache(rows={len(self._seq_ids)}, seq_length={self._num_columns}, page_size={self._page_size}, "
-                f"window={self._window}, sink_tokens={self._sink_tokens})")
+                f"window={self._window}, sink_tokens={self._sink_tokens}, positions={self._positions!r})")
 
 
 def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -723,6 +858,10 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         Score scale, default ``1 / sqrt(head_dim)``.
     dropout : float
         Must be 0 (inference only).
+    kwargs
+        The attention layer's keyword arguments; their ``position_ids`` are used when
+        :meth:`PagedCache.update` had none to store the layer's K/V with (transformers
+        before 5.24), the rest is ignored.
 
     Returns
     -------
@@ -734,13 +873,18 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     ------
     ValueError
         ``key`` does not come from a :class:`PagedCache` (the model ran without one, or
-        with ``use_cache=False``), or ``dropout`` is not 0.
+        with ``use_cache=False``), or ``dropout`` is not 0; when this call stores the
+        K/V, the errors of :meth:`PagedCache.update`.
+    pagedkv.OutOfPagesError
+        When this call stores the K/V and the pool has no room for them.
 
     Notes
     -----
     One-token steps call :func:`pagedkv.attention.decode`; prompts and multi-token steps
     call :func:`pagedkv.attention.prefill` over the stored tokens of each row (ragged,
-    FlashInfer's ``qo_indptr`` layout).
+    FlashInfer's ``qo_indptr`` layout). With ``positions="cache"`` the keys at positions
+    below ``sink_tokens`` are scored with the query turned to ``min(p, S + W - 1)``
+    (``q_sink``; StreamingLLM's positions, Xiao et al. 2023).
     """
     step = getattr(key, "_pagedkv_step", None)
     if step is None:
@@ -751,6 +895,14 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     if dropout:
         raise ValueError(f"Invalid value of dropout: expected 0 (inference only), got {dropout}")
     cache = step.cache
+    if step.deferred:
+        try:
+            cache._store_layer(step.layer_idx, key, value, kwargs)
+        except Exception:
+            if step.layer_idx == 0:
+                cache._next_layer = 0  # nothing was appended: the next forward starts at layer 0
+            raise
+        step.deferred = False
     kv = cache.kv_cache
     batch_size, num_heads, num_new, head_dim = query.shape
     num_threads = cache._num_threads or torch.get_num_threads()
@@ -758,9 +910,12 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     rows = query.detach().transpose(1, 2)
     if rows.dtype != torch.float32 and rows.dtype != torch.float16:
         rows = rows.float()
+    sink_rotation = cache._sink_rotation
     if num_new == 1 and bool((counts == 1).all()):
-        q = rows.reshape(batch_size, num_heads, head_dim).contiguous().numpy()
-        out = paged_attention.decode(q, kv, step.layer_idx, cache._seq_ids, scale=scaling, num_threads=num_threads)
+        q = rows.reshape(batch_size, num_heads, head_dim)
+        q_sink = None if sink_rotation is None else _rotate_half(q.double(), *sink_rotation).float().numpy()
+        out = paged_attention.decode(q.contiguous().numpy(), kv, step.layer_idx, cache._seq_ids, scale=scaling,
+                                     num_threads=num_threads, q_sink=q_sink)
         result = torch.from_numpy(out).view(batch_size, 1, num_heads, head_dim)
     else:
         padded = bool(starts.any())
@@ -770,8 +925,9 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
             q = torch.cat([rows[b, int(s):] for b, s in enumerate(starts)], dim=0)
         qo_indptr = np.zeros(batch_size + 1, dtype=np.int64)
         np.cumsum(counts, out=qo_indptr[1:])
+        q_sink = None if sink_rotation is None else _rotate_half(q.double(), *sink_rotation).float().numpy()
         out = paged_attention.prefill(q.contiguous().numpy(), kv, step.layer_idx, cache._seq_ids, qo_indptr,
-                                      scale=scaling, num_threads=num_threads)
+                                      scale=scaling, num_threads=num_threads, q_sink=q_sink)
         out = torch.from_numpy(out)
         if not padded:
             result = out.view(batch_size, num_new, num_heads, head_dim)
