@@ -23,6 +23,9 @@ from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash_salt,
                                 pkv_index_find, pkv_index_insert,
                                 pkv_index_is_cached, pkv_index_prefetch)
 from libc.stdlib cimport malloc, free
+from libc.stdint cimport uint64_t
+from pagedkv_c._kv_events cimport KVEventLog, pkv_kv_events_stored, pkv_kv_events_cleared
+from pagedkv_c._prefix cimport pkv_index_remove
 
 cnp.import_array()
 
@@ -162,6 +165,17 @@ cdef class KVCache:
         ``"sha256"`` (collision resistant, for untrusted multi-tenant
         traffic). See ``pagedkv_c._prefix`` for the hashed bytes and the
         collision risk.
+    enable_kv_events : bool
+        Record vLLM-style KV events of the prefix cache (a page entering
+        it, a cached page leaving it, a reset) in a bounded log in the
+        core; read them with :meth:`take_kv_events`, publish them with
+        :class:`pagedkv.events.ZmqEventPublisher`. Needs
+        ``enable_prefix_caching=True``. Default False (nothing recorded).
+    kv_events_capacity : int
+        Most events kept between two :meth:`take_kv_events` calls, ``1 <=
+        kv_events_capacity <= 2**31`` (default 65536); further events are
+        dropped and counted. The log grows as needed up to it: 40 bytes per
+        event plus ``4 * page_size`` bytes of token ids per stored page.
 
     Attributes
     ----------
@@ -243,7 +257,7 @@ cdef class KVCache:
 
     def __cinit__(self, num_layers, num_kv_heads, head_dim, num_pages, page_size=16,
                   dtype=np.float16, window=None, sink_tokens=0, enable_prefix_caching=False,
-                  prefix_hash="xxh3_128"):
+                  prefix_hash="xxh3_128", enable_kv_events=False, kv_events_capacity=65536):
         self.num_layers = <int32_t>check_int(num_layers, "num_layers", 0, 2**20)
         self.num_kv_heads = <int32_t>check_int(num_kv_heads, "num_kv_heads", 1, 2**16)
         self.head_dim = <int32_t>check_int(head_dim, "head_dim", 1, 2**16)
@@ -266,6 +280,12 @@ cdef class KVCache:
             raise ValueError(
                 f"Invalid value of prefix_hash: expected one of {sorted(_PREFIX_HASHES)}, got {prefix_hash!r}"
             )
+        if not isinstance(enable_kv_events, (bool, np.bool_)):
+            raise TypeError(f"Invalid type of enable_kv_events: expected a bool, got {type(enable_kv_events).__name__}")
+        if enable_kv_events and not enable_prefix_caching:
+            raise ValueError("Invalid value of enable_kv_events: KV events report the prefix cache, "
+                             "expected enable_prefix_caching=True with it")
+        check_int(kv_events_capacity, "kv_events_capacity", 1, 2**31)
         # Byte offsets into a layer are Py_ssize_t, also with num_layers=0
         # (which allocates nothing).
         layer_bytes = num_pages * 2 * self.page_size * self.num_kv_heads * self.head_dim * np_dtype.itemsize
@@ -303,6 +323,10 @@ cdef class KVCache:
         if enable_prefix_caching:
             self._prefix = PrefixIndex(self.pool.num_pages, self.page_size, prefix_hash)
             self.pool.attach_prefix(self._prefix)
+        self._kv_events = None
+        if enable_kv_events:
+            self._kv_events = KVEventLog(kv_events_capacity, self.page_size)
+            self._prefix.ix.events = &self._kv_events.log
 
     # ------------------------------------------------------------ internals
     cdef object _table(self, object seq_id):
@@ -429,6 +453,7 @@ cdef class KVCache:
         cdef int64_t k
         cdef page_id_t page_id
         cdef Py_ssize_t t
+        cdef int64_t last_stored = -2  # KV events: the logical page stored last in this call
         for k in range(hashes.num_registered, upto):
             _look_ahead(index, hashes, k, upto)
             if k < table.num_sink_pages:
@@ -443,6 +468,9 @@ cdef class KVCache:
                 for t in range(self.page_size):
                     index.tokens[page_id, t] = hashes.token_ids[k * self.page_size + t]
                 index.has_tokens[page_id] = 1
+            if self._kv_events is not None and pkv_index_is_cached(&index.ix, page_id):  # inserted
+                _record_stored(self._kv_events, hashes, k, self.page_size, k == last_stored + 1)
+                last_stored = k
         if upto > hashes.num_registered:
             hashes.num_registered = upto
         return 0
@@ -1081,6 +1109,9 @@ cdef class KVCache:
                     "prefix_cached_pages": self._prefix.num_cached,
                     "prefix_evictions": self._prefix.evictions,
                 }
+            if self._kv_events is not None:
+                extra |= {"kv_events_recorded": self._kv_events.log.total_recorded,
+                          "kv_events_dropped": self._kv_events.log.total_dropped}
             return {
                 "pages_in_use": in_use,
                 "pages_free": self.pool.q.num_free,
@@ -1151,6 +1182,96 @@ cdef class KVCache:
 
     def __reduce_ex__(self, protocol):
         return self.__reduce__()
+
+    # ------------------------------------------------------------ KV events
+    @property
+    def kv_events_enabled(self):
+        """True when the cache records prefix-cache KV events (``enable_kv_events=True``)."""
+        return self._kv_events is not None
+
+    def take_kv_events(self):
+        """Return and clear the prefix-cache KV events recorded since the last call.
+
+        Returns
+        -------
+        events : list of tuple
+            In the order they happened, tagged by vLLM's event names:
+
+            ``("BlockStored", block_hashes, parent_block_hash, token_ids, block_size)``
+                Pages entered the prefix cache: ``block_hashes`` lists the
+                128-bit page hashes (Python ints, ``hi << 64 | lo``, as
+                ``prefix_index.page_hash`` gives them) of consecutive pages
+                of one sequence, ``parent_block_hash`` the hash of the page
+                before the first (None for a sequence's first page),
+                ``token_ids`` their ``len(block_hashes) * page_size`` token
+                ids (empty for pages keyed by external block ids, which carry
+                none), ``block_size`` the page size in tokens.
+            ``("BlockRemoved", block_hashes)``
+                Cached pages left the prefix cache: handed out again by the
+                allocator, or written into again by their sequence.
+            ``("AllBlocksCleared",)``
+                :meth:`reset_prefix_cache` emptied the prefix cache.
+        num_dropped : int
+            Events lost since the last call because the log was full
+            (``kv_events_capacity``); 0 when the list is complete. A consumer
+            that rebuilds the set of cached hashes must resynchronize when it
+            is not 0.
+
+        Raises
+        ------
+        RuntimeError
+            The cache was made without ``enable_kv_events=True``.
+
+        Notes
+        -----
+        Events are recorded in the core where pages enter and leave the
+        prefix index, as vLLM's block pool emits them
+        (``vllm/v1/core/block_pool.py``); :mod:`pagedkv.events` encodes them
+        as vLLM's ``KVEventBatch`` and publishes them over ZeroMQ. Replaying
+        every ``BlockStored`` and ``BlockRemoved`` from the cache's creation
+        rebuilds exactly the hashes of ``prefix_index.cached_pages()``.
+        """
+        if self._kv_events is None:
+            raise RuntimeError("this KVCache records no KV events: create it with enable_kv_events=True")
+        self._lock.acquire()
+        try:
+            return self._kv_events.take()
+        finally:
+            self._lock.leave()
+
+    def reset_prefix_cache(self):
+        """Empty the prefix cache when no page is in use; return whether it did.
+
+        Every cached page stops being findable by its hash (its K/V stays
+        where it is, now unreferenced), as vLLM's
+        ``BlockPool.reset_prefix_cache`` does after a weight update or
+        between benchmark runs. With KV events one ``AllBlocksCleared`` is
+        recorded (no ``BlockRemoved`` per page).
+
+        Returns
+        -------
+        bool
+            True when the prefix cache is now empty; False, with nothing
+            changed, when sequences still hold pages (as vLLM, which refuses
+            to reset while blocks are in use). True without prefix caching.
+        """
+        cdef int32_t page_id
+        self._lock.acquire()
+        try:
+            if self._prefix is None:
+                return True
+            if self.pool.q.num_free != self.pool.num_pages:
+                return False
+            self._prefix.ix.events = NULL  # one AllBlocksCleared stands for every removal
+            for page_id in range(self.pool.num_pages):
+                if pkv_index_is_cached(&self._prefix.ix, page_id):
+                    pkv_index_remove(&self._prefix.ix, page_id)
+            if self._kv_events is not None:
+                self._prefix.ix.events = &self._kv_events.log
+                pkv_kv_events_cleared(&self._kv_events.log)
+            return True
+        finally:
+            self._lock.leave()
 
     def __repr__(self):
         return (f"KVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
@@ -1319,3 +1440,11 @@ cdef int _fill_indices(list tables, int32_t[::1] indptr, int32_t[::1] indices,
         if table.num_held():
             table.export(&indices[indptr[b]], &positions[indptr[b]])
     return 0
+
+
+cdef inline void _record_stored(KVEventLog events, SequenceHashes hashes, int64_t k, int32_t page_size,
+                                bint continues) noexcept:
+    """Record the KV event of logical page ``k`` of ``hashes`` entering the prefix index."""
+    pkv_kv_events_stored(&events.log, hashes.chain[k].lo, hashes.chain[k].hi,
+                         <const uint64_t*>&hashes.chain[k - 1] if k > 0 else NULL,
+                         NULL if hashes.external else &hashes.token_ids[k * page_size], continues)

@@ -1,0 +1,16 @@
+# Type stub of the compiled module pagedkv_c._kv_events (see _kv_events.pyx for the documentation).
+from typing import Self
+
+from typing_extensions import disjoint_base
+
+@disjoint_base
+class KVEventLog:
+    def __new__(cls, capacity: int, page_size: int) -> Self: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def num_pending(self) -> int: ...
+    @property
+    def total_recorded(self) -> int: ...
+    @property
+    def total_dropped(self) -> int: ...
