@@ -46,7 +46,7 @@ class KVCache:
         enable_prefix_caching: bool = False,
         prefix_hash: str = "xxh3_128",
         enable_kv_events: bool = False,
-        kv_events_capacity: _Int = 65536,
+        kv_events_capacity: _Int = 1048576,
     ) -> Self: ...
     @property
     def kv(self) -> _FloatArray: ...

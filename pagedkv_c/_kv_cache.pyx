@@ -173,7 +173,7 @@ cdef class KVCache:
         ``enable_prefix_caching=True``. Default False (nothing recorded).
     kv_events_capacity : int
         Most events kept between two :meth:`take_kv_events` calls, ``1 <=
-        kv_events_capacity <= 2**31`` (default 65536); further events are
+        kv_events_capacity <= 2**31`` (default 2**20); further events are
         dropped and counted. The log grows as needed up to it: 40 bytes per
         event plus ``4 * page_size`` bytes of token ids per stored page.
 
@@ -257,7 +257,7 @@ cdef class KVCache:
 
     def __cinit__(self, num_layers, num_kv_heads, head_dim, num_pages, page_size=16,
                   dtype=np.float16, window=None, sink_tokens=0, enable_prefix_caching=False,
-                  prefix_hash="xxh3_128", enable_kv_events=False, kv_events_capacity=65536):
+                  prefix_hash="xxh3_128", enable_kv_events=False, kv_events_capacity=2**20):
         self.num_layers = <int32_t>check_int(num_layers, "num_layers", 0, 2**20)
         self.num_kv_heads = <int32_t>check_int(num_kv_heads, "num_kv_heads", 1, 2**16)
         self.head_dim = <int32_t>check_int(head_dim, "head_dim", 1, 2**16)
@@ -1194,28 +1194,21 @@ cdef class KVCache:
 
         Returns
         -------
-        events : list of tuple
-            In the order they happened, tagged by vLLM's event names:
-
-            ``("BlockStored", block_hashes, parent_block_hash, token_ids, block_size)``
-                Pages entered the prefix cache: ``block_hashes`` lists the
-                128-bit page hashes (Python ints, ``hi << 64 | lo``, as
-                ``prefix_index.page_hash`` gives them) of consecutive pages
-                of one sequence, ``parent_block_hash`` the hash of the page
-                before the first (None for a sequence's first page),
-                ``token_ids`` their ``len(block_hashes) * page_size`` token
-                ids (empty for pages keyed by external block ids, which carry
-                none), ``block_size`` the page size in tokens.
-            ``("BlockRemoved", block_hashes)``
-                Cached pages left the prefix cache: handed out again by the
-                allocator, or written into again by their sequence.
-            ``("AllBlocksCleared",)``
-                :meth:`reset_prefix_cache` emptied the prefix cache.
+        events : pagedkv_c._kv_events.KVEvents
+            The events in the order they happened, handed over without a
+            copy: ``len(events)`` of them as vLLM counts them, ``tolist()``
+            gives them as tuples tagged by vLLM's event names
+            (``"BlockStored"``: pages entered the prefix cache, with their
+            128-bit hashes, parent hash, token ids and page size;
+            ``"BlockRemoved"``: cached pages left it, handed out again by the
+            allocator or written into again by their sequence;
+            ``"AllBlocksCleared"``: :meth:`reset_prefix_cache` emptied it),
+            ``encode(ts)`` as one vLLM ``KVEventBatch``.
         num_dropped : int
             Events lost since the last call because the log was full
-            (``kv_events_capacity``); 0 when the list is complete. A consumer
-            that rebuilds the set of cached hashes must resynchronize when it
-            is not 0.
+            (``kv_events_capacity``); 0 when the events are complete. A
+            consumer that rebuilds the set of cached hashes must
+            resynchronize when it is not 0.
 
         Raises
         ------

@@ -1,4 +1,4 @@
-# KV events of the prefix cache: the C log (kv_events.h) and its owner.
+# KV events of the prefix cache: the C log (kv_events.h), its owner and the drained events.
 from libc.stdint cimport uint8_t, uint64_t
 from pagedkv_c._types cimport int32_t, int64_t
 
@@ -35,10 +35,27 @@ cdef extern from "kv_events.h":
     void pkv_kv_events_removed(pkv_kv_events* ev, uint64_t lo, uint64_t hi) noexcept nogil
     void pkv_kv_events_cleared(pkv_kv_events* ev) noexcept nogil
     void pkv_kv_events_reset(pkv_kv_events* ev) noexcept nogil
+    void pkv_kv_events_detach(pkv_kv_events* ev, pkv_kv_event** records, int64_t* allocated,
+                              int32_t** tokens, int64_t* token_allocated) noexcept nogil
+    void pkv_kv_events_give_back(pkv_kv_events* ev, pkv_kv_event* records, int64_t allocated,
+                                 int32_t* tokens, int64_t token_allocated) noexcept nogil
     void pkv_kv_events_free(pkv_kv_events* ev) noexcept nogil
 
 
 cdef class KVEventLog:
     cdef pkv_kv_events log               # the C log; KVCache points its prefix index at it
 
-    cdef tuple take(self)
+    cdef object take(self)
+
+
+cdef class KVEvents:
+    cdef pkv_kv_event* records           # (num_records,) owned: given back to the log (or freed) with the object
+    cdef int32_t* tokens                 # token ids of stored records, owned likewise
+    cdef int64_t allocated, token_allocated  # their allocated lengths
+    cdef KVEventLog log                  # the log the buffers return to
+    cdef readonly int64_t num_records    # page-level records (a BlockStored of k pages is k of them)
+    cdef readonly int64_t page_size      # tokens per page
+    cdef readonly int64_t num_dropped    # events the log dropped before this drain
+    cdef readonly int64_t num_pages_stored   # pages that entered the prefix cache
+    cdef readonly int64_t num_pages_removed  # cached pages that left it
+    cdef int64_t num_events              # events after grouping (len())

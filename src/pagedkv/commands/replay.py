@@ -65,6 +65,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--plot", type=plot_file, default=None, metavar="OUT.png",
                         help="draw the token hit rate against capacity (needs matplotlib and a mooncake trace; "
                              "the extension gives the image format)")
+    parser.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                        help="publish the prefix cache's KV events as vLLM does (ZeroMQ PUB socket bound to "
+                             "ENDPOINT, e.g. tcp://127.0.0.1:5557; needs pagedkv[events], a mooncake trace and "
+                             "one --capacity-tokens); a batch every 256 requests")
+    parser.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                        help="with --kv-events: bind a ROUTER socket that replays missed batches (vLLM's replay)")
     parser.add_argument("--no-progress", action="store_true", help="do not show the tqdm progress bar")
     return parser
 
@@ -160,6 +166,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pagedkv replay: {exc}", file=sys.stderr)
         return 2
+    if args.kv_events_replay and not args.kv_events:
+        print("pagedkv replay: --kv-events-replay needs --kv-events", file=sys.stderr)
+        return 2
+    if args.kv_events and (not trace.has_block_ids or len(capacities) != 1):
+        print("pagedkv replay: --kv-events publishes the events of one prefix cache: it needs a trace with block "
+              f"ids (mooncake; this one is {trace.format}) and one --capacity-tokens (got {len(capacities)})",
+              file=sys.stderr)
+        return 2
     if args.plot and not trace.has_block_ids:
         print(f"pagedkv replay: --plot needs a trace with block ids (mooncake); {trace.format} has none",
               file=sys.stderr)
@@ -175,6 +189,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"{trace.format} trace {args.trace}: {len(trace):,} requests, "
           f"{int(trace.input_lengths.sum()):,} prompt and {int(trace.output_lengths.sum()):,} output tokens; "
           f"page size {args.page_size}, prefix caching {'on' if trace.has_block_ids else 'off (no block ids)'}")
+    publishers: list = []
+    attach_publisher = None
+    if args.kv_events:
+        try:
+            from pagedkv.events import ZmqEventPublisher
+        except ImportError as exc:
+            print(f"pagedkv replay: {exc}", file=sys.stderr)
+            return 2
+
+        def attach_publisher(cache):
+            publishers.append(ZmqEventPublisher(cache, args.kv_events, replay_endpoint=args.kv_events_replay))
+            return publishers[-1].publish
     results = []
     for capacity in capacities:
         bar = None
@@ -182,12 +208,21 @@ def run(args: argparse.Namespace) -> int:
             bar = progress_bar(total=len(trace), unit="req", desc=f"{capacity:,} tokens", leave=False)
         try:
             result = replay(trace, capacity, page_size=args.page_size, prefix_hash=args.prefix_hash,
-                            progress=bar.update if bar is not None else None)
+                            progress=bar.update if bar is not None else None, kv_events=attach_publisher)
+        except OSError as exc:  # the publisher's socket could not bind
+            print(f"pagedkv replay: --kv-events: {exc}", file=sys.stderr)
+            return 2
         finally:
             if bar is not None:
                 bar.close()
+            for publisher in publishers:
+                publisher.close()
         results.append(result)
     print(format_table(results))
+    for publisher in publishers:
+        print(f"KV events: {publisher.num_events:,} events in {publisher.num_batches:,} batches "
+              f"({publisher.num_bytes:,} bytes) published on {publisher.endpoint}"
+              + (f"; {publisher.num_dropped:,} dropped" if publisher.num_dropped else ""))
     if args.plot:
         # The path was checked when parsing; writing can still fail (a full disk, a directory removed since).
         try:
