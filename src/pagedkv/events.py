@@ -181,6 +181,8 @@ class ZmqEventPublisher:
 
     Attributes
     ----------
+    num_queued : int
+        Batches queued by drains; ``num_queued - num_batches`` wait for the thread.
     num_batches : int
         Batches sent (each one ZeroMQ message).
     num_events : int
@@ -244,6 +246,7 @@ class ZmqEventPublisher:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._take_lock = threading.RLock()  # a take and its enqueue are one step: batches keep their order
         self._closed = False
+        self.num_queued = 0
         self.num_batches = 0
         self.num_events = 0
         self.num_bytes = 0
@@ -318,6 +321,7 @@ class ZmqEventPublisher:
                                "kv_events_capacity or publish more often", dropped)
             if len(events):
                 self._queue.put((time.time(), events))
+                self.num_queued += 1
             return len(events)
 
     def close(self) -> None:
