@@ -7,6 +7,10 @@ from pagedkv_c._page_table cimport PageTable
 from pagedkv_c._lock cimport CacheLock
 from pagedkv_c._kv_events cimport KVEventLog
 
+# Buckets of the prefix-hit histogram: 0 tokens, <= 2**4 .. 2**20 tokens, more (PREFIX_HIT_BUCKETS).
+cdef enum:
+    NUM_PREFIX_HIT_BUCKETS = 19
+
 
 cdef class KVCache:
     cdef readonly object kv               # ndarray (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)
@@ -42,3 +46,10 @@ cdef class KVCache:
     cdef int64_t _serve_prefix(self, PageTable table, const int32_t* prompt, int64_t prompt_len,
                                int64_t servable, page_id_t* hit) except -1
     cdef int _register_full_pages(self, PageTable table) except -1
+
+    # Metrics (stats(), pagedkv.metrics): plain counters updated where the event happens.
+    cdef int64_t _num_out_of_pages        # OutOfPagesError raised by append
+    cdef int64_t _sequences_added         # sequences created by add_sequence and fork
+    cdef int64_t _prefix_hit_counts[NUM_PREFIX_HIT_BUCKETS]  # prefix lookups per hit-length bucket
+    cdef object __weakref__               # lets a metrics collector hold the cache weakly
+    cdef void _note_prefix_hit(self, int64_t tokens) noexcept nogil

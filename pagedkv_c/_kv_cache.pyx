@@ -10,7 +10,7 @@ import numpy as np
 cimport cython
 cimport numpy as cnp
 from libc.stdint cimport INT64_MAX, INT64_MIN
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t, PAD_SLOT
 from pagedkv_c._pool cimport PagePool, pkv_incref, pkv_queue_remove, pkv_ref, pkv_set_ref
 from pagedkv_c._pool import OutOfPagesError
@@ -46,6 +46,10 @@ cdef int64_t MAX_POSITION = 2**62
 _MAX_CSR_PAGES = 2**31 - 1
 # Largest ref count of a page (int32).
 cdef int32_t _MAX_REF_COUNT = 2**31 - 1
+# Upper bounds (in tokens) of the prefix-hit histogram's buckets: a lookup
+# served h tokens lands in the first bucket with h <= bound, past the last
+# bound in an overflow bucket (NUM_PREFIX_HIT_BUCKETS counts in all).
+PREFIX_HIT_BUCKETS = (0,) + tuple(2**k for k in range(4, 21))
 
 
 cdef class PageTableView:
@@ -320,6 +324,9 @@ cdef class KVCache:
         self._prefix = None
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._num_out_of_pages = 0
+        self._sequences_added = 0
+        memset(self._prefix_hit_counts, 0, sizeof(self._prefix_hit_counts))
         if enable_prefix_caching:
             self._prefix = PrefixIndex(self.pool.num_pages, self.page_size, prefix_hash)
             self.pool.attach_prefix(self._prefix)
@@ -650,8 +657,10 @@ cdef class KVCache:
                     prompt_len,
                     hashes.num_hashable,
                 )
+                self._note_prefix_hit(cached)
                 self._note_usage()
             self._tables[key] = table
+            self._sequences_added += 1
         finally:
             self._lock.leave()
         return cached
@@ -717,6 +726,7 @@ cdef class KVCache:
                               _owner_key=owner_key())
             child.copy_from(parent)
             self._tables[key] = child
+            self._sequences_added += 1
         finally:
             self._lock.leave()
 
@@ -848,7 +858,9 @@ cdef class KVCache:
             if count_view[i] < 0:
                 raise ValueError(f"Invalid value of num_tokens: expected counts >= 0, got {count_view[i]}")
             if count_view[i] > most - total:
-                raise OutOfPagesError(_over_pool_text(self, counts))
+                text = _over_pool_text(self, counts)  # ValueError first for a negative count
+                self._num_out_of_pages += 1
+                raise OutOfPagesError(text)
             total += count_view[i]
         cdef object ids = None
         if token_ids is not None:
@@ -891,6 +903,9 @@ cdef class KVCache:
                 with nogil:
                     for i in range(num_cow):
                         self._copy_page(cow[i], cow[batch + 1 + i])
+            except OutOfPagesError:
+                self._num_out_of_pages += 1
+                raise
             finally:
                 free(cow)
             self._cow_copies += num_cow
@@ -1080,8 +1095,17 @@ cdef class KVCache:
         return view
 
     # ------------------------------------------------------------ reporting
-    def stats(self):
+    def stats(self, *, bint metrics=False):
         """Usage counters.
+
+        Parameters
+        ----------
+        metrics : bool
+            Also return the counters that only :mod:`pagedkv.metrics` needs:
+            ``out_of_pages_errors`` and, with prefix caching,
+            ``prefix_hit_histogram`` (a tuple; every other value is a number).
+            Without them the dict is the same before and after a call that
+            raised.
 
         Returns
         -------
@@ -1096,10 +1120,33 @@ cdef class KVCache:
             ``prefix_cached_pages`` (pages findable by hash, free ones
             included) and ``prefix_evictions`` (cached pages whose hash was
             dropped because the allocator handed them out again).
+
+            Counters for metrics (:mod:`pagedkv.metrics`), since construction:
+            ``num_pages`` (pages in the pool); ``pages_allocated`` (pages
+            taken from the free queue: new pages and copy-on-write copies; a
+            cached free page taken back by a prefix hit is not counted);
+            ``ring_reuses`` (window pages a sequence's ring reused in place,
+            without the free queue); ``sequences_added`` (sequences created by :meth:`add_sequence`
+            and :meth:`fork`). With prefix caching also
+            ``prefix_cached_free_pages`` (free pages still findable by hash,
+            a subset of ``prefix_cached_pages``) and ``prefix_lookups``
+            (:meth:`add_sequence` calls that looked up a prompt); with
+            ``metrics=True`` also ``out_of_pages_errors``
+            (``OutOfPagesError`` raised by :meth:`append`) and, with prefix
+            caching, ``prefix_hit_histogram``: a tuple of ``len(PREFIX_HIT_BUCKETS) +
+            1`` counts, lookups whose served tokens ``h`` were at most each
+            bound of ``pagedkv_c._kv_cache.PREFIX_HIT_BUCKETS`` (in tokens:
+            0, 16, 32, ..., ``2**20``) and above the previous one, the last
+            entry counting ``h > 2**20`` (not cumulative; their sum is
+            ``prefix_lookups``, the served tokens' sum is ``prefix_hits``).
+            With ``enable_kv_events=True`` also ``kv_events_recorded`` and
+            ``kv_events_dropped`` (page events kept in, and dropped from,
+            the KV event log since construction; see :meth:`take_kv_events`).
         """
         self._lock.acquire()
         try:
             in_use = self.pool.num_pages - self.pool.q.num_free
+            hit_counts = tuple([self._prefix_hit_counts[j] for j in range(NUM_PREFIX_HIT_BUCKETS)])
             extra = {}
             if self._prefix is not None:
                 extra = {
@@ -1108,7 +1155,11 @@ cdef class KVCache:
                     "prefix_hit_rate": (<double>self._prefix_hits) / self._prefix_queries if self._prefix_queries else 0.0,
                     "prefix_cached_pages": self._prefix.num_cached,
                     "prefix_evictions": self._prefix.evictions,
+                    "prefix_cached_free_pages": self.pool.q.num_cached_free,
+                    "prefix_lookups": sum(hit_counts),
                 }
+                if metrics:
+                    extra["prefix_hit_histogram"] = hit_counts
             if self._kv_events is not None:
                 extra |= {"kv_events_recorded": self._kv_events.log.total_recorded,
                           "kv_events_dropped": self._kv_events.log.total_dropped}
@@ -1122,7 +1173,11 @@ cdef class KVCache:
                 "bytes_in_use": in_use * self.num_layers * self._page_bytes,
                 "num_sequences": len(self._tables),
                 "tokens_appended": self._tokens_appended,
-            } | extra
+                "num_pages": self.pool.num_pages,
+                "pages_allocated": self.pool.num_taken,
+                "ring_reuses": self.pool.num_reused_in_place,
+                "sequences_added": self._sequences_added,
+            } | extra | ({"out_of_pages_errors": self._num_out_of_pages} if metrics else {})
         finally:
             self._lock.leave()
 
@@ -1259,6 +1314,7 @@ cdef class KVCache:
             for page_id in range(self.pool.num_pages):
                 if pkv_index_is_cached(&self._prefix.ix, page_id):
                     pkv_index_remove(&self._prefix.ix, page_id)
+            self.pool.q.num_cached_free = 0  # every page is free, and none is cached now
             if self._kv_events is not None:
                 self._prefix.ix.events = &self._kv_events.log
                 pkv_kv_events_cleared(&self._kv_events.log)
@@ -1270,6 +1326,18 @@ cdef class KVCache:
         return (f"KVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, num_pages={self.pool.num_pages}, page_size={self.page_size}, "
                 f"dtype={self.kv.dtype}, window={self._window}, sink_tokens={self.sink_tokens})")
+
+    # ------------------------------------------------------------ metrics
+    cdef void _note_prefix_hit(self, int64_t tokens) noexcept nogil:
+        """Count one prefix lookup that served ``tokens`` in the prefix-hit histogram."""
+        cdef Py_ssize_t bucket = 0
+        cdef int64_t bound = 16
+        if tokens > 0:
+            bucket = 1
+            while bucket < NUM_PREFIX_HIT_BUCKETS - 1 and tokens > bound:
+                bound <<= 1
+                bucket += 1
+        self._prefix_hit_counts[bucket] = self._prefix_hit_counts[bucket] + 1
 
 
 def _remove_deferred(tuple cache_and_key):

@@ -395,3 +395,6 @@ def test_cli_replay_publishes_kv_events(capsys):
     assert main(["replay", str(path), "--limit", "5", "--capacity-tokens", "200000", "400000",
                  "--kv-events", endpoint, "--no-progress"]) == 2
     assert "one --capacity-tokens" in capsys.readouterr().err
+    assert main(["replay", str(path), "--limit", "5", "--capacity-tokens", "200000",
+                 "--kv-events", "nonsense", "--no-progress"]) == 2
+    assert "--kv-events: cannot bind the KV event endpoint 'nonsense'" in capsys.readouterr().err

@@ -185,6 +185,7 @@ def capacity_pages(capacity_tokens: int, page_size: int, max_pages: int = MAX_PA
 
 def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_hash: str = "xxh3_128",
            progress: Callable[[int], object] | None = None, keep_cache: bool = False,
+           on_cache: Callable[[KVCache], object] | None = None,
            kv_events: Callable[[KVCache], Callable[[], object]] | None = None) -> ReplayResult:
     """Replay a trace through a page manager of ``capacity_tokens`` tokens.
 
@@ -209,6 +210,10 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
         number finished since the previous call (e.g. ``tqdm.update``).
     keep_cache : bool
         Keep the cache in ``ReplayResult.cache`` for inspection.
+    on_cache : callable or None
+        Called as ``on_cache(cache)`` with the new :class:`pagedkv.KVCache`
+        before the first request, e.g. to register a
+        :class:`pagedkv.metrics.Collector` for it.
     kv_events : callable or None
         Record the prefix cache's KV events (``enable_kv_events=True``, a
         trace with block ids only): ``kv_events(cache)`` is called once with
@@ -247,6 +252,8 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
                          "trace has no block ids to cache")
     cache = KVCache(0, 1, 1, num_pages, page_size=page_size, enable_prefix_caching=with_prefix,
                     prefix_hash=prefix_hash, enable_kv_events=kv_events is not None)
+    if on_cache is not None:
+        on_cache(cache)
     drain_events = kv_events(cache) if kv_events is not None else None
 
     inputs = trace.input_lengths

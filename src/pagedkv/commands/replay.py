@@ -6,7 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from pagedkv.commands._model_options import positive_int
+from pagedkv.commands._metrics_options import RunMetrics, add_metrics_arguments
+from pagedkv.commands._model_options import CommandError, positive_int
 from pagedkv.commands._paths import dataset_or_path, plot_file
 from pagedkv.replay import MAX_PAGES, MAX_PREFIX_PAGES, PREFIX_HASHES, ReplayResult, capacity_pages, replay
 from pagedkv.data import DataError
@@ -72,6 +73,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
                         help="with --kv-events: bind a ROUTER socket that replays missed batches (vLLM's replay)")
     parser.add_argument("--no-progress", action="store_true", help="do not show the tqdm progress bar")
+    add_metrics_arguments(parser)
     return parser
 
 
@@ -186,9 +188,6 @@ def run(args: argparse.Namespace) -> int:
             print("pagedkv replay: tqdm is not installed, no progress bar (pip install tqdm)", file=sys.stderr)
         else:
             progress_bar = tqdm
-    print(f"{trace.format} trace {args.trace}: {len(trace):,} requests, "
-          f"{int(trace.input_lengths.sum()):,} prompt and {int(trace.output_lengths.sum()):,} output tokens; "
-          f"page size {args.page_size}, prefix caching {'on' if trace.has_block_ids else 'off (no block ids)'}")
     publishers: list = []
     attach_publisher = None
     if args.kv_events:
@@ -201,23 +200,25 @@ def run(args: argparse.Namespace) -> int:
         def attach_publisher(cache):
             publishers.append(ZmqEventPublisher(cache, args.kv_events, replay_endpoint=args.kv_events_replay))
             return publishers[-1].publish
-    results = []
-    for capacity in capacities:
-        bar = None
-        if progress_bar is not None:
-            bar = progress_bar(total=len(trace), unit="req", desc=f"{capacity:,} tokens", leave=False)
-        try:
-            result = replay(trace, capacity, page_size=args.page_size, prefix_hash=args.prefix_hash,
-                            progress=bar.update if bar is not None else None, kv_events=attach_publisher)
-        except OSError as exc:  # the publisher's socket could not bind
-            print(f"pagedkv replay: --kv-events: {exc}", file=sys.stderr)
-            return 2
-        finally:
-            if bar is not None:
-                bar.close()
-            for publisher in publishers:
-                publisher.close()
-        results.append(result)
+    try:
+        metrics = RunMetrics(args, "replay")  # each capacity's cache is labelled capacity_tokens=N
+    except CommandError as exc:
+        print(f"pagedkv replay: {exc}", file=sys.stderr)
+        return 2
+    try:
+        results = _replay_all(args, trace, capacities, progress_bar, metrics, attach_publisher)
+    except OSError as exc:
+        if not args.kv_events or isinstance(exc, BrokenPipeError):
+            raise
+        print(f"pagedkv replay: --kv-events: {exc}", file=sys.stderr)  # the publisher's socket could not bind
+        return 2
+    finally:
+        metrics_error = metrics.close()
+        for publisher in publishers:
+            publisher.close()
+    if metrics_error is not None:
+        print(f"pagedkv replay: {metrics_error}", file=sys.stderr)
+        return 2
     print(format_table(results))
     for publisher in publishers:
         print(f"KV events: {publisher.num_events:,} events in {publisher.num_batches:,} batches "
@@ -233,3 +234,27 @@ def run(args: argparse.Namespace) -> int:
             return 2
         print(f"hit-rate plot written to {args.plot}")
     return 0
+
+
+def _replay_all(args: argparse.Namespace, trace, capacities: list[int], progress_bar,
+                metrics: RunMetrics, kv_events=None) -> list[ReplayResult]:
+    """Replay ``trace`` at every capacity, in order; return the results (``kv_events``: see ``replay``)."""
+    print(f"{trace.format} trace {args.trace}: {len(trace):,} requests, "
+          f"{int(trace.input_lengths.sum()):,} prompt and {int(trace.output_lengths.sum()):,} output tokens; "
+          f"page size {args.page_size}, prefix caching {'on' if trace.has_block_ids else 'off (no block ids)'}")
+    results = []
+    for capacity in capacities:
+        bar = None
+        if progress_bar is not None:
+            bar = progress_bar(total=len(trace), unit="req", desc=f"{capacity:,} tokens", leave=False)
+        try:
+            result = replay(trace, capacity, page_size=args.page_size, prefix_hash=args.prefix_hash,
+                            progress=bar.update if bar is not None else None,
+                            on_cache=lambda cache: metrics.attach(cache, {"capacity_tokens": str(capacity)}),
+                            kv_events=kv_events)
+        finally:
+            metrics.detach()
+            if bar is not None:
+                bar.close()
+        results.append(result)
+    return results
