@@ -1121,24 +1121,26 @@ cdef class KVCache:
             included) and ``prefix_evictions`` (cached pages whose hash was
             dropped because the allocator handed them out again).
 
-            Counters for metrics (:mod:`pagedkv.metrics`), since construction:
-            ``num_pages`` (pages in the pool); ``pages_allocated`` (pages
-            taken from the free queue: new pages and copy-on-write copies; a
-            cached free page taken back by a prefix hit is not counted);
-            ``ring_reuses`` (window pages a sequence's ring reused in place,
-            without the free queue); ``sequences_added`` (sequences created by :meth:`add_sequence`
+            Counters for metrics (:mod:`pagedkv.metrics`), since
+            construction: ``num_pages`` (pages in the pool);
+            ``pages_allocated`` (pages taken from the free queue: new pages
+            and copy-on-write copies; a cached free page taken back by a
+            prefix hit is not counted); ``ring_reuses`` (window pages a
+            sequence's ring reused in place, without the free queue);
+            ``sequences_added`` (sequences created by :meth:`add_sequence`
             and :meth:`fork`). With prefix caching also
             ``prefix_cached_free_pages`` (free pages still findable by hash,
             a subset of ``prefix_cached_pages``) and ``prefix_lookups``
-            (:meth:`add_sequence` calls that looked up a prompt); with
+            (:meth:`add_sequence` calls that looked up a prompt). With
             ``metrics=True`` also ``out_of_pages_errors``
             (``OutOfPagesError`` raised by :meth:`append`) and, with prefix
-            caching, ``prefix_hit_histogram``: a tuple of ``len(PREFIX_HIT_BUCKETS) +
-            1`` counts, lookups whose served tokens ``h`` were at most each
-            bound of ``pagedkv_c._kv_cache.PREFIX_HIT_BUCKETS`` (in tokens:
-            0, 16, 32, ..., ``2**20``) and above the previous one, the last
-            entry counting ``h > 2**20`` (not cumulative; their sum is
-            ``prefix_lookups``, the served tokens' sum is ``prefix_hits``).
+            caching, ``prefix_hit_histogram``: a tuple of
+            ``len(PREFIX_HIT_BUCKETS) + 1`` counts of lookups by tokens
+            served ``h``: entry ``i`` counts ``PREFIX_HIT_BUCKETS[i - 1] < h
+            <= PREFIX_HIT_BUCKETS[i]`` (bounds in tokens: 0, 16, 32, ...,
+            ``2**20``, in ``pagedkv_c._kv_cache``), the last entry ``h >
+            2**20``; not cumulative, their sum is ``prefix_lookups`` and the
+            sum of ``h`` is ``prefix_hits``.
             With ``enable_kv_events=True`` also ``kv_events_recorded`` and
             ``kv_events_dropped`` (page events kept in, and dropped from,
             the KV event log since construction; see :meth:`take_kv_events`).
