@@ -45,7 +45,9 @@ memory; pass ``medium="GPU"`` for routers that score only that tier); pages
 keyed by external block ids (``add_sequence(block_hashes=...)``, the trace
 replay) have no token ids, so their ``BlockStored`` carries an empty
 ``token_ids``; attention-sink pages have no field of their own (a windowed
-cache reports ``sliding_window``).
+cache reports ``sliding_window``); the PUB socket binds its endpoint unless
+``connect=True`` (vLLM binds only addresses with ``*`` and connects to the
+others). docs/kv_events.md shows a consumer.
 """
 from __future__ import annotations
 
@@ -54,7 +56,6 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any
 
 try:
     import zmq
