@@ -6,6 +6,7 @@ from pagedkv_c._pool cimport PagePool
 from pagedkv_c._prefix cimport PrefixIndex, SequenceHashes
 from pagedkv_c._page_table cimport PageTable
 from pagedkv_c._lock cimport CacheLock
+from pagedkv_c._kv_events cimport KVEventLog
 from pagedkv_c._prefix cimport pkv_index
 
 
@@ -55,6 +56,7 @@ cdef class KVCache:
     cdef PrefixIndex _prefix              # prefix cache, or None when disabled
     cdef int64_t _prefix_queries          # prompt tokens looked up, in tokens
     cdef int64_t _prefix_hits             # prompt tokens served from cached pages, in tokens
+    cdef KVEventLog _kv_events            # prefix-cache KV event log, or None when disabled
 
     cdef object _table(self, object seq_id)
     cdef list _tables_for(self, object seq_ids)

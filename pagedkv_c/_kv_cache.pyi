@@ -7,6 +7,7 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 from typing_extensions import disjoint_base
 
 from pagedkv_c._pool import PagePool
+from pagedkv_c._kv_events import KVEvents
 from pagedkv_c._prefix import PrefixIndex
 
 _Int: TypeAlias = int | np.integer[Any]
@@ -67,6 +68,8 @@ class KVCache:
         prefix_hash: str = "xxh3_128",
         page_checksums: bool = False,
         tier: Any | None = None,
+        enable_kv_events: bool = False,
+        kv_events_capacity: _Int = 1048576,
     ) -> Self: ...
     @property
     def kv(self) -> _FloatArray: ...
@@ -139,5 +142,9 @@ class KVCache:
     def _restore_sealed_state(
         self, sealed: NDArray[np.uint8], checksums: NDArray[np.uint64] | None = None, pages_sealed: _Int = 0
     ) -> None: ...
+    @property
+    def kv_events_enabled(self) -> bool: ...
+    def take_kv_events(self) -> tuple[KVEvents, int]: ...
+    def reset_prefix_cache(self) -> bool: ...
 
 PREFIX_HIT_BUCKETS: tuple[int, ...]

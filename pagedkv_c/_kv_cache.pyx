@@ -25,7 +25,8 @@ from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash_salt,
 from libc.stdlib cimport malloc, free, realloc
 from libc.stdint cimport uint8_t, uint64_t
 from pagedkv_c._checksum cimport pkv_page_checksum, pkv_page_checksums
-from pagedkv_c._prefix cimport pkv_index
+from pagedkv_c._prefix cimport pkv_index, pkv_index_remove
+from pagedkv_c._kv_events cimport KVEventLog, pkv_kv_events_stored, pkv_kv_events_cleared
 
 cnp.import_array()
 
@@ -183,6 +184,17 @@ cdef class KVCache:
         background; :meth:`add_sequence` fetches the prompt's pages that the
         local prefix cache lacks. Faults of the tier are misses, never errors.
         Its counters are in :meth:`stats` (``tier_*``).
+    enable_kv_events : bool
+        Record vLLM-style KV events of the prefix cache (a page entering
+        it, a cached page leaving it, a reset) in a bounded log in the
+        core; read them with :meth:`take_kv_events`, publish them with
+        :class:`pagedkv.events.ZmqEventPublisher`. Needs
+        ``enable_prefix_caching=True``. Default False (nothing recorded).
+    kv_events_capacity : int
+        Most events kept between two :meth:`take_kv_events` calls, ``1 <=
+        kv_events_capacity <= 2**31`` (default 2**20); further events are
+        dropped and counted. The log grows as needed up to it: 40 bytes per
+        event plus ``4 * page_size`` bytes of token ids per stored page.
 
     Attributes
     ----------
@@ -268,7 +280,8 @@ cdef class KVCache:
 
     def __cinit__(self, num_layers, num_kv_heads, head_dim, num_pages, page_size=16,
                   dtype=np.float16, window=None, sink_tokens=0, enable_prefix_caching=False,
-                  prefix_hash="xxh3_128", page_checksums=False, tier=None):
+                  prefix_hash="xxh3_128", page_checksums=False, tier=None, enable_kv_events=False,
+                  kv_events_capacity=2**20):
         self.num_layers = <int32_t>check_int(num_layers, "num_layers", 0, 2**20)
         self.num_kv_heads = <int32_t>check_int(num_kv_heads, "num_kv_heads", 1, 2**16)
         self.head_dim = <int32_t>check_int(head_dim, "head_dim", 1, 2**16)
@@ -293,6 +306,12 @@ cdef class KVCache:
             raise ValueError(
                 f"Invalid value of prefix_hash: expected one of {sorted(_PREFIX_HASHES)}, got {prefix_hash!r}"
             )
+        if not isinstance(enable_kv_events, (bool, np.bool_)):
+            raise TypeError(f"Invalid type of enable_kv_events: expected a bool, got {type(enable_kv_events).__name__}")
+        if enable_kv_events and not enable_prefix_caching:
+            raise ValueError("Invalid value of enable_kv_events: KV events report the prefix cache, "
+                             "expected enable_prefix_caching=True with it")
+        check_int(kv_events_capacity, "kv_events_capacity", 1, 2**31)
         # Byte offsets into a layer are Py_ssize_t, also with num_layers=0
         # (which allocates nothing).
         layer_bytes = num_pages * 2 * self.page_size * self.num_kv_heads * self.head_dim * np_dtype.itemsize
@@ -345,6 +364,10 @@ cdef class KVCache:
             # One call can seal every page of the pool (removing a long sequence).
             self._enable_sealed_log(True, min(self.pool.num_pages, 2**24))
             self._tier = tier
+        self._kv_events = None
+        if enable_kv_events:
+            self._kv_events = KVEventLog(kv_events_capacity, self.page_size)
+            self._prefix.ix.events = &self._kv_events.log
 
     # ------------------------------------------------------------ internals
     cdef object _table(self, object seq_id):
@@ -471,6 +494,7 @@ cdef class KVCache:
         cdef int64_t k
         cdef page_id_t page_id
         cdef Py_ssize_t t
+        cdef int64_t last_stored = -2  # KV events: the logical page stored last in this call
         for k in range(hashes.num_registered, upto):
             _look_ahead(index, hashes, k, upto)
             if k < table.num_sink_pages:
@@ -485,6 +509,9 @@ cdef class KVCache:
                 for t in range(self.page_size):
                     index.tokens[page_id, t] = hashes.token_ids[k * self.page_size + t]
                 index.has_tokens[page_id] = 1
+            if self._kv_events is not None and pkv_index_is_cached(&index.ix, page_id):  # inserted
+                _record_stored(self._kv_events, hashes, k, self.page_size, k == last_stored + 1)
+                last_stored = k
         if upto > hashes.num_registered:
             hashes.num_registered = upto
         return 0
@@ -1181,6 +1208,9 @@ cdef class KVCache:
             ``2**20``, in ``pagedkv_c._kv_cache``), the last entry ``h >
             2**20``; not cumulative, their sum is ``prefix_lookups`` and the
             sum of ``h`` is ``prefix_hits``.
+            With ``enable_kv_events=True`` also ``kv_events_recorded`` and
+            ``kv_events_dropped`` (page events kept in, and dropped from,
+            the KV event log since construction; see :meth:`take_kv_events`).
         """
         self._lock.acquire()
         try:
@@ -1202,6 +1232,9 @@ cdef class KVCache:
             if self._tier is not None:
                 extra["tier_hits"] = self._tier_hits
                 extra |= {f"tier_{name}": value for name, value in self._tier.stats().items()}
+            if self._kv_events is not None:
+                extra |= {"kv_events_recorded": self._kv_events.log.total_recorded,
+                          "kv_events_dropped": self._kv_events.log.total_dropped}
             return {
                 "pages_in_use": in_use,
                 "pages_free": self.pool.q.num_free,
@@ -1276,6 +1309,90 @@ cdef class KVCache:
 
     def __reduce_ex__(self, protocol):
         return self.__reduce__()
+
+    # ------------------------------------------------------------ KV events
+    @property
+    def kv_events_enabled(self):
+        """True when the cache records prefix-cache KV events (``enable_kv_events=True``)."""
+        return self._kv_events is not None
+
+    def take_kv_events(self):
+        """Return and clear the prefix-cache KV events recorded since the last call.
+
+        Returns
+        -------
+        events : pagedkv_c._kv_events.KVEvents
+            The events in the order they happened, handed over without a
+            copy: ``len(events)`` of them as vLLM counts them, ``tolist()``
+            gives them as tuples tagged by vLLM's event names
+            (``"BlockStored"``: pages entered the prefix cache, with their
+            128-bit hashes, parent hash, token ids and page size;
+            ``"BlockRemoved"``: cached pages left it, handed out again by the
+            allocator or written into again by their sequence;
+            ``"AllBlocksCleared"``: :meth:`reset_prefix_cache` emptied it),
+            ``encode(ts)`` as one vLLM ``KVEventBatch``.
+        num_dropped : int
+            Events lost since the last call because the log was full
+            (``kv_events_capacity``); 0 when the events are complete. A
+            consumer that rebuilds the set of cached hashes must
+            resynchronize when it is not 0.
+
+        Raises
+        ------
+        RuntimeError
+            The cache was made without ``enable_kv_events=True``.
+
+        Notes
+        -----
+        Events are recorded in the core where pages enter and leave the
+        prefix index, as vLLM's block pool emits them
+        (``vllm/v1/core/block_pool.py``); :mod:`pagedkv.events` encodes them
+        as vLLM's ``KVEventBatch`` and publishes them over ZeroMQ. Replaying
+        every ``BlockStored`` and ``BlockRemoved`` from the cache's creation
+        rebuilds exactly the hashes of ``prefix_index.cached_pages()``.
+        """
+        if self._kv_events is None:
+            raise RuntimeError("this KVCache records no KV events: create it with enable_kv_events=True")
+        self._lock.acquire()
+        try:
+            return self._kv_events.take()
+        finally:
+            self._lock.leave()
+
+    def reset_prefix_cache(self):
+        """Empty the prefix cache when no page is in use; return whether it did.
+
+        Every cached page stops being findable by its hash (its K/V stays
+        where it is, now unreferenced), as vLLM's
+        ``BlockPool.reset_prefix_cache`` does after a weight update or
+        between benchmark runs. With KV events one ``AllBlocksCleared`` is
+        recorded (no ``BlockRemoved`` per page).
+
+        Returns
+        -------
+        bool
+            True when the prefix cache is now empty; False, with nothing
+            changed, when sequences still hold pages (as vLLM, which refuses
+            to reset while blocks are in use). True without prefix caching.
+        """
+        cdef int32_t page_id
+        self._lock.acquire()
+        try:
+            if self._prefix is None:
+                return True
+            if self.pool.q.num_free != self.pool.num_pages:
+                return False
+            self._prefix.ix.events = NULL  # one AllBlocksCleared stands for every removal
+            for page_id in range(self.pool.num_pages):
+                if pkv_index_is_cached(&self._prefix.ix, page_id):
+                    pkv_index_remove(&self._prefix.ix, page_id)
+            self.pool.q.num_cached_free = 0  # every page is free, and none is cached now
+            if self._kv_events is not None:
+                self._prefix.ix.events = &self._kv_events.log
+                pkv_kv_events_cleared(&self._kv_events.log)
+            return True
+        finally:
+            self._lock.leave()
 
     def __repr__(self):
         return (f"KVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
@@ -2142,3 +2259,9 @@ cdef int _check_tier(object tier, object enable_prefix_caching, object window) e
     if window is not None:
         raise ValueError(f"Invalid value of tier: a shared tier needs full attention (window=None), got window={window}")
     return 0
+cdef inline void _record_stored(KVEventLog events, SequenceHashes hashes, int64_t k, int32_t page_size,
+                                bint continues) noexcept:
+    """Record the KV event of logical page ``k`` of ``hashes`` entering the prefix index."""
+    pkv_kv_events_stored(&events.log, hashes.chain[k].lo, hashes.chain[k].hi,
+                         <const uint64_t*>&hashes.chain[k - 1] if k > 0 else NULL,
+                         NULL if hashes.external else &hashes.token_ids[k * page_size], continues)

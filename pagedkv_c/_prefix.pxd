@@ -2,6 +2,7 @@
 # the per-sequence hash chain.
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from pagedkv_c._types cimport page_id_t, int32_t, int64_t, pkv_page_record
+from pagedkv_c._kv_events cimport pkv_kv_events
 
 
 cdef struct hash128:
@@ -33,6 +34,7 @@ cdef extern from "prefix_index.h":
         pkv_page_record* pages           # (num_pages,) per-page records, shared with the allocator
         int64_t num_cached               # pages in the index
         int64_t evictions                # cached pages dropped because the allocator reused them
+        pkv_kv_events* events            # KV event log of every removal, or NULL (kv_events.h)
     bint pkv_index_is_cached(const pkv_index* ix, int32_t page) noexcept nogil
     void pkv_index_prefetch(const pkv_index* ix, uint64_t lo) noexcept nogil
     void pkv_index_prefetch_page(const pkv_index* ix, int32_t page) noexcept nogil

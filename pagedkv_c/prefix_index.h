@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include "page_record.h"
 #include "prefetch.h"
+#include "kv_events.h"
 
 /* A slot: 8 bytes, eight per cache line. The low 32 bits of the hash give
  * the home slot (the capacity is at most 2**31) and filter matches; the full
@@ -27,6 +28,7 @@ typedef struct {
     pkv_page_record *pages; /* (num_pages,) the pool's records (hash, cached flag) */
     int64_t num_cached;     /* pages in the index */
     int64_t evictions;      /* cached pages dropped because the allocator reused them */
+    pkv_kv_events *events;  /* KV event log of every removal, or NULL (kv_events.h) */
 } pkv_index;
 
 PKV_INLINE int pkv_index_is_cached(const pkv_index *ix, int32_t page)
@@ -97,6 +99,8 @@ PKV_INLINE void pkv_index_remove(pkv_index *ix, int32_t page)
      * of moved pages would cost a cache miss each. */
     while (ix->slots[i].page != page)
         i = (i + 1) & mask;
+    if (ix->events != NULL)
+        pkv_kv_events_removed(ix->events, ix->pages[page].lo, ix->pages[page].hi);
     /* Backward-shift deletion: pull later entries of the probe run into the
      * hole unless their home slot lies cyclically in (hole, entry]. */
     for (j = i;;) {

@@ -276,6 +276,11 @@ class Collector:
         yield counter("out_of_pages_errors", "Appends refused with OutOfPagesError.", "out_of_pages_errors")
         yield counter("sequences_added", "Sequences created by add_sequence and fork.", "sequences_added")
         yield counter("tokens_appended", "Tokens reserved by append.", "tokens_appended")
+        if stats is not None and "kv_events_dropped" in stats:  # KVCache(enable_kv_events=True)
+            yield counter("kv_events_recorded", "Page-level KV events recorded for take_kv_events.",
+                          "kv_events_recorded")
+            yield counter("kv_events_dropped", "Page-level KV events dropped because the event log was full.",
+                          "kv_events_dropped")
         if self._config["prefix_caching"] == "true":
             hist = core.HistogramMetricFamily(
                 f"{ns}_prefix_cache_hit_tokens", "Tokens served from the prefix cache per prompt lookup.",

@@ -188,7 +188,8 @@ def capacity_pages(capacity_tokens: int, page_size: int, max_pages: int = MAX_PA
 
 def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_hash: str = "xxh3_128",
            progress: Callable[[int], object] | None = None, keep_cache: bool = False,
-           on_cache: Callable[[KVCache], object] | None = None, tier=None) -> ReplayResult:
+           on_cache: Callable[[KVCache], object] | None = None, tier=None,
+           kv_events: Callable[[KVCache], Callable[[], object]] | None = None) -> ReplayResult:
     """Replay a trace through a page manager of ``capacity_tokens`` tokens.
 
     See the module notes for the steps per request, the rejection rule and
@@ -221,6 +222,14 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
         a request seals are written to it (headers only: a replay has no
         K/V bytes), and a request fetches the pages its local cache lacks.
         The replay waits for the tier's writes at the end.
+    kv_events : callable or None
+        Record the prefix cache's KV events (``enable_kv_events=True``, a
+        trace with block ids only): ``kv_events(cache)`` is called once with
+        the new cache, before the timer starts, and returns the function
+        that drains its events (e.g. ``cache.take_kv_events``, or the
+        ``publish`` of a :class:`pagedkv.events.ZmqEventPublisher` it
+        makes); that function is called every 256 requests and after the
+        last one, inside the timed loop.
 
     Returns
     -------
@@ -230,7 +239,8 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
     ------
     ValueError
         ``capacity_tokens`` or ``page_size`` out of range, ``block_tokens`` not
-        a multiple of ``page_size``, or an unknown ``prefix_hash``.
+        a multiple of ``page_size``, an unknown ``prefix_hash``, or
+        ``kv_events`` with a trace without block ids.
     TypeError
         ``trace`` is not a :class:`Trace`, or a non-integer capacity or page size.
     """
@@ -247,10 +257,14 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
             f"Invalid value of page_size: expected a divisor of the trace's block_tokens "
             f"{trace.block_tokens}, got {page_size}"
         )
+    if kv_events is not None and not with_prefix:
+        raise ValueError(f"Invalid value of kv_events: KV events report the prefix cache, and a {trace.format} "
+                         "trace has no block ids to cache")
     cache = KVCache(0, 1, 1, num_pages, page_size=page_size, enable_prefix_caching=with_prefix,
-                    prefix_hash=prefix_hash, tier=tier)
+                    prefix_hash=prefix_hash, tier=tier, enable_kv_events=kv_events is not None)
     if on_cache is not None:
         on_cache(cache)
+    drain_events = kv_events(cache) if kv_events is not None else None
 
     inputs = trace.input_lengths
     outputs = trace.output_lengths
@@ -286,6 +300,8 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
                 append(seq_ids, counts, return_slot_mapping=False)
             remove_sequence(0)
             cached_tokens[i] = cached
+        if drain_events is not None:
+            drain_events()
         if progress is not None:
             progress(chunk_stop - chunk_start)
     seconds = time.perf_counter() - start

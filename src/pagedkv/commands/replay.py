@@ -66,6 +66,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--plot", type=plot_file, default=None, metavar="OUT.png",
                         help="draw the token hit rate against capacity (needs matplotlib and a mooncake trace; "
                              "the extension gives the image format)")
+    parser.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                        help="publish the prefix cache's KV events as vLLM does (ZeroMQ PUB socket bound to "
+                             "ENDPOINT, e.g. tcp://127.0.0.1:5557; needs pagedkv[events], a mooncake trace and "
+                             "one --capacity-tokens); a batch every 256 requests")
+    parser.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                        help="with --kv-events: bind a ROUTER socket that replays missed batches (vLLM's replay)")
     parser.add_argument("--no-progress", action="store_true", help="do not show the tqdm progress bar")
     parser.add_argument("--tier", default=None, metavar="URL",
                         help="a shared prefix tier (redis://HOST:PORT/DB or redis+cluster://HOST:PORT,...; needs "
@@ -168,6 +174,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pagedkv replay: {exc}", file=sys.stderr)
         return 2
+    if args.kv_events_replay and not args.kv_events:
+        print("pagedkv replay: --kv-events-replay needs --kv-events", file=sys.stderr)
+        return 2
+    if args.kv_events and (not trace.has_block_ids or len(capacities) != 1):
+        print("pagedkv replay: --kv-events publishes the events of one prefix cache: it needs a trace with block "
+              f"ids (mooncake; this one is {trace.format}) and one --capacity-tokens (got {len(capacities)})",
+              file=sys.stderr)
+        return 2
     if args.plot and not trace.has_block_ids:
         print(f"pagedkv replay: --plot needs a trace with block ids (mooncake); {trace.format} has none",
               file=sys.stderr)
@@ -182,19 +196,42 @@ def run(args: argparse.Namespace) -> int:
             print("pagedkv replay: tqdm is not installed, no progress bar (pip install tqdm)", file=sys.stderr)
         else:
             progress_bar = tqdm
+    publishers: list = []
+    attach_publisher = None
+    if args.kv_events:
+        try:
+            from pagedkv.events import ZmqEventPublisher
+        except ImportError as exc:
+            print(f"pagedkv replay: {exc}", file=sys.stderr)
+            return 2
+
+        def attach_publisher(cache):
+            publishers.append(ZmqEventPublisher(cache, args.kv_events, replay_endpoint=args.kv_events_replay))
+            return publishers[-1].publish
     try:
         metrics = RunMetrics(args, "replay")  # each capacity's cache is labelled capacity_tokens=N
     except CommandError as exc:
         print(f"pagedkv replay: {exc}", file=sys.stderr)
         return 2
     try:
-        results = _replay_all(args, trace, capacities, progress_bar, metrics)
+        results = _replay_all(args, trace, capacities, progress_bar, metrics, attach_publisher)
+    except OSError as exc:
+        if not args.kv_events or isinstance(exc, BrokenPipeError):
+            raise
+        print(f"pagedkv replay: --kv-events: {exc}", file=sys.stderr)  # the publisher's socket could not bind
+        return 2
     finally:
         metrics_error = metrics.close()
+        for publisher in publishers:
+            publisher.close()
     if metrics_error is not None:
         print(f"pagedkv replay: {metrics_error}", file=sys.stderr)
         return 2
     print(format_table(results))
+    for publisher in publishers:
+        print(f"KV events: {publisher.num_events:,} events in {publisher.num_batches:,} batches "
+              f"({publisher.num_bytes:,} bytes) published on {publisher.endpoint}"
+              + (f"; {publisher.num_dropped:,} dropped" if publisher.num_dropped else ""))
     if args.plot:
         # The path was checked when parsing; writing can still fail (a full disk, a directory removed since).
         try:
@@ -208,8 +245,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _replay_all(args: argparse.Namespace, trace, capacities: list[int], progress_bar,
-                metrics: RunMetrics) -> list[ReplayResult]:
-    """Replay ``trace`` at every capacity, in order; return the results."""
+                metrics: RunMetrics, kv_events=None) -> list[ReplayResult]:
+    """Replay ``trace`` at every capacity, in order; return the results (``kv_events``: see ``replay``)."""
     print(f"{trace.format} trace {args.trace}: {len(trace):,} requests, "
           f"{int(trace.input_lengths.sum()):,} prompt and {int(trace.output_lengths.sum()):,} output tokens; "
           f"page size {args.page_size}, prefix caching {'on' if trace.has_block_ids else 'off (no block ids)'}")
@@ -221,7 +258,8 @@ def _replay_all(args: argparse.Namespace, trace, capacities: list[int], progress
         try:
             result = replay(trace, capacity, page_size=args.page_size, prefix_hash=args.prefix_hash,
                             progress=bar.update if bar is not None else None,
-                            on_cache=lambda cache: metrics.attach(cache, {"capacity_tokens": str(capacity)}))
+                            on_cache=lambda cache: metrics.attach(cache, {"capacity_tokens": str(capacity)}),
+                            kv_events=kv_events)
         finally:
             metrics.detach()
             if bar is not None:

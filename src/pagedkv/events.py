@@ -1,0 +1,409 @@
+"""vLLM-compatible KV events: wire encoding and a ZeroMQ publisher.
+
+A :class:`~pagedkv.KVCache` made with ``enable_kv_events=True`` records, in
+its compiled core, one event per page entering the prefix cache, per cached
+page leaving it and per reset (see :meth:`pagedkv.KVCache.take_kv_events`).
+This module encodes them as vLLM's ``KVEventBatch`` and publishes them the
+way vLLM's ``ZmqEventPublisher`` does, so a KV-aware router written for vLLM
+(llm-d's KV-cache manager, NVIDIA Dynamo, SGLang's and vLLM's routers)
+consumes a pagedkv cache unchanged.
+
+Needs the ``events`` extra (``pip install "pagedkv[events]"``): pyzmq for
+the sockets (the batches are encoded in the core, in C) and msgspec, the
+MessagePack library vLLM's consumers decode with (docs/kv_events.md).
+``import pagedkv`` does not import this module.
+
+Wire format (vLLM 0.26, ``vllm/distributed/kv_events.py`` after vLLM PR
+#42892, which made events named-field maps)
+--------------------------------------------------------------------------
+Each ZeroMQ message has three frames: the topic (UTF-8), the batch's
+sequence number (8 bytes, big-endian, from 0) and the payload, a MessagePack
+array ``[ts, events, data_parallel_rank]`` (``ts``: seconds since the epoch,
+float). Each event is a map tagged by its ``"type"`` key:
+
+``BlockStored``
+    ``block_hashes`` (list), ``parent_block_hash`` (hash or nil),
+    ``token_ids`` (list of int), ``block_size`` (int, tokens), ``lora_id``
+    (nil), ``medium`` (str), ``lora_name`` (nil), ``group_idx`` (0),
+    ``kv_cache_spec_kind`` (``"full_attention"``, or ``"sliding_window"`` for
+    a cache with a window) and, with a window, ``kv_cache_spec_sliding_window``
+    (the window in tokens).
+``BlockRemoved``
+    ``block_hashes``, ``medium``, ``group_idx`` (0).
+``AllBlocksCleared``
+    no field.
+
+Hashes are vLLM's integer form (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, its
+default): the low 64 bits of the page's 128-bit hash, which is what vLLM's
+``maybe_convert_block_hash`` takes from the last 8 bytes of a hash read
+big-endian; with ``hash_format="bytes"`` the whole hash as 16 big-endian
+bytes. Fields vLLM leaves at their default (``extra_keys``) are omitted, as
+its encoder (``omit_defaults=True``) does.
+
+Differences from vLLM: ``medium`` defaults to ``"CPU"`` (the pool is host
+memory; pass ``medium="GPU"`` for routers that score only that tier); pages
+keyed by external block ids (``add_sequence(block_hashes=...)``, the trace
+replay) have no token ids, so their ``BlockStored`` carries an empty
+``token_ids``; attention-sink pages have no field of their own (a windowed
+cache reports ``sliding_window``); the PUB socket binds its endpoint unless
+``connect=True`` (vLLM binds only addresses with ``*`` and connects to the
+others). docs/kv_events.md shows a consumer.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+
+try:
+    import zmq
+except ImportError as exc:  # pragma: no cover - exercised without the extra
+    raise ImportError("pagedkv.events needs pyzmq: pip install \"pagedkv[events]\"") from exc
+
+from pagedkv_c._kv_events import KVEvents
+
+__all__ = ["VLLM_SCHEMA_VERSION", "END_SEQ", "encode_events", "ZmqEventPublisher", "KVEvents"]
+
+logger = logging.getLogger(__name__)
+
+VLLM_SCHEMA_VERSION = "0.26"
+"""The vLLM release whose ``KVEventBatch`` wire schema this module follows."""
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""Sequence-number frame that ends a replay (vLLM's ``ZmqEventPublisher.END_SEQ``), sent with an empty payload."""
+
+_HASH_FORMATS = ("int", "bytes")
+
+
+def _check_options(medium: object, hash_format: object, data_parallel_rank: object) -> None:
+    if not isinstance(medium, str):
+        raise TypeError(f"Invalid type of medium: expected str, got {type(medium).__name__}")
+    if hash_format not in _HASH_FORMATS:
+        raise ValueError(f"Invalid value of hash_format: expected one of {_HASH_FORMATS}, got {hash_format!r}")
+    if isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int) or data_parallel_rank < 0:
+        raise ValueError(f"Invalid value of data_parallel_rank: expected an int >= 0, got {data_parallel_rank!r}")
+
+
+def encode_events(events, *, ts: float | None = None, data_parallel_rank: int = 0, window: int | None = None,
+                  medium: str = "CPU", hash_format: str = "int") -> bytes:
+    """Encode drained KV events as one vLLM ``KVEventBatch``.
+
+    Parameters
+    ----------
+    events : pagedkv_c._kv_events.KVEvents
+        Events that :meth:`pagedkv.KVCache.take_kv_events` returned.
+    ts : float or None
+        Batch timestamp in seconds since the epoch; None: now (``time.time()``).
+    data_parallel_rank : int
+        Data-parallel rank written in the batch, ``>= 0`` (vLLM writes its
+        engine's rank; 0 for a single engine).
+    window : int or None
+        The cache's sliding window in tokens (``cache.window``): fills
+        vLLM's ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``.
+    medium : str
+        Storage tier named in every event (vLLM: ``"GPU"``, ``"CPU"``).
+    hash_format : str
+        ``"int"`` (vLLM's default: the low 64 bits of the 128-bit page hash)
+        or ``"bytes"`` (the 16-byte big-endian hash).
+
+    Returns
+    -------
+    bytes
+        The MessagePack payload ``[ts, events, data_parallel_rank]``; see
+        the module notes for the fields. Encoded in C without the GIL.
+
+    Raises
+    ------
+    TypeError
+        ``events`` is not a drained ``KVEvents``, or ``medium`` is not a str.
+    ValueError
+        An unknown ``hash_format`` or a negative ``data_parallel_rank``.
+    """
+    if not isinstance(events, KVEvents):
+        raise TypeError(f"Invalid type of events: expected the KVEvents of KVCache.take_kv_events, "
+                        f"got {type(events).__name__}")
+    _check_options(medium, hash_format, data_parallel_rank)
+    return events.encode(time.time() if ts is None else float(ts), data_parallel_rank=data_parallel_rank,
+                         window=window, medium=medium, hash_format=hash_format)
+
+
+class ZmqEventPublisher:
+    """Publish a cache's KV events on a ZeroMQ PUB socket, as vLLM's ``ZmqEventPublisher``.
+
+    Each :meth:`publish` takes the events the cache recorded since the last
+    one (one short call under the cache's lock) and queues them as one
+    batch; a background thread encodes the batch (see the module notes),
+    sends it as ``(topic, sequence number, payload)`` with sequence numbers
+    from 0, keeps the last ``buffer_steps`` payloads for replay, and answers
+    replay requests. The caller never waits for the network: the queue
+    between :meth:`publish` and the thread is unbounded (the cache's own log
+    is the bounded part), and a subscriber too slow for the PUB socket's
+    high-water mark loses messages, which it sees as a gap in the sequence
+    numbers and recovers through the replay socket.
+
+    Parameters
+    ----------
+    cache : pagedkv.KVCache
+        A cache made with ``enable_kv_events=True``.
+    endpoint : str
+        ZeroMQ address of the PUB socket, bound (default ``"tcp://*:5557"``,
+        vLLM's); with ``connect=True`` connected instead.
+    topic : str
+        Topic frame of every message (default ``""``; vLLM's default too).
+    replay_endpoint : str or None
+        Address to bind a ROUTER socket for replays, or None (no replay). A
+        client sends a sequence number (8 bytes, big-endian); the publisher
+        answers with one message ``(sequence number, payload)`` per buffered
+        batch from that number on, then ``(END_SEQ, b"")``. Use a DEALER
+        socket (send ``(b"", seq)``, receive ``(b"", seq, payload)``): a REQ
+        socket accepts only the first message of an answer.
+    buffer_steps : int
+        Batches kept for replay, ``>= 1`` (default 10000, vLLM's).
+    interval : float or None
+        When set, the background thread also drains the cache every
+        ``interval`` seconds (``> 0``), so a caller need not call
+        :meth:`publish`; None (default): only :meth:`publish` drains.
+    data_parallel_rank : int
+        Rank written in every batch (default 0).
+    medium : str
+        Storage tier named in every event (default ``"CPU"``).
+    hash_format : str
+        ``"int"`` (default) or ``"bytes"``; see :func:`encode_events`.
+    connect : bool
+        Connect the PUB socket to ``endpoint`` instead of binding it (for a
+        subscriber that binds). vLLM decides by the address (it binds
+        addresses with ``*``); here it is explicit.
+    hwm : int
+        High-water mark of the PUB socket in messages (default 100000, vLLM's).
+    linger : float
+        Seconds :meth:`close` waits for queued messages to leave (default 1).
+
+    Attributes
+    ----------
+    num_queued : int
+        Batches queued by drains; ``num_queued - num_batches`` wait for the thread.
+    num_batches : int
+        Batches sent (each one ZeroMQ message).
+    num_events : int
+        Events sent (a ``BlockStored`` of several pages counts once).
+    num_bytes : int
+        Bytes of the frames sent (topic, sequence number and payload).
+    num_dropped : int
+        Events the cache's log dropped (it was full) before a drain; each
+        drop is logged as a warning.
+
+    Raises
+    ------
+    TypeError
+        ``cache`` is not a KVCache, or an argument of the wrong type.
+    ValueError
+        The cache records no KV events, or an argument out of range.
+    OSError
+        A socket cannot bind (or connect to) its endpoint; the message names it.
+
+    Notes
+    -----
+    Source: vLLM's ``vllm/distributed/kv_events.py`` (``ZmqEventPublisher``:
+    PUB frames, sequence numbers, ROUTER replay and ``END_SEQ``).
+    """
+
+    def __init__(self, cache, endpoint: str = "tcp://*:5557", *, topic: str = "",
+                 replay_endpoint: str | None = None, buffer_steps: int = 10000,
+                 interval: float | None = None, data_parallel_rank: int = 0, medium: str = "CPU",
+                 hash_format: str = "int", connect: bool = False, hwm: int = 100_000,
+                 linger: float = 1.0) -> None:
+        from pagedkv import KVCache
+
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"Invalid type of cache: expected pagedkv.KVCache, got {type(cache).__name__}")
+        if not cache.kv_events_enabled:
+            raise ValueError("Invalid value of cache: it records no KV events; create it with "
+                             "KVCache(..., enable_prefix_caching=True, enable_kv_events=True)")
+        for name, value in (("endpoint", endpoint), ("topic", topic)):
+            if not isinstance(value, str):
+                raise TypeError(f"Invalid type of {name}: expected str, got {type(value).__name__}")
+        if replay_endpoint is not None and not isinstance(replay_endpoint, str):
+            raise TypeError(f"Invalid type of replay_endpoint: expected str or None, got {type(replay_endpoint).__name__}")
+        for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Invalid value of {name}: expected an int >= 1, got {value!r}")
+        if interval is not None and not (isinstance(interval, (int, float)) and interval > 0):
+            raise ValueError(f"Invalid value of interval: expected None or seconds > 0, got {interval!r}")
+        if not (isinstance(linger, (int, float)) and linger >= 0):
+            raise ValueError(f"Invalid value of linger: expected seconds >= 0, got {linger!r}")
+        _check_options(medium, hash_format, data_parallel_rank)
+
+        self._cache = cache
+        self._window = cache.window
+        self._topic = topic.encode("utf-8")
+        self._interval = interval
+        self._rank = data_parallel_rank
+        self._medium = medium
+        self._hash_format = hash_format
+        self._linger_ms = int(linger * 1000)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._take_lock = threading.RLock()  # a take and its enqueue are one step: batches keep their order
+        self._closed = False
+        self.num_queued = 0
+        self.num_batches = 0
+        self.num_events = 0
+        self.num_bytes = 0
+        self.num_dropped = 0
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+
+        self._context = zmq.Context()
+        self._pub = self._replay = None
+        try:
+            self._pub = self._context.socket(zmq.PUB)
+            self._pub.set_hwm(hwm)
+            self._open(self._pub, endpoint, "endpoint", connect)
+            if replay_endpoint is not None:
+                self._replay = self._context.socket(zmq.ROUTER)
+                self._open(self._replay, replay_endpoint, "replay_endpoint", False)
+        except BaseException:
+            self._close_sockets(0)
+            raise
+        self._thread = threading.Thread(target=self._run, name="pagedkv-kv-events", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _open(socket, address: str, name: str, connect: bool) -> None:
+        try:
+            if connect:
+                socket.connect(address)
+            else:
+                socket.bind(address)
+        except zmq.ZMQError as exc:
+            raise OSError(f"cannot {'connect' if connect else 'bind'} the KV event {name} {address!r}: {exc}") from exc
+
+    def _close_sockets(self, linger_ms: int) -> None:
+        for socket in (self._pub, self._replay):
+            if socket is not None:
+                socket.close(linger=linger_ms)
+        self._context.term()
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    def publish(self) -> int:
+        """Take the cache's pending KV events and queue them as one batch.
+
+        Returns at once; the background thread encodes and sends. Nothing is
+        queued when there are no events.
+
+        Returns
+        -------
+        int
+            Events taken (0: nothing was pending).
+
+        Raises
+        ------
+        RuntimeError
+            The publisher is closed.
+        """
+        if self._closed:
+            raise RuntimeError("this ZmqEventPublisher is closed: create a new one to publish")
+        return self._drain()
+
+    def _drain(self, from_thread: bool = False) -> int:
+        with self._take_lock:
+            if from_thread and self._closed:
+                return 0  # close() took the last batch and queued the stop
+            events, dropped = self._cache.take_kv_events()
+            if dropped:
+                self.num_dropped += dropped
+                logger.warning("the KV event log of the cache was full: %d events were dropped; raise "
+                               "kv_events_capacity or publish more often", dropped)
+            if len(events):
+                self._queue.put((time.time(), events))
+                self.num_queued += 1
+            return len(events)
+
+    def close(self) -> None:
+        """Publish what is pending, stop the thread and close the sockets.
+
+        Waits for queued batches to be sent (the thread encodes them) and up
+        to ``linger`` seconds for the sockets to deliver them. Calling it
+        again does nothing.
+        """
+        if self._closed:
+            return
+        with self._take_lock:
+            self._drain()
+            self._closed = True
+            self._queue.put(None)
+        self._thread.join()
+        self._close_sockets(self._linger_ms)
+
+    def __enter__(self) -> ZmqEventPublisher:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ZmqEventPublisher(endpoint={self.endpoint!r}, replay_endpoint={self.replay_endpoint!r}, "
+                f"batches={self.num_batches}, events={self.num_events}, closed={self._closed})")
+
+    # ----------------------------------------------------------- the thread
+    def _run(self) -> None:
+        wait = 0.01 if self._replay is not None else 0.1
+        if self._interval is not None:
+            wait = min(wait, self._interval)
+        next_drain = time.monotonic() + (self._interval or 0.0)
+        sequence = 0
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                try:
+                    self._serve_replay()
+                except zmq.ZMQError:
+                    logger.exception("replay request failed")
+            if self._interval is not None and time.monotonic() >= next_drain:
+                self._drain(from_thread=True)
+                next_drain = time.monotonic() + self._interval
+            try:
+                item = self._queue.get(timeout=wait)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            ts, events = item
+            payload = events.encode(ts, data_parallel_rank=self._rank, window=self._window, medium=self._medium,
+                                    hash_format=self._hash_format)
+            sequence_bytes = sequence.to_bytes(8, "big")
+            try:
+                self._pub.send_multipart((self._topic, sequence_bytes, payload))
+            except zmq.ZMQError:
+                logger.exception("sending KV event batch %d failed", sequence)
+            self._buffer.append((sequence, payload))
+            sequence += 1
+            self.num_batches += 1
+            self.num_events += len(events)
+            self.num_bytes += len(self._topic) + 8 + len(payload)
+
+    def _serve_replay(self) -> None:
+        """Answer one replay request: the buffered batches from its sequence number on, then END_SEQ."""
+        frames = self._replay.recv_multipart()
+        # REQ clients send (identity, b"", seq); DEALER clients may leave out the empty delimiter.
+        if len(frames) == 3 and frames[1] == b"":
+            envelope, request = frames[:2], frames[2]
+        elif len(frames) == 2:
+            envelope, request = frames[:1], frames[1]
+        else:
+            logger.warning("ignored a replay request of %d frames", len(frames))
+            return
+        if len(request) != 8:
+            logger.warning("ignored a replay request whose sequence number is %d bytes, not 8", len(request))
+            self._replay.send_multipart((*envelope, END_SEQ, b""))
+            return
+        start = int.from_bytes(request, "big")
+        for sequence, payload in list(self._buffer):
+            if sequence >= start:
+                self._replay.send_multipart((*envelope, sequence.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((*envelope, END_SEQ, b""))

@@ -1,0 +1,199 @@
+"""Prefix-cache KV events recorded by the core (KVCache(enable_kv_events=True)), without the wire.
+
+The stream of BlockStored / BlockRemoved / AllBlocksCleared must rebuild exactly the set of
+hashes that the prefix index reports, and every stored hash must be the XXH3-128 of its
+parent, the salt and its token ids (the chain of pagedkv_c._prefix), computed here with the
+``xxhash`` package from bytes written by the test.
+"""
+import numpy as np
+import pytest
+import xxhash
+
+from pagedkv import KVCache
+from pagedkv_c._pool import OutOfPagesError
+
+
+def cached_hashes(cache):
+    """The 128-bit hashes of the pages the prefix index holds, as the cache reports them."""
+    index = cache.prefix_index
+    return {index.page_hash(int(p)) for p in index.cached_pages()}
+
+
+def apply(events, state):
+    """Apply decoded tuples to a set of hashes; stored hashes must be new, removed ones present."""
+    for event in events:
+        if event[0] == "BlockStored":
+            for h in event[1]:
+                assert h not in state, "a page was stored twice without a removal"
+                state.add(h)
+        elif event[0] == "BlockRemoved":
+            for h in event[1]:
+                assert h in state, "a page was removed that was never stored"
+                state.remove(h)
+        else:
+            assert event == ("AllBlocksCleared",)
+            state.clear()
+
+
+def reference_hash(parent, token_ids):
+    """XXH3-128 of parent (lo, hi), a zero salt and the int32 token ids, all little-endian."""
+    parent = parent or 0
+    head = np.array([parent & (2**64 - 1), parent >> 64, 0, 0], dtype="<u8").tobytes()
+    return xxhash.xxh3_128_intdigest(head + np.asarray(token_ids, dtype="<i4").tobytes())
+
+
+def check_chain(events, page_size):
+    for event in events:
+        if event[0] == "BlockStored" and event[3]:
+            hashes, parent, tokens, block_size = event[1], event[2], event[3], event[4]
+            assert block_size == page_size and len(tokens) == len(hashes) * page_size
+            for i, h in enumerate(hashes):
+                assert h == reference_hash(parent, tokens[i * page_size:(i + 1) * page_size])
+                parent = h
+
+
+def test_store_and_evict_events_in_order():
+    cache = KVCache(0, 1, 1, 4, page_size=2, enable_prefix_caching=True, enable_kv_events=True)
+    cache.add_sequence(0, [1, 2, 3, 4, 5])
+    cache.append([0], [5], token_ids=[1, 2, 3, 4, 5])
+    events, dropped = cache.take_kv_events()
+    assert dropped == 0 and len(events) == 1
+    (stored,) = events.tolist()
+    h1 = reference_hash(None, [1, 2])
+    h2 = reference_hash(h1, [3, 4])
+    assert stored == ("BlockStored", [h1, h2], None, [1, 2, 3, 4], 2)
+    assert events.num_pages_stored == 2 and events.num_pages_removed == 0
+    cache.remove_sequence(0)
+    assert len(cache.take_kv_events()[0]) == 0  # freed pages stay cached: no event
+    # Eight new tokens need all four pages: the allocator hands out the two
+    # cached ones (least recently freed first) and evicts them.
+    cache.add_sequence(1, [9] * 8)
+    cache.append([1], [8], token_ids=[9] * 8)
+    events = cache.take_kv_events()[0].tolist()
+    assert events[0] == ("BlockRemoved", [h2, h1]) or events[0] == ("BlockRemoved", [h1, h2])
+    assert [e[0] for e in events] == ["BlockRemoved", "BlockStored"]
+    check_chain(events, 2)
+    assert cached_hashes(cache) == set(events[1][1])
+
+
+def test_a_page_written_again_is_removed_before_its_new_content_is_stored():
+    cache = KVCache(0, 1, 1, 8, page_size=2, enable_prefix_caching=True, enable_kv_events=True)
+    cache.add_sequence(0, [1, 2, 3, 4])
+    cache.append([0], [4], token_ids=[1, 2, 3, 4])
+    cache.truncate(0, 3)  # the second page becomes partial: it leaves the index when written
+    cache.take_kv_events()
+    cache.append([0], [1], token_ids=[7])
+    events = cache.take_kv_events()[0].tolist()
+    h1 = reference_hash(None, [1, 2])
+    assert events == [("BlockRemoved", [reference_hash(h1, [3, 4])]),
+                      ("BlockStored", [reference_hash(h1, [3, 7])], h1, [3, 7], 2)]
+
+
+def test_reset_prefix_cache_follows_vllm_contract():
+    cache = KVCache(0, 1, 1, 8, page_size=2, enable_prefix_caching=True, enable_kv_events=True)
+    cache.add_sequence(0, [1, 2, 3])
+    cache.append([0], [3], token_ids=[1, 2, 3])
+    cache.take_kv_events()
+    assert cache.reset_prefix_cache() is False  # a sequence holds pages: nothing changes
+    assert len(cache.take_kv_events()[0]) == 0 and len(cached_hashes(cache)) == 1
+    cache.remove_sequence(0)
+    assert cache.reset_prefix_cache() is True
+    assert cache.take_kv_events()[0].tolist() == [("AllBlocksCleared",)]
+    assert cached_hashes(cache) == set()
+    cache.check_invariants()
+    # The same prompt now misses and is stored again.
+    assert cache.add_sequence(1, [1, 2, 3]) == 0
+    assert KVCache(0, 1, 1, 4).reset_prefix_cache() is True  # nothing to reset without prefix caching
+
+
+def test_overflow_drops_new_events_and_counts_them():
+    cache = KVCache(0, 1, 1, 64, page_size=1, enable_prefix_caching=True, enable_kv_events=True,
+                    kv_events_capacity=5)
+    cache.add_sequence(0, list(range(12)))
+    cache.append([0], [12], token_ids=list(range(12)))  # 12 full pages, 5 kept
+    events, dropped = cache.take_kv_events()
+    assert events.num_pages_stored == 5 and dropped == 7 and events.num_dropped == 7
+    assert events.tolist()[0][1] == [reference_hash(None, [0])] + events.tolist()[0][1][1:]
+    stats = cache.stats()
+    assert stats["kv_events_dropped"] == 7 and stats["kv_events_recorded"] == 5
+    assert cache.take_kv_events()[1] == 0  # the count is per drain
+
+
+def test_enable_kv_events_checks():
+    with pytest.raises(ValueError, match="enable_kv_events"):
+        KVCache(0, 1, 1, 4, enable_kv_events=True)
+    with pytest.raises(TypeError, match="enable_kv_events"):
+        KVCache(0, 1, 1, 4, enable_prefix_caching=True, enable_kv_events=1)
+    with pytest.raises(ValueError, match="kv_events_capacity"):
+        KVCache(0, 1, 1, 4, enable_prefix_caching=True, enable_kv_events=True, kv_events_capacity=0)
+    with pytest.raises(RuntimeError, match="enable_kv_events=True"):
+        KVCache(0, 1, 1, 4, enable_prefix_caching=True).take_kv_events()
+    assert not KVCache(0, 1, 1, 4, enable_prefix_caching=True).kv_events_enabled
+
+
+@pytest.mark.parametrize("window,sinks", [(None, 0), (12, 0), (10, 3)])
+def test_random_run_events_rebuild_the_cached_hashes(window, sinks):
+    """A long random run of adds, appends, forks, truncations and removals."""
+    page_size = 4
+    rng = np.random.default_rng(17 if window is None else window)
+    cache = KVCache(0, 1, 1, 48, page_size=page_size, window=window, sink_tokens=sinks,
+                    enable_prefix_caching=True, enable_kv_events=True)
+    prompts = [rng.integers(0, 3, size=24).tolist() for _ in range(4)]  # shared prefixes
+    tokens, state, next_id = {}, set(), 0
+    for step in range(1000):
+        op = rng.integers(0, 5)
+        try:
+            if op == 0 or not tokens:
+                prompt = prompts[rng.integers(len(prompts))][:rng.integers(1, 24)]
+                cache.add_sequence(next_id, prompt)
+                seq, next_id = next_id, next_id + 1
+                tokens[seq] = prompt[:cache.seq_len(seq)]  # served from cache
+                rest = prompt[len(tokens[seq]):]
+                cache.append([seq], [len(rest)], token_ids=rest)
+                tokens[seq] = list(prompt)
+            elif op == 1:
+                seq = list(tokens)[rng.integers(len(tokens))]
+                new = rng.integers(0, 3, size=rng.integers(1, 9)).tolist()
+                cache.append([seq], [len(new)], token_ids=new)
+                tokens[seq] += new
+            elif op == 2:
+                seq = list(tokens)[rng.integers(len(tokens))]
+                cache.fork(seq, next_id)
+                tokens[next_id] = list(tokens[seq])
+                next_id += 1
+            elif op == 3:
+                seq = list(tokens)[rng.integers(len(tokens))]
+                new_len = int(rng.integers(0, len(tokens[seq]) + 1))
+                try:
+                    cache.truncate(seq, new_len)
+                except ValueError:  # with a window: keys the new last query needs are gone
+                    continue
+                tokens[seq] = tokens[seq][:new_len]
+            else:
+                seq = list(tokens)[rng.integers(len(tokens))]
+                cache.remove_sequence(seq)
+                del tokens[seq]
+        except OutOfPagesError:
+            for seq in list(tokens)[: len(tokens) // 2]:
+                cache.remove_sequence(seq)
+                del tokens[seq]
+            # An add_sequence that could not append leaves its sequence behind.
+            tokens = {s: t for s, t in tokens.items() if s in cache}
+            for s in list(tokens):
+                tokens[s] = tokens[s][:cache.seq_len(s)]
+        if step % 50 == 0:
+            events, dropped = cache.take_kv_events()
+            assert dropped == 0
+            decoded = events.tolist()
+            check_chain(decoded, page_size)
+            apply(decoded, state)
+            assert state == cached_hashes(cache)
+        if step == 500:
+            for seq in list(tokens):
+                cache.remove_sequence(seq)
+            tokens.clear()
+            assert cache.reset_prefix_cache()
+    events, dropped = cache.take_kv_events()
+    apply(events.tolist(), state)
+    assert dropped == 0 and state == cached_hashes(cache) and state
+    cache.check_invariants()
