@@ -18,6 +18,7 @@ from pagedkv.commands._model_options import (
     probability,
     peak_rss_bytes,
     positive_int,
+    resolve_threads,
     run_reporting_errors,
 )
 
@@ -174,6 +175,7 @@ def _run(args: argparse.Namespace) -> int:
         args.parser.error("argument --system: only used with --chat")
     prompts, line_numbers = _read_prompts(args)
     check_thread_control(args.threads)
+    args.threads = resolve_threads(args.threads)
     model, tokenizer = load_model(args.gguf, args.threads)
 
     import numpy as np
