@@ -7,21 +7,22 @@ the dense backend under each BLAS setting, and for the default thread count
 (``"auto"``: :func:`pagedkv.models.threads.choose_num_threads`, BLAS and attention on
 the same count), the combinations taking turns step by step.
 
-It does so in two machine states (``--neighbour``), interleaved round by round inside
-one process, so that both see the same background load:
+It does so in two machine states (``--neighbour``), interleaved step by step inside one
+process (each combination runs one step in one state, then one in the other), so that
+both states see the same background load:
 
 ``idle``
-    no neighbour started by the script (other work on the machine still runs: read
-    the load average printed beside the figures);
+    the script's neighbour is paused (other work on the machine still runs: read the
+    load average printed beside the figures);
 ``busy``
-    a neighbour process that the script starts at the beginning of the round and
-    stops at its end: two threads hashing in a loop (hashlib releases the GIL), i.e. two
-    cores' worth of demand, as another 2-thread inference job or a CPU-quota neighbour
-    would make.
+    the script's neighbour runs: one process, started once, with two threads hashing in
+    a loop (hashlib releases the GIL), i.e. two cores' worth of demand, as another
+    2-thread inference job or a CPU-quota neighbour would make; paused with SIGSTOP and
+    resumed with SIGCONT (restarted where these signals do not exist).
 
-At the start of each round and state the default is chosen afresh (what a process
+At the start of each round the default is chosen afresh in each state (what a process
 started at that moment would pick; the picks are printed), and its backend runs on that
-count for the round.
+count for the round's steps in that state.
 
 Two settings of the idle workers of both pools (``--wait-policy``), each in a fresh
 subprocess since the runtimes read them when they load: ``passive``, what ``import
@@ -47,6 +48,7 @@ import argparse
 import itertools
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -61,7 +63,7 @@ DEFAULT = "default"  # the combination that runs the default thread count of the
 
 
 def worker(args):
-    from threadpoolctl import threadpool_limits
+    from threadpoolctl import ThreadpoolController, threadpool_limits
 
     from pagedkv.models import DenseBackend, LlamaModel
     from pagedkv.models.paged_backend import PagedBackend
@@ -69,12 +71,13 @@ def worker(args):
 
     # num_threads=None: the model leaves the BLAS thread count to the limits set below.
     model, _ = LlamaModel.from_gguf(args.gguf, num_threads=None)
+    controller = ThreadpoolController()  # looked up once: a limit then costs tens of microseconds per step
     rng = np.random.default_rng(0)
     results = []
     for batch_size in args.batch:
         prompts = [rng.integers(0, model.config.vocab_size, size=args.context) for _ in range(batch_size)]
         seq_ids = list(range(batch_size))
-        # Each state decodes its own steps on its own backends.
+        # Both states decode on the same backends, one step each in turn.
         total = args.context + len(args.neighbour) * args.rounds * args.steps + 1
         combos = [("dense", blas, 0) for blas in args.blas_threads] if "dense" in args.backends else []
         combos += [("paged", blas, attn) for blas, attn in itertools.product(args.blas_threads,
@@ -95,26 +98,29 @@ def worker(args):
                 backends[combo], tokens[combo] = backend, [[int(t)] for t in logits.argmax(axis=-1)]
         times = {(state, combo): [] for state in args.neighbour for combo in combos}
         picks = {state: [] for state in args.neighbour}
-        for round_index in range(args.rounds):
-            shift = round_index % len(combos)
-            states = args.neighbour if round_index % 2 == 0 else args.neighbour[::-1]
-            for state in states:
-                neighbour = start_neighbour() if state == "busy" else None
-                try:
-                    choice = choose_num_threads()
-                    picks[state].append(choice.num_threads)
-                    backends[(DEFAULT, 0, 0)].num_threads = choice.num_threads
+        neighbour = Neighbour() if "busy" in args.neighbour else None
+        try:
+            for round_index in range(args.rounds):
+                for state in args.neighbour:  # the default, chosen afresh in each state
+                    set_state(neighbour, state)
+                    picks[state].append(choose_num_threads().num_threads)
+                shift = round_index % len(combos)
+                for step in range(args.steps):
+                    states = args.neighbour if (round_index + step) % 2 == 0 else args.neighbour[::-1]
                     for combo in combos[shift:] + combos[:shift]:
-                        blas = choice.num_threads if combo[0] == DEFAULT else combo[1]
-                        with threadpool_limits(blas, "blas"):
-                            for _ in range(args.steps):
+                        for state in states:  # the states of one combination take turns step by step
+                            set_state(neighbour, state)
+                            blas = picks[state][-1] if combo[0] == DEFAULT else combo[1]
+                            if combo[0] == DEFAULT:
+                                backends[combo].num_threads = picks[state][-1]
+                            with controller.limit(limits=blas, user_api="blas"):
                                 start = time.perf_counter()
                                 logits = model.forward(backends[combo], seq_ids, tokens[combo])
                                 times[(state, combo)].append(time.perf_counter() - start)
-                                tokens[combo] = [[int(t)] for t in logits.argmax(axis=-1)]
-                finally:
-                    if neighbour is not None:
-                        stop_neighbour(neighbour)
+                            tokens[combo] = [[int(t)] for t in logits.argmax(axis=-1)]
+        finally:
+            if neighbour is not None:
+                neighbour.close()
         for (state, combo), samples in times.items():
             results.append({"neighbour": state, "batch_size": batch_size, "backend": combo[0],
                             "blas_threads": combo[1] or None, "attention_threads": combo[2] or None,
@@ -146,9 +152,49 @@ def start_neighbour():
     return neighbour
 
 
-def stop_neighbour(neighbour):
-    neighbour.kill()
-    neighbour.wait()
+class Neighbour:
+    """The busy neighbour, paused and resumed between steps so that both states share the background load.
+
+    POSIX: one process, stopped with SIGSTOP and continued with SIGCONT (microseconds);
+    elsewhere it is killed and started again. It starts paused.
+    """
+
+    def __init__(self):
+        self.signals = hasattr(signal, "SIGSTOP")
+        self.process = start_neighbour()
+        self.running = True
+        self.pause()
+
+    def resume(self):
+        if not self.running:
+            if self.signals:
+                os.kill(self.process.pid, signal.SIGCONT)
+            else:
+                self.process = start_neighbour()
+            self.running = True
+
+    def pause(self):
+        if self.running:
+            if self.signals:
+                os.kill(self.process.pid, signal.SIGSTOP)
+            else:
+                self.process.kill()
+                self.process.wait()
+            self.running = False
+
+    def close(self):
+        self.process.kill()
+        self.process.wait()
+
+
+def set_state(neighbour, state):
+    """Resume the neighbour for ``busy``, pause it for ``idle``."""
+    if neighbour is None:
+        return
+    if state == "busy":
+        neighbour.resume()
+    else:
+        neighbour.pause()
 
 
 def threads_label(row):
