@@ -4,7 +4,7 @@ A forward pass alternates between two thread pools: NumPy's BLAS (OpenBLAS, its 
 pthreads) for the weight products and OpenMP for the paged attention kernels. Every
 parallel region waits for its slowest worker, so a worker that has to wait for a core
 held by another process stalls the whole step: next to a busy neighbour on a 2-core
-machine, two threads of each made a decode step up to 2x slower than one thread, while
+machine, two threads of each made a decode step up to 2.1x slower than one thread, while
 on the idle machine they made it up to 1.5x faster (see docs/smollm2.md, "Threads").
 
 The default thread count (``num_threads="auto"`` of ``LlamaModel`` and ``PagedBackend``,
