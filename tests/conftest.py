@@ -51,6 +51,6 @@ def smollm2(one_blas_thread):
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     start = time.perf_counter()
-    model, tokenizer = LlamaModel.from_gguf(path)
+    model, tokenizer = LlamaModel.from_gguf(path, num_threads=1)
     print(f"SmolLM2-135M loaded in {time.perf_counter() - start:.2f} s")
     return model, tokenizer

@@ -430,7 +430,9 @@ def test_forward_runs_blas_on_the_model_threads_and_restores_them(tmp_path):
             model.forward(backend, [0], [[1, 2, 3]])
             assert seen and all(s == expected for s in seen), (num_threads, seen)
             assert {lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"} == {3}
-    assert LlamaModel(config, weights).num_threads == 1
+    from pagedkv.models import default_num_threads
+
+    assert LlamaModel(config, weights).num_threads == default_num_threads().num_threads
     with pytest.raises(ValueError, match="num_threads"):
         LlamaModel(config, weights, num_threads=0)
 

@@ -466,16 +466,19 @@ def test_page_bounds():
 
 
 def test_paged_backend_defaults_match_the_cache_and_the_commands():
-    """float16 pool like KVCache and the commands; one attention thread like the commands."""
+    """float16 pool like KVCache and the commands; the process's default thread count like the commands."""
     import pagedkv
     from pagedkv.commands import generate as generate_command
+    from pagedkv.models import default_num_threads
 
     backend = PagedBackend(1, 1, 4, num_pages=2)
     assert backend.dtype == np.float16 == pagedkv.KVCache(1, 1, 4, 2).dtype
-    assert backend.num_threads == 1
+    assert backend.num_threads == default_num_threads().num_threads
     parser = cli.build_parser()
     args = parser.parse_args(["generate", "hi"])
-    assert args.dtype == "float16" and args.threads == 1 and args.run is generate_command.run
+    assert args.dtype == "float16" and args.threads == "auto" and args.run is generate_command.run
+    assert parser.parse_args(["generate", "hi", "--threads", "3"]).threads == 3
+    assert parser.parse_args(["perplexity", "x.txt", "--threads", "AUTO"]).threads == "auto"
 
 
 def test_paged_backend_rejects_bad_input_without_changing_state():

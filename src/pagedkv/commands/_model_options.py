@@ -6,7 +6,6 @@ import sys
 import time
 
 from pagedkv.commands._paths import input_file
-from pagedkv.models.threads import DEFAULT_NUM_THREADS
 
 DTYPES = ("float16", "float32")
 # Why cache positions need a window and sinks (the backends say the same).
@@ -28,6 +27,11 @@ def _int_at_least(text: str, low: int) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
     return value
+
+
+def thread_count(text: str) -> int | str:
+    """argparse type of ``--threads``: ``auto`` or an integer >= 1."""
+    return "auto" if text.strip().lower() == "auto" else _int_at_least(text, 1)
 
 
 def positive_int(text: str) -> int:
@@ -113,14 +117,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pages", type=positive_int, default=None, metavar="N",
                         help="pages in the pool (default: the most the run can hold at once, computed "
                              "from the token counts, the window and the sinks)")
-    parser.add_argument("--threads", type=positive_int, default=DEFAULT_NUM_THREADS, metavar="N",
-                        help="threads of NumPy's BLAS and of the attention kernels (default "
-                             f"{DEFAULT_NUM_THREADS}: on a small or busy machine every parallel step "
-                             "waits for workers that other work has descheduled; raise it on an idle "
-                             "machine with more cores)")
+    parser.add_argument("--threads", type=thread_count, default="auto", metavar="N",
+                        help="threads of NumPy's BLAS and of the attention kernels (default auto: the "
+                             "cores this process can have to itself, i.e. its CPUs capped by the cgroup "
+                             "CPU quota and by the cores a 30 ms sample of /proc/stat finds idle; one "
+                             "thread where the load cannot be measured; a parallel step waits for a "
+                             "worker whose core another process holds)")
 
 
-def check_thread_control(num_threads: int) -> None:
+def check_thread_control(num_threads: int | str) -> None:
     """Make sure the BLAS thread count can be set (threadpoolctl), before any work starts.
 
     Raises
@@ -135,7 +140,30 @@ def check_thread_control(num_threads: int) -> None:
                            "pip install 'pagedkv[cli]'") from exc
 
 
-def load_model(gguf_path: str | None, num_threads: int = DEFAULT_NUM_THREADS):
+def resolve_threads(option: int | str) -> int:
+    """The thread count of ``--threads`` (``auto``: the process's default), reported once on stderr.
+
+    Parameters
+    ----------
+    option : int or "auto"
+        The parsed ``--threads``.
+
+    Returns
+    -------
+    int
+        Threads for NumPy's BLAS and the attention kernels, >= 1.
+    """
+    from pagedkv.models.threads import default_num_threads
+
+    if option != "auto":
+        print(f"threads: {option} (--threads)", file=sys.stderr)
+        return int(option)
+    choice = default_num_threads()
+    print(f"threads: {choice.num_threads} (auto: {choice.reason}; --threads N sets it)", file=sys.stderr)
+    return choice.num_threads
+
+
+def load_model(gguf_path: str | None, num_threads: int):
     """Load a Llama model (running NumPy's BLAS on ``num_threads`` threads) and its tokenizer.
 
     Prints the load time to stderr.

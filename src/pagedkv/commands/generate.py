@@ -19,6 +19,7 @@ from pagedkv.commands._model_options import (
     probability,
     peak_rss_bytes,
     positive_int,
+    resolve_threads,
     run_reporting_errors,
 )
 
@@ -176,6 +177,7 @@ def _run(args: argparse.Namespace) -> int:
         args.parser.error("argument --system: only used with --chat")
     prompts, line_numbers = _read_prompts(args)
     check_thread_control(args.threads)
+    args.threads = resolve_threads(args.threads)
     metrics = RunMetrics(args, "generate")  # before the model loads: a missing extra or busy port fails fast
     try:
         status = _generate(args, prompts, line_numbers, metrics)

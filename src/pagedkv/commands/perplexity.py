@@ -22,6 +22,7 @@ from pagedkv.commands._model_options import (
     load_model,
     peak_rss_bytes,
     positive_int,
+    resolve_threads,
     run_reporting_errors,
 )
 from pagedkv.commands._paths import dataset_or_path, output_file, plot_file
@@ -453,6 +454,7 @@ def _run(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from exc
     content = read_input(args.file, json_ids=args.token_ids)  # a bad FILE fails before the model loads
     check_thread_control(args.threads)
+    args.threads = resolve_threads(args.threads)
     model, tokenizer = load_model(args.gguf, args.threads)
     token_ids = first_token_ids(content, tokenizer, args.tokens, args.file)
     if token_ids.min() < 0 or token_ids.max() >= model.config.vocab_size:

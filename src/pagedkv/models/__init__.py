@@ -26,6 +26,9 @@ format_chatml, default_system_prompt
     ChatML prompt format of SmolLM2-Instruct.
 blas_threads
     Context manager that limits NumPy's BLAS threads (threadpoolctl).
+default_num_threads, choose_num_threads, ThreadChoice
+    The default thread count of the models (``num_threads="auto"``): the cores this
+    process can have to itself, chosen once per process, and the rule that picks it.
 
 Loading needs the optional dependencies ``gguf`` and ``tokenizers`` (extras ``cli`` and
 ``test``); they are imported only when a model is loaded.
@@ -60,7 +63,7 @@ from pagedkv.models.paged_backend import (
     decode_page_bound,
     max_pages_per_sequence,
 )
-from pagedkv.models.threads import blas_threads
+from pagedkv.models.threads import ThreadChoice, blas_threads, choose_num_threads, default_num_threads
 from pagedkv.models.tokenizer import LlamaTokenizer, default_system_prompt, format_chatml
 
 __all__ = [
@@ -76,10 +79,13 @@ __all__ = [
     "PagedBackend",
     "PagedForwardBatch",
     "RotaryEmbedding",
+    "ThreadChoice",
     "attention_mask",
     "blas_threads",
     "check_positions",
+    "choose_num_threads",
     "decode_page_bound",
+    "default_num_threads",
     "default_system_prompt",
     "find_smollm2_gguf",
     "format_chatml",

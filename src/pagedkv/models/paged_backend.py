@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from pagedkv.models.attention_backend import (
     check_window,
     sink_query_positions,
 )
-from pagedkv.models.threads import DEFAULT_NUM_THREADS
+from pagedkv.models.threads import AUTO, resolve_num_threads
 from pagedkv_c._kv_cache import KVCache
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
@@ -151,11 +152,11 @@ class PagedBackend(AttentionBackend):
         place by the ring buffer). None: full causal attention.
     sink_tokens : int
         Attention sinks S kept visible (and their pages pinned) with a window.
-    num_threads : int or None
-        OpenMP threads of the attention kernels, default
-        :data:`~pagedkv.models.threads.DEFAULT_NUM_THREADS` (1: see
-        :mod:`pagedkv.models.threads`); None: OpenMP's default (``OMP_NUM_THREADS``,
-        else one per core). Results do not depend on it.
+    num_threads : int, "auto" or None
+        OpenMP threads of the attention kernels, >= 1. Default ``"auto"``:
+        :func:`~pagedkv.models.threads.default_num_threads`, the count ``LlamaModel``
+        uses too (the cores this process can have to itself). None: OpenMP's default
+        (``OMP_NUM_THREADS``, else one per core). Results do not depend on it.
     positions : str
         ``"absolute"`` (default): every token at its position in the sequence.
         ``"cache"``: StreamingLLM's positions inside the cache (sinks at ``0 .. S-1``,
@@ -199,7 +200,7 @@ class PagedBackend(AttentionBackend):
         dtype=np.float16,
         window: int | None = None,
         sink_tokens: int = 0,
-        num_threads: int | None = DEFAULT_NUM_THREADS,
+        num_threads: int | Literal["auto"] | None = AUTO,
         positions: str = "absolute",
     ) -> None:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
@@ -207,8 +208,7 @@ class PagedBackend(AttentionBackend):
             _check_size(name, value, 1)
         check_window(window, sink_tokens)
         check_positions(positions, window, sink_tokens)
-        if num_threads is not None:
-            _check_size("num_threads", num_threads, 1)
+        num_threads = resolve_num_threads(num_threads)
         try:
             np_dtype = np.dtype(dtype)
         except TypeError:

@@ -1,20 +1,23 @@
 """Thread settings for running a model on the CPU: BLAS threads and attention threads.
 
 A forward pass alternates between two thread pools: NumPy's BLAS (OpenBLAS, its own
-pthreads) for the weight products and OpenMP for the paged attention kernels. Idle
-workers of either pool spin for a while before they sleep, so when both pools have more
-than one thread, or when other processes share the cores, the spinning workers of one
-pool steal the cores the other pool needs, and every parallel region waits for a
-descheduled worker. On a shared 2-core machine this made a decode step several times
-slower than running both pools with a single thread (see the README section on
-SmolLM2-135M for the measurements). One thread for both is therefore the default of the
-library (``LlamaModel(num_threads=1)``, ``PagedBackend(num_threads=1)``) and of the
-``pagedkv`` commands.
+pthreads) for the weight products and OpenMP for the paged attention kernels. Every
+parallel region waits for its slowest worker, so a worker that has to wait for a core
+held by another process stalls the whole step: next to a busy neighbour on a 2-core
+machine, two threads of each made a decode step up to 2.1x slower than one thread, while
+on the idle machine they made it up to 1.5x faster (see docs/smollm2.md, "Threads").
 
-For more threads, ``import pagedkv`` makes the idle workers of both pools sleep at once
-instead of spinning, so that they neither take the cores the other pool needs nor
-fight a neighbouring process (and a sleeping worker, once woken, is scheduled sooner
-than one that has used its time slice spinning):
+The default thread count (``num_threads="auto"`` of ``LlamaModel`` and ``PagedBackend``,
+and of the ``pagedkv`` commands) is therefore the number of cores this process can have
+to itself, chosen once per process by :func:`choose_num_threads`: the CPUs of its
+affinity mask, capped by the CPU quota of its cgroup and by the cores that a short
+``/proc/stat`` sample finds idle. Where the load cannot be measured (no ``/proc/stat``),
+the default is one thread. An explicit thread count always wins.
+
+``import pagedkv`` also makes the idle workers of both pools sleep at once instead of
+spinning, so that they neither take the cores the other pool needs nor fight a
+neighbouring process (and a sleeping worker, once woken, is scheduled sooner than one
+that has used its time slice spinning):
 
 - ``OMP_WAIT_POLICY=PASSIVE``, set before the compiled core loads the OpenMP runtime,
   which reads it once, at load;
@@ -27,11 +30,288 @@ A variable the environment already sets is left as it is.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+import functools
+import logging
+import math
+import numbers
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
 
-DEFAULT_NUM_THREADS = 1
-"""BLAS and attention threads of the models and the commands unless told otherwise."""
+AUTO: Literal["auto"] = "auto"
+"""``num_threads`` value that asks for :func:`default_num_threads` (the default of the models)."""
+
+LOAD_SAMPLE_SECONDS = 0.03
+"""Length of the ``/proc/stat`` sample of :func:`choose_num_threads`, in seconds (3 ticks of 10 ms)."""
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """The thread count :func:`choose_num_threads` picked, and why.
+
+    Attributes
+    ----------
+    num_threads : int
+        Threads for NumPy's BLAS and for the attention kernels, >= 1.
+    usable_cores : int
+        CPUs of the affinity mask, capped by the cgroup CPU quota (whole cores, >= 1).
+    idle_cores : float or None
+        Cores found idle by the ``/proc/stat`` sample, summed over the CPUs of the
+        affinity mask (0.0 to their count); None if the load could not be measured.
+    reason : str
+        One line for a log or a command's report.
+    """
+
+    num_threads: int
+    usable_cores: int
+    idle_cores: float | None
+    reason: str
+
+
+def _read_text(path: str) -> str | None:
+    """Contents of a small system file, or None if it cannot be read."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as file:
+            return file.read()
+    except OSError:
+        return None
+
+
+def _affinity() -> set[int] | None:
+    """CPUs this process may run on (``os.sched_getaffinity``), or None where unavailable."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS, Windows
+        return None
+
+
+def _cgroup_dirs(root: str, path: str) -> list[str]:
+    """``root + path`` and each of its ancestors up to ``root`` (the nearest first)."""
+    parts = [p for p in path.strip().split("/") if p and p != ".."]
+    return [root + "".join("/" + p for p in parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _quota_cores(quota: str, period: str) -> float | None:
+    """``quota / period`` as cores, or None for no limit ("max" or a negative quota) or bad text."""
+    try:
+        quota_us, period_us = int(quota), int(period)
+    except ValueError:
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+def cgroup_cpu_limit(read_text: Callable[[str], str | None] = _read_text) -> float | None:
+    """CPU quota of this process's cgroup, in cores (quota / period); None if there is none.
+
+    The smallest limit along the cgroup's path is taken (a parent's quota binds its
+    children), from ``cpu.max`` (cgroup v2) or ``cpu.cfs_quota_us`` /
+    ``cpu.cfs_period_us`` (cgroup v1). The path comes from ``/proc/self/cgroup``; the
+    mount's root is read too, which is the container's own cgroup when the container
+    does not see the host's hierarchy.
+
+    Parameters
+    ----------
+    read_text : callable
+        ``read_text(path) -> str or None``: a file's contents, None if it cannot be read.
+
+    Returns
+    -------
+    float or None
+        Cores (for example 1.5 for ``150000 100000``), or None without a quota.
+    """
+    v2_path, v1_path = "", ""
+    for line in (read_text("/proc/self/cgroup") or "").splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and not controllers:
+            v2_path = path
+        elif "cpu" in controllers.split(","):
+            v1_path = path
+    limits = []
+    for directory in _cgroup_dirs("/sys/fs/cgroup", v2_path):
+        fields = (read_text(directory + "/cpu.max") or "").split()
+        if len(fields) == 2:
+            limits.append(_quota_cores(*fields))
+    for directory in _cgroup_dirs("/sys/fs/cgroup/cpu", v1_path):
+        quota, period = read_text(directory + "/cpu.cfs_quota_us"), read_text(directory + "/cpu.cfs_period_us")
+        if quota is not None and period is not None:
+            limits.append(_quota_cores(quota.strip(), period.strip()))
+    limits = [limit for limit in limits if limit is not None]
+    return min(limits) if limits else None
+
+
+def _cpu_times(stat_text: str | None, cpus: set[int] | None) -> dict[int, tuple[int, int]]:
+    """Per CPU of ``cpus`` (all if None): (idle ticks, total ticks) from ``/proc/stat`` text.
+
+    Idle is ``idle + iowait``; total adds ``user nice system irq softirq steal`` (``guest``
+    is already part of ``user``), so time a hypervisor stole counts as busy.
+    """
+    times = {}
+    for line in (stat_text or "").splitlines():
+        name, *fields = line.split()
+        if not name.startswith("cpu") or not name[3:].isdigit() or len(fields) < 4:
+            continue
+        cpu = int(name[3:])
+        if cpus is not None and cpu not in cpus:
+            continue
+        try:
+            ticks = [int(f) for f in fields[:8]]
+        except ValueError:
+            continue
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+        times[cpu] = (idle, sum(ticks))
+    return times
+
+
+def idle_cores(cpus: set[int] | None, read_text: Callable[[str], str | None] = _read_text,
+               sleep: Callable[[float], None] = time.sleep, seconds: float = LOAD_SAMPLE_SECONDS) -> float | None:
+    """Cores left idle by everything else running, from two reads of ``/proc/stat``.
+
+    This process sleeps between the reads, so its own main thread is not counted; every
+    other thread and process is, whatever its nice value.
+
+    Parameters
+    ----------
+    cpus : set of int or None
+        CPU numbers to look at (the affinity mask); None: every CPU.
+    read_text : callable
+        ``read_text(path) -> str or None``, called for ``/proc/stat`` before and after.
+    sleep : callable
+        ``sleep(seconds)`` between the two reads.
+    seconds : float
+        Length of the sample in seconds; the kernel counts in ticks of 10 ms, so each
+        CPU's share is known to about one tick (a third of a CPU over the default 30 ms).
+
+    Returns
+    -------
+    float or None
+        The sum over the CPUs of the share of the sample each spent idle (0.0 to
+        ``len(cpus)``); None if ``/proc/stat`` cannot be read or no tick passed.
+    """
+    before = _cpu_times(read_text("/proc/stat"), cpus)
+    if not before:
+        return None
+    sleep(seconds)
+    after = _cpu_times(read_text("/proc/stat"), cpus)
+    shares = []
+    for cpu, (idle_after, total_after) in after.items():
+        if cpu in before:
+            idle_delta, total_delta = idle_after - before[cpu][0], total_after - before[cpu][1]
+            if total_delta > 0:
+                shares.append(min(max(idle_delta / total_delta, 0.0), 1.0))
+    return sum(shares) if shares else None
+
+
+def choose_num_threads(*, read_text: Callable[[str], str | None] = _read_text,
+                       affinity: Callable[[], set[int] | None] = _affinity,
+                       cpu_count: Callable[[], int | None] = os.cpu_count,
+                       sleep: Callable[[float], None] = time.sleep,
+                       sample_seconds: float = LOAD_SAMPLE_SECONDS) -> ThreadChoice:
+    """Pick the number of threads this process can run without waiting for cores held by others.
+
+    1. Usable cores: the CPUs of the affinity mask (``os.sched_getaffinity``, else
+       ``os.cpu_count()``), capped by the cgroup CPU quota rounded down to whole cores
+       (threads beyond the quota are throttled at the end of each period, and a step
+       waits for the throttled one); at least 1.
+    2. Idle cores: a ``sample_seconds`` sample of ``/proc/stat`` over the CPUs of the
+       mask (see :func:`idle_cores`).
+    3. Threads: the idle cores rounded to the nearest whole core, between 1 and the
+       usable cores; 1 if the load cannot be measured (not Linux), since one thread is
+       never slowed by a busy neighbour's hold on a second core.
+
+    The 1-minute load average is not used: it lags a neighbour that started seconds ago,
+    counts this program's own previous run, and covers every CPU of the host rather than
+    those of the mask. The sample costs ``sample_seconds`` (30 ms) of waiting, and it
+    sees only the moment of the call: a neighbour that starts later is not seen.
+
+    Parameters
+    ----------
+    read_text : callable
+        ``read_text(path) -> str or None``: reads ``/proc/stat``, ``/proc/self/cgroup``
+        and the cgroup CPU files (tests pass fake readings).
+    affinity : callable
+        ``affinity() -> set of int or None``: CPU numbers this process may run on.
+    cpu_count : callable
+        ``cpu_count() -> int or None``: CPUs of the machine, used without a mask.
+    sleep : callable
+        ``sleep(seconds)`` between the two ``/proc/stat`` reads.
+    sample_seconds : float
+        Length of the load sample in seconds, > 0.
+
+    Returns
+    -------
+    ThreadChoice
+
+    Raises
+    ------
+    ValueError
+        If ``sample_seconds`` is not a finite number > 0.
+    """
+    if not (isinstance(sample_seconds, (int, float)) and 0 < sample_seconds < math.inf):
+        raise ValueError(f"Invalid value of sample_seconds: expected a finite number > 0, got {sample_seconds!r}")
+    cpus = affinity()
+    usable = len(cpus) if cpus else max(cpu_count() or 1, 1)
+    where = f"{usable} CPU{'s' * (usable != 1)}" + (" in the affinity mask" if cpus else "")
+    quota = cgroup_cpu_limit(read_text)
+    if quota is not None and math.floor(quota) < usable:
+        usable = max(math.floor(quota), 1)
+        where += f", cgroup CPU quota {quota:g} cores"
+    if usable == 1:
+        return ThreadChoice(1, 1, None, f"1 usable core: {where}")
+    idle = idle_cores(cpus or None, read_text, sleep, sample_seconds)
+    if idle is None:
+        return ThreadChoice(1, usable, None, f"{usable} usable cores: {where}; the load is unknown (no /proc/stat), "
+                                             "and one thread cannot wait for a core a neighbour holds")
+    threads = min(max(math.floor(idle + 0.5), 1), usable)
+    return ThreadChoice(threads, usable, idle, f"{usable} usable cores: {where}; "
+                                               f"{idle:.1f} idle in a {sample_seconds * 1e3:.0f} ms sample")
+
+
+@functools.lru_cache(maxsize=1)
+def _default_choice() -> ThreadChoice:
+    choice = choose_num_threads()
+    _log.info("pagedkv default threads: %d (%s)", choice.num_threads, choice.reason)
+    return choice
+
+
+def default_num_threads() -> ThreadChoice:
+    """The default thread count of this process: :func:`choose_num_threads`, run once and kept.
+
+    The first call samples the load (30 ms) and logs the choice and its reason at INFO
+    level on the ``pagedkv.models.threads`` logger; later calls return the same choice.
+
+    Returns
+    -------
+    ThreadChoice
+    """
+    return _default_choice()
+
+
+def resolve_num_threads(num_threads: int | Literal["auto"] | None) -> int | None:
+    """The thread count a ``num_threads`` argument stands for.
+
+    Parameters
+    ----------
+    num_threads : int, "auto" or None
+        An int >= 1 is kept; ``"auto"`` gives :func:`default_num_threads`; None stays
+        None (leave the runtime's own setting).
+
+    Returns
+    -------
+    int or None
+
+    Raises
+    ------
+    ValueError
+        If ``num_threads`` is none of these.
+    """
+    if isinstance(num_threads, str) and num_threads == AUTO:
+        return default_num_threads().num_threads
+    return None if num_threads is None else _check_num_threads(num_threads)
 
 
 class BlasThreadLimit:
@@ -45,22 +325,23 @@ class BlasThreadLimit:
 
     Parameters
     ----------
-    num_threads : int or None
-        Threads, >= 1; None makes the block do nothing.
+    num_threads : int, "auto" or None
+        Threads, >= 1; ``"auto"``: :func:`default_num_threads`; None makes the block
+        do nothing.
 
     Raises
     ------
     ValueError
-        If ``num_threads`` is neither None nor an int >= 1.
+        If ``num_threads`` is neither "auto", None nor an int >= 1.
     ModuleNotFoundError
         If ``num_threads`` is not None and ``threadpoolctl`` is not installed.
     """
 
     _controller: Any = None  # one ThreadpoolController for the process, made on first use
 
-    def __init__(self, num_threads: int | None) -> None:
+    def __init__(self, num_threads: int | Literal["auto"] | None) -> None:
+        num_threads = resolve_num_threads(num_threads)
         if num_threads is not None:
-            _check_num_threads(num_threads)
             _import_threadpoolctl()
         self.num_threads = num_threads
         self._limiter = None
@@ -78,9 +359,11 @@ class BlasThreadLimit:
             limiter.restore_original_limits()
 
 
-def _check_num_threads(num_threads) -> None:
-    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-        raise ValueError(f"Invalid value of num_threads: expected None or an int >= 1, got {num_threads!r}")
+def _check_num_threads(num_threads) -> int:
+    """``num_threads`` as an int, or ValueError unless it is an integer >= 1 (NumPy integers too)."""
+    if isinstance(num_threads, bool) or not isinstance(num_threads, numbers.Integral) or num_threads < 1:
+        raise ValueError(f"Invalid value of num_threads: expected 'auto', None or an int >= 1, got {num_threads!r}")
+    return int(num_threads)
 
 
 def _import_threadpoolctl():
@@ -96,18 +379,19 @@ def _import_threadpoolctl():
 
 
 @contextlib.contextmanager
-def blas_threads(num_threads: int | None) -> Iterator[None]:
+def blas_threads(num_threads: int | Literal["auto"] | None) -> Iterator[None]:
     """Limit NumPy's BLAS to ``num_threads`` threads inside the ``with`` block.
 
     Parameters
     ----------
-    num_threads : int or None
-        Threads, >= 1; None leaves the BLAS library alone.
+    num_threads : int, "auto" or None
+        Threads, >= 1; ``"auto"``: :func:`default_num_threads`; None leaves the BLAS
+        library alone.
 
     Raises
     ------
     ValueError
-        If ``num_threads`` is not None and < 1.
+        If ``num_threads`` is neither "auto", None nor an int >= 1.
     ModuleNotFoundError
         If ``threadpoolctl`` (extras ``cli`` and ``test``) is not installed and a limit
         is asked for.
@@ -119,11 +403,10 @@ def blas_threads(num_threads: int | None) -> Iterator[None]:
     on exit. The OpenMP threads of the attention kernels are set per call instead
     (``num_threads`` of :class:`~pagedkv.models.paged_backend.PagedBackend`).
     """
+    num_threads = resolve_num_threads(num_threads)
     if num_threads is None:
         yield
         return
-    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-        raise ValueError(f"Invalid value of num_threads: expected None or an int >= 1, got {num_threads!r}")
     try:
         from threadpoolctl import threadpool_limits
     except ModuleNotFoundError as exc:
