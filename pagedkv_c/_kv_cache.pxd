@@ -40,3 +40,4 @@ cdef class KVCache:
     cdef int64_t _serve_prefix(self, PageTable table, const int32_t* prompt, int64_t prompt_len,
                                int64_t servable, page_id_t* hit) except -1
     cdef int _register_full_pages(self, PageTable table) except -1
+    cdef PageTable _new_table(self)

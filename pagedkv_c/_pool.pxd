@@ -60,3 +60,6 @@ cdef class PagePool:
     cdef object _checked_ids(self, object page_ids, bint forbid_duplicates)
     cdef int _check_unowned(self, str method) except -1
     cdef int attach_prefix(self, PrefixIndex index) except -1
+    # Snapshots: validate, then apply, an exported allocator state (_export_state).
+    cdef int _check_state(self, object ref_counts, object free_queue) except -1
+    cdef void _apply_state(self, const int32_t[::1] ref_counts, const int32_t[::1] free_queue) noexcept
