@@ -1157,6 +1157,96 @@ cdef class KVCache:
                 f"head_dim={self.head_dim}, num_pages={self.pool.num_pages}, page_size={self.page_size}, "
                 f"dtype={self.kv.dtype}, window={self._window}, sink_tokens={self.sink_tokens})")
 
+    # -------------------------------------------------------------- snapshots
+    def save(self, path):
+        """Write a snapshot of the whole cache to ``path``, atomically.
+
+        The snapshot holds the configuration, every sequence (length, page
+        table with its ring geometry, sink pages), sharing between forks
+        (ref counts), the prefix-caching state (hash index, salts, kept token
+        ids, the order of the free queue), the counters of :meth:`stats` and
+        the K/V bytes of every page, each page with its checksum. The file
+        is written to a temporary file in the same directory, fsynced and
+        renamed over ``path``; the directory is fsynced. Format: see
+        :mod:`pagedkv.snapshot`.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            Target file (replaced if it exists).
+
+        Raises
+        ------
+        OSError
+            The file cannot be written; an existing file is left as it was.
+
+        Notes
+        -----
+        No other thread may change the cache during the call (its K/V bytes
+        are read after the page tables).
+        """
+        from pagedkv.snapshot import save_cache
+        save_cache(self, path)
+
+    @classmethod
+    def load(cls, path, *, mmap=False):
+        """Read a snapshot written by :meth:`save`; every later call answers as the saved cache would.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+        mmap : bool
+            False: read and check every page. True: the pool is a
+            copy-on-write memory map of the file's page section (writes stay
+            in memory); metadata is verified, pages are not read: check
+            them with ``pagedkv.snapshot.verify(path)``.
+
+        Returns
+        -------
+        KVCache
+
+        Raises
+        ------
+        pagedkv.SnapshotError
+            The file is damaged, truncated, of an unknown or newer format
+            version, or inconsistent; the message names the section, and for
+            a page its id and the sequences holding it.
+        """
+        from pagedkv.snapshot import load_cache
+        return load_cache(path, mmap=mmap)
+
+    def export_sequence(self, seq_id):
+        """One sequence with its K/V and page-table state, as bytes (checksummed).
+
+        Returns
+        -------
+        bytes
+            Load with :meth:`import_sequence` into any cache of the same
+            layer/head/dim/dtype/page-size geometry, window and sink tokens.
+
+        Raises
+        ------
+        KeyError
+            Unknown ``seq_id``.
+        """
+        from pagedkv.snapshot import export_sequence
+        return export_sequence(self, seq_id)
+
+    def import_sequence(self, seq_id, data):
+        """Add ``seq_id`` from :meth:`export_sequence` bytes, in this cache's free pages; all or nothing.
+
+        Raises
+        ------
+        pagedkv.SnapshotError
+            ``data`` is damaged or from a cache of another geometry.
+        OutOfPagesError
+            Fewer free pages than the sequence holds; nothing changed.
+        ValueError
+            ``seq_id`` already exists.
+        """
+        from pagedkv.snapshot import import_sequence
+        import_sequence(self, seq_id, data)
+
     # --------------------------------------------------- state export / restore
     # Snapshots (pagedkv.snapshot) write and read these plain values; the
     # K/V bytes are the pool array itself.

@@ -657,6 +657,7 @@ cdef class SequenceHashes:
             n = self.num_hashable
         if not self.external or n <= self.num_hashed:
             return 0
+        self.reserve_hashes(n)  # a restored chain holds only its computed hashes
         hash_block_pages(algorithm, self._last_hash(), self.salt, <const int64_t*>cnp.PyArray_DATA(self.block_ids),
                          self.pages_per_block, self.num_hashed, n - self.num_hashed,
                          self.chain + self.num_hashed)
@@ -746,7 +747,7 @@ cdef class SequenceHashes:
         out.salt.lo = salt[0]
         out.salt.hi = salt[1]
         out.external = external
-        out.reserve_hashes(max(num_hashed, num_hashable))
+        out.reserve_hashes(num_hashed)  # hash_upto grows it: the file bounds every allocation
         if num_hashed:
             np.asarray(out.chain_array)[:num_hashed] = chain
         out.num_hashed = num_hashed
