@@ -493,7 +493,7 @@ def _check_pages(kv: np.ndarray, expected: np.ndarray, tables: list[tuple[int, d
         holders = _holders(tables, first)
         held = f"held by sequences {holders}" if holders else "held by no sequence"
         raise SnapshotError(
-            f"section 'pages': checksum mismatch in {what} page {first} ({held})"
+            f"section 'pages': checksum mismatch in {what + ' ' if what else ''}page {first} ({held})"
             + (f" and {bad.size - 1} more pages (first ids {bad[1:6].tolist()})" if bad.size > 1 else "")
         )
 
