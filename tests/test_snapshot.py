@@ -42,6 +42,12 @@ def _assert_same(a: KVCache, b: KVCache) -> None:
             for x, y in zip(a.gather(layer, seq_id), b.gather(layer, seq_id)):
                 assert np.array_equal(x, y)
     assert np.array_equal(np.asarray(a.kv), np.asarray(b.kv))
+    sa, sb = a._sealed_state(), b._sealed_state()
+    assert np.array_equal(sa["sealed"], sb["sealed"]) and sa["pages_sealed"] == sb["pages_sealed"]
+    assert (sa["checksums"] is None) == (sb["checksums"] is None)
+    if sa["checksums"] is not None:
+        assert np.array_equal(sa["checksums"], sb["checksums"])
+        assert not a.verify_pages() and not b.verify_pages()
     if a.prefix_caching:
         pa, pb = a.prefix_index, b.prefix_index
         assert np.array_equal(pa.cached_pages(), pb.cached_pages())
@@ -68,12 +74,13 @@ def _same_result(x, y) -> None:
 CONFIGS = [
     # windowed rings that wrap, sink pages, prefix caching with salts
     dict(num_layers=2, num_kv_heads=1, head_dim=2, num_pages=20, page_size=4, window=8, sink_tokens=4,
-         enable_prefix_caching=True, dtype=np.float32),
+         enable_prefix_caching=True, dtype=np.float32, page_checksums=True),
     dict(num_layers=1, num_kv_heads=2, head_dim=2, num_pages=24, page_size=1, window=5, sink_tokens=2,
          enable_prefix_caching=True, dtype=np.float16),
     dict(num_layers=2, num_kv_heads=1, head_dim=3, num_pages=16, page_size=2, enable_prefix_caching=True,
          prefix_hash="sha256", dtype=np.float32),
-    dict(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=12, page_size=3, window=7, dtype=np.float16),
+    dict(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=12, page_size=3, window=7, dtype=np.float16,
+         page_checksums=True),
 ]
 
 
@@ -222,7 +229,7 @@ def test_wrapped_ring_comes_back_with_its_geometry(tmp_path, page_size, mmap):
 
 def _small_cache(seed=0) -> KVCache:
     cache = KVCache(2, 1, 4, 6, page_size=2, window=4, sink_tokens=2, enable_prefix_caching=True,
-                    dtype=np.float16)
+                    dtype=np.float16, page_checksums=True)
     cache.add_sequence(1, [1, 2, 3, 4, 5], extra_key="tenant")
     _filled(cache, [1], [4], seed)
     cache.fork(1, 2)
@@ -363,7 +370,7 @@ def test_import_into_too_small_cache_changes_nothing():
     source = _small_cache()
     blob = source.export_sequence(2)
     target = KVCache(2, 1, 4, 6, page_size=2, window=4, sink_tokens=2, enable_prefix_caching=True,
-                     dtype=np.float16)
+                     dtype=np.float16, page_checksums=True)
     target.add_sequence(5, [9, 9, 9])
     _filled(target, [5], [7], seed=3)
     state, kv = target._export_state(), target.kv.copy()

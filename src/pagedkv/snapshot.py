@@ -59,6 +59,7 @@ from pagedkv_c._prefix import xxh3_128_intdigest
 __all__ = ["FORMAT_VERSION", "SnapshotError", "export_sequence", "import_sequence", "load_cache",
            "load_classic", "save_cache", "save_classic", "verify"]
 
+#: Version of the file format that this pagedkv writes; it reads this version and refuses newer ones.
 FORMAT_VERSION = 1
 MAGIC_CACHE = b"PKVSNAP\x00"
 MAGIC_SEQUENCE = b"PKVSEQ\x00\x00"
@@ -73,7 +74,7 @@ _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 _MASK64 = (1 << 64) - 1
 # Sections of each kind of file, in order ("?" marks an optional one).
 _LAYOUTS = {
-    MAGIC_CACHE: ("config", "counters", "pool", "?prefix", "tables", "?hashes", "?sealed", "checksums", "pages"),
+    MAGIC_CACHE: ("config", "counters", "pool", "?prefix", "tables", "?hashes", "sealed", "checksums", "pages"),
     MAGIC_SEQUENCE: ("config", "tables", "?hashes", "checksums", "pages"),
     MAGIC_CLASSIC: ("config", "counters", "state", "checksums", "pages"),
 }
@@ -389,6 +390,7 @@ def _read_config(section: _Section, num_pages_bound: int | None) -> dict:
         "sink_tokens": section.int("sink_tokens", 0, 2**62),
         "prefix_caching": section.int("prefix_caching", 0, 1),
         "prefix_hash": section.text("prefix_hash", ("xxh3_128", "sha256")),
+        "page_checksums": section.int("page_checksums", 0, 1),
     }
     if config["window"] == 0 or (config["window"] == -1 and config["sink_tokens"]):
         raise section.error(f"window {config['window']} with {config['sink_tokens']} sink tokens is not a valid cache")
@@ -407,6 +409,7 @@ def _cache_kwargs(config: dict) -> dict:
         "num_pages": config["num_pages"], "page_size": config["page_size"], "dtype": np.dtype(config["dtype"]),
         "window": None if config["window"] == -1 else config["window"], "sink_tokens": config["sink_tokens"],
         "enable_prefix_caching": bool(config["prefix_caching"]), "prefix_hash": config["prefix_hash"],
+        "page_checksums": bool(config["page_checksums"]),
     }
 
 
@@ -523,20 +526,19 @@ def save_cache(cache, path) -> None:
     sections.append(("tables", _tables_section(sequences)))
     if state["prefix"] is not None:
         sections.append(("hashes", _hashes_section(sequences)))
-    sealed = _sealed_section(cache)
-    if sealed is not None:
-        sections.append(("sealed", sealed))
+    sections.append(("sealed", _sealed_section(cache)))
     checksums = page_checksums(kv, np.arange(kv.shape[1], dtype=np.int32)).astype("<u8").tobytes()
     prefix, _ = _container(MAGIC_CACHE, sections, checksums, kv.nbytes, _PAGE_ALIGN)
     _atomic_write(path, [prefix, _pool_bytes(kv)])
 
 
-def _sealed_section(cache):
-    """The sealed pages and their recorded checksums, when the cache keeps them; else None."""
-    export = getattr(cache, "_sealed_state", None)
-    if export is None:
-        return None
-    return _encode(export())
+def _sealed_section(cache) -> bytes:
+    """The seal flags, the checksums recorded at the seals (with ``page_checksums``) and the seal counter."""
+    state = cache._sealed_state()
+    arrays = {"sealed": state["sealed"], "pages_sealed": int(state["pages_sealed"])}
+    if state["checksums"] is not None:
+        arrays["checksums"] = state["checksums"]
+    return _encode(arrays)
 
 
 def load_cache(path, *, mmap: bool = False):
@@ -642,14 +644,12 @@ def _restore(cache, state: dict, parsed: _Parsed) -> None:
         text = str(exc)
         section = next((name for key, name in _ERROR_SECTIONS if key in text), "tables")
         raise SnapshotError(f"section {section!r}: {text}") from None
-    if "sealed" in parsed.sections:
-        restore = getattr(cache, "_restore_sealed_state", None)
-        if restore is None:
-            raise SnapshotError("section 'sealed': this pagedkv keeps no sealed-page state")
-        try:
-            restore(parsed.sections["sealed"])
-        except (ValueError, KeyError) as exc:
-            raise SnapshotError(f"section 'sealed': {exc}") from None
+    sealed = parsed.section("sealed")
+    try:
+        cache._restore_sealed_state(sealed.array("sealed", np.uint8, 1), sealed.arrays.get("checksums"),
+                                    sealed.int("pages_sealed"))
+    except (ValueError, TypeError) as exc:
+        raise SnapshotError(f"section 'sealed': {exc}") from None
 
 
 def verify(path) -> None:
@@ -750,3 +750,87 @@ def import_sequence(cache, seq_id, data) -> None:
         cache._import_sequence_state(seq_id, tables[0][1], hashes, kv)
     except ValueError as exc:  # the sequence's own fields do not fit this cache
         raise SnapshotError(f"section 'tables': {exc}") from None
+
+
+# ------------------------------------------------------------ PagedKVCache
+def _classic_pages(kv: np.ndarray) -> np.ndarray:
+    """A classic pool ``(max_pages, 2, page_size, dim)`` as the 6-D layout page checksums read (same bytes)."""
+    view = kv.view(np.float16 if kv.dtype.itemsize == 2 else np.float32)
+    return view.reshape((1, kv.shape[0], 2, kv.shape[2], 1, view.shape[-1]))
+
+
+def save_classic(cache, path) -> None:
+    """Write a snapshot of a ``PagedKVCache`` to ``path`` atomically (magic ``PKVCLAS``).
+
+    Sections: ``config`` (max_pages, dim, page_size, dtype), ``counters``
+    (hits, misses, evictions), ``state`` (resident logical pages and page ids
+    in FIFO eviction order, the free queue, the presence bytes), then the page
+    checksums and the pool's bytes.
+
+    Raises
+    ------
+    OSError
+        The file cannot be written; an existing file is left as it was.
+    """
+    state = cache._export_state()
+    kv = cache._pool_array()
+    sections = [("config", _encode(cache._config())),
+                ("counters", _encode({name: state[name] for name in ("hits", "misses", "evictions")})),
+                ("state", _encode({name: state[name] for name in ("logical_pages", "page_ids", "free_queue",
+                                                                   "present")}))]
+    pages = _classic_pages(kv)
+    checksums = page_checksums(pages, np.arange(kv.shape[0], dtype=np.int32)).astype("<u8").tobytes()
+    prefix, _ = _container(MAGIC_CLASSIC, sections, checksums, kv.nbytes, _PAGE_ALIGN)
+    _atomic_write(path, [prefix, _pool_bytes(kv)])
+
+
+def load_classic(path):
+    """Read a ``PagedKVCache`` snapshot; verify every section and page, then build the cache.
+
+    Raises
+    ------
+    SnapshotError
+        Any mismatch (as :func:`load_cache`); nothing is returned.
+    OSError
+        The file cannot be read.
+    """
+    from pagedkv_c._classic import PagedKVCache
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        parsed = _parse(_read_from_file(f), size, MAGIC_CLASSIC, os.fspath(path))
+        num_pages = parsed.checksums.shape[0]
+        config = parsed.section("config")
+        max_pages = config.int("max_pages", 1, 2**31 - 2)
+        dim = config.int("dim", 1, 2**31 - 1)
+        page_size = config.int("page_size", 1, 2**31 - 1)
+        dtype = np.dtype(config.text("dtype", ("float16", "float32", "float64")))
+        if max_pages != num_pages:
+            raise config.error(f"max_pages {max_pages} but the checksum table lists {num_pages} pages")
+        expected = max_pages * 2 * page_size * dim * dtype.itemsize
+        if parsed.pages_length != expected:
+            raise SnapshotError(f"section 'pages': {parsed.pages_length} bytes, expected {expected}")
+        counters = parsed.section("counters")
+        section = parsed.section("state")
+        state = {"logical_pages": section.array("logical_pages", np.int64, 1),
+                 "page_ids": section.array("page_ids", np.int32, 1),
+                 "free_queue": section.array("free_queue", np.int32, 1),
+                 "present": section.array("present", np.uint8, 2, (max_pages, page_size)),
+                 **{name: counters.int(name) for name in ("hits", "misses", "evictions")}}
+        cache = PagedKVCache(max_pages, dim, page_size=page_size, dtype=dtype)
+        kv = cache._pool_array()
+        _readinto(f, parsed.pages_offset, kv)
+    actual = page_checksums(_classic_pages(kv), np.arange(max_pages, dtype=np.int32))
+    bad = np.flatnonzero(actual != parsed.checksums)
+    if bad.size:
+        ids = state["page_ids"]
+        where = np.flatnonzero(ids == bad[0])
+        held = (f"resident as logical page {int(state['logical_pages'][where[0]])}" if where.size
+                else "not resident")
+        raise SnapshotError(f"section 'pages': checksum mismatch in page {int(bad[0])} ({held})"
+                            + (f" and {bad.size - 1} more pages" if bad.size > 1 else ""))
+    try:
+        cache._restore_state(state)
+    except ValueError as exc:
+        raise SnapshotError(f"section 'state': {exc}") from None
+    return cache
