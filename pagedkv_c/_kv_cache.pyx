@@ -646,7 +646,8 @@ cdef class KVCache:
         """Drop a sequence and release its pages (newest first).
 
         Shared pages lose one reference; a page is freed only when its last
-        reference goes.
+        reference goes. The sequence's full pages are sealed first (see
+        :meth:`seal`): removal declares their K/V complete.
 
         Raises
         ------
@@ -822,6 +823,10 @@ cdef class KVCache:
         -----
         An append longer than the window keeps all its tokens (their queries
         need them); the out-of-window part is released at the next append.
+
+        For each sequence with a count above 0, the append first seals its
+        full pages (see :meth:`seal`): store every layer of a step before
+        the next append. Pages it hands out slots in lose their seal.
         """
         counts = as_int_array(num_tokens, "num_tokens", np.int64)
         cdef Py_ssize_t batch = counts.shape[0]
