@@ -463,3 +463,58 @@ def test_snapshot_has_no_pickle_and_refuses_oversized_entries():
     with pytest.raises(SnapshotError, match="runs past the section"):
         snap._decode("config", bogus)
     assert issubclass(SnapshotError, ValueError) and pagedkv.SnapshotError is SnapshotError
+
+
+def _classic_same(a, b):
+    a.check_invariants()
+    b.check_invariants()
+    assert a.stats() == b.stats()
+    assert np.array_equal(a.resident_pages, b.resident_pages)
+    assert list(a) == list(b)
+    tokens = np.arange(0, 200)
+    for x, y in zip(a.get_many(tokens), b.get_many(tokens)):
+        assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_classic_save_reload_equals_uninterrupted_run(tmp_path, dtype):
+    """Random puts and gets on two PagedKVCache; one is saved and reloaded every few steps (FIFO order kept)."""
+    rng = np.random.default_rng(4)
+    a = pagedkv.PagedKVCache(5, 3, page_size=4, dtype=dtype)
+    b = pagedkv.PagedKVCache(5, 3, page_size=4, dtype=dtype)
+    path = tmp_path / "classic.pkv"
+    for step in range(60):
+        tokens = rng.integers(0, 120, int(rng.integers(1, 6)))
+        keys, values = rng.standard_normal((tokens.size, 3)), rng.standard_normal((tokens.size, 3))
+        looked_up = rng.permutation(tokens)[:2]
+        for cache in (a, b):
+            cache.put_many(tokens, keys, values)
+            cache.get_many(looked_up)
+            if step % 21 == 3:
+                cache.clear()
+        if step % 5 == 4:
+            b.save(path)
+            b = pagedkv.PagedKVCache.load(path)
+        _classic_same(a, b)
+
+
+def test_classic_damage_is_refused(tmp_path):
+    cache = pagedkv.PagedKVCache(3, 2, page_size=2)
+    cache.put_many([0, 1, 2, 9], np.ones((4, 2)), np.zeros((4, 2)))
+    path = tmp_path / "classic.pkv"
+    cache.save(path)
+    data = bytearray(path.read_bytes())
+    rng = np.random.default_rng(5)
+    for offset in list(range(0, 300, 3)) + rng.integers(0, len(data), 60).tolist():
+        data[offset] ^= 4
+        path.write_bytes(data)
+        with pytest.raises(SnapshotError):
+            pagedkv.PagedKVCache.load(path)
+        data[offset] ^= 4
+    path.write_bytes(data[:-1])
+    with pytest.raises(SnapshotError, match="truncated"):
+        pagedkv.PagedKVCache.load(path)
+    path.write_bytes(data)
+    with pytest.raises(SnapshotError, match="PagedKVCache snapshot, expected a KVCache snapshot"):
+        KVCache.load(path)
+    _classic_same(cache, pagedkv.PagedKVCache.load(path))
