@@ -1,9 +1,9 @@
 """Snapshot benchmark: KVCache.save / load / load(mmap=True) / verify against NumPy baselines.
 
-The cache: about ``--size`` GiB of float16 K/V (30 layers, 8 KV heads, head
-dim 64, pages of 16 tokens), 64 sequences of different lengths under a
-512-token window with 4 sink tokens (the long ones have wrapped rings, the
-short ones are still inside the window), a quarter of them forked, every
+The cache: about ``--size`` GiB of float16 K/V (30 layers per GiB, 8 KV
+heads, head dim 64, 1092 pages of 16 tokens), 64 sequences of different
+lengths under a 144-token window with 4 sink tokens (most have wrapped
+rings, the short ones are still inside the window), 16 of them forks, every
 page's bytes random.
 
 Baselines, timed in the same run, interleaved round by round, in the same
@@ -32,28 +32,34 @@ import numpy as np
 from _timing import compare, fmt_time, format_table, machine_info, write_json
 from pagedkv import KVCache
 
-LAYERS, HEADS, DIM, PAGE_SIZE, WINDOW, SINKS = 30, 8, 64, 16, 512, 4
+HEADS, DIM, PAGE_SIZE, SINKS, NUM_PAGES = 8, 64, 16, 4, 1092
+# Pages one of the 64 sequences holds at most (a fifth of the pool stays free).
+BUDGET = NUM_PAGES * 4 // 5 // 64
+WINDOW = PAGE_SIZE * (BUDGET - 4)  # in tokens: a full window plus a 16-token append fits the budget
 
 
 def build_cache(size_gib, page_checksums=False, seed=0):
-    """The benchmark cache: ~size_gib of pages, 64 sequences (forks, wrapped windows), random bytes."""
-    page_bytes = LAYERS * 2 * PAGE_SIZE * HEADS * DIM * 2
-    num_pages = max(256, int(size_gib * 2**30) // page_bytes)
-    cache = KVCache(LAYERS, HEADS, DIM, num_pages, page_size=PAGE_SIZE, dtype=np.float16, window=WINDOW,
+    """The benchmark cache: ~size_gib of pages, 64 sequences (forks, wrapped windows), random bytes.
+
+    1092 pages of 16 tokens; the number of layers sets the size (30 layers:
+    1.0 GiB of float16 K/V).
+    """
+    num_layers = max(1, round(size_gib * 30))
+    cache = KVCache(num_layers, HEADS, DIM, NUM_PAGES, page_size=PAGE_SIZE, dtype=np.float16, window=WINDOW,
                     sink_tokens=SINKS, page_checksums=page_checksums)
     rng = np.random.default_rng(seed)
-    flat = cache.kv.reshape(LAYERS, -1).view(np.uint16)
-    for layer in range(LAYERS):  # random finite float16 bits (exponent below all-ones)
+    flat = cache.kv.reshape(num_layers, -1).view(np.uint16)
+    for layer in range(num_layers):  # random finite float16 bits (exponent below all-ones)
         flat[layer] = rng.integers(0, 0x7BFF, flat.shape[1], dtype=np.uint16)
-    per_sequence = max(2, (num_pages * 3 // 4) // 64)  # pages one sequence may hold on average
     for seq_id in range(48):
         cache.add_sequence(seq_id)
-        length = int(rng.integers(PAGE_SIZE, per_sequence * PAGE_SIZE * 3))
-        for _ in range(3):  # appends in chunks: the window releases and the ring wraps
-            cache.append([seq_id], [max(1, length // 3)])
+        length = int(rng.integers(PAGE_SIZE, 3 * WINDOW))  # a third stay inside the window, the rest wrap
+        for _ in range(length // PAGE_SIZE):
+            cache.append([seq_id], [PAGE_SIZE])
+        cache.append([seq_id], [length % PAGE_SIZE])
     for child in range(48, 64):
         cache.fork(child - 48, child)
-        cache.append([child], [int(rng.integers(1, 3 * PAGE_SIZE))])
+        cache.append([child], [int(rng.integers(1, 2 * PAGE_SIZE))])
     if page_checksums:
         cache.seal()
     return cache
@@ -96,7 +102,7 @@ def run(args, workdir):
     checked = build_cache(args.size, page_checksums=True, seed=1)
     words = checked.kv.reshape(-1).view(np.uint64)
     sealed = int(checked._sealed_state()["sealed"].sum())
-    verified_bytes = sealed * checked.num_layers * 2 * PAGE_SIZE * HEADS * DIM * 2
+    verified_bytes = sealed * checked.stats()["bytes_per_page"]
     scrub = compare({"verify_pages": checked.verify_pages, "numpy read probe": lambda: np.bitwise_xor.reduce(words)},
                     repeats=args.repeats, number=1)
 

@@ -574,7 +574,7 @@ def load_cache(path, *, mmap: bool = False):
     """
     from pagedkv_c._kv_cache import KVCache
 
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f:  # unbuffered: the pages are read straight into the pool
         size = os.fstat(f.fileno()).st_size
         parsed = _parse(_read_from_file(f), size, MAGIC_CACHE, os.fspath(path))
         state, tables = _cache_state(parsed)
@@ -664,7 +664,7 @@ def verify(path) -> None:
     SnapshotError
         The first mismatch found (as :func:`load_cache`).
     """
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f:  # unbuffered: the pages are read straight into the pool
         size = os.fstat(f.fileno()).st_size
         parsed = _parse(_read_from_file(f), size, MAGIC_CACHE, os.fspath(path))
         state, tables = _cache_state(parsed)
@@ -796,7 +796,7 @@ def load_classic(path):
     """
     from pagedkv_c._classic import PagedKVCache
 
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f:  # unbuffered: the pages are read straight into the pool
         size = os.fstat(f.fileno()).st_size
         parsed = _parse(_read_from_file(f), size, MAGIC_CLASSIC, os.fspath(path))
         num_pages = parsed.checksums.shape[0]
