@@ -49,6 +49,7 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+import threading
 from typing import Any
 
 import numpy as np
@@ -331,8 +332,12 @@ def _readinto(f, offset: int, target: np.ndarray) -> None:
         done += n
 
 
-def _atomic_write(path, parts) -> None:
-    """Write the buffers ``parts`` to ``path`` atomically (temp file, fsync, rename, fsync the directory)."""
+def _atomic_write(path, parts, finish=None) -> None:
+    """Write the buffers ``parts`` to ``path`` atomically (temp file, fsync, rename, fsync the directory).
+
+    ``finish(fd)``, if given, runs after the parts are written and before
+    the fsync (to overwrite a placeholder at the start of the file).
+    """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
@@ -343,6 +348,8 @@ def _atomic_write(path, parts) -> None:
                 written = 0
                 while written < len(view):  # a raw write may be partial
                     written += f.write(view[written:])
+            if finish is not None:
+                finish(f.fileno())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -527,9 +534,35 @@ def save_cache(cache, path) -> None:
     if state["prefix"] is not None:
         sections.append(("hashes", _hashes_section(sequences)))
     sections.append(("sealed", _sealed_section(cache)))
-    checksums = page_checksums(kv, np.arange(kv.shape[1], dtype=np.int32)).astype("<u8").tobytes()
-    prefix, _ = _container(MAGIC_CACHE, sections, checksums, kv.nbytes, _PAGE_ALIGN)
-    _atomic_write(path, [prefix, _pool_bytes(kv)])
+    # The page checksums are computed in a thread (without the GIL) while the
+    # pool is written; the header, table and checksums, written first as a
+    # placeholder of the same length, are then overwritten in place.
+    result: dict[str, Any] = {}
+
+    def checksum_pool():
+        try:
+            result["checksums"] = page_checksums(kv, np.arange(kv.shape[1], dtype=np.int32)).astype("<u8").tobytes()
+        except BaseException as exc:  # re-raised in the writer
+            result["error"] = exc
+
+    worker = threading.Thread(target=checksum_pool, name="pagedkv-snapshot-checksums")
+    worker.start()
+
+    def finish(fd: int) -> None:
+        worker.join()
+        if "error" in result:
+            raise result["error"]
+        prefix, _ = _container(MAGIC_CACHE, sections, result["checksums"], kv.nbytes, _PAGE_ALIGN)
+        os.lseek(fd, 0, os.SEEK_SET)  # (os.pwrite is not on Windows)
+        done = 0
+        while done < len(prefix):
+            done += os.write(fd, prefix[done:])
+
+    placeholder, _ = _container(MAGIC_CACHE, sections, bytes(8 * kv.shape[1]), kv.nbytes, _PAGE_ALIGN)
+    try:
+        _atomic_write(path, [placeholder, _pool_bytes(kv)], finish)
+    finally:
+        worker.join()
 
 
 def _sealed_section(cache) -> bytes:
