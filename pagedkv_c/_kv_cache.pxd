@@ -27,6 +27,10 @@ cdef extern from "sealed_log.h":
     void pkv_sealed_log_drain(pkv_sealed_log* log, int32_t* page_ids, uint64_t* hashes,
                               int32_t* token_ids, uint64_t* checksums) noexcept nogil
 
+# Buckets of the prefix-hit histogram: 0 tokens, <= 2**4 .. 2**20 tokens, more (PREFIX_HIT_BUCKETS).
+cdef enum:
+    NUM_PREFIX_HIT_BUCKETS = 19
+
 
 cdef class KVCache:
     cdef readonly object kv               # ndarray (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)
@@ -83,3 +87,10 @@ cdef class KVCache:
     cdef void _unseal_page(self, page_id_t page_id) noexcept nogil
     cdef Py_ssize_t _list_seals(self, list tables, const int64_t* counts) except -1
     cdef void _after_append_seals(self, list tables, const int64_t* counts, Py_ssize_t num_listed)
+
+    # Metrics (stats(), pagedkv.metrics): plain counters updated where the event happens.
+    cdef int64_t _num_out_of_pages        # OutOfPagesError raised by append
+    cdef int64_t _sequences_added         # sequences created by add_sequence and fork
+    cdef int64_t _prefix_hit_counts[NUM_PREFIX_HIT_BUCKETS]  # prefix lookups per hit-length bucket
+    cdef object __weakref__               # lets a metrics collector hold the cache weakly
+    cdef void _note_prefix_hit(self, int64_t tokens) noexcept nogil

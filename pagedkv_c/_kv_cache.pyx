@@ -10,7 +10,7 @@ import numpy as np
 cimport cython
 cimport numpy as cnp
 from libc.stdint cimport INT64_MAX, INT64_MIN
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t, PAD_SLOT, pkv_page_record
 from pagedkv_c._pool cimport PagePool, pkv_incref, pkv_queue_remove, pkv_ref, pkv_set_ref
 from pagedkv_c._pool import OutOfPagesError
@@ -46,6 +46,10 @@ cdef int64_t MAX_POSITION = 2**62
 _MAX_CSR_PAGES = 2**31 - 1
 # Largest ref count of a page (int32).
 cdef int32_t _MAX_REF_COUNT = 2**31 - 1
+# Upper bounds (in tokens) of the prefix-hit histogram's buckets: a lookup
+# served h tokens lands in the first bucket with h <= bound, past the last
+# bound in an overflow bucket (NUM_PREFIX_HIT_BUCKETS counts in all).
+PREFIX_HIT_BUCKETS = (0,) + tuple(2**k for k in range(4, 21))
 
 
 cdef class PageTableView:
@@ -313,6 +317,9 @@ cdef class KVCache:
         self._prefix = None
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._num_out_of_pages = 0
+        self._sequences_added = 0
+        memset(self._prefix_hit_counts, 0, sizeof(self._prefix_hit_counts))
         if enable_prefix_caching:
             self._prefix = PrefixIndex(self.pool.num_pages, self.page_size, prefix_hash)
             self.pool.attach_prefix(self._prefix)
@@ -636,8 +643,10 @@ cdef class KVCache:
                     prompt_len,
                     hashes.num_hashable,
                 )
+                self._note_prefix_hit(cached)
                 self._note_usage()
             self._tables[key] = table
+            self._sequences_added += 1
         finally:
             self._lock.leave()
         return cached
@@ -707,6 +716,7 @@ cdef class KVCache:
             child.copy_from(parent)
             child.num_sealed = parent.num_sealed
             self._tables[key] = child
+            self._sequences_added += 1
         finally:
             self._lock.leave()
 
@@ -843,7 +853,9 @@ cdef class KVCache:
             if count_view[i] < 0:
                 raise ValueError(f"Invalid value of num_tokens: expected counts >= 0, got {count_view[i]}")
             if count_view[i] > most - total:
-                raise OutOfPagesError(_over_pool_text(self, counts))
+                text = _over_pool_text(self, counts)  # ValueError first for a negative count
+                self._num_out_of_pages += 1
+                raise OutOfPagesError(text)
             total += count_view[i]
         cdef object ids = None
         if token_ids is not None:
@@ -889,6 +901,9 @@ cdef class KVCache:
                 with nogil:
                     for i in range(num_cow):
                         self._copy_page(cow[i], cow[batch + 1 + i])
+            except OutOfPagesError:
+                self._num_out_of_pages += 1
+                raise
             finally:
                 free(cow)
             self._cow_copies += num_cow
@@ -1078,8 +1093,17 @@ cdef class KVCache:
         return view
 
     # ------------------------------------------------------------ reporting
-    def stats(self):
+    def stats(self, *, bint metrics=False):
         """Usage counters.
+
+        Parameters
+        ----------
+        metrics : bool
+            Also return the counters that only :mod:`pagedkv.metrics` needs:
+            ``out_of_pages_errors`` and, with prefix caching,
+            ``prefix_hit_histogram`` (a tuple; every other value is a number).
+            Without them the dict is the same before and after a call that
+            raised.
 
         Returns
         -------
@@ -1094,10 +1118,32 @@ cdef class KVCache:
             ``prefix_cached_pages`` (pages findable by hash, free ones
             included) and ``prefix_evictions`` (cached pages whose hash was
             dropped because the allocator handed them out again).
+
+            Counters for metrics (:mod:`pagedkv.metrics`), since
+            construction: ``num_pages`` (pages in the pool);
+            ``pages_allocated`` (pages taken from the free queue: new pages
+            and copy-on-write copies; a cached free page taken back by a
+            prefix hit is not counted); ``ring_reuses`` (window pages a
+            sequence's ring reused in place, without the free queue);
+            ``sequences_added`` (sequences created by :meth:`add_sequence`
+            and :meth:`fork`). With prefix caching also
+            ``prefix_cached_free_pages`` (free pages still findable by hash,
+            a subset of ``prefix_cached_pages``) and ``prefix_lookups``
+            (:meth:`add_sequence` calls that looked up a prompt). With
+            ``metrics=True`` also ``out_of_pages_errors``
+            (``OutOfPagesError`` raised by :meth:`append`) and, with prefix
+            caching, ``prefix_hit_histogram``: a tuple of
+            ``len(PREFIX_HIT_BUCKETS) + 1`` counts of lookups by tokens
+            served ``h``: entry ``i`` counts ``PREFIX_HIT_BUCKETS[i - 1] < h
+            <= PREFIX_HIT_BUCKETS[i]`` (bounds in tokens: 0, 16, 32, ...,
+            ``2**20``, in ``pagedkv_c._kv_cache``), the last entry ``h >
+            2**20``; not cumulative, their sum is ``prefix_lookups`` and the
+            sum of ``h`` is ``prefix_hits``.
         """
         self._lock.acquire()
         try:
             in_use = self.pool.num_pages - self.pool.q.num_free
+            hit_counts = tuple([self._prefix_hit_counts[j] for j in range(NUM_PREFIX_HIT_BUCKETS)])
             extra = {}
             if self._prefix is not None:
                 extra = {
@@ -1106,7 +1152,11 @@ cdef class KVCache:
                     "prefix_hit_rate": (<double>self._prefix_hits) / self._prefix_queries if self._prefix_queries else 0.0,
                     "prefix_cached_pages": self._prefix.num_cached,
                     "prefix_evictions": self._prefix.evictions,
+                    "prefix_cached_free_pages": self.pool.q.num_cached_free,
+                    "prefix_lookups": sum(hit_counts),
                 }
+                if metrics:
+                    extra["prefix_hit_histogram"] = hit_counts
             return {
                 "pages_in_use": in_use,
                 "pages_free": self.pool.q.num_free,
@@ -1117,7 +1167,11 @@ cdef class KVCache:
                 "bytes_in_use": in_use * self.num_layers * self._page_bytes,
                 "num_sequences": len(self._tables),
                 "tokens_appended": self._tokens_appended,
-            } | extra
+                "num_pages": self.pool.num_pages,
+                "pages_allocated": self.pool.num_taken,
+                "ring_reuses": self.pool.num_reused_in_place,
+                "sequences_added": self._sequences_added,
+            } | extra | ({"out_of_pages_errors": self._num_out_of_pages} if metrics else {})
         finally:
             self._lock.leave()
 
@@ -1182,6 +1236,18 @@ cdef class KVCache:
         return (f"KVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, num_pages={self.pool.num_pages}, page_size={self.page_size}, "
                 f"dtype={self.kv.dtype}, window={self._window}, sink_tokens={self.sink_tokens})")
+
+    # ------------------------------------------------------------ metrics
+    cdef void _note_prefix_hit(self, int64_t tokens) noexcept nogil:
+        """Count one prefix lookup that served ``tokens`` in the prefix-hit histogram."""
+        cdef Py_ssize_t bucket = 0
+        cdef int64_t bound = 16
+        if tokens > 0:
+            bucket = 1
+            while bucket < NUM_PREFIX_HIT_BUCKETS - 1 and tokens > bound:
+                bound <<= 1
+                bucket += 1
+        self._prefix_hit_counts[bucket] = self._prefix_hit_counts[bucket] + 1
 
     # -------------------------------------------------------------- snapshots
     def save(self, path):
@@ -1314,7 +1380,13 @@ cdef class KVCache:
                 "config": self._config(),
                 "counters": {"pages_peak": int(self._pages_peak), "evictions": int(self._evictions),
                              "cow_copies": int(self._cow_copies), "tokens_appended": int(self._tokens_appended),
-                             "prefix_queries": int(self._prefix_queries), "prefix_hits": int(self._prefix_hits)},
+                             "prefix_queries": int(self._prefix_queries), "prefix_hits": int(self._prefix_hits),
+                             "out_of_pages_errors": int(self._num_out_of_pages),
+                             "sequences_added": int(self._sequences_added),
+                             "pages_allocated": int(self.pool.num_taken),
+                             "ring_reuses": int(self.pool.num_reused_in_place),
+                             "prefix_hit_counts": np.array([self._prefix_hit_counts[j]
+                                                            for j in range(NUM_PREFIX_HIT_BUCKETS)], dtype=np.int64)},
                 "ref_counts": ref_counts,
                 "free_queue": free_queue,
                 "prefix": self._prefix._export_state() if self._prefix is not None else None,
@@ -1352,9 +1424,16 @@ cdef class KVCache:
             if state["config"] != self._config():
                 raise ValueError(f"Invalid value of config: expected {self._config()}, got {state['config']}")
             counters = state["counters"]
-            names = ("pages_peak", "evictions", "cow_copies", "tokens_appended", "prefix_queries", "prefix_hits")
-            if sorted(counters) != sorted(names) or not all(0 <= counters[k] < 2**63 for k in names):
+            names = ("pages_peak", "evictions", "cow_copies", "tokens_appended", "prefix_queries", "prefix_hits",
+                     "out_of_pages_errors", "sequences_added", "pages_allocated", "ring_reuses")
+            if (sorted(counters) != sorted(names + ("prefix_hit_counts",))
+                    or not all(0 <= counters[k] < 2**63 for k in names)):
                 raise ValueError(f"Invalid value of counters: expected {names} in [0, 2**63), got {counters}")
+            hit_counts = counters["prefix_hit_counts"]
+            if (hit_counts.dtype != np.int64 or hit_counts.shape != (NUM_PREFIX_HIT_BUCKETS,)
+                    or (hit_counts < 0).any()):
+                raise ValueError(f"Invalid value of counters: expected prefix_hit_counts int64 "
+                                 f"({NUM_PREFIX_HIT_BUCKETS},) >= 0, got {hit_counts}")
             ref_counts = state["ref_counts"]
             self.pool._check_state(ref_counts, state["free_queue"])
             if (self._prefix is None) != (state["prefix"] is None):
@@ -1403,6 +1482,15 @@ cdef class KVCache:
             self._tokens_appended = counters["tokens_appended"]
             self._prefix_queries = counters["prefix_queries"]
             self._prefix_hits = counters["prefix_hits"]
+            self._num_out_of_pages = counters["out_of_pages_errors"]
+            self._sequences_added = counters["sequences_added"]
+            self.pool.num_taken = counters["pages_allocated"]
+            self.pool.num_reused_in_place = counters["ring_reuses"]
+            for j in range(NUM_PREFIX_HIT_BUCKETS):
+                self._prefix_hit_counts[j] = hit_counts[j]
+            if self._prefix is not None:  # free pages still findable by hash (a count the queue keeps)
+                self.pool.q.num_cached_free = int(np.count_nonzero(
+                    (ref_counts == 0) & (np.asarray(self._prefix.page_cached) != 0)))
         finally:
             self._lock.leave()
 

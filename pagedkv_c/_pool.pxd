@@ -14,6 +14,7 @@ cdef extern from "page_pool.h":
         int64_t head                  # absolute positions: entries live in [head, tail)
         int64_t tail
         int32_t num_free              # pages in the queue
+        int64_t num_cached_free       # queued pages still findable by prefix hash (metrics)
     pkv_page_record* pkv_rec(const pkv_free_queue* q, int32_t page) noexcept nogil
     void pkv_queue_remove(pkv_free_queue* q, int32_t page) noexcept nogil
     void pkv_queue_push(pkv_free_queue* q, int32_t page) noexcept nogil
@@ -63,3 +64,7 @@ cdef class PagePool:
     # Snapshots: validate, then apply, an exported allocator state (_export_state).
     cdef int _check_state(self, object ref_counts, object free_queue) except -1
     cdef void _apply_state(self, const int32_t[::1] ref_counts, const int32_t[::1] free_queue) noexcept
+
+    # Counters since construction, for metrics (KVCache.stats, pagedkv.metrics).
+    cdef readonly int64_t num_taken           # pages handed out of the free queue by take (in pages)
+    cdef readonly int64_t num_reused_in_place # window pages a ring reused without the free queue (in pages)

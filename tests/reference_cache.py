@@ -56,6 +56,13 @@ class RefCache:
         self.evictions = 0
         self.cow_copies = 0
         self.sealed = set()  # abstract page ids
+        # Counters of KVCache.stats() for metrics.
+        self.pages_allocated = 0  # pages taken from the free pool (new and copy-on-write pages)
+        self.ring_reuses = 0  # released pages a sequence reused for its own new pages in the same append
+        self.out_of_pages_errors = 0
+        self.sequences_added = 0
+        self.tokens_appended = 0
+        self.pages_peak = 0
 
     # -- helpers
     def _new_page(self):
@@ -90,6 +97,7 @@ class RefCache:
     def add(self, seq_id):
         assert seq_id not in self.seqs
         self.seqs[seq_id] = RefSequence()
+        self.sequences_added += 1
 
     def _seal_full_pages(self, seq):
         """Seal the sequence's held full pages; return the newly sealed abstract ids in logical order."""
@@ -118,6 +126,7 @@ class RefCache:
         for page in seq.pages.values():
             self.refs[page] += 1
         self.seqs[child] = seq
+        self.sequences_added += 1
 
     def append(self, seq_ids, counts):
         """Return [(seq_id, position)] of the new tokens, or raise OutOfPages."""
@@ -148,16 +157,21 @@ class RefCache:
                     needed += 1
             needed += math.ceil((n0 + t) / ps) - math.ceil(n0 / ps)
         if needed > free:
+            self.out_of_pages_errors += 1
             raise OutOfPages(needed, free)
         # apply: the seal comes first, then releases, copies and new pages
         for sid, t in zip(seq_ids, counts):
             if t:
                 self._seal_full_pages(self.seqs[sid])
         new_tokens = []
+        freed_by = {}  # pages whose last reference a sequence's release dropped: it reuses them first
         for sid, t in zip(seq_ids, counts):
             seq = self.seqs[sid]
+            freed_by[sid] = 0
             for k in releases[sid]:
-                self._drop(seq.pages.pop(k))
+                page = seq.pages.pop(k)
+                self._drop(page)
+                freed_by[sid] += page not in self.refs
                 for p in range(k * ps, (k + 1) * ps):
                     seq.kv.pop(p, None)
                 self.evictions += 1
@@ -166,6 +180,10 @@ class RefCache:
             if t == 0:
                 continue
             n0 = seq.length
+            new_pages = int(copies[sid]) + math.ceil((n0 + t) / ps) - math.ceil(n0 / ps)
+            reused = min(new_pages, freed_by[sid])
+            self.ring_reuses += reused
+            self.pages_allocated += new_pages - reused
             if copies[sid]:
                 self._drop(seq.pages[n0 // ps])
                 seq.pages[n0 // ps] = self._new_page()
@@ -176,6 +194,8 @@ class RefCache:
                 seq.pages[k] = self._new_page()
             seq.length = n0 + t
             new_tokens += [(sid, p) for p in range(n0, n0 + t)]
+        self.tokens_appended += sum(counts)
+        self.pages_peak = max(self.pages_peak, self.pages_in_use)
         return new_tokens
 
     def truncate_allowed(self, seq_id, new_len):

@@ -635,7 +635,8 @@ def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
         raise SnapshotError(f"section 'pages': {parsed.pages_length} bytes, expected {expected} for a pool of "
                             f"shape {_pool_shape(config, num_pages)} {config['dtype']}")
     counters = parsed.section("counters")
-    names = ("pages_peak", "evictions", "cow_copies", "tokens_appended", "prefix_queries", "prefix_hits")
+    names = ("pages_peak", "evictions", "cow_copies", "tokens_appended", "prefix_queries", "prefix_hits",
+             "out_of_pages_errors", "sequences_added", "pages_allocated", "ring_reuses")
     pool = parsed.section("pool")
     tables = _read_tables(parsed.section("tables"), num_pages)
     prefix = None
@@ -655,7 +656,8 @@ def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
         raise SnapshotError("section 'prefix': present in a cache without prefix caching")
     state = {
         "config": config,
-        "counters": {name: counters.int(name) for name in names},
+        "counters": {**{name: counters.int(name) for name in names},
+                     "prefix_hit_counts": counters.array("prefix_hit_counts", np.int64, 1)},
         "ref_counts": pool.array("ref_counts", np.int32, 1),
         "free_queue": pool.array("free_queue", np.int32, 1),
         "prefix": prefix,
