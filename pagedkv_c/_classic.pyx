@@ -835,3 +835,120 @@ cdef class PagedKVCache:
             f"dtype={self.dtype}, tokens={self._num_tokens}, num_resident_pages={self._num_resident}, "
             f"evictions={self.evictions})"
         )
+
+    # -------------------------------------------------------------- snapshots
+    def save(self, path):
+        """Write a snapshot of the cache to ``path``, atomically.
+
+        The snapshot holds the configuration, the resident pages in FIFO
+        eviction order with their logical pages and present slots, the
+        order of the free pages, the hit, miss and eviction counters, and
+        the K/V bytes of every page with a checksum per page. Format and
+        atomicity: see :mod:`pagedkv.snapshot`.
+
+        Raises
+        ------
+        OSError
+            The file cannot be written; an existing file is left as it was.
+        """
+        from pagedkv.snapshot import save_classic
+        save_classic(self, path)
+
+    @classmethod
+    def load(cls, path):
+        """Read a snapshot written by :meth:`save`; later calls answer as the saved cache would.
+
+        Raises
+        ------
+        pagedkv.SnapshotError
+            The file is damaged, truncated, of another kind, or of an unknown
+            or newer format version; nothing is built.
+        """
+        from pagedkv.snapshot import load_classic
+        return load_classic(path)
+
+    def _config(self):
+        """The construction arguments (dict: max_pages, dim, page_size, dtype name)."""
+        return {"max_pages": int(self.max_pages), "dim": int(self.dim), "page_size": int(self.page_size),
+                "dtype": str(self.dtype)}
+
+    def _export_state(self):
+        """Everything but the K/V bytes as plain arrays and ints (for snapshots).
+
+        Returns
+        -------
+        dict
+            ``logical_pages`` int64 ``(n,)`` and ``page_ids`` int32 ``(n,)``:
+            the resident pages, oldest (next evicted) first; ``free_queue``
+            int32: the free pages in hand-out order; ``present`` uint8
+            ``(max_pages, page_size)``; ``hits``, ``misses``, ``evictions``.
+        """
+        cdef int32_t i
+        self._lock.acquire()
+        try:
+            page_ids = np.empty(self._num_resident, dtype=np.int32)
+            for i in range(self._num_resident):
+                page_ids[i] = self._ring_page_id[(self._ring_head + i) % self.max_pages]
+            return {"logical_pages": self._resident_logical_pages(), "page_ids": page_ids,
+                    "free_queue": self._pool.free_pages(), "present": np.array(self._present, copy=True),
+                    "hits": int(self._hits), "misses": int(self._misses), "evictions": int(self.evictions)}
+        finally:
+            self._lock.release()
+
+    def _restore_state(self, dict state):
+        """Make this new, empty cache the one ``state`` (from ``_export_state``) describes.
+
+        Everything is checked first: distinct resident pages and logical
+        pages, a free queue of exactly the other pages, presence bytes 0 or
+        1, counters in ``[0, 2**63)``. Raises ValueError naming the problem
+        (nothing changed), RuntimeError when the cache is not new.
+        """
+        logical, page_ids, free_queue, present = (state["logical_pages"], state["page_ids"], state["free_queue"],
+                                                  state["present"])
+        n = page_ids.shape[0] if page_ids.ndim == 1 else -1
+        if (logical.dtype != np.int64 or logical.shape != (n,) or page_ids.dtype != np.int32 or n > self.max_pages
+                or present.dtype != np.uint8 or present.shape != (self.max_pages, self.page_size)):
+            raise ValueError("Invalid shape of the classic cache state: expected logical_pages int64 (n,), page_ids "
+                             f"int32 (n,) with n <= {self.max_pages}, present uint8 ({self.max_pages}, {self.page_size})")
+        if n and (logical.min() < 0 or logical.max() > _INT64_MAX // self.page_size
+                  or np.unique(logical).shape[0] != n):
+            raise ValueError("Invalid value of logical_pages: expected distinct logical pages in range")
+        if present.size and present.max() > 1:
+            raise ValueError("Invalid value of present: expected presence bytes 0 or 1")
+        for name in ("hits", "misses", "evictions"):
+            if not 0 <= state[name] < 2**63:
+                raise ValueError(f"Invalid value of {name}: expected 0 <= {name} < 2**63, got {state[name]}")
+        refs = np.zeros(self.max_pages, dtype=np.int32)
+        if n and (page_ids.min() < 0 or page_ids.max() >= self.max_pages):
+            raise ValueError(f"Invalid value of page_ids: expected page ids in [0, {self.max_pages - 1}]")
+        np.add.at(refs, page_ids, 1)
+        if (refs > 1).any():
+            raise ValueError(f"Invalid value of page_ids: page {int(np.flatnonzero(refs > 1)[0])} is resident twice")
+        self._pool._check_state(refs, free_queue)
+        cdef int32_t i
+        cdef const int64_t[::1] logical_view = np.ascontiguousarray(logical)
+        cdef const int32_t[::1] id_view = np.ascontiguousarray(page_ids)
+        self._lock.acquire()
+        try:
+            if self._num_resident or self._pool.num_free != self.max_pages:
+                raise RuntimeError("PagedKVCache._restore_state needs a new, empty cache")
+            self._pool._apply_state(refs, np.ascontiguousarray(free_queue))
+            np.copyto(np.asarray(self._present), present)
+            counts = present.sum(axis=1, dtype=np.int64)
+            for i in range(n):
+                self._ring_logical_page[i] = logical_view[i]
+                self._ring_page_id[i] = id_view[i]
+                self._page_map.insert(logical_view[i], id_view[i])
+                self._page_num_tokens[id_view[i]] = <int32_t>counts[id_view[i]]
+            self._ring_head = 0
+            self._num_resident = <int32_t>n
+            self._num_tokens = int(counts[page_ids].sum()) if n else 0
+            self._hits = state["hits"]
+            self._misses = state["misses"]
+            self.evictions = state["evictions"]
+        finally:
+            self._lock.release()
+
+    def _pool_array(self):
+        """The pool array (max_pages, 2, page_size, dim) itself, for snapshots."""
+        return self._kv

@@ -73,6 +73,7 @@ cdef class KVCache:
     cdef object _tier_lookup(self, PageTable table, object prompt, int64_t prompt_len)
     cdef int64_t _tier_install(self, PageTable table, object fetched, int64_t num_local) except -1
     cdef int _offload_sealed(self) except -1
+    cdef PageTable _new_table(self)
 
     # ---- Sealed pages (docs/page_integrity.md): full pages whose K/V is complete in every layer.
     cdef object _sealed_array             # uint8 (num_pages,): 1 while the page is sealed
@@ -94,6 +95,7 @@ cdef class KVCache:
     cdef void _unseal_page(self, page_id_t page_id) noexcept nogil
     cdef Py_ssize_t _list_seals(self, list tables, const int64_t* counts) except -1
     cdef void _after_append_seals(self, list tables, const int64_t* counts, Py_ssize_t num_listed)
+
     # Metrics (stats(), pagedkv.metrics): plain counters updated where the event happens.
     cdef int64_t _num_out_of_pages        # OutOfPagesError raised by append
     cdef int64_t _sequences_added         # sequences created by add_sequence and fork

@@ -1544,6 +1544,368 @@ cdef class KVCache:
             self._tier._cancel(k)
             raise
         return 0
+    # ------------------------------------------------------------ metrics
+    cdef void _note_prefix_hit(self, int64_t tokens) noexcept nogil:
+        """Count one prefix lookup that served ``tokens`` in the prefix-hit histogram."""
+        cdef Py_ssize_t bucket = 0
+        cdef int64_t bound = 16
+        if tokens > 0:
+            bucket = 1
+            while bucket < NUM_PREFIX_HIT_BUCKETS - 1 and tokens > bound:
+                bound <<= 1
+                bucket += 1
+        self._prefix_hit_counts[bucket] = self._prefix_hit_counts[bucket] + 1
+
+    # -------------------------------------------------------------- snapshots
+    def save(self, path):
+        """Write a snapshot of the whole cache to ``path``, atomically.
+
+        The snapshot holds the configuration, every sequence (length, page
+        table with its ring geometry, sink pages), sharing between forks
+        (ref counts), the prefix-caching state (hash index, salts, kept token
+        ids, the order of the free queue), the counters of :meth:`stats` and
+        the K/V bytes of every page, each page with its checksum. The file
+        is written to a temporary file in the same directory, fsynced and
+        renamed over ``path``; the directory is fsynced. Format: see
+        :mod:`pagedkv.snapshot`.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            Target file (replaced if it exists).
+
+        Raises
+        ------
+        OSError
+            The file cannot be written; an existing file is left as it was.
+
+        Notes
+        -----
+        No other thread may change the cache during the call (its K/V bytes
+        are read after the page tables).
+        """
+        from pagedkv.snapshot import save_cache
+        save_cache(self, path)
+
+    @classmethod
+    def load(cls, path, *, mmap=False):
+        """Read a snapshot written by :meth:`save`; every later call answers as the saved cache would.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+        mmap : bool
+            False: read and check every page. True: the pool is a
+            copy-on-write memory map of the file's page section (writes stay
+            in memory); metadata is verified, pages are not read: check
+            them with ``pagedkv.snapshot.verify(path)``.
+
+        Returns
+        -------
+        KVCache
+
+        Raises
+        ------
+        pagedkv.SnapshotError
+            The file is damaged, truncated, of an unknown or newer format
+            version, or inconsistent; the message names the section, and for
+            a page its id and the sequences holding it.
+        """
+        from pagedkv.snapshot import load_cache
+        return load_cache(path, mmap=mmap)
+
+    def export_sequence(self, seq_id):
+        """One sequence with its K/V and page-table state, as bytes (checksummed).
+
+        Returns
+        -------
+        bytes
+            Load with :meth:`import_sequence` into any cache of the same
+            layer/head/dim/dtype/page-size geometry, window and sink tokens.
+
+        Raises
+        ------
+        KeyError
+            Unknown ``seq_id``.
+        """
+        from pagedkv.snapshot import export_sequence
+        return export_sequence(self, seq_id)
+
+    def import_sequence(self, seq_id, data):
+        """Add ``seq_id`` from :meth:`export_sequence` bytes, in this cache's free pages; all or nothing.
+
+        Raises
+        ------
+        pagedkv.SnapshotError
+            ``data`` is damaged or from a cache of another geometry.
+        OutOfPagesError
+            Fewer free pages than the sequence holds; nothing changed.
+        ValueError
+            ``seq_id`` already exists.
+        """
+        from pagedkv.snapshot import import_sequence
+        import_sequence(self, seq_id, data)
+
+    # --------------------------------------------------- state export / restore
+    # Snapshots (pagedkv.snapshot) write and read these plain values; the
+    # K/V bytes are the pool array itself.
+    def _config(self):
+        """The construction arguments (a dict of ints and strs; window -1 = None)."""
+        return {
+            "num_layers": int(self.num_layers), "num_kv_heads": int(self.num_kv_heads),
+            "head_dim": int(self.head_dim), "num_pages": int(self.pool.num_pages),
+            "page_size": int(self.page_size), "dtype": str(self.kv.dtype),
+            "window": -1 if self._window is None else int(self._window),
+            "sink_tokens": int(self.sink_tokens),
+            "prefix_caching": int(self._prefix is not None),
+            "prefix_hash": self._prefix.algorithm_name if self._prefix is not None else "xxh3_128",
+            "page_checksums": int(self._checksums != NULL),
+        }
+
+    def _export_state(self):
+        """Everything but the K/V bytes, as plain NumPy arrays and ints.
+
+        Returns
+        -------
+        dict
+            ``config`` (see ``_config``); ``counters`` (the counters of
+            :meth:`stats`); ``ref_counts`` int32 ``(num_pages,)`` and
+            ``free_queue`` int32 ``(num_free,)`` (hand-out order);
+            ``prefix`` (the index's ``_export_state()``, or None);
+            ``sequences``: a list of ``(seq_id, table state, hash chain
+            state or None)`` in insertion order.
+        """
+        cdef PageTable table
+        self._lock.acquire()
+        try:
+            ref_counts, free_queue = self.pool._export_state()
+            sequences = []
+            for seq_id, table in self._tables.items():
+                sequences.append((int(seq_id), table._export_state(),
+                                  table.hashes._export_state() if table.hashes is not None else None))
+            return {
+                "config": self._config(),
+                "counters": {"pages_peak": int(self._pages_peak), "evictions": int(self._evictions),
+                             "cow_copies": int(self._cow_copies), "tokens_appended": int(self._tokens_appended),
+                             "prefix_queries": int(self._prefix_queries), "prefix_hits": int(self._prefix_hits),
+                             "out_of_pages_errors": int(self._num_out_of_pages),
+                             "sequences_added": int(self._sequences_added),
+                             "pages_allocated": int(self.pool.num_taken),
+                             "ring_reuses": int(self.pool.num_reused_in_place),
+                             "prefix_hit_counts": np.array([self._prefix_hit_counts[j]
+                                                            for j in range(NUM_PREFIX_HIT_BUCKETS)], dtype=np.int64)},
+                "ref_counts": ref_counts,
+                "free_queue": free_queue,
+                "prefix": self._prefix._export_state() if self._prefix is not None else None,
+                "sequences": sequences,
+            }
+        finally:
+            self._lock.leave()
+
+    cdef PageTable _new_table(self):
+        return PageTable(self.pool, self.page_size, self._window, self.sink_tokens, _owner_key=owner_key())
+
+    def _restore_state(self, dict state):
+        """Make this new, empty cache the one ``state`` (from ``_export_state``) describes.
+
+        Everything is checked before anything changes: the configuration
+        must equal this cache's, every table must fit its window, sinks and
+        pool, every page's ref count must equal the page-table entries that
+        hold it, the free queue must be exactly the pages without
+        references, and the prefix index and hash chains must be consistent.
+
+        Raises
+        ------
+        RuntimeError
+            The cache is not new (it has sequences or pages in use).
+        ValueError
+            ``state`` is inconsistent; the message names the part, and for a
+            page its id and the sequences holding it. Nothing changed.
+        """
+        cdef PageTable table
+        cdef SequenceHashes hashes
+        self._lock.acquire()
+        try:
+            if self._tables or self.pool.q.num_free != self.pool.num_pages:
+                raise RuntimeError("KVCache._restore_state needs a new cache without sequences")
+            if state["config"] != self._config():
+                raise ValueError(f"Invalid value of config: expected {self._config()}, got {state['config']}")
+            counters = state["counters"]
+            names = ("pages_peak", "evictions", "cow_copies", "tokens_appended", "prefix_queries", "prefix_hits",
+                     "out_of_pages_errors", "sequences_added", "pages_allocated", "ring_reuses")
+            if (sorted(counters) != sorted(names + ("prefix_hit_counts",))
+                    or not all(0 <= counters[k] < 2**63 for k in names)):
+                raise ValueError(f"Invalid value of counters: expected {names} in [0, 2**63), got {counters}")
+            hit_counts = counters["prefix_hit_counts"]
+            if (hit_counts.dtype != np.int64 or hit_counts.shape != (NUM_PREFIX_HIT_BUCKETS,)
+                    or (hit_counts < 0).any()):
+                raise ValueError(f"Invalid value of counters: expected prefix_hit_counts int64 "
+                                 f"({NUM_PREFIX_HIT_BUCKETS},) >= 0, got {hit_counts}")
+            ref_counts = state["ref_counts"]
+            self.pool._check_state(ref_counts, state["free_queue"])
+            if (self._prefix is None) != (state["prefix"] is None):
+                raise ValueError("Invalid value of prefix: the prefix index does not match prefix_caching")
+            if self._prefix is not None:
+                self._prefix._check_state(state["prefix"])
+            tables = {}
+            held = []
+            for seq_id, table_state, hash_state in state["sequences"]:
+                key = check_int(seq_id, "seq_id", INT64_MIN, INT64_MAX)
+                if key in tables:
+                    raise ValueError(f"Invalid value of sequences: sequence {key} is listed twice")
+                table = self._new_table()
+                try:
+                    table._check_state(table_state)
+                except ValueError as exc:
+                    raise ValueError(f"sequence {key}: {exc}") from None
+                if (hash_state is None) != (self._prefix is None):
+                    raise ValueError(f"Invalid value of sequence {key}: a hash chain goes with prefix caching")
+                if hash_state is not None:
+                    try:
+                        table.hashes = SequenceHashes._from_state(hash_state, self.page_size, table_state["length"])
+                    except ValueError as exc:
+                        raise ValueError(f"sequence {key}: {exc}") from None
+                tables[key] = (table, table_state)
+                held.append(table_state["pages"])
+            counts = np.zeros(self.pool.num_pages, dtype=np.int64)
+            for pages in held:
+                np.add.at(counts, pages, 1)
+            bad = np.flatnonzero(counts != ref_counts)
+            if bad.size:
+                p = int(bad[0])
+                holders = [k for k, (t, ts) in tables.items() if (ts["pages"] == p).any()]
+                raise ValueError(f"Invalid value of ref_counts: page {p} has ref count {int(ref_counts[p])} "
+                                 f"but {int(counts[p])} page-table entries (held by sequences {holders})")
+            # Everything checked: apply.
+            self.pool._apply_state(ref_counts, state["free_queue"])
+            if self._prefix is not None:
+                self._prefix._apply_state(state["prefix"])
+            for key, (table, table_state) in tables.items():
+                table._apply_state(table_state)
+                self._tables[key] = table
+            self._pages_peak = counters["pages_peak"]
+            self._evictions = counters["evictions"]
+            self._cow_copies = counters["cow_copies"]
+            self._tokens_appended = counters["tokens_appended"]
+            self._prefix_queries = counters["prefix_queries"]
+            self._prefix_hits = counters["prefix_hits"]
+            self._num_out_of_pages = counters["out_of_pages_errors"]
+            self._sequences_added = counters["sequences_added"]
+            self.pool.num_taken = counters["pages_allocated"]
+            self.pool.num_reused_in_place = counters["ring_reuses"]
+            for j in range(NUM_PREFIX_HIT_BUCKETS):
+                self._prefix_hit_counts[j] = hit_counts[j]
+            if self._prefix is not None:  # free pages still findable by hash (a count the queue keeps)
+                self.pool.q.num_cached_free = int(np.count_nonzero(
+                    (ref_counts == 0) & (np.asarray(self._prefix.page_cached) != 0)))
+        finally:
+            self._lock.leave()
+
+    def _adopt_pool(self, kv):
+        """Use ``kv`` as the pool array of this new, empty cache (e.g. a memory map of a snapshot).
+
+        ``kv`` must have the pool's dtype and shape, be C-contiguous,
+        aligned and writeable (a copy-on-write map is). Raises ValueError
+        naming what differs, RuntimeError when the cache has sequences.
+        """
+        if not isinstance(kv, np.ndarray):
+            raise TypeError(f"Invalid type of kv: expected a numpy.ndarray, got {type(kv).__name__}")
+        if kv.dtype != self.kv.dtype or kv.shape != self.kv.shape:
+            raise ValueError(f"Invalid shape of kv: expected {self.kv.dtype} {self.kv.shape}, got {kv.dtype} {kv.shape}")
+        if not (kv.flags.c_contiguous and kv.flags.aligned and kv.flags.writeable):
+            raise ValueError("Invalid layout of kv: expected a C-contiguous, aligned, writeable array")
+        self._lock.acquire()
+        try:
+            if self._tables:
+                raise RuntimeError("KVCache._adopt_pool needs a cache without sequences")
+            self.kv = kv
+            self._data = <char*>cnp.PyArray_DATA(kv)
+        finally:
+            self._lock.leave()
+
+    def _export_sequence_state(self, seq_id):
+        """One sequence's table, hash chain and K/V (for export_sequence).
+
+        Returns ``(table state, hash chain state or None, kv)``: the table's
+        pages are renumbered ``0 .. n-1`` in logical order and ``kv`` holds
+        their bytes, shape ``(num_layers, n, 2, page_size, num_kv_heads,
+        head_dim)``. Raises KeyError for an unknown ``seq_id``.
+        """
+        cdef PageTable table
+        self._lock.acquire()
+        try:
+            table = self._table(seq_id)
+            table_state = table._export_state()
+            pages = table_state["pages"]
+            kv = np.ascontiguousarray(self.kv[:, pages])
+            table_state["pages"] = np.arange(pages.shape[0], dtype=np.int32)
+            hash_state = table.hashes._export_state() if table.hashes is not None else None
+            return table_state, hash_state, kv
+        finally:
+            self._lock.leave()
+
+    def _import_sequence_state(self, seq_id, dict table_state, hash_state, kv):
+        """Add ``seq_id`` from an exported sequence, in pages taken from the free queue.
+
+        ``table_state`` lists local pages ``0 .. n-1`` whose bytes are
+        ``kv[:, i]``. With prefix caching the hash chain comes along when
+        both caches hash alike (else the sequence starts without one), and
+        the sequence's full pages become cached at once.
+
+        Raises
+        ------
+        ValueError
+            ``seq_id`` exists, or the state does not fit this cache's window,
+            sinks or geometry. Nothing changed.
+        OutOfPagesError
+            Fewer than ``n`` pages are free (cached free pages count);
+            nothing changed.
+        """
+        cdef int64_t key = check_int(seq_id, "seq_id", INT64_MIN, INT64_MAX)
+        cdef PageTable table = self._new_table()
+        cdef Py_ssize_t n, i
+        if not isinstance(kv, np.ndarray):
+            raise TypeError(f"Invalid type of kv: expected a numpy.ndarray, got {type(kv).__name__}")
+        pages = table_state["pages"]
+        n = pages.shape[0] if pages.ndim == 1 else -1
+        if pages.dtype != np.int32 or n < 0 or not np.array_equal(pages, np.arange(n)):
+            raise ValueError("Invalid value of pages: expected the local page ids 0 .. n-1 in order")
+        if n > self.pool.num_pages:
+            raise ValueError(f"Invalid value of pages: {n} pages, more than the pool's {self.pool.num_pages}")
+        table._check_state(dict(table_state, pages=np.zeros(n, dtype=np.int32)))  # geometry only
+        expected = (self.num_layers, n) + self.kv.shape[2:]
+        if kv.dtype != self.kv.dtype or kv.shape != expected:
+            raise ValueError(f"Invalid shape of kv: expected {self.kv.dtype} {expected}, got {kv.dtype} {kv.shape}")
+        if self._prefix is not None and hash_state is not None:
+            table.hashes = SequenceHashes._from_state(hash_state, self.page_size, table_state["length"])
+        elif self._prefix is not None:
+            table.hashes = SequenceHashes()
+        self._lock.acquire()
+        try:
+            if key in self._tables:
+                raise ValueError(f"Invalid value of seq_id: sequence {key} already exists")
+            if n > self.pool.q.num_free:
+                raise OutOfPagesError(
+                    f"Cannot import sequence {key}: it holds {n} pages but only {self.pool.q.num_free} of the "
+                    f"{self.pool.num_pages} pages are free. Nothing was changed. Remove or truncate sequences "
+                    f"first, or create the cache with num_pages >= {self.pool.num_pages + n - self.pool.q.num_free}."
+                )
+            taken = np.empty(n, dtype=np.int32)
+            local = dict(table_state, pages=taken)
+            if n:
+                self.pool.take(<page_id_t*>cnp.PyArray_DATA(taken), n)
+                for i in range(n):
+                    self._unseal_page(taken[i])  # written again below
+                self.kv[:, taken] = kv
+            table._apply_state(local)
+            self._tables[key] = table
+            self._seal_table(table)  # the imported full pages are complete in every layer
+            self._note_usage()
+            if table.hashes is not None:
+                table.hashes.num_registered = 0  # none of the new pages is cached yet
+                self._register_full_pages(table)
+        finally:
+            self._lock.leave()
 
     # ---------------------------------------------------------- sealed pages
     # A page is sealed once it is full and its K/V complete in every layer (see
@@ -2010,18 +2372,6 @@ cdef class KVCache:
                 table.num_sealed = 0  # the flags no longer follow from this table's history
         finally:
             self._lock.leave()
-
-    # ------------------------------------------------------------ metrics
-    cdef void _note_prefix_hit(self, int64_t tokens) noexcept nogil:
-        """Count one prefix lookup that served ``tokens`` in the prefix-hit histogram."""
-        cdef Py_ssize_t bucket = 0
-        cdef int64_t bound = 16
-        if tokens > 0:
-            bucket = 1
-            while bucket < NUM_PREFIX_HIT_BUCKETS - 1 and tokens > bound:
-                bound <<= 1
-                bucket += 1
-        self._prefix_hit_counts[bucket] = self._prefix_hit_counts[bucket] + 1
 
 
 class BadPage:

@@ -72,6 +72,9 @@ cdef class PageTable:
     cdef int adopt(self, const page_id_t* sink_pages, Py_ssize_t num_sink,
                    const page_id_t* window_pages, int64_t first_window, Py_ssize_t num_window,
                    int64_t num_logical_pages) except -1
+    # Snapshots: validate, then apply, an exported table state (_export_state).
+    cdef int _check_state(self, dict state) except -1
+    cdef int _apply_state(self, dict state) except -1
 
 
 # Batch append over several tables sharing one pool (all-or-nothing).

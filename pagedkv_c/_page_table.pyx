@@ -426,6 +426,78 @@ cdef class PageTable:
         return (f"PageTable(seq_len={self.length}, num_pages={self.num_held()}, "
                 f"page_size={self.page_size}, window={self.window}, sink_tokens={self.sink_tokens})")
 
+    # --------------------------------------------------- state export / restore
+    def _export_state(self):
+        """The table as plain values (for snapshots).
+
+        Returns
+        -------
+        dict
+            ``length`` (tokens), ``sink_count`` (sink pages held),
+            ``ring_first`` (logical index of the oldest window page),
+            ``ring_capacity`` (pages the ring holds before it grows) and
+            ``pages`` int32 ``(num_held,)``: sink pages, then window pages
+            oldest first. The ring's start inside its buffer is not kept: a
+            restored ring starts at index 0, which changes no result.
+        """
+        ids, _ = self.pages()
+        return {"length": int(self.length), "sink_count": int(self.sink_count),
+                "ring_first": int(self.ring_first), "ring_capacity": int(self.ring.shape[0]), "pages": ids}
+
+    cdef int _check_state(self, dict state) except -1:
+        """Raise ValueError unless ``state`` fits this (empty) table's window, sinks and pool.
+
+        Checks the geometry only; the ref counts of the pages are the
+        owner's to check across tables.
+        """
+        cdef int64_t length = state["length"], sink_count = state["sink_count"]
+        cdef int64_t ring_first = state["ring_first"], capacity = state["ring_capacity"]
+        pages = state["pages"]
+        if pages.dtype != np.int32 or pages.ndim != 1:
+            raise ValueError(f"Invalid shape of pages: expected int32 (n,), got {pages.dtype} {pages.shape}")
+        cdef int64_t num_pages = pages.shape[0]
+        cdef int64_t ring_count = num_pages - sink_count
+        cdef int64_t logical = _ceil_div(length, self.page_size) if 0 <= length <= MAX_POSITION else -1
+        if logical < 0:
+            raise ValueError(f"Invalid value of length: expected 0 <= length <= 2**62, got {length}")
+        if not 0 <= sink_count <= min(<int64_t>self.num_sink_pages, logical) or ring_count < 0:
+            raise ValueError(f"Invalid value of sink_count: expected 0 <= sink_count <= "
+                             f"{min(<int64_t>self.num_sink_pages, logical)} and <= {num_pages} pages, got {sink_count}")
+        if ring_count and sink_count < self.num_sink_pages:
+            raise ValueError(f"Invalid value of sink_count: window pages held before all "
+                             f"{self.num_sink_pages} sink pages ({sink_count})")
+        if ring_first < self.num_sink_pages or ring_first > max(logical, <int64_t>self.num_sink_pages) - ring_count:
+            raise ValueError(f"Invalid value of ring_first: {ring_count} window pages from logical page "
+                             f"{ring_first} do not fit a sequence of {length} tokens")
+        if self._window == NO_WINDOW and (ring_first != 0 or ring_count != logical):
+            raise ValueError(f"Invalid value of pages: a sequence without a window holds all its "
+                             f"{logical} pages, got {ring_count} from logical page {ring_first}")
+        cdef int64_t largest = max(<int64_t>self.ring.shape[0], 4 * (<int64_t>self.pool.num_pages + 16))
+        if capacity < max(ring_count, <int64_t>1) or capacity > largest or capacity & (capacity - 1):
+            raise ValueError(f"Invalid value of ring_capacity: expected a power of two in "
+                             f"[{max(ring_count, <int64_t>1)}, {largest}], got {capacity}")
+        if num_pages and (pages.min() < 0 or pages.max() >= self.pool.num_pages):
+            raise ValueError(f"Invalid value of pages: expected page ids in [0, {self.pool.num_pages - 1}]")
+        return 0
+
+    cdef int _apply_state(self, dict state) except -1:
+        """Set length, sink pages and ring from ``state`` (checked by _check_state); ref counts untouched."""
+        cdef const int32_t[::1] pages = state["pages"]
+        cdef int32_t sink_count = <int32_t>state["sink_count"]
+        cdef Py_ssize_t i
+        self.ring = np.empty(state["ring_capacity"], dtype=np.int32)
+        self.ring_mask = self.ring.shape[0] - 1
+        for i in range(sink_count):
+            self.sinks[i] = pages[i]
+        self.sink_count = sink_count
+        for i in range(pages.shape[0] - sink_count):
+            self.ring[i] = pages[sink_count + i]
+        self.ring_head = 0
+        self.ring_count = pages.shape[0] - sink_count
+        self.ring_first = state["ring_first"]
+        self.length = state["length"]
+        return 0
+
 
 cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
                       slot_t* slots_out, page_id_t* cow_src, page_id_t* cow_dst,

@@ -61,6 +61,9 @@ cdef class PagePool:
     cdef object _checked_ids(self, object page_ids, bint forbid_duplicates)
     cdef int _check_unowned(self, str method) except -1
     cdef int attach_prefix(self, PrefixIndex index) except -1
+    # Snapshots: validate, then apply, an exported allocator state (_export_state).
+    cdef int _check_state(self, object ref_counts, object free_queue) except -1
+    cdef void _apply_state(self, const int32_t[::1] ref_counts, const int32_t[::1] free_queue) noexcept
 
     # Counters since construction, for metrics (KVCache.stats, pagedkv.metrics).
     cdef readonly int64_t num_taken           # pages handed out of the free queue by take (in pages)

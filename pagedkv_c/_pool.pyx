@@ -518,3 +518,60 @@ cdef class PagePool:
 
     def __repr__(self):
         return f"PagePool(num_pages={self.num_pages}, num_free={self.q.num_free})"
+
+    # --------------------------------------------------- state export / restore
+    def _export_state(self):
+        """The allocator's state as plain arrays (for snapshots).
+
+        Returns
+        -------
+        ref_counts : numpy.ndarray
+            int32, shape ``(num_pages,)``: references per page, 0 = free.
+        free_queue : numpy.ndarray
+            int32, shape ``(num_free,)``: the free pages in hand-out order
+            (least recently freed first), which decides what later
+            allocations return and which cached prefixes they evict.
+        """
+        return np.asarray(self._ref_count).copy(), self.free_pages()
+
+    cdef int _check_state(self, object ref_counts, object free_queue) except -1:
+        """Raise ValueError unless the arrays are a consistent allocator state.
+
+        ``ref_counts``: int32 ``(num_pages,)``, every count in ``[0, 2**31 - 1]``;
+        ``free_queue``: int32 ``(k,)``, exactly the pages with ref count 0, each once.
+        """
+        if ref_counts.dtype != np.int32 or ref_counts.shape != (self.num_pages,):
+            raise ValueError(f"Invalid shape of ref_counts: expected int32 ({self.num_pages},), "
+                             f"got {ref_counts.dtype} {ref_counts.shape}")
+        if free_queue.dtype != np.int32 or free_queue.ndim != 1:
+            raise ValueError(f"Invalid shape of free_queue: expected int32 (k,), got {free_queue.dtype} {free_queue.shape}")
+        if ref_counts.size and ref_counts.min() < 0:
+            bad = int(np.flatnonzero(ref_counts < 0)[0])
+            raise ValueError(f"Invalid value of ref_counts: page {bad} has ref count {int(ref_counts[bad])}")
+        if free_queue.size and (free_queue.min() < 0 or free_queue.max() >= self.num_pages):
+            bad = int(free_queue[(free_queue < 0) | (free_queue >= self.num_pages)][0])
+            raise ValueError(f"Invalid value of free_queue: expected page ids in [0, {self.num_pages - 1}], got {bad}")
+        queued = np.bincount(free_queue, minlength=self.num_pages) if free_queue.size else np.zeros(self.num_pages, np.int64)
+        if (queued > 1).any():
+            raise ValueError(f"Invalid value of free_queue: page {int(np.flatnonzero(queued > 1)[0])} is queued twice")
+        wrong = np.flatnonzero((queued == 1) != (ref_counts == 0))
+        if wrong.size:
+            p = int(wrong[0])
+            raise ValueError(f"Invalid value of free_queue: page {p} has ref count {int(ref_counts[p])} "
+                             f"but is {'' if queued[p] else 'not '}in the free queue")
+        return 0
+
+    cdef void _apply_state(self, const int32_t[::1] ref_counts, const int32_t[::1] free_queue) noexcept:
+        """Set ref counts and the free queue (checked by _check_state first)."""
+        cdef int32_t p
+        cdef Py_ssize_t i
+        for p in range(self.num_pages):
+            pkv_rec(&self.q, p).qpos = -1
+            pkv_set_ref(&self.q, p, ref_counts[p])
+        for i in range(free_queue.shape[0]):
+            self.q.ring[i] = free_queue[i]
+            pkv_rec(&self.q, free_queue[i]).qpos = i
+        self.q.head = 0
+        self.q.tail = free_queue.shape[0]
+        self.q.num_free = <int32_t>free_queue.shape[0]
+        self.q.num_cached_free = 0  # the owner recounts it once the prefix index is restored

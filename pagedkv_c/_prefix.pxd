@@ -58,6 +58,9 @@ cdef class PrefixIndex:
     cdef int32_t[:, ::1] tokens          # (num_pages, page_size) token ids, compared on every hit
 
     cdef bint tokens_match(self, page_id_t page_id, const int32_t* tokens) noexcept nogil
+    # Snapshots: validate, then apply, an exported index state (_export_state).
+    cdef int _check_state(self, dict state) except -1
+    cdef int _apply_state(self, dict state) except -1
 
 
 cdef class SequenceHashes:

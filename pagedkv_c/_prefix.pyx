@@ -492,6 +492,72 @@ cdef class PrefixIndex:
         if count != self.ix.num_cached or count != cached:
             raise AssertionError(f"prefix index holds {count} pages, {cached} marked cached, expected {self.ix.num_cached}")
 
+    # --------------------------------------------------- state export / restore
+    def _export_state(self):
+        """The index as plain arrays (for snapshots), pages in increasing id order.
+
+        Returns
+        -------
+        dict
+            ``pages`` int32 ``(n,)`` cached page ids; ``hashes`` uint64
+            ``(n, 2)`` their hashes (lo, hi); ``has_tokens`` uint8 ``(n,)``;
+            ``tokens`` int32 ``(n, page_size)`` kept token ids (rows of pages
+            without tokens are zeros); ``evictions`` int.
+        """
+        pages = np.flatnonzero(np.asarray(self.page_cached)).astype(np.int32)
+        records = np.asarray(self.page_records)
+        has_tokens = np.asarray(self.has_tokens)[pages].copy()
+        tokens = np.asarray(self.tokens)[pages] * (has_tokens[:, None] != 0)
+        return {"pages": pages, "hashes": np.ascontiguousarray(records[pages, 2:4]),
+                "has_tokens": has_tokens, "tokens": tokens.astype(np.int32), "evictions": int(self.ix.evictions)}
+
+    cdef int _check_state(self, dict state) except -1:
+        """Raise ValueError unless ``state`` (as from _export_state) is a consistent index."""
+        pages, hashes, has_tokens, tokens = state["pages"], state["hashes"], state["has_tokens"], state["tokens"]
+        n = pages.shape[0] if pages.ndim == 1 else -1
+        if (pages.dtype != np.int32 or n < 0 or hashes.dtype != np.uint64 or hashes.shape != (n, 2)
+                or has_tokens.dtype != np.uint8 or has_tokens.shape != (n,)
+                or tokens.dtype != np.int32 or tokens.shape != (n, self.page_size)):
+            raise ValueError("Invalid shape of the prefix index: expected pages int32 (n,), hashes uint64 (n, 2), "
+                             f"has_tokens uint8 (n,), tokens int32 (n, {self.page_size})")
+        if n and (pages.min() < 0 or pages.max() >= self.num_pages or (np.diff(pages) <= 0).any()):
+            raise ValueError(f"Invalid value of the prefix index pages: expected increasing page ids in "
+                             f"[0, {self.num_pages - 1}]")
+        if n and ((has_tokens > 1).any()):
+            raise ValueError("Invalid value of the prefix index has_tokens: expected 0 or 1")
+        if n > 1 and np.unique(hashes, axis=0).shape[0] != n:
+            raise ValueError("Invalid value of the prefix index hashes: two cached pages have the same hash")
+        if not 0 <= state["evictions"] < 2**63:
+            raise ValueError(f"Invalid value of the prefix index evictions: got {state['evictions']}")
+        return 0
+
+    cdef int _apply_state(self, dict state) except -1:
+        """Rebuild the index from ``state`` (checked by _check_state first).
+
+        Slots are filled in page id order, so a probe run may be laid out
+        differently than before the snapshot; finds and inserts answer the
+        same (hashes are distinct).
+        """
+        cdef Py_ssize_t i
+        cdef const int32_t[::1] pages = state["pages"]
+        cdef const uint64_t[:, ::1] hashes = state["hashes"]
+        cdef const uint8_t[::1] has_tokens = state["has_tokens"]
+        for i in range(self.ix.mask + 1):
+            self.ix.slots[i].page = NO_PAGE
+        for i in range(self.num_pages):
+            self.ix.pages[i].cached = 0
+            self.ix.pages[i].has_tokens = 0
+            self.ix.pages[i].lo = 0
+            self.ix.pages[i].hi = 0
+        self.ix.num_cached = 0
+        for i in range(pages.shape[0]):
+            pkv_index_insert(&self.ix, hashes[i, 0], hashes[i, 1], pages[i])
+            self.ix.pages[pages[i]].has_tokens = has_tokens[i]
+        if pages.shape[0]:
+            np.asarray(self.tokens)[np.asarray(pages)] = state["tokens"]
+        self.ix.evictions = state["evictions"]
+        return 0
+
 
 cdef class SequenceHashes:
     """Hash chain of one sequence: known token ids and per-page hashes.
@@ -591,6 +657,7 @@ cdef class SequenceHashes:
             n = self.num_hashable
         if not self.external or n <= self.num_hashed:
             return 0
+        self.reserve_hashes(n)  # a restored chain holds only its computed hashes
         hash_block_pages(algorithm, self._last_hash(), self.salt, <const int64_t*>cnp.PyArray_DATA(self.block_ids),
                          self.pages_per_block, self.num_hashed, n - self.num_hashed,
                          self.chain + self.num_hashed)
@@ -622,3 +689,75 @@ cdef class SequenceHashes:
         other.num_known = self.num_known
         other.num_registered = self.num_registered
         return other
+
+    # --------------------------------------------------- state export / restore
+    def _export_state(self):
+        """The hash chain as plain values (for snapshots).
+
+        Returns
+        -------
+        dict
+            ``salt`` uint64 ``(2,)``; ``external`` bool; ``chain`` uint64
+            ``(num_hashed, 2)``; ``token_ids`` int32 ``(num_known,)``;
+            ``block_ids`` int64 ``(num_blocks,)`` (empty unless external);
+            ``pages_per_block``, ``num_hashable``, ``num_registered`` ints.
+        """
+        return {
+            "salt": np.array([self.salt.lo, self.salt.hi], dtype=np.uint64),
+            "external": bool(self.external),
+            "chain": np.asarray(self.chain_array)[:self.num_hashed].copy(),
+            "token_ids": np.asarray(self.token_ids)[:self.num_known].copy(),
+            "block_ids": (np.asarray(self.block_ids).copy() if self.block_ids is not None
+                          else np.zeros(0, dtype=np.int64)),
+            "pages_per_block": int(self.pages_per_block),
+            "num_hashable": int(self.num_hashable),
+            "num_registered": int(self.num_registered),
+        }
+
+    @staticmethod
+    def _from_state(dict state, int32_t page_size, int64_t length):
+        """A chain rebuilt from ``state`` (as from _export_state) of a sequence of ``length`` tokens.
+
+        Raises ValueError, building nothing, when the values are inconsistent
+        (counts out of range, or more pages than the token or block ids cover,
+        which a later hash would read past).
+        """
+        salt, chain, token_ids, block_ids = state["salt"], state["chain"], state["token_ids"], state["block_ids"]
+        if (salt.dtype != np.uint64 or salt.shape != (2,) or chain.dtype != np.uint64 or chain.ndim != 2
+                or chain.shape[1] != 2 or token_ids.dtype != np.int32 or token_ids.ndim != 1
+                or block_ids.dtype != np.int64 or block_ids.ndim != 1):
+            raise ValueError("Invalid shape of a hash chain: expected salt uint64 (2,), chain uint64 (n, 2), "
+                             "token_ids int32 (k,), block_ids int64 (b,)")
+        cdef bint external = state["external"]
+        cdef int64_t num_hashed = chain.shape[0], num_known = token_ids.shape[0]
+        cdef int64_t num_hashable = state["num_hashable"], num_registered = state["num_registered"]
+        cdef int64_t per_block = state["pages_per_block"]
+        if external:
+            if not (1 <= per_block < 2**31 and num_hashable <= block_ids.shape[0] * per_block):
+                raise ValueError(f"Invalid value of a hash chain: {num_hashable} hashable pages but "
+                                 f"{block_ids.shape[0]} blocks of {per_block} pages")
+        elif per_block != 0 or block_ids.shape[0] or num_hashable != num_hashed or num_hashed > num_known // page_size:
+            raise ValueError(f"Invalid value of a hash chain: {num_hashed} hashed pages, {num_hashable} hashable, "
+                             f"{num_known} known tokens of {page_size} per page")
+        if not (0 <= num_hashed <= num_hashable and 0 <= num_registered <= num_hashable
+                and num_registered <= length // page_size):
+            raise ValueError(f"Invalid value of a hash chain: {num_hashed} hashed, {num_hashable} hashable and "
+                             f"{num_registered} registered pages for a sequence of {length} tokens")
+        cdef SequenceHashes out = SequenceHashes.__new__(SequenceHashes)
+        out.salt.lo = salt[0]
+        out.salt.hi = salt[1]
+        out.external = external
+        out.reserve_hashes(num_hashed)  # hash_upto grows it: the file bounds every allocation
+        if num_hashed:
+            np.asarray(out.chain_array)[:num_hashed] = chain
+        out.num_hashed = num_hashed
+        out.num_hashable = num_hashable
+        out.reserve_tokens(num_known)
+        if num_known:
+            np.asarray(out.token_ids)[:num_known] = token_ids
+        out.num_known = num_known
+        out.num_registered = num_registered
+        if external:
+            out.block_ids = np.ascontiguousarray(block_ids)
+            out.pages_per_block = per_block
+        return out

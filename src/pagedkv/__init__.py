@@ -13,6 +13,9 @@ PagePool
     Free-list page allocator with ref counts.
 OutOfPagesError
     Raised when a pool cannot satisfy a call (subclass of MemoryError).
+SnapshotError
+    Raised when a snapshot file or exported sequence is damaged or of an
+    unknown format (subclass of ValueError); see :mod:`pagedkv.snapshot`.
 PagedKVCache
     Classic single-stream KV store indexed by token, with FIFO page eviction.
 attention
@@ -38,7 +41,8 @@ from pagedkv_c._classic import PagedKVCache
 from pagedkv_c._kv_cache import BadPage, KVCache, PageCheckReport, PageTableView
 from pagedkv_c._pool import OutOfPagesError, PagePool
 from pagedkv import attention
+from pagedkv.snapshot import SnapshotError
 
 __all__ = ["BadPage", "KVCache", "OutOfPagesError", "PageCheckReport", "PagePool", "PageTableView",
-           "PagedKVCache", "attention", "build_info", "openmp_enabled"]
+           "PagedKVCache", "SnapshotError", "attention", "build_info", "openmp_enabled"]
 __version__ = "0.1.0"

@@ -1,0 +1,871 @@
+"""Snapshots: save a cache to a file, load it back, move one sequence between caches.
+
+File format (version 1, all integers little-endian)
+---------------------------------------------------
+A file is a 64-byte header, a section table, then the sections in table
+order. Every byte is covered by a checksum, so a flipped bit anywhere makes
+:func:`load_cache` raise :class:`SnapshotError`.
+
+===============  =============================================================
+header           ``magic`` (8 bytes: ``b"PKVSNAP\\0"`` for a ``KVCache``,
+(64 bytes)       ``b"PKVSEQ\\0\\0"`` for one exported sequence,
+                 ``b"PKVCLAS\\0"`` for a ``PagedKVCache``), ``version`` u32,
+                 ``header_bytes`` u32 (64), ``num_sections`` u32, 4 zero
+                 bytes, ``file_length`` u64 (bytes), ``table_checksum`` u64,
+                 16 zero bytes, ``header_checksum`` u64 over bytes 0..55
+section table    per section 40 bytes: ``tag`` (16 bytes ASCII, zero padded),
+                 ``offset`` u64, ``length`` u64 (bytes), ``checksum`` u64
+metadata         named arrays (see below); checksum over the section's bytes
+``checksums``    uint64 per page id: the page checksum (all layers, K and V)
+``pages``        the pool's bytes, layer after layer exactly as in memory
+                 (``kv.tobytes()``), starting on a 4096-byte boundary (zero
+                 padding before it); its table checksum is the checksum of
+                 the ``checksums`` section's bytes, and each page is checked
+                 against its own entry there
+===============  =============================================================
+
+Sections follow each other without gaps (only the padding before
+``pages``, which must be zeros) and end exactly at ``file_length``, the
+file's size. A metadata section is a run of entries, each: ``name_length``
+u16, ``dtype`` u8 (1 int32, 2 int64, 3 uint64, 4 uint8), ``ndim`` u8 (at most
+4), ``name`` (ASCII), zero padding to 8 bytes, ``shape`` (u64 each), the
+array's bytes (C order), zero padding to 8 bytes. Scalars are 0-d int64
+arrays, strings uint8 arrays.
+
+Checksums: metadata sections, the section table and the header use the low
+64 bits of XXH3-128 (``xxh3.h``, the core's own implementation); a page's
+checksum is ``pagedkv_c._checksum.page_checksums`` (``page_checksum.h``), the
+value the cache records for a sealed page. XXH3 detects corruption, not a
+forger: a file is trusted data, but nothing in it can run code (no pickle)
+or make the reader allocate more than the file's size suggests (every
+length is checked against the header and the file before it is read).
+
+Writes are atomic: the file is written to a temporary file in the target's
+directory, flushed and fsynced, renamed over the target, and the directory is
+fsynced, so a crash leaves the old snapshot or the new one, never a torn file.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+import threading
+from typing import Any
+
+import numpy as np
+
+from pagedkv_c._checksum import page_checksums
+from pagedkv_c._prefix import xxh3_128_intdigest
+
+__all__ = ["FORMAT_VERSION", "SnapshotError", "export_sequence", "import_sequence", "load_cache",
+           "load_classic", "save_cache", "save_classic", "verify"]
+
+#: Version of the file format that this pagedkv writes; it reads this version and refuses newer ones.
+FORMAT_VERSION = 1
+MAGIC_CACHE = b"PKVSNAP\x00"
+MAGIC_SEQUENCE = b"PKVSEQ\x00\x00"
+MAGIC_CLASSIC = b"PKVCLAS\x00"
+_KINDS = {MAGIC_CACHE: "KVCache snapshot", MAGIC_SEQUENCE: "exported sequence", MAGIC_CLASSIC: "PagedKVCache snapshot"}
+_HEADER = struct.Struct("<8sIIIIQQ16s")  # 56 bytes, then the header checksum (u64)
+_HEADER_BYTES = 64
+_ENTRY = struct.Struct("<16sQQQ")
+_PAGE_ALIGN = 4096
+_DTYPES = {1: np.dtype("<i4"), 2: np.dtype("<i8"), 3: np.dtype("<u8"), 4: np.dtype("u1")}
+_CODES = {dtype: code for code, dtype in _DTYPES.items()}
+_MASK64 = (1 << 64) - 1
+# Sections of each kind of file, in order ("?" marks an optional one).
+_LAYOUTS = {
+    MAGIC_CACHE: ("config", "counters", "pool", "?prefix", "tables", "?hashes", "sealed", "checksums", "pages"),
+    MAGIC_SEQUENCE: ("config", "tables", "?hashes", "checksums", "pages"),
+    MAGIC_CLASSIC: ("config", "counters", "state", "checksums", "pages"),
+}
+
+
+class SnapshotError(ValueError):
+    """A snapshot file or exported sequence is damaged, truncated or of an unknown format.
+
+    The message names the section (and for a page its id and the sequences
+    holding it). Raised before anything is built or changed.
+    """
+
+
+def _checksum(data) -> int:
+    """Low 64 bits of XXH3-128 of a bytes-like object (the core's C implementation)."""
+    view = memoryview(data).cast("B")
+    return xxh3_128_intdigest(view) & _MASK64
+
+
+# ---------------------------------------------------------------- metadata
+def _encode(arrays: dict[str, Any]) -> bytes:
+    """Serialize named arrays (int32/int64/uint64/uint8, ints as 0-d int64) into a metadata section."""
+    out = bytearray()
+    for name, value in arrays.items():
+        if isinstance(value, str):
+            value = np.frombuffer(value.encode("ascii"), dtype=np.uint8)
+        array = np.asarray(np.asarray(value, dtype=np.int64) if isinstance(value, (int, bool, np.integer))
+                           else value, order="C")  # (ascontiguousarray would make a scalar 1-D)
+        dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+        code = _CODES[np.dtype(dtype.str)]
+        raw = name.encode("ascii")
+        out += struct.pack("<HBB", len(raw), code, array.ndim) + raw
+        out += bytes(-len(out) % 8)
+        out += struct.pack(f"<{array.ndim}Q", *array.shape)
+        out += array.astype(_DTYPES[code], copy=False).tobytes()
+        out += bytes(-len(out) % 8)
+    return bytes(out)
+
+
+def _decode(section: str, data: bytes) -> dict[str, np.ndarray]:
+    """Parse a metadata section; every length is checked against the section before use."""
+    arrays: dict[str, np.ndarray] = {}
+    pos, end = 0, len(data)
+
+    def fail(what: str) -> SnapshotError:
+        return SnapshotError(f"section {section!r}: {what} at byte {pos}")
+
+    while pos < end:
+        if end - pos < 4:
+            raise fail("truncated entry header")
+        name_length, code, ndim = struct.unpack_from("<HBB", data, pos)
+        if code not in _DTYPES or ndim > 4:
+            raise fail(f"unknown dtype code {code} or ndim {ndim}")
+        name_end = pos + 4 + name_length
+        shape_at = name_end + (-name_end % 8)
+        if shape_at + 8 * ndim > end:
+            raise fail("truncated entry")
+        try:
+            name = data[pos + 4:name_end].decode("ascii")
+        except UnicodeDecodeError:
+            raise fail("non-ASCII entry name") from None
+        shape = struct.unpack_from(f"<{ndim}Q", data, shape_at)
+        count = 1
+        for extent in shape:
+            count *= extent
+        dtype = _DTYPES[code]
+        start = shape_at + 8 * ndim
+        if count * dtype.itemsize > end - start:  # Python ints: no overflow
+            raise fail(f"entry {name!r} of shape {shape} runs past the section's {end} bytes")
+        if name in arrays:
+            raise fail(f"entry {name!r} appears twice")
+        arrays[name] = np.frombuffer(data, dtype=dtype, count=count, offset=start).reshape(shape).astype(
+            dtype.newbyteorder("="))
+        pos = start + count * dtype.itemsize
+        pos += -pos % 8
+    return arrays
+
+
+class _Section:
+    """Typed access to a decoded metadata section; a missing or mistyped entry raises SnapshotError."""
+
+    def __init__(self, name: str, arrays: dict[str, np.ndarray]):
+        self.name = name
+        self.arrays = arrays
+
+    def error(self, text: str) -> SnapshotError:
+        return SnapshotError(f"section {self.name!r}: {text}")
+
+    def array(self, key: str, dtype, ndim: int, shape: tuple | None = None) -> np.ndarray:
+        value = self.arrays.get(key)
+        if value is None:
+            raise self.error(f"entry {key!r} is missing")
+        if value.dtype != np.dtype(dtype) or value.ndim != ndim or (shape is not None and any(
+                want is not None and have != want for have, want in zip(value.shape, shape))):
+            raise self.error(f"entry {key!r} is {value.dtype} {value.shape}, expected {np.dtype(dtype)} "
+                             f"{shape if shape is not None else f'{ndim}-D'}")
+        return value
+
+    def int(self, key: str, low: int = 0, high: int = 2**63 - 1) -> int:
+        value = int(self.array(key, np.int64, 0))
+        if not low <= value <= high:
+            raise self.error(f"entry {key!r} is {value}, expected {low} <= {key} <= {high}")
+        return value
+
+    def text(self, key: str, allowed: tuple[str, ...]) -> str:
+        raw = self.array(key, np.uint8, 1).tobytes()
+        value = raw.decode("ascii", errors="replace")
+        if value not in allowed:
+            raise self.error(f"entry {key!r} is {value!r}, expected one of {allowed}")
+        return value
+
+
+# --------------------------------------------------------------- container
+def _container(magic: bytes, sections: list[tuple[str, Any]], page_checksums_bytes: bytes,
+               page_bytes: int, align: int) -> tuple[bytes, int]:
+    """Header, section table and metadata for ``sections`` followed by ``checksums`` and ``pages``.
+
+    Returns the bytes to write before the pages and the file length. The
+    pages (``page_bytes`` long) follow, aligned to ``align`` bytes.
+    """
+    metadata = [(tag, bytes(payload)) for tag, payload in sections] + [("checksums", page_checksums_bytes)]
+    num_sections = len(metadata) + 1
+    offset = _HEADER_BYTES + num_sections * _ENTRY.size
+    table = bytearray()
+    for tag, payload in metadata:
+        table += _ENTRY.pack(tag.encode("ascii"), offset, len(payload), _checksum(payload))
+        offset += len(payload)
+    pages_offset = offset + (-offset % align)
+    table += _ENTRY.pack(b"pages", pages_offset, page_bytes, _checksum(page_checksums_bytes))
+    file_length = pages_offset + page_bytes
+    head = _HEADER.pack(magic, FORMAT_VERSION, _HEADER_BYTES, num_sections, 0, file_length,
+                        _checksum(table), bytes(16))
+    head += struct.pack("<Q", _checksum(head))
+    prefix = bytearray(head + table)
+    for _, payload in metadata:
+        prefix += payload
+    prefix += bytes(pages_offset - len(prefix))
+    return bytes(prefix), file_length
+
+
+class _Parsed:
+    """A verified container: its metadata sections and where its pages lie."""
+
+    def __init__(self, magic: bytes, sections: dict[str, dict[str, np.ndarray]], checksums: np.ndarray,
+                 pages_offset: int, pages_length: int):
+        self.magic = magic
+        self.sections = sections
+        self.checksums = checksums
+        self.pages_offset = pages_offset
+        self.pages_length = pages_length
+
+    def section(self, name: str) -> _Section:
+        return _Section(name, self.sections[name])
+
+
+def _parse(read, size: int, expected: bytes, source: str) -> _Parsed:
+    """Read and verify everything but the page bytes of a container of ``size`` bytes.
+
+    ``read(offset, length)`` returns bytes. Checks, in order: length, magic,
+    version, header checksum, section table (checksum, tags, order,
+    contiguity, zero padding, ``file_length`` equal to ``size``), then every
+    metadata section's checksum and the page checksum table.
+    """
+    if size < _HEADER_BYTES:
+        raise SnapshotError(f"section 'header': {source} is truncated ({size} bytes, a header needs {_HEADER_BYTES})")
+    head = read(0, _HEADER_BYTES)
+    magic, version, header_bytes, num_sections, zero, file_length, table_checksum, reserved = _HEADER.unpack_from(head)
+    if magic != expected:
+        kind = _KINDS.get(magic)
+        raise SnapshotError(f"section 'header': {source} is "
+                            f"{'a ' + kind if kind else 'not a pagedkv file (bad magic ' + repr(magic) + ')'}, "
+                            f"expected a {_KINDS[expected]}")
+    if version > FORMAT_VERSION:
+        raise SnapshotError(f"section 'header': format version {version} is newer than this pagedkv reads "
+                            f"({FORMAT_VERSION}); upgrade pagedkv to load it")
+    if version != FORMAT_VERSION:
+        raise SnapshotError(f"section 'header': unknown format version {version} (this pagedkv reads {FORMAT_VERSION})")
+    if struct.unpack_from("<Q", head, 56)[0] != _checksum(head[:56]):
+        raise SnapshotError("section 'header': checksum mismatch (the header is damaged)")
+    layout = _LAYOUTS[expected]
+    if header_bytes != _HEADER_BYTES or zero or reserved != bytes(16) or not 2 <= num_sections <= len(layout):
+        raise SnapshotError(f"section 'header': invalid header fields (header_bytes {header_bytes}, "
+                            f"{num_sections} sections)")
+    if file_length != size:
+        raise SnapshotError(f"section 'header': {source} is {size} bytes but its header says {file_length} "
+                            f"({'truncated' if size < file_length else 'bytes appended after the end'})")
+    table_end = _HEADER_BYTES + num_sections * _ENTRY.size
+    if table_end > size:
+        raise SnapshotError("section 'table': the section table runs past the end of the file")
+    table = read(_HEADER_BYTES, table_end - _HEADER_BYTES)
+    if _checksum(table) != table_checksum:
+        raise SnapshotError("section 'table': checksum mismatch (the section table is damaged)")
+    entries = [_ENTRY.unpack_from(table, i * _ENTRY.size) for i in range(num_sections)]
+    tags = [entry[0].rstrip(b"\x00").decode("ascii", errors="replace") for entry in entries]
+    wanted = [name.lstrip("?") for name in layout]
+    position = 0
+    for tag in tags:
+        while position < len(layout) and layout[position].startswith("?") and wanted[position] != tag:
+            position += 1
+        if position >= len(layout) or wanted[position] != tag:
+            raise SnapshotError(f"section {tag!r}: unexpected section (expected the order {wanted})")
+        position += 1
+    missing = [name for name in layout[position:] if not name.startswith("?")]
+    if missing:
+        raise SnapshotError(f"section {missing[0]!r}: missing")
+    offset = table_end
+    sections: dict[str, dict[str, np.ndarray]] = {}
+    checksums = None
+    for tag, (_, start, length, checksum) in zip(tags, entries):
+        if tag == "pages":
+            if start < offset or start - offset >= _PAGE_ALIGN or start + length != size:
+                raise SnapshotError(f"section 'pages': lies at [{start}, {start + length}), expected it to start "
+                                    f"within {_PAGE_ALIGN} bytes after byte {offset} and end at {size}")
+            if start > offset and any(read(offset, start - offset)):
+                raise SnapshotError("section 'pages': the padding before it is not zeros (damaged)")
+            if checksums is None or checksum != _checksum(checksums):
+                raise SnapshotError("section 'pages': checksum of the page checksum table does not match")
+            return _Parsed(expected, sections, checksums, start, length)
+        if start != offset or length > size - start:
+            raise SnapshotError(f"section {tag!r}: lies at [{start}, {start + length}), expected it to start at "
+                                f"{offset} inside the file's {size} bytes")
+        data = read(start, length)
+        if _checksum(data) != checksum:
+            raise SnapshotError(f"section {tag!r}: checksum mismatch (the section is damaged)")
+        if tag == "checksums":
+            if length % 8:
+                raise SnapshotError(f"section 'checksums': {length} bytes is not a whole number of uint64")
+            checksums = np.frombuffer(data, dtype="<u8").astype(np.uint64)
+        else:
+            sections[tag] = _decode(tag, data)
+        offset = start + length
+    raise SnapshotError("section 'pages': missing")  # unreachable: the layout ends with pages
+
+
+def _read_from_file(f):
+    def read(offset: int, length: int) -> bytes:
+        f.seek(offset)
+        data = f.read(length)
+        if len(data) != length:
+            raise SnapshotError(f"section at byte {offset}: the file changed while it was read (short read)")
+        return data
+    return read
+
+
+def _readinto(f, offset: int, target: np.ndarray) -> None:
+    """Fill ``target``'s bytes from the file at ``offset`` (a contiguous array)."""
+    view = memoryview(target.reshape(-1).view(np.uint8)) if target.size else memoryview(b"")
+    f.seek(offset)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise SnapshotError("section 'pages': the file ended early while reading pages")
+        done += n
+
+
+def _atomic_write(path, parts, finish=None) -> None:
+    """Write the buffers ``parts`` to ``path`` atomically (temp file, fsync, rename, fsync the directory).
+
+    ``finish(fd)``, if given, runs after the parts are written and before
+    the fsync (to overwrite a placeholder at the start of the file).
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            for part in parts:
+                view = memoryview(part).cast("B") if not isinstance(part, bytes) else part
+                written = 0
+                while written < len(view):  # a raw write may be partial
+                    written += f.write(view[written:])
+            if finish is not None:
+                finish(f.fileno())
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_directory(directory)
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make a rename in ``directory`` durable (a no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _pool_bytes(kv: np.ndarray):
+    """The pool's bytes as a flat buffer (no copy), or b"" when it is empty."""
+    return memoryview(kv.reshape(-1).view(np.uint8)) if kv.size else b""
+
+
+# ------------------------------------------------------------------ KVCache
+def _config_section(config: dict) -> bytes:
+    return _encode({key: value for key, value in config.items()})
+
+
+def _read_config(section: _Section, num_pages_bound: int | None) -> dict:
+    config = {
+        "num_layers": section.int("num_layers", 0, 2**20),
+        "num_kv_heads": section.int("num_kv_heads", 1, 2**16),
+        "head_dim": section.int("head_dim", 1, 2**16),
+        "num_pages": section.int("num_pages", 1, 2**31 - 2),
+        "page_size": section.int("page_size", 1, 2**20),
+        "dtype": section.text("dtype", ("float16", "float32")),
+        "window": section.int("window", -1, 2**62),
+        "sink_tokens": section.int("sink_tokens", 0, 2**62),
+        "prefix_caching": section.int("prefix_caching", 0, 1),
+        "prefix_hash": section.text("prefix_hash", ("xxh3_128", "sha256")),
+        "page_checksums": section.int("page_checksums", 0, 1),
+    }
+    if config["window"] == 0 or (config["window"] == -1 and config["sink_tokens"]):
+        raise section.error(f"window {config['window']} with {config['sink_tokens']} sink tokens is not a valid cache")
+    if num_pages_bound is not None and config["num_pages"] != num_pages_bound:
+        raise section.error(f"num_pages {config['num_pages']} but the checksum table lists {num_pages_bound} pages")
+    return config
+
+
+def _pool_shape(config: dict, num_pages: int) -> tuple:
+    return (config["num_layers"], num_pages, 2, config["page_size"], config["num_kv_heads"], config["head_dim"])
+
+
+def _cache_kwargs(config: dict) -> dict:
+    return {
+        "num_layers": config["num_layers"], "num_kv_heads": config["num_kv_heads"], "head_dim": config["head_dim"],
+        "num_pages": config["num_pages"], "page_size": config["page_size"], "dtype": np.dtype(config["dtype"]),
+        "window": None if config["window"] == -1 else config["window"], "sink_tokens": config["sink_tokens"],
+        "enable_prefix_caching": bool(config["prefix_caching"]), "prefix_hash": config["prefix_hash"],
+        "page_checksums": bool(config["page_checksums"]),
+    }
+
+
+_TABLE_FIELDS = ("length", "sink_count", "ring_first", "ring_capacity", "num_pages")
+_HASH_FIELDS = ("external", "num_hashed", "num_known", "num_blocks", "pages_per_block", "num_hashable",
+                "num_registered")
+
+
+def _tables_section(sequences: list) -> bytes:
+    ids = np.array([seq_id for seq_id, _, _ in sequences], dtype=np.int64)
+    fields = np.array([[t[key] if key != "num_pages" else t["pages"].shape[0] for key in _TABLE_FIELDS]
+                       for _, t, _ in sequences], dtype=np.int64).reshape(len(sequences), len(_TABLE_FIELDS))
+    pages = (np.concatenate([t["pages"] for _, t, _ in sequences]) if sequences
+             else np.zeros(0, dtype=np.int32)).astype(np.int32)
+    return _encode({"seq_ids": ids, "fields": fields, "pages": pages})
+
+
+def _hashes_section(sequences: list) -> bytes:
+    states = [h for _, _, h in sequences]
+    fields = np.array([[int(h["external"]), h["chain"].shape[0], h["token_ids"].shape[0], h["block_ids"].shape[0],
+                        h["pages_per_block"], h["num_hashable"], h["num_registered"]] for h in states],
+                      dtype=np.int64).reshape(len(states), len(_HASH_FIELDS))
+
+    def joined(key, dtype, tail=()):
+        parts = [h[key] for h in states]
+        return np.concatenate(parts).astype(dtype) if parts else np.zeros((0,) + tail, dtype=dtype)
+
+    salts = np.array([h["salt"] for h in states], dtype=np.uint64).reshape(len(states), 2)
+    return _encode({"fields": fields, "salts": salts, "chain": joined("chain", np.uint64, (2,)),
+                    "token_ids": joined("token_ids", np.int32), "block_ids": joined("block_ids", np.int64)})
+
+
+def _read_tables(section: _Section, num_pages: int) -> list[tuple[int, dict]]:
+    ids = section.array("seq_ids", np.int64, 1)
+    fields = section.array("fields", np.int64, 2, (ids.shape[0], len(_TABLE_FIELDS)))
+    pages = section.array("pages", np.int32, 1)
+    counts = fields[:, 4]
+    if (counts < 0).any() or (counts > num_pages).any() or int(counts.sum()) != pages.shape[0]:
+        raise section.error(f"page counts {counts.tolist()} do not add up to the {pages.shape[0]} pages listed")
+    if np.unique(ids).shape[0] != ids.shape[0]:
+        raise section.error("a sequence id appears twice")
+    out, start = [], 0
+    for seq_id, row in zip(ids.tolist(), fields.tolist()):
+        n = row[4]
+        out.append((seq_id, {"length": row[0], "sink_count": row[1], "ring_first": row[2], "ring_capacity": row[3],
+                             "pages": np.ascontiguousarray(pages[start:start + n])}))
+        start += n
+    return out
+
+
+def _read_hashes(section: _Section, num_sequences: int) -> list[dict]:
+    fields = section.array("fields", np.int64, 2, (num_sequences, len(_HASH_FIELDS)))
+    salts = section.array("salts", np.uint64, 2, (num_sequences, 2))
+    chain = section.array("chain", np.uint64, 2, (None, 2))
+    token_ids = section.array("token_ids", np.int32, 1)
+    block_ids = section.array("block_ids", np.int64, 1)
+    if (fields < 0).any() or (fields[:, 0] > 1).any():
+        raise section.error("negative counts or an external flag other than 0 or 1")
+    for column, array, name in ((1, chain, "chain"), (2, token_ids, "token_ids"), (3, block_ids, "block_ids")):
+        if int(fields[:, column].sum()) != array.shape[0]:
+            raise section.error(f"the counts of {name} do not add up to its {array.shape[0]} entries")
+    out, starts = [], [0, 0, 0]
+    for b, row in enumerate(fields.tolist()):
+        parts = []
+        for j, array in enumerate((chain, token_ids, block_ids)):
+            parts.append(np.ascontiguousarray(array[starts[j]:starts[j] + row[j + 1]]))
+            starts[j] += row[j + 1]
+        out.append({"external": bool(row[0]), "salt": np.ascontiguousarray(salts[b]), "chain": parts[0],
+                    "token_ids": parts[1], "block_ids": parts[2], "pages_per_block": row[4],
+                    "num_hashable": row[5], "num_registered": row[6]})
+    return out
+
+
+def _holders(tables: list[tuple[int, dict]], page_id: int) -> list[int]:
+    return [seq_id for seq_id, table in tables if (table["pages"] == page_id).any()]
+
+
+def _check_pages(kv: np.ndarray, expected: np.ndarray, tables: list[tuple[int, dict]], what: str) -> None:
+    """Recompute every page checksum of ``kv`` and name the first pages that differ."""
+    actual = page_checksums(kv, np.arange(kv.shape[1], dtype=np.int32))
+    bad = np.flatnonzero(actual != expected)
+    if bad.size:
+        first = int(bad[0])
+        holders = _holders(tables, first)
+        held = f"held by sequences {holders}" if holders else "held by no sequence"
+        raise SnapshotError(
+            f"section 'pages': checksum mismatch in {what + ' ' if what else ''}page {first} ({held})"
+            + (f" and {bad.size - 1} more pages (first ids {bad[1:6].tolist()})" if bad.size > 1 else "")
+        )
+
+
+def save_cache(cache, path) -> None:
+    """Write a snapshot of a ``KVCache`` to ``path`` atomically (see the module notes for the format).
+
+    Parameters
+    ----------
+    cache : pagedkv.KVCache
+        The cache; no other thread may change it during the call.
+    path : str or os.PathLike
+        Target file; replaced atomically if it exists.
+
+    Raises
+    ------
+    OSError
+        The file cannot be written; the old file (if any) is untouched.
+    """
+    state = cache._export_state()
+    kv = cache.kv
+    sequences = state["sequences"]
+    sections = [("config", _config_section(state["config"])), ("counters", _encode(state["counters"])),
+                ("pool", _encode({"ref_counts": state["ref_counts"], "free_queue": state["free_queue"]}))]
+    if state["prefix"] is not None:
+        sections.append(("prefix", _encode(state["prefix"])))
+    sections.append(("tables", _tables_section(sequences)))
+    if state["prefix"] is not None:
+        sections.append(("hashes", _hashes_section(sequences)))
+    sections.append(("sealed", _sealed_section(cache)))
+    # The page checksums are computed in a thread (without the GIL) while the
+    # pool is written; the header, table and checksums, written first as a
+    # placeholder of the same length, are then overwritten in place.
+    result: dict[str, Any] = {}
+
+    def checksum_pool():
+        try:
+            result["checksums"] = page_checksums(kv, np.arange(kv.shape[1], dtype=np.int32)).astype("<u8").tobytes()
+        except BaseException as exc:  # re-raised in the writer
+            result["error"] = exc
+
+    worker = threading.Thread(target=checksum_pool, name="pagedkv-snapshot-checksums")
+    worker.start()
+
+    def finish(fd: int) -> None:
+        worker.join()
+        if "error" in result:
+            raise result["error"]
+        prefix, _ = _container(MAGIC_CACHE, sections, result["checksums"], kv.nbytes, _PAGE_ALIGN)
+        os.lseek(fd, 0, os.SEEK_SET)  # (os.pwrite is not on Windows)
+        done = 0
+        while done < len(prefix):
+            done += os.write(fd, prefix[done:])
+
+    placeholder, _ = _container(MAGIC_CACHE, sections, bytes(8 * kv.shape[1]), kv.nbytes, _PAGE_ALIGN)
+    try:
+        _atomic_write(path, [placeholder, _pool_bytes(kv)], finish)
+    finally:
+        worker.join()
+
+
+def _sealed_section(cache) -> bytes:
+    """The seal flags, the checksums recorded at the seals (with ``page_checksums``) and the seal counter."""
+    state = cache._sealed_state()
+    arrays = {"sealed": state["sealed"], "pages_sealed": int(state["pages_sealed"])}
+    if state["checksums"] is not None:
+        arrays["checksums"] = state["checksums"]
+    return _encode(arrays)
+
+
+def load_cache(path, *, mmap: bool = False):
+    """Read a ``KVCache`` snapshot; verify everything, then build the cache.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A file written by :func:`save_cache` (``KVCache.save``).
+    mmap : bool
+        False (default): read the pool into memory and check every page's
+        checksum before returning. True: the pool is a copy-on-write memory
+        map of the file's ``pages`` section (``numpy.memmap`` mode ``"c"``):
+        pages are read from the file when first touched, writes stay in
+        the process's memory and never reach the file. The header, the
+        section table and every metadata section are verified at once; the
+        page bytes are not read, so call :func:`verify` on the file (any
+        time, e.g. from a background thread) to check them.
+
+    Returns
+    -------
+    pagedkv.KVCache
+
+    Raises
+    ------
+    SnapshotError
+        Any mismatch: bad magic, unknown or newer version, truncated file,
+        a section of the wrong length, a checksum mismatch (naming the page
+        and the sequences holding it), an inconsistent page table or ref
+        count, an id out of range. Nothing is returned.
+    OSError
+        The file cannot be read.
+    """
+    from pagedkv_c._kv_cache import KVCache
+
+    with open(path, "rb", buffering=0) as f:  # unbuffered: the pages are read straight into the pool
+        size = os.fstat(f.fileno()).st_size
+        parsed = _parse(_read_from_file(f), size, MAGIC_CACHE, os.fspath(path))
+        state, tables = _cache_state(parsed)
+        config = state["config"]
+        shape = _pool_shape(config, config["num_pages"])
+        cache = KVCache(**_cache_kwargs(config))
+        if mmap:
+            if cache.kv.size:
+                cache._adopt_pool(np.memmap(f, dtype=cache.kv.dtype, mode="c", offset=parsed.pages_offset,
+                                            shape=shape))
+        else:
+            _readinto(f, parsed.pages_offset, cache.kv)
+            _check_pages(cache.kv, parsed.checksums, tables, "")
+    _restore(cache, state, parsed)
+    return cache
+
+
+def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
+    """The state dict of ``KVCache._restore_state`` from a verified container (shapes checked)."""
+    num_pages = parsed.checksums.shape[0]
+    config = _read_config(parsed.section("config"), num_pages)
+    itemsize = np.dtype(config["dtype"]).itemsize
+    expected = int(np.prod(_pool_shape(config, num_pages), dtype=object)) * itemsize
+    if parsed.pages_length != expected:
+        raise SnapshotError(f"section 'pages': {parsed.pages_length} bytes, expected {expected} for a pool of "
+                            f"shape {_pool_shape(config, num_pages)} {config['dtype']}")
+    counters = parsed.section("counters")
+    names = ("pages_peak", "evictions", "cow_copies", "tokens_appended", "prefix_queries", "prefix_hits",
+             "out_of_pages_errors", "sequences_added", "pages_allocated", "ring_reuses")
+    pool = parsed.section("pool")
+    tables = _read_tables(parsed.section("tables"), num_pages)
+    prefix = None
+    sequences = [(seq_id, table, None) for seq_id, table in tables]
+    if config["prefix_caching"]:
+        if "prefix" not in parsed.sections or "hashes" not in parsed.sections:
+            raise SnapshotError("section 'prefix': missing for a cache with prefix caching")
+        section = parsed.section("prefix")
+        prefix = {"pages": section.array("pages", np.int32, 1),
+                  "hashes": section.array("hashes", np.uint64, 2),
+                  "has_tokens": section.array("has_tokens", np.uint8, 1),
+                  "tokens": section.array("tokens", np.int32, 2),
+                  "evictions": section.int("evictions")}
+        hashes = _read_hashes(parsed.section("hashes"), len(tables))
+        sequences = [(seq_id, table, h) for (seq_id, table), h in zip(tables, hashes)]
+    elif "prefix" in parsed.sections or "hashes" in parsed.sections:
+        raise SnapshotError("section 'prefix': present in a cache without prefix caching")
+    state = {
+        "config": config,
+        "counters": {**{name: counters.int(name) for name in names},
+                     "prefix_hit_counts": counters.array("prefix_hit_counts", np.int64, 1)},
+        "ref_counts": pool.array("ref_counts", np.int32, 1),
+        "free_queue": pool.array("free_queue", np.int32, 1),
+        "prefix": prefix,
+        "sequences": sequences,
+    }
+    return state, tables
+
+
+# Which section a message of KVCache._restore_state is about (first match wins).
+_ERROR_SECTIONS = (("hash chain", "hashes"), ("prefix", "prefix"), ("free_queue", "pool"),
+                   ("ref_counts", "pool"), ("counters", "counters"), ("config", "config"))
+
+
+def _restore(cache, state: dict, parsed: _Parsed) -> None:
+    """Apply a checked state to a new cache; the core's own checks become SnapshotErrors."""
+    try:
+        cache._restore_state(state)
+    except ValueError as exc:
+        text = str(exc)
+        section = next((name for key, name in _ERROR_SECTIONS if key in text), "tables")
+        raise SnapshotError(f"section {section!r}: {text}") from None
+    sealed = parsed.section("sealed")
+    try:
+        cache._restore_sealed_state(sealed.array("sealed", np.uint8, 1), sealed.arrays.get("checksums"),
+                                    sealed.int("pages_sealed"))
+    except (ValueError, TypeError) as exc:
+        raise SnapshotError(f"section 'sealed': {exc}") from None
+
+
+def verify(path) -> None:
+    """Check every section and every page checksum of a snapshot file without building anything.
+
+    Use it on a file loaded with ``KVCache.load(path, mmap=True)``, whose
+    pages are not read at load time: the map's untouched pages are the
+    file's bytes.
+
+    Raises
+    ------
+    SnapshotError
+        The first mismatch found (as :func:`load_cache`).
+    """
+    with open(path, "rb", buffering=0) as f:  # unbuffered: the pages are read straight into the pool
+        size = os.fstat(f.fileno()).st_size
+        parsed = _parse(_read_from_file(f), size, MAGIC_CACHE, os.fspath(path))
+        state, tables = _cache_state(parsed)
+        config = state["config"]
+        shape = _pool_shape(config, config["num_pages"])
+        if parsed.pages_length:
+            kv = np.memmap(f, dtype=np.dtype(config["dtype"]), mode="r", offset=parsed.pages_offset, shape=shape)
+        else:
+            kv = np.zeros(shape, dtype=np.dtype(config["dtype"]))
+        _check_pages(kv, parsed.checksums, tables, "")
+
+
+# --------------------------------------------------------- one sequence
+def export_sequence(cache, seq_id) -> bytes:
+    """One sequence of a ``KVCache`` with its K/V, as bytes (the container format, magic ``PKVSEQ``).
+
+    Raises
+    ------
+    KeyError
+        Unknown ``seq_id``.
+    """
+    table, hashes, kv = cache._export_sequence_state(seq_id)
+    config = cache._config()
+    sections = [("config", _config_section(config)), ("tables", _tables_section([(0, table, hashes)]))]
+    if hashes is not None:
+        sections.append(("hashes", _hashes_section([(0, table, hashes)])))
+    checksums = page_checksums(kv, np.arange(kv.shape[1], dtype=np.int32)).astype("<u8").tobytes()
+    prefix, length = _container(MAGIC_SEQUENCE, sections, checksums, kv.nbytes, 8)
+    out = bytearray(length)
+    out[:len(prefix)] = prefix
+    out[len(prefix):] = _pool_bytes(kv)
+    return bytes(out)
+
+
+def import_sequence(cache, seq_id, data) -> None:
+    """Add ``seq_id`` to ``cache`` from :func:`export_sequence` bytes, all or nothing.
+
+    The layer, head, dim, dtype and page-size geometry, the window and the
+    sink tokens must equal the cache's. Pages are taken from the cache's free
+    queue (least recently freed first, evicting cached prefixes as an append
+    would). With prefix caching on both sides and the same hash function,
+    the hash chain comes along and the sequence's full pages become cached.
+
+    Raises
+    ------
+    SnapshotError
+        ``data`` is damaged, not an exported sequence, or of another geometry.
+    OutOfPagesError
+        The cache has fewer free pages than the sequence holds; nothing changed.
+    ValueError
+        ``seq_id`` already exists.
+    """
+    view = memoryview(data).cast("B")
+    parsed = _parse(lambda offset, length: bytes(view[offset:offset + length]), len(view), MAGIC_SEQUENCE,
+                    "the exported sequence")
+    num_pages = parsed.checksums.shape[0]
+    source = _read_config(parsed.section("config"), None)
+    target = cache._config()
+    for key in ("num_layers", "num_kv_heads", "head_dim", "page_size", "dtype", "window", "sink_tokens"):
+        if source[key] != target[key]:
+            raise SnapshotError(f"section 'config': the sequence has {key} {source[key]!r}, this cache "
+                                f"{target[key]!r}; a sequence moves only between caches of the same geometry")
+    shape = _pool_shape(source, num_pages)
+    expected = int(np.prod(shape, dtype=object)) * np.dtype(source["dtype"]).itemsize
+    if parsed.pages_length != expected:
+        raise SnapshotError(f"section 'pages': {parsed.pages_length} bytes, expected {expected}")
+    tables = _read_tables(parsed.section("tables"), num_pages)
+    if len(tables) != 1 or tables[0][1]["pages"].shape[0] != num_pages:
+        raise SnapshotError("section 'tables': expected one sequence holding every exported page")
+    hashes = None
+    if "hashes" in parsed.sections:
+        hashes = _read_hashes(parsed.section("hashes"), 1)[0]
+        if not (target["prefix_caching"] and source["prefix_hash"] == target["prefix_hash"]):
+            hashes = None  # this cache hashes otherwise (or not at all): the chain would not match
+    start = parsed.pages_offset
+    kv = np.frombuffer(view, dtype=np.dtype(source["dtype"]), count=expected // np.dtype(source["dtype"]).itemsize,
+                       offset=start).reshape(shape) if expected else np.zeros(shape, dtype=np.dtype(source["dtype"]))
+    kv = np.ascontiguousarray(kv)
+    _check_pages(kv, parsed.checksums, [(seq_id, tables[0][1])], "exported")
+    if seq_id in cache:
+        raise ValueError(f"Invalid value of seq_id: sequence {seq_id} already exists")
+    try:
+        cache._import_sequence_state(seq_id, tables[0][1], hashes, kv)
+    except ValueError as exc:  # the sequence's own fields do not fit this cache
+        raise SnapshotError(f"section 'tables': {exc}") from None
+
+
+# ------------------------------------------------------------ PagedKVCache
+def _classic_pages(kv: np.ndarray) -> np.ndarray:
+    """A classic pool ``(max_pages, 2, page_size, dim)`` as the 6-D layout page checksums read (same bytes)."""
+    view = kv.view(np.float16 if kv.dtype.itemsize == 2 else np.float32)
+    return view.reshape((1, kv.shape[0], 2, kv.shape[2], 1, view.shape[-1]))
+
+
+def save_classic(cache, path) -> None:
+    """Write a snapshot of a ``PagedKVCache`` to ``path`` atomically (magic ``PKVCLAS``).
+
+    Sections: ``config`` (max_pages, dim, page_size, dtype), ``counters``
+    (hits, misses, evictions), ``state`` (resident logical pages and page ids
+    in FIFO eviction order, the free queue, the presence bytes), then the page
+    checksums and the pool's bytes.
+
+    Raises
+    ------
+    OSError
+        The file cannot be written; an existing file is left as it was.
+    """
+    state = cache._export_state()
+    kv = cache._pool_array()
+    sections = [("config", _encode(cache._config())),
+                ("counters", _encode({name: state[name] for name in ("hits", "misses", "evictions")})),
+                ("state", _encode({name: state[name] for name in ("logical_pages", "page_ids", "free_queue",
+                                                                   "present")}))]
+    pages = _classic_pages(kv)
+    checksums = page_checksums(pages, np.arange(kv.shape[0], dtype=np.int32)).astype("<u8").tobytes()
+    prefix, _ = _container(MAGIC_CLASSIC, sections, checksums, kv.nbytes, _PAGE_ALIGN)
+    _atomic_write(path, [prefix, _pool_bytes(kv)])
+
+
+def load_classic(path):
+    """Read a ``PagedKVCache`` snapshot; verify every section and page, then build the cache.
+
+    Raises
+    ------
+    SnapshotError
+        Any mismatch (as :func:`load_cache`); nothing is returned.
+    OSError
+        The file cannot be read.
+    """
+    from pagedkv_c._classic import PagedKVCache
+
+    with open(path, "rb", buffering=0) as f:  # unbuffered: the pages are read straight into the pool
+        size = os.fstat(f.fileno()).st_size
+        parsed = _parse(_read_from_file(f), size, MAGIC_CLASSIC, os.fspath(path))
+        num_pages = parsed.checksums.shape[0]
+        config = parsed.section("config")
+        max_pages = config.int("max_pages", 1, 2**31 - 2)
+        dim = config.int("dim", 1, 2**31 - 1)
+        page_size = config.int("page_size", 1, 2**31 - 1)
+        dtype = np.dtype(config.text("dtype", ("float16", "float32", "float64")))
+        if max_pages != num_pages:
+            raise config.error(f"max_pages {max_pages} but the checksum table lists {num_pages} pages")
+        expected = max_pages * 2 * page_size * dim * dtype.itemsize
+        if parsed.pages_length != expected:
+            raise SnapshotError(f"section 'pages': {parsed.pages_length} bytes, expected {expected}")
+        counters = parsed.section("counters")
+        section = parsed.section("state")
+        state = {"logical_pages": section.array("logical_pages", np.int64, 1),
+                 "page_ids": section.array("page_ids", np.int32, 1),
+                 "free_queue": section.array("free_queue", np.int32, 1),
+                 "present": section.array("present", np.uint8, 2, (max_pages, page_size)),
+                 **{name: counters.int(name) for name in ("hits", "misses", "evictions")}}
+        cache = PagedKVCache(max_pages, dim, page_size=page_size, dtype=dtype)
+        kv = cache._pool_array()
+        _readinto(f, parsed.pages_offset, kv)
+    actual = page_checksums(_classic_pages(kv), np.arange(max_pages, dtype=np.int32))
+    bad = np.flatnonzero(actual != parsed.checksums)
+    if bad.size:
+        ids = state["page_ids"]
+        where = np.flatnonzero(ids == bad[0])
+        held = (f"resident as logical page {int(state['logical_pages'][where[0]])}" if where.size
+                else "not resident")
+        raise SnapshotError(f"section 'pages': checksum mismatch in page {int(bad[0])} ({held})"
+                            + (f" and {bad.size - 1} more pages" if bad.size > 1 else ""))
+    try:
+        cache._restore_state(state)
+    except ValueError as exc:
+        raise SnapshotError(f"section 'state': {exc}") from None
+    return cache

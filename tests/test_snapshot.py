@@ -1,0 +1,516 @@
+"""Snapshots (pagedkv.snapshot): save/load, export/import of one sequence, damaged files, atomic writes.
+
+The reference for a restored cache is the same cache never saved: both are
+driven through the same calls and must answer alike, bit for bit.
+"""
+import os
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import pagedkv
+from pagedkv import KVCache, OutOfPagesError, SnapshotError
+from pagedkv import snapshot as snap
+
+
+
+def _assert_same(a: KVCache, b: KVCache) -> None:
+    """Every observable of two caches agrees: tables, K/V, stats, free queue, prefix index."""
+    a.check_invariants()
+    b.check_invariants()
+    assert a.stats(metrics=True) == b.stats(metrics=True)
+    assert a.seq_ids() == b.seq_ids()
+    assert np.array_equal(a.pool.free_pages(), b.pool.free_pages())
+    ids = a.seq_ids()
+    if ids:
+        va, vb = a.page_table(ids), b.page_table(ids)
+        for name in ("indptr", "indices", "last_page_len", "page_positions", "seq_lens"):
+            assert np.array_equal(getattr(va, name), getattr(vb, name)), name
+    for seq_id in ids:
+        for layer in range(a.num_layers):
+            for x, y in zip(a.gather(layer, seq_id), b.gather(layer, seq_id)):
+                assert np.array_equal(x, y)
+    assert np.array_equal(np.asarray(a.kv), np.asarray(b.kv))
+    sa, sb = a._sealed_state(), b._sealed_state()
+    assert np.array_equal(sa["sealed"], sb["sealed"]) and sa["pages_sealed"] == sb["pages_sealed"]
+    assert (sa["checksums"] is None) == (sb["checksums"] is None)
+    if sa["checksums"] is not None:
+        assert np.array_equal(sa["checksums"], sb["checksums"])
+        assert not a.verify_pages() and not b.verify_pages()
+    if a.prefix_caching:
+        pa, pb = a.prefix_index, b.prefix_index
+        assert np.array_equal(pa.cached_pages(), pb.cached_pages())
+        assert [pa.page_hash(p) for p in pa.cached_pages()] == [pb.page_hash(p) for p in pb.cached_pages()]
+
+
+def _call(cache, method, *args, **kwargs):
+    """(result, exception type and text) of a call, for comparing two caches."""
+    try:
+        return getattr(cache, method)(*args, **kwargs), None
+    except (ValueError, KeyError, MemoryError) as exc:
+        return None, (type(exc), str(exc))
+
+
+def _same_result(x, y) -> None:
+    (rx, ex), (ry, ey) = x, y
+    assert ex == ey
+    if isinstance(rx, np.ndarray):
+        assert np.array_equal(rx, ry)
+    else:
+        assert rx == ry
+
+
+CONFIGS = [
+    # windowed rings that wrap, sink pages, prefix caching with salts
+    dict(num_layers=2, num_kv_heads=1, head_dim=2, num_pages=20, page_size=4, window=8, sink_tokens=4,
+         enable_prefix_caching=True, dtype=np.float32, page_checksums=True),
+    dict(num_layers=1, num_kv_heads=2, head_dim=2, num_pages=24, page_size=1, window=5, sink_tokens=2,
+         enable_prefix_caching=True, dtype=np.float16),
+    dict(num_layers=2, num_kv_heads=1, head_dim=3, num_pages=16, page_size=2, enable_prefix_caching=True,
+         prefix_hash="sha256", dtype=np.float32),
+    dict(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=12, page_size=3, window=7, dtype=np.float16,
+         page_checksums=True),
+]
+
+
+class SaveReloadMachine(RuleBasedStateMachine):
+    """Random calls on two caches; one of them is saved and reloaded at random points."""
+
+    def __init__(self):
+        super().__init__()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.path = os.path.join(self.tmp.name, "cache.pkv")
+        self.next_id = 0
+
+    def teardown(self):
+        self.tmp.cleanup()
+
+    @initialize(config=st.sampled_from(CONFIGS))
+    def start(self, config):
+        self.config = config
+        self.a = KVCache(**config)
+        self.b = KVCache(**config)
+
+    def _ids(self):
+        return self.a.seq_ids()
+
+    @rule(prompt=st.lists(st.integers(0, 3), max_size=14), salt=st.sampled_from([None, "t1", 7]))
+    def add(self, prompt, salt):
+        seq_id = self.next_id
+        self.next_id += 1
+        _same_result(_call(self.a, "add_sequence", seq_id, prompt, salt),
+                     _call(self.b, "add_sequence", seq_id, prompt, salt))
+
+    @precondition(lambda self: self.config.get("enable_prefix_caching"))
+    @rule(blocks=st.lists(st.integers(0, 2), min_size=1, max_size=4), extra=st.integers(0, 3))
+    def add_blocks(self, blocks, extra):
+        seq_id = self.next_id
+        self.next_id += 1
+        block_tokens = 2 * self.config["page_size"]
+        n = len(blocks) * block_tokens - extra % block_tokens
+        kwargs = dict(block_hashes=blocks, block_tokens=block_tokens, num_prompt_tokens=n)
+        _same_result(_call(self.a, "add_sequence", seq_id, **kwargs), _call(self.b, "add_sequence", seq_id, **kwargs))
+
+    @precondition(lambda self: self.a.num_sequences > 0)
+    @rule(data=st.data(), with_tokens=st.booleans())
+    def append(self, data, with_tokens):
+        ids = data.draw(st.lists(st.sampled_from(self._ids()), min_size=1, max_size=3, unique=True))
+        counts = data.draw(st.lists(st.integers(0, 6), min_size=len(ids), max_size=len(ids)))
+        tokens = data.draw(st.lists(st.integers(0, 3), min_size=sum(counts), max_size=sum(counts))) \
+            if with_tokens else None
+        ra = _call(self.a, "append", ids, counts, tokens)
+        rb = _call(self.b, "append", ids, counts, tokens)
+        _same_result(ra, rb)
+        slots = ra[0]
+        if slots is not None and slots.size:
+            seed = data.draw(st.integers(0, 2**32 - 1))
+            rng = np.random.default_rng(seed)
+            for layer in range(self.config["num_layers"]):
+                shape = (slots.size, self.config["num_kv_heads"], self.config["head_dim"])
+                k, v = rng.standard_normal(shape), rng.standard_normal(shape)
+                self.a.store(layer, slots, k, v)
+                self.b.store(layer, slots, k, v)
+
+    @precondition(lambda self: self.a.num_sequences > 0)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self._ids()))
+        child = self.next_id
+        self.next_id += 1
+        _same_result(_call(self.a, "fork", parent, child), _call(self.b, "fork", parent, child))
+
+    @precondition(lambda self: self.a.num_sequences > 0)
+    @rule(data=st.data())
+    def truncate(self, data):
+        seq_id = data.draw(st.sampled_from(self._ids()))
+        new_len = data.draw(st.integers(0, self.a.seq_len(seq_id)))
+        _same_result(_call(self.a, "truncate", seq_id, new_len), _call(self.b, "truncate", seq_id, new_len))
+
+    @precondition(lambda self: self.a.num_sequences > 0)
+    @rule(data=st.data())
+    def remove(self, data):
+        seq_id = data.draw(st.sampled_from(self._ids()))
+        _same_result(_call(self.a, "remove_sequence", seq_id), _call(self.b, "remove_sequence", seq_id))
+
+    @rule(mmap=st.booleans())
+    def save_and_reload(self, mmap):
+        self.b.save(self.path)
+        self.b = KVCache.load(self.path, mmap=mmap)
+
+    @precondition(lambda self: self.a.num_sequences > 0)
+    @rule(data=st.data())
+    def export_import(self, data):
+        """Move a sequence out and back in: same pages free, same K/V (both caches do it)."""
+        seq_id = data.draw(st.sampled_from(self._ids()))
+        for cache in (self.a, self.b):
+            blob = cache.export_sequence(seq_id)
+            before = [cache.gather(layer, seq_id) for layer in range(cache.num_layers)]
+            cache.remove_sequence(seq_id)
+            cache.import_sequence(seq_id, blob)
+            after = [cache.gather(layer, seq_id) for layer in range(cache.num_layers)]
+            for x, y in zip(before, after):
+                for u, w in zip(x, y):
+                    assert np.array_equal(u, w)
+
+    @invariant()
+    def same(self):
+        if hasattr(self, "a"):
+            _assert_same(self.a, self.b)
+
+
+SaveReloadMachine.TestCase.settings = settings(
+    max_examples=30, stateful_step_count=25, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+test_save_reload_equals_uninterrupted_run = SaveReloadMachine.TestCase
+
+
+def _filled(cache: KVCache, seq_ids, counts, seed=0):
+    rng = np.random.default_rng(seed)
+    slots = cache.append(seq_ids, counts)
+    for layer in range(cache.num_layers):
+        shape = (slots.size, cache.num_kv_heads, cache.head_dim)
+        cache.store(layer, slots, rng.standard_normal(shape), rng.standard_normal(shape))
+    return slots
+
+
+@pytest.mark.parametrize("page_size", [4, 1])
+@pytest.mark.parametrize("mmap", [False, True])
+def test_wrapped_ring_comes_back_with_its_geometry(tmp_path, page_size, mmap):
+    """Window 8: 13 single-token appends wrap the ring; after save/load one more append matches."""
+    kwargs = dict(num_layers=2, num_kv_heads=2, head_dim=4, num_pages=16, page_size=page_size, window=8,
+                  dtype=np.float32)
+    a, b = KVCache(**kwargs), KVCache(**kwargs)
+    for cache in (a, b):
+        cache.add_sequence(0)
+        for t in range(13):
+            _filled(cache, [0], [1], seed=t)
+    b.save(tmp_path / "ring.pkv")
+    b = KVCache.load(tmp_path / "ring.pkv", mmap=mmap)
+    assert b.window == 8
+    _assert_same(a, b)
+    for cache in (a, b):
+        _filled(cache, [0], [1], seed=99)
+    _assert_same(a, b)
+    _, _, positions = b.gather(0, 0)
+    # Nothing still inside the window of the next query (position 14) was dropped.
+    assert set(range(14 - 8 + 1, 14)) <= set(positions.tolist())
+
+
+def _small_cache(seed=0) -> KVCache:
+    cache = KVCache(2, 1, 4, 6, page_size=2, window=4, sink_tokens=2, enable_prefix_caching=True,
+                    dtype=np.float16, page_checksums=True)
+    cache.add_sequence(1, [1, 2, 3, 4, 5], extra_key="tenant")
+    _filled(cache, [1], [4], seed)
+    cache.fork(1, 2)
+    _filled(cache, [2], [3], seed + 1)
+    return cache
+
+
+@pytest.fixture
+def small_file(tmp_path):
+    path = tmp_path / "small.pkv"
+    _small_cache().save(path)
+    return path
+
+
+def _layout(path):
+    """(header+table bytes, pages section offset, pages section length) of a snapshot file."""
+    data = path.read_bytes()
+    num_sections = struct.unpack_from("<I", data, 16)[0]
+    table_end = 64 + 40 * num_sections
+    entries = [struct.unpack_from("<16sQQQ", data, 64 + 40 * i) for i in range(num_sections)]
+    pages = [e for e in entries if e[0].rstrip(b"\0") == b"pages"][0]
+    return table_end, pages[1], pages[2]
+
+
+def test_every_single_bit_flip_is_detected(tmp_path, small_file):
+    data = bytearray(small_file.read_bytes())
+    table_end, _, _ = _layout(small_file)
+    rng = np.random.default_rng(1)
+    offsets = list(range(table_end)) + rng.integers(table_end, len(data), 300).tolist()
+    target = tmp_path / "flipped.pkv"
+    for offset in offsets:
+        bit = 1 << int(rng.integers(0, 8))
+        data[offset] ^= bit
+        target.write_bytes(data)
+        with pytest.raises(SnapshotError):
+            KVCache.load(target)
+        data[offset] ^= bit
+    target.write_bytes(data)
+    _assert_same(_small_cache(), KVCache.load(target))
+
+
+def test_page_flip_names_page_and_sequences(tmp_path, small_file):
+    data = bytearray(small_file.read_bytes())
+    _, start, length = _layout(small_file)
+    reference = _small_cache()
+    page = int(reference.page_table([1]).indices[0])  # a sink page shared by sequences 1 and 2
+    page_bytes = length // (reference.num_layers * reference.num_pages)
+    data[start + page * page_bytes + 3] ^= 0x10
+    path = tmp_path / "page.pkv"
+    path.write_bytes(data)
+    with pytest.raises(SnapshotError, match=rf"section 'pages'.* page {page} \(held by sequences \[1, 2\]\)"):
+        KVCache.load(path)
+    # mmap=True reads no page at load; verify() finds it.
+    KVCache.load(path, mmap=True)
+    with pytest.raises(SnapshotError, match=rf"page {page} "):
+        snap.verify(path)
+
+
+def test_truncated_and_extended_files_are_refused(tmp_path, small_file):
+    data = small_file.read_bytes()
+    rng = np.random.default_rng(2)
+    path = tmp_path / "cut.pkv"
+    for length in sorted(set(rng.integers(0, len(data), 40).tolist()) | {0, 10, 63, 64, len(data) - 1}):
+        path.write_bytes(data[:length])
+        with pytest.raises(SnapshotError, match="truncated|section"):
+            KVCache.load(path)
+    path.write_bytes(data + b"garbage")
+    with pytest.raises(SnapshotError, match="appended"):
+        KVCache.load(path)
+
+
+def test_swapped_pages_are_refused(tmp_path, small_file):
+    data = bytearray(small_file.read_bytes())
+    _, start, length = _layout(small_file)
+    cache = _small_cache()
+    page_bytes = length // (cache.num_layers * cache.num_pages)
+    layer_bytes = page_bytes * cache.num_pages
+    p, q = (int(x) for x in cache.page_table([2]).indices[-2:])
+    for layer in range(cache.num_layers):
+        a = start + layer * layer_bytes + p * page_bytes
+        b = start + layer * layer_bytes + q * page_bytes
+        data[a:a + page_bytes], data[b:b + page_bytes] = data[b:b + page_bytes], data[a:a + page_bytes]
+    path = tmp_path / "swapped.pkv"
+    path.write_bytes(data)
+    with pytest.raises(SnapshotError, match=rf"checksum mismatch in page {min(p, q)}"):
+        KVCache.load(path)
+
+
+def test_newer_format_version_is_refused(tmp_path, small_file):
+    data = bytearray(small_file.read_bytes())
+    struct.pack_into("<I", data, 8, snap.FORMAT_VERSION + 1)
+    struct.pack_into("<Q", data, 56, snap._checksum(bytes(data[:56])))  # a valid header otherwise
+    path = tmp_path / "newer.pkv"
+    path.write_bytes(data)
+    with pytest.raises(SnapshotError, match="format version 2 is newer"):
+        KVCache.load(path)
+
+
+def test_wrong_kind_and_magic_are_refused(tmp_path):
+    path = tmp_path / "x.pkv"
+    path.write_bytes(b"\x93NUMPY" + bytes(200))
+    with pytest.raises(SnapshotError, match="bad magic"):
+        KVCache.load(path)
+    blob = _small_cache().export_sequence(1)
+    path.write_bytes(blob)
+    with pytest.raises(SnapshotError, match="exported sequence, expected a KVCache snapshot"):
+        KVCache.load(path)
+
+
+def test_inconsistent_state_is_refused_by_the_core():
+    cache = _small_cache()
+    state = cache._export_state()
+    state["ref_counts"] = state["ref_counts"].copy()
+    shared = int(cache.page_table([1]).indices[0])
+    state["ref_counts"][shared] = 1  # held by two sequences
+    fresh = KVCache(**{k: v for k, v in snap._cache_kwargs(cache._config()).items()})
+    with pytest.raises(ValueError, match=rf"page {shared} has ref count 1 but 2 .*sequences \[1, 2\]"):
+        fresh._restore_state(state)
+    assert fresh.num_sequences == 0 and fresh.pool.num_free == fresh.num_pages
+    fresh.check_invariants()
+    state = cache._export_state()
+    state["sequences"][0][1]["pages"] = np.array([0, 99], dtype=np.int32)
+    with pytest.raises(ValueError, match="page ids in"):
+        fresh._restore_state(state)
+
+
+def test_mmap_is_copy_on_write(tmp_path, small_file):
+    before = small_file.read_bytes()
+    cache = KVCache.load(small_file, mmap=True)
+    assert isinstance(cache.kv, np.memmap)
+    _filled(cache, [1, 2], [1, 1], seed=5)
+    cache.kv[...] = 1.0
+    del cache
+    assert small_file.read_bytes() == before
+
+
+def test_import_into_too_small_cache_changes_nothing():
+    source = _small_cache()
+    blob = source.export_sequence(2)
+    target = KVCache(2, 1, 4, 6, page_size=2, window=4, sink_tokens=2, enable_prefix_caching=True,
+                     dtype=np.float16, page_checksums=True)
+    target.add_sequence(5, [9, 9, 9])
+    _filled(target, [5], [7], seed=3)
+    stats, kv = target.stats(metrics=True), target.kv.copy()
+    free = target.pool.free_pages()
+    assert len(free) < len(source.page_table([2]).indices)
+    with pytest.raises(OutOfPagesError, match="Nothing was changed"):
+        target.import_sequence(8, blob)
+    after = target._export_state()
+    assert np.array_equal(target.kv, kv) and np.array_equal(target.pool.free_pages(), free)
+    assert after["sequences"][0][0] == 5 and len(after["sequences"]) == 1
+    assert target.stats(metrics=True) == stats
+    target.check_invariants()
+
+
+def test_import_checks_geometry_and_bytes():
+    source = _small_cache()
+    blob = bytearray(source.export_sequence(1))
+    other = KVCache(2, 1, 4, 16, page_size=4, window=4, sink_tokens=2, dtype=np.float16)
+    with pytest.raises(SnapshotError, match="page_size"):
+        other.import_sequence(1, bytes(blob))
+    target = KVCache(2, 1, 4, 16, page_size=2, window=4, sink_tokens=2, dtype=np.float16)
+    blob[-1] ^= 1
+    with pytest.raises(SnapshotError, match="exported page"):
+        target.import_sequence(1, bytes(blob))
+    assert target.num_sequences == 0
+    blob[-1] ^= 1
+    target.import_sequence(1, bytes(blob))  # no prefix caching here: the chain is dropped
+    for layer in range(2):
+        for x, y in zip(source.gather(layer, 1), target.gather(layer, 1)):
+            assert np.array_equal(x, y)
+    with pytest.raises(ValueError, match="already exists"):
+        target.import_sequence(1, bytes(blob))
+
+
+def test_imported_pages_serve_prefix_hits():
+    source = KVCache(1, 1, 2, 8, page_size=2, enable_prefix_caching=True, dtype=np.float32)
+    source.add_sequence(0, [1, 2, 3, 4, 5])
+    _filled(source, [0], [5])
+    target = KVCache(1, 1, 2, 8, page_size=2, enable_prefix_caching=True, dtype=np.float32)
+    target.import_sequence(3, source.export_sequence(0))
+    assert target.add_sequence(4, [1, 2, 3, 4, 5, 6]) == 4
+
+
+_WRITER = """
+import numpy as np
+from pagedkv import KVCache
+cache = KVCache(4, 4, 64, 256, page_size=16, dtype=np.float32)
+cache.add_sequence(0)
+cache.append([0], [16 * 200])
+cache.kv[...] = 2.0
+print("ready", flush=True)
+while True:
+    cache.save({path!r})
+"""
+
+
+def test_killed_writer_leaves_old_or_new_snapshot(tmp_path):
+    """SIGKILL a process that saves over an existing snapshot: the file always loads, old or new."""
+    path = tmp_path / "cache.pkv"
+    old = KVCache(4, 4, 64, 256, page_size=16, dtype=np.float32)
+    old.add_sequence(0)
+    old.append([0], [5])
+    old.save(path)
+    script = _WRITER.format(path=str(path))
+    # The writer imports pagedkv exactly as this process did (checkout or installed package).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    rng = np.random.default_rng(3)
+    for attempt in range(6):
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(float(rng.uniform(0.0, 0.3)))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        loaded = KVCache.load(path)
+        loaded.check_invariants()
+        length = loaded.seq_len(0)
+        assert length in (5, 16 * 200)
+        if length == 5:
+            assert not loaded.kv.any()
+        else:
+            assert (loaded.kv == 2.0).all()
+
+
+def test_snapshot_has_no_pickle_and_refuses_oversized_entries():
+    """A metadata entry claiming more bytes than its section is refused before allocation."""
+    bogus = struct.pack("<HBB", 1, 2, 1) + b"x" + bytes(3) + struct.pack("<Q", 2**40)
+    with pytest.raises(SnapshotError, match="runs past the section"):
+        snap._decode("config", bogus)
+    assert issubclass(SnapshotError, ValueError) and pagedkv.SnapshotError is SnapshotError
+
+
+def _classic_same(a, b):
+    a.check_invariants()
+    b.check_invariants()
+    assert a.stats() == b.stats()
+    assert np.array_equal(a.resident_pages, b.resident_pages)
+    assert list(a) == list(b)
+    tokens = np.arange(0, 200)
+    for x, y in zip(a.get_many(tokens), b.get_many(tokens)):
+        assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_classic_save_reload_equals_uninterrupted_run(tmp_path, dtype):
+    """Random puts and gets on two PagedKVCache; one is saved and reloaded every few steps (FIFO order kept)."""
+    rng = np.random.default_rng(4)
+    a = pagedkv.PagedKVCache(5, 3, page_size=4, dtype=dtype)
+    b = pagedkv.PagedKVCache(5, 3, page_size=4, dtype=dtype)
+    path = tmp_path / "classic.pkv"
+    for step in range(60):
+        tokens = rng.integers(0, 120, int(rng.integers(1, 6)))
+        keys, values = rng.standard_normal((tokens.size, 3)), rng.standard_normal((tokens.size, 3))
+        looked_up = rng.permutation(tokens)[:2]
+        for cache in (a, b):
+            cache.put_many(tokens, keys, values)
+            cache.get_many(looked_up)
+            if step % 21 == 3:
+                cache.clear()
+        if step % 5 == 4:
+            b.save(path)
+            b = pagedkv.PagedKVCache.load(path)
+        _classic_same(a, b)
+
+
+def test_classic_damage_is_refused(tmp_path):
+    cache = pagedkv.PagedKVCache(3, 2, page_size=2)
+    cache.put_many([0, 1, 2, 9], np.ones((4, 2)), np.zeros((4, 2)))
+    path = tmp_path / "classic.pkv"
+    cache.save(path)
+    data = bytearray(path.read_bytes())
+    rng = np.random.default_rng(5)
+    for offset in list(range(0, 300, 3)) + rng.integers(0, len(data), 60).tolist():
+        data[offset] ^= 4
+        path.write_bytes(data)
+        with pytest.raises(SnapshotError):
+            pagedkv.PagedKVCache.load(path)
+        data[offset] ^= 4
+    path.write_bytes(data[:-1])
+    with pytest.raises(SnapshotError, match="truncated"):
+        pagedkv.PagedKVCache.load(path)
+    path.write_bytes(data)
+    with pytest.raises(SnapshotError, match="PagedKVCache snapshot, expected a KVCache snapshot"):
+        KVCache.load(path)
+    _classic_same(cache, pagedkv.PagedKVCache.load(path))
