@@ -98,12 +98,17 @@ def read(url, namespace, seed, length, out):
     return {"cached": cached, "right": right, "same_attention": same_attention, "stats": cache.stats()}
 
 
-def replay(url, namespace, worker, iterations):
+def replay(url, namespace, worker, iterations, pause=False):
+    """With ``pause``, print ``ready`` halfway and wait for a line on stdin before going on
+    (the caller changes the cluster in between)."""
     cache, tier = make_cache(url, namespace, num_pages=48)
     rng = np.random.default_rng(worker)
     shared = [make_prompt(1000 + i, 64) for i in range(6)]
     wrong = served = tier_tokens = 0
     for i in range(iterations):
+        if pause and i == iterations // 2:
+            print("ready", flush=True)
+            sys.stdin.readline()
         prompt = np.concatenate([shared[rng.integers(len(shared))], make_prompt(10**6 * (worker + 1) + i, 20)])
         before = cache.stats()["tier_hits"]
         cached = cache.add_sequence(i, prompt)
@@ -124,7 +129,7 @@ def main(argv):
     elif mode == "read":
         result = read(url, namespace, int(argv[3]), int(argv[4]), argv[5])
     elif mode == "replay":
-        result = replay(url, namespace, int(argv[3]), int(argv[4]))
+        result = replay(url, namespace, int(argv[3]), int(argv[4]), pause=argv[5:6] == ["pause"])
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     print(json.dumps(result, default=int))

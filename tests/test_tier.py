@@ -413,9 +413,13 @@ def test_a_killed_cluster_node_turns_hits_into_misses_until_it_returns(tmp_path)
         for result in _replay(made.url, ns, range(4), 12):
             assert result["wrong"] == 0
         assert sum(r["tier_tokens"] for r in _replay(made.url, ns, range(4, 8), 6)) > 0
-        procs = _start_replay(made.url, ns, range(8, 12), 30)
-        time.sleep(1.0)
+        procs = _start_replay(made.url, ns, range(8, 12), 30, pause=True)
+        for proc in procs:  # every process is halfway through its replay
+            assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
         made.kill(1)
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
         down = [_finish(p) for p in procs]
         assert all(r["wrong"] == 0 for r in down)
         assert sum(r["stats"]["tier_fetch_errors"] + r["stats"]["tier_unreachable_skips"] for r in down) > 0
@@ -428,9 +432,11 @@ def test_a_killed_cluster_node_turns_hits_into_misses_until_it_returns(tmp_path)
         made.stop()
 
 
-def _start_replay(url, ns, workers, iterations):
-    return [subprocess.Popen([sys.executable, str(WORKER), "replay", url, ns, str(w), str(iterations)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in workers]
+def _start_replay(url, ns, workers, iterations, pause=False):
+    extra = ["pause"] if pause else []
+    return [subprocess.Popen([sys.executable, str(WORKER), "replay", url, ns, str(w), str(iterations)] + extra,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for w in workers]
 
 
 def _finish(proc):
