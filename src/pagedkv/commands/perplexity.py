@@ -24,7 +24,7 @@ from pagedkv.commands._model_options import (
     positive_int,
     run_reporting_errors,
 )
-from pagedkv.commands._paths import dataset_or_path, output_file, plot_file
+from pagedkv.commands._paths import dataset_or_path, not_a_dataset_hint, output_file, plot_file
 from pagedkv.data import DataError
 
 DEFAULT_NUM_TOKENS = 4096
@@ -239,7 +239,8 @@ def read_input(path: str, *, json_ids: bool) -> str | list[int]:
             return text
         data = json.loads(text)
     except OSError as exc:
-        raise CommandError(f"cannot read {path!r}: {exc.strerror or exc}") from exc
+        hint = not_a_dataset_hint(path) if isinstance(exc, FileNotFoundError) else ""
+        raise CommandError(f"cannot read {path!r}: {exc.strerror or exc}{hint}") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CommandError(f"cannot parse {path!r}: {exc}") from exc
     ids = data.get("token_ids") if isinstance(data, dict) else data

@@ -1,0 +1,26 @@
+"""Messages of the command line for inputs a user gets wrong, checked before any model loads."""
+from pagedkv import data
+from pagedkv.cli import main
+
+
+def test_mistyped_dataset_name_gets_the_names_and_a_suggestion(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no file of these names here
+    assert main(["perplexity", "tinyshakespear"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedkv perplexity: cannot read 'tinyshakespear': No such file or directory, "
+                          "nor a dataset name (did you mean tinyshakespeare? known: ")
+    assert all(name in err for name in data.DATASETS) and "see `pagedkv data list`" in err
+
+    assert main(["replay", "mooncake-conversaton", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read 'mooncake-conversaton'" in err and "did you mean mooncake-conversation?" in err
+
+    assert main(["replay", "trace-of-last-week", "--format", "mooncake", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "nor a dataset name (known: " in err and "did you mean" not in err  # nothing close
+
+
+def test_missing_path_with_a_directory_is_not_taken_for_a_name(tmp_path, capsys):
+    missing = tmp_path / "tinyshakespear"
+    assert main(["perplexity", str(missing)]) == 2
+    assert capsys.readouterr().err == f"pagedkv perplexity: cannot read {str(missing)!r}: No such file or directory\n"
