@@ -24,3 +24,32 @@ def test_missing_path_with_a_directory_is_not_taken_for_a_name(tmp_path, capsys)
     missing = tmp_path / "tinyshakespear"
     assert main(["perplexity", str(missing)]) == 2
     assert capsys.readouterr().err == f"pagedkv perplexity: cannot read {str(missing)!r}: No such file or directory\n"
+
+
+def test_perplexity_refuses_fewer_than_two_tokens_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    from pagedkv.commands import perplexity
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded for an input that cannot be scored")
+
+    monkeypatch.setattr(perplexity, "load_model", no_model)
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be", encoding="utf-8")
+    try:
+        main(["perplexity", str(text), "--tokens", "1"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("--tokens 1 was accepted")
+    assert "argument --tokens: expected an integer >= 2" in capsys.readouterr().err
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("", encoding="utf-8")
+    assert main(["perplexity", str(empty)]) == 2
+    assert capsys.readouterr().err == f"pagedkv perplexity: {str(empty)!r} is empty; at least 2 tokens are needed to score one\n"
+
+    one_id = tmp_path / "ids.json"
+    one_id.write_text("[42]", encoding="utf-8")
+    assert main(["perplexity", str(one_id), "--token-ids"]) == 2
+    assert capsys.readouterr().err == (f"pagedkv perplexity: {str(one_id)!r} holds 1 token(s); "
+                                       "at least 2 are needed to score one\n")

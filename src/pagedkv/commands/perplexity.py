@@ -202,7 +202,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "downloaded dataset (tinyshakespeare; see `pagedkv data list`)")
     parser.add_argument("--token-ids", action="store_true",
                         help="FILE is JSON: a list of token ids, or an object with a 'token_ids' list")
-    parser.add_argument("--tokens", type=positive_int, default=DEFAULT_NUM_TOKENS, metavar="N",
+    parser.add_argument("--tokens", type=tokens_to_score, default=DEFAULT_NUM_TOKENS, metavar="N",
                         help=f"score the first N tokens (default {DEFAULT_NUM_TOKENS}; fewer if FILE is shorter)")
     parser.add_argument("--segment-tokens", type=positive_int, default=DEFAULT_SEGMENT_TOKENS, metavar="L",
                         help=f"positions per reported segment (default {DEFAULT_SEGMENT_TOKENS})")
@@ -220,6 +220,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_model_arguments(parser)
     parser.set_defaults(parser=parser)
     return parser
+
+
+def tokens_to_score(text: str) -> int:
+    """argparse type of ``--tokens``: an integer >= 2.
+
+    The first token is only context (N tokens give N - 1 scores), so fewer than two is
+    refused while the command line is parsed, before the model loads.
+    """
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2 (the first token is only context: "
+                                         f"N tokens give N - 1 scores), got {value}")
+    return value
 
 
 def read_input(path: str, *, json_ids: bool) -> str | list[int]:
@@ -453,6 +466,10 @@ def _run(args: argparse.Namespace) -> int:
     except DataError as exc:
         raise CommandError(str(exc)) from exc
     content = read_input(args.file, json_ids=args.token_ids)  # a bad FILE fails before the model loads
+    if isinstance(content, list):
+        first_token_ids(content, None, args.tokens, args.file)  # too few ids: known without the tokenizer
+    elif not content:
+        raise CommandError(f"{args.file!r} is empty; at least 2 tokens are needed to score one")
     check_thread_control(args.threads)
     model, tokenizer = load_model(args.gguf, args.threads)
     token_ids = first_token_ids(content, tokenizer, args.tokens, args.file)
