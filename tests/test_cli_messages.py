@@ -53,3 +53,15 @@ def test_perplexity_refuses_fewer_than_two_tokens_before_loading_the_model(tmp_p
     assert main(["perplexity", str(one_id), "--token-ids"]) == 2
     assert capsys.readouterr().err == (f"pagedkv perplexity: {str(one_id)!r} holds 1 token(s); "
                                        "at least 2 are needed to score one\n")
+
+
+def test_perplexity_help_example_uses_the_dataset_name(capsys):
+    # The example in --help must run for a user of the installed package, who has no checkout
+    # with data beside it: `pagedkv data fetch tinyshakespeare` makes the name work anywhere.
+    try:
+        main(["perplexity", "--help"])
+    except SystemExit as exc:
+        assert exc.code == 0
+    out = capsys.readouterr().out
+    assert "pagedkv perplexity tinyshakespeare --tokens 4096" in out
+    assert "shared/data" not in out

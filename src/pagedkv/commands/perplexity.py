@@ -45,7 +45,7 @@ repeat --setting SPEC, where SPEC is "full" (full attention), "window=W" or
 visible, as StreamingLLM does), optionally followed by ",positions=cache" (StreamingLLM's
 rotary positions inside the cache instead of the positions in the text), e.g.
 
-  pagedkv perplexity ../shared/data/tinyshakespeare.txt --tokens 4096 \\
+  pagedkv perplexity tinyshakespeare --tokens 4096 \\
       --setting full --setting window=256 --setting window=256,sinks=4 \\
       --setting window=256,sinks=4,positions=cache --plot ppl.png
 
