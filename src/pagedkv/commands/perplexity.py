@@ -488,7 +488,8 @@ def _run(args: argparse.Namespace) -> int:
                 args.parser.error(f"argument --num-pages: {setting.label} needs {needed} pages of {args.page_size} "
                                   f"tokens for {num_tokens} tokens, got {args.num_pages}; "
                                   f"omit it or give at least {needed}")
-    print(f"scoring {num_tokens} tokens of {args.file} ({num_tokens - 1} decode steps per setting), "
+    steps = f"{num_tokens - 1} decode step{'s' if num_tokens > 2 else ''}"
+    print(f"scoring {num_tokens} tokens of {args.file} ({steps} per setting), "
           f"{args.dtype} cache, page size {args.page_size}", file=sys.stderr)
     results = []
     with blas_threads(args.threads):
