@@ -1,4 +1,8 @@
-"""Messages of the command line for inputs a user gets wrong, checked before any model loads."""
+"""Messages of the command line for inputs a user gets wrong or may not expect."""
+import json
+
+import pytest
+
 from pagedkv import data
 from pagedkv.cli import main
 
@@ -65,3 +69,30 @@ def test_perplexity_help_example_uses_the_dataset_name(capsys):
     out = capsys.readouterr().out
     assert "pagedkv perplexity tinyshakespeare --tokens 4096" in out
     assert "shared/data" not in out
+
+
+def test_perplexity_plot_of_a_single_segment_says_so_before_scoring(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (pagedkv[cli])")
+    for module in ("gguf", "threadpoolctl"):
+        pytest.importorskip(module, reason=f"the model commands need {module}")
+    from _llama_support import tiny_llama_path
+
+    from pagedkv.commands import perplexity
+    from pagedkv.models import LlamaModel
+    from pagedkv.models.gguf_loader import load_llama_gguf
+
+    # A tiny random Llama scores token ids (--token-ids needs no tokenizer), in place of SmolLM2.
+    config, weights, _ = load_llama_gguf(tiny_llama_path(tmp_path))
+    monkeypatch.setattr(perplexity, "load_model", lambda gguf, threads: (LlamaModel(config, weights), None))
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(list(range(1, 13))), encoding="utf-8")
+    common = ["perplexity", str(ids), "--token-ids", "--no-progress", "--threads", "1"]
+    assert main(common + ["--plot", str(tmp_path / "one.png")]) == 0
+    err = capsys.readouterr().err
+    assert ("note: 12 tokens make a single 512-token segment, so --plot draws one point per setting; "
+            "for a curve give --tokens above 512 or a smaller --segment-tokens") in err
+    assert err.index("note: 12 tokens") < err.index("full cache: perplexity")  # before the scoring
+    assert (tmp_path / "one.png").is_file()
+
+    assert main(common + ["--segment-tokens", "4", "--plot", str(tmp_path / "three.png")]) == 0
+    assert "single" not in capsys.readouterr().err  # three segments: a curve, no note

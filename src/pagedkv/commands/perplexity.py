@@ -488,6 +488,11 @@ def _run(args: argparse.Namespace) -> int:
                 args.parser.error(f"argument --num-pages: {setting.label} needs {needed} pages of {args.page_size} "
                                   f"tokens for {num_tokens} tokens, got {args.num_pages}; "
                                   f"omit it or give at least {needed}")
+    if args.plot and len(segment_bounds(num_tokens, args.segment_tokens)) == 1:
+        # Said before the scoring (minutes), so a user can stop and ask for more segments.
+        print(f"note: {num_tokens} tokens make a single {args.segment_tokens}-token segment, so --plot draws "
+              f"one point per setting; for a curve give --tokens above {args.segment_tokens} or a smaller "
+              "--segment-tokens", file=sys.stderr)
     steps = f"{num_tokens - 1} decode step{'s' if num_tokens > 2 else ''}"
     print(f"scoring {num_tokens} tokens of {args.file} ({steps} per setting), "
           f"{args.dtype} cache, page size {args.page_size}", file=sys.stderr)
