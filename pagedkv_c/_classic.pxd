@@ -51,3 +51,5 @@ cdef class PagedKVCache:
     cdef tuple _check_out(self, object out, object tokens)
     cdef object _resident_logical_pages(self)
     cdef int _check_state(self) except -1
+
+    cdef object __weakref__               # lets a metrics collector hold the cache weakly

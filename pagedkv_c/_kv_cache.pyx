@@ -10,19 +10,22 @@ import numpy as np
 cimport cython
 cimport numpy as cnp
 from libc.stdint cimport INT64_MAX, INT64_MIN
-from libc.string cimport memcpy
-from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t, PAD_SLOT
+from libc.string cimport memcpy, memset
+from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t, PAD_SLOT, pkv_page_record
 from pagedkv_c._pool cimport PagePool, pkv_incref, pkv_queue_remove, pkv_ref, pkv_set_ref
 from pagedkv_c._pool import OutOfPagesError
 from pagedkv_c._prefix import ALGORITHMS as _PREFIX_HASHES
 from pagedkv_c._page_table cimport PageTable, append_batch, owner_key
-from pagedkv_c._checks cimport check_int, check_index, check_float_array, check_pool_dtype, as_int_array
+from pagedkv_c._checks cimport check_int, check_index, check_float_array, check_pool_dtype, as_int_array, check_array
 from pagedkv_c._checks import check_sink_window
 from pagedkv_c._lock cimport CacheLock
 from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash_salt,
                                 pkv_index_find, pkv_index_insert,
                                 pkv_index_is_cached, pkv_index_prefetch)
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, free, realloc
+from libc.stdint cimport uint8_t, uint64_t
+from pagedkv_c._checksum cimport pkv_page_checksum, pkv_page_checksums
+from pagedkv_c._prefix cimport pkv_index
 
 cnp.import_array()
 
@@ -43,6 +46,10 @@ cdef int64_t MAX_POSITION = 2**62
 _MAX_CSR_PAGES = 2**31 - 1
 # Largest ref count of a page (int32).
 cdef int32_t _MAX_REF_COUNT = 2**31 - 1
+# Upper bounds (in tokens) of the prefix-hit histogram's buckets: a lookup
+# served h tokens lands in the first bucket with h <= bound, past the last
+# bound in an overflow bucket (NUM_PREFIX_HIT_BUCKETS counts in all).
+PREFIX_HIT_BUCKETS = (0,) + tuple(2**k for k in range(4, 21))
 
 
 cdef class PageTableView:
@@ -162,6 +169,12 @@ cdef class KVCache:
         ``"sha256"`` (collision resistant, for untrusted multi-tenant
         traffic). See ``pagedkv_c._prefix`` for the hashed bytes and the
         collision risk.
+    page_checksums : bool
+        Record a 64-bit checksum of each page when it is sealed (its K/V
+        complete in every layer; see :meth:`seal`), so that
+        :meth:`verify_pages` can find pages whose bytes changed since. Costs
+        8 bytes per page and one read of each sealed page's bytes. Default
+        False.
 
     Attributes
     ----------
@@ -183,6 +196,8 @@ cdef class KVCache:
         A size out of range: ``num_layers <= 2**20``, ``num_kv_heads <=
         2**16``, ``head_dim <= 2**16``, ``page_size <= 2**20``, ``num_pages
         <= 2**31 - 2``; ``sink_tokens > 0`` without a ``window``.
+        (``enable_prefix_caching`` and ``page_checksums`` that are not bools
+        raise TypeError.)
     MemoryError
         The pool array cannot be allocated, or one layer of it (``num_pages
         * 2 * page_size * num_kv_heads * head_dim * itemsize`` bytes) would
@@ -243,7 +258,7 @@ cdef class KVCache:
 
     def __cinit__(self, num_layers, num_kv_heads, head_dim, num_pages, page_size=16,
                   dtype=np.float16, window=None, sink_tokens=0, enable_prefix_caching=False,
-                  prefix_hash="xxh3_128"):
+                  prefix_hash="xxh3_128", page_checksums=False):
         self.num_layers = <int32_t>check_int(num_layers, "num_layers", 0, 2**20)
         self.num_kv_heads = <int32_t>check_int(num_kv_heads, "num_kv_heads", 1, 2**16)
         self.head_dim = <int32_t>check_int(head_dim, "head_dim", 1, 2**16)
@@ -260,6 +275,8 @@ cdef class KVCache:
             raise TypeError(
                 f"Invalid type of enable_prefix_caching: expected a bool, got {type(enable_prefix_caching).__name__}"
             )
+        if not isinstance(page_checksums, (bool, np.bool_)):
+            raise TypeError(f"Invalid type of page_checksums: expected a bool, got {type(page_checksums).__name__}")
         if not isinstance(prefix_hash, str):
             raise TypeError(f"Invalid type of prefix_hash: expected str, got {type(prefix_hash).__name__}")
         if prefix_hash not in _PREFIX_HASHES:
@@ -300,9 +317,13 @@ cdef class KVCache:
         self._prefix = None
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._num_out_of_pages = 0
+        self._sequences_added = 0
+        memset(self._prefix_hit_counts, 0, sizeof(self._prefix_hit_counts))
         if enable_prefix_caching:
             self._prefix = PrefixIndex(self.pool.num_pages, self.page_size, prefix_hash)
             self.pool.attach_prefix(self._prefix)
+        self._init_sealing(bool(page_checksums))
 
     # ------------------------------------------------------------ internals
     cdef object _table(self, object seq_id):
@@ -622,8 +643,10 @@ cdef class KVCache:
                     prompt_len,
                     hashes.num_hashable,
                 )
+                self._note_prefix_hit(cached)
                 self._note_usage()
             self._tables[key] = table
+            self._sequences_added += 1
         finally:
             self._lock.leave()
         return cached
@@ -632,7 +655,8 @@ cdef class KVCache:
         """Drop a sequence and release its pages (newest first).
 
         Shared pages lose one reference; a page is freed only when its last
-        reference goes.
+        reference goes. The sequence's full pages are sealed first (see
+        :meth:`seal`): removal declares their K/V complete.
 
         Raises
         ------
@@ -656,6 +680,8 @@ cdef class KVCache:
         self._lock.acquire()
         try:
             table = self._table(seq_id)
+            with nogil:
+                self._seal_table(table)  # removal declares the stored K/V complete
             table.drop_tail(0)
             del self._tables[_seq_key(seq_id)]
         finally:
@@ -688,7 +714,9 @@ cdef class KVCache:
             child = PageTable(self.pool, self.page_size, self._window, self.sink_tokens,
                               _owner_key=owner_key())
             child.copy_from(parent)
+            child.num_sealed = parent.num_sealed
             self._tables[key] = child
+            self._sequences_added += 1
         finally:
             self._lock.leave()
 
@@ -718,6 +746,7 @@ cdef class KVCache:
         try:
             table = self._table(seq_id)
             table.truncate(new_len)
+            table.num_sealed = min(table.num_sealed, table.length // self.page_size)
         finally:
             self._lock.leave()
 
@@ -804,6 +833,10 @@ cdef class KVCache:
         -----
         An append longer than the window keeps all its tokens (their queries
         need them); the out-of-window part is released at the next append.
+
+        For each sequence with a count above 0, the append first seals its
+        full pages (see :meth:`seal`): store every layer of a step before
+        the next append. Pages it hands out slots in lose their seal.
         """
         counts = as_int_array(num_tokens, "num_tokens", np.int64)
         cdef Py_ssize_t batch = counts.shape[0]
@@ -820,7 +853,9 @@ cdef class KVCache:
             if count_view[i] < 0:
                 raise ValueError(f"Invalid value of num_tokens: expected counts >= 0, got {count_view[i]}")
             if count_view[i] > most - total:
-                raise OutOfPagesError(_over_pool_text(self, counts))
+                text = _over_pool_text(self, counts)  # ValueError first for a negative count
+                self._num_out_of_pages += 1
+                raise OutOfPagesError(text)
             total += count_view[i]
         cdef object ids = None
         if token_ids is not None:
@@ -832,6 +867,7 @@ cdef class KVCache:
         cdef list tables
         cdef PageTable table
         cdef int32_t* cow = NULL  # copy-on-write pairs: sources, then destinations
+        cdef Py_ssize_t num_seals = 0
         self._lock.acquire()
         try:
             tables = self._tables_for(seq_ids)
@@ -856,13 +892,18 @@ cdef class KVCache:
             if cow == NULL:
                 raise MemoryError()
             first_positions = [(<PageTable>t).length for t in tables] if self._prefix is not None else None
+            num_seals = self._list_seals(tables, count_view)  # the seal moment: see seal()
             try:
                 append_batch(self.pool, tables, count_view if batch else NULL,
                              <slot_t*>cnp.PyArray_DATA(slots) if return_slot_mapping else NULL,
                              cow, cow + batch + 1, &num_cow, &num_released)
+                self._after_append_seals(tables, count_view, num_seals)  # before copies overwrite pages
                 with nogil:
                     for i in range(num_cow):
                         self._copy_page(cow[i], cow[batch + 1 + i])
+            except OutOfPagesError:
+                self._num_out_of_pages += 1
+                raise
             finally:
                 free(cow)
             self._cow_copies += num_cow
@@ -1052,8 +1093,17 @@ cdef class KVCache:
         return view
 
     # ------------------------------------------------------------ reporting
-    def stats(self):
+    def stats(self, *, bint metrics=False):
         """Usage counters.
+
+        Parameters
+        ----------
+        metrics : bool
+            Also return the counters that only :mod:`pagedkv.metrics` needs:
+            ``out_of_pages_errors`` and, with prefix caching,
+            ``prefix_hit_histogram`` (a tuple; every other value is a number).
+            Without them the dict is the same before and after a call that
+            raised.
 
         Returns
         -------
@@ -1068,10 +1118,32 @@ cdef class KVCache:
             ``prefix_cached_pages`` (pages findable by hash, free ones
             included) and ``prefix_evictions`` (cached pages whose hash was
             dropped because the allocator handed them out again).
+
+            Counters for metrics (:mod:`pagedkv.metrics`), since
+            construction: ``num_pages`` (pages in the pool);
+            ``pages_allocated`` (pages taken from the free queue: new pages
+            and copy-on-write copies; a cached free page taken back by a
+            prefix hit is not counted); ``ring_reuses`` (window pages a
+            sequence's ring reused in place, without the free queue);
+            ``sequences_added`` (sequences created by :meth:`add_sequence`
+            and :meth:`fork`). With prefix caching also
+            ``prefix_cached_free_pages`` (free pages still findable by hash,
+            a subset of ``prefix_cached_pages``) and ``prefix_lookups``
+            (:meth:`add_sequence` calls that looked up a prompt). With
+            ``metrics=True`` also ``out_of_pages_errors``
+            (``OutOfPagesError`` raised by :meth:`append`) and, with prefix
+            caching, ``prefix_hit_histogram``: a tuple of
+            ``len(PREFIX_HIT_BUCKETS) + 1`` counts of lookups by tokens
+            served ``h``: entry ``i`` counts ``PREFIX_HIT_BUCKETS[i - 1] < h
+            <= PREFIX_HIT_BUCKETS[i]`` (bounds in tokens: 0, 16, 32, ...,
+            ``2**20``, in ``pagedkv_c._kv_cache``), the last entry ``h >
+            2**20``; not cumulative, their sum is ``prefix_lookups`` and the
+            sum of ``h`` is ``prefix_hits``.
         """
         self._lock.acquire()
         try:
             in_use = self.pool.num_pages - self.pool.q.num_free
+            hit_counts = tuple([self._prefix_hit_counts[j] for j in range(NUM_PREFIX_HIT_BUCKETS)])
             extra = {}
             if self._prefix is not None:
                 extra = {
@@ -1080,7 +1152,11 @@ cdef class KVCache:
                     "prefix_hit_rate": (<double>self._prefix_hits) / self._prefix_queries if self._prefix_queries else 0.0,
                     "prefix_cached_pages": self._prefix.num_cached,
                     "prefix_evictions": self._prefix.evictions,
+                    "prefix_cached_free_pages": self.pool.q.num_cached_free,
+                    "prefix_lookups": sum(hit_counts),
                 }
+                if metrics:
+                    extra["prefix_hit_histogram"] = hit_counts
             return {
                 "pages_in_use": in_use,
                 "pages_free": self.pool.q.num_free,
@@ -1091,7 +1167,11 @@ cdef class KVCache:
                 "bytes_in_use": in_use * self.num_layers * self._page_bytes,
                 "num_sequences": len(self._tables),
                 "tokens_appended": self._tokens_appended,
-            } | extra
+                "num_pages": self.pool.num_pages,
+                "pages_allocated": self.pool.num_taken,
+                "ring_reuses": self.pool.num_reused_in_place,
+                "sequences_added": self._sequences_added,
+            } | extra | ({"out_of_pages_errors": self._num_out_of_pages} if metrics else {})
         finally:
             self._lock.leave()
 
@@ -1157,12 +1237,550 @@ cdef class KVCache:
                 f"head_dim={self.head_dim}, num_pages={self.pool.num_pages}, page_size={self.page_size}, "
                 f"dtype={self.kv.dtype}, window={self._window}, sink_tokens={self.sink_tokens})")
 
+    # ---------------------------------------------------------- sealed pages
+    # A page is sealed once it is full and its K/V complete in every layer (see
+    # seal() and docs/page_integrity.md). The one hook serves page checksums
+    # (verify_pages), snapshots (_sealed_state) and the sealed-page log.
+
+    cdef int _init_sealing(self, bint page_checksums) except -1:
+        """Allocate the per-page seal flags (and checksums with ``page_checksums``)."""
+        self._sealed_array = np.zeros(self.pool.num_pages, dtype=np.uint8)
+        self._sealed = <uint8_t*>cnp.PyArray_DATA(self._sealed_array)
+        self._checksum_array = None
+        self._checksums = NULL
+        if page_checksums:
+            self._checksum_array = np.zeros(self.pool.num_pages, dtype=np.uint64)
+            self._checksums = <uint64_t*>cnp.PyArray_DATA(self._checksum_array)
+        self._digest_scratch = <uint8_t*>malloc(16 * max(<Py_ssize_t>self.num_layers, 1))
+        if self._digest_scratch == NULL:
+            raise MemoryError()
+        if self._prefix is not None:
+            self._ix = &self._prefix.ix
+            self._index_tokens = &self._prefix.tokens[0, 0]
+        return 0
+
+    def __dealloc__(self):
+        free(self._digest_scratch)
+        free(self._seal_buffer)
+        if self._log_enabled:
+            pkv_sealed_log_free(&self._log)
+
+    cdef bint _seal_page(self, page_id_t page_id) noexcept nogil:
+        """Seal one page unless it is sealed: flag, checksum, log. True if newly sealed."""
+        cdef uint64_t checksum = 0
+        cdef pkv_page_record* record
+        cdef bint logged
+        if self._sealed[page_id]:
+            return False
+        self._sealed[page_id] = 1
+        self._pages_sealed += 1
+        logged = self._log_enabled and self._ix != NULL and pkv_index_is_cached(self._ix, page_id)
+        if self._checksums != NULL or logged:
+            checksum = pkv_page_checksum(<const uint8_t*>self._data, <size_t>self._layer_bytes,
+                                         <size_t>self._page_bytes, self.num_layers, page_id,
+                                         self._digest_scratch)
+        if self._checksums != NULL:
+            self._checksums[page_id] = checksum
+        if logged:
+            record = &self._ix.pages[page_id]
+            pkv_sealed_log_push(&self._log, page_id, record.lo, record.hi,
+                                self._index_tokens + <Py_ssize_t>page_id * self.page_size
+                                if record.has_tokens else NULL,
+                                checksum)
+        return True
+
+    cdef void _unseal_page(self, page_id_t page_id) noexcept nogil:
+        """The page is about to be written again: clear its seal (and withdraw its log entry)."""
+        if self._sealed[page_id]:
+            self._sealed[page_id] = 0
+            if self._checksums != NULL:
+                self._checksums[page_id] = 0
+            if self._log_enabled:
+                pkv_sealed_log_withdraw(&self._log, page_id)
+
+    cdef int64_t _seal_table(self, PageTable table) noexcept nogil:
+        """Seal the held full pages of a table from its resume point on; return how many were new."""
+        cdef int64_t upto = table.length // self.page_size
+        cdef int64_t k, n = 0
+        if upto <= table.num_sealed:
+            return 0
+        for k in range(table.num_sealed, min(upto, <int64_t>table.sink_count)):
+            n += self._seal_page(table.sinks[k])
+        for k in range(max(table.num_sealed, table.ring_first), min(upto, table.ring_first + table.ring_count)):
+            n += self._seal_page(table.ring_page(k - table.ring_first))
+        table.num_sealed = upto
+        return n
+
+    cdef Py_ssize_t _list_seals(self, list tables, const int64_t* counts) except -1:
+        """List the pages the append about to run seals, before it changes anything.
+
+        Those are the held, full, not yet sealed pages of each sequence that
+        appends at least one token. They are sealed by _after_append_seals
+        once the append cannot fail any more, and before its copy-on-write
+        copies or the caller's stores write into any page.
+        """
+        cdef Py_ssize_t b, n = 0, bound = 0
+        cdef int64_t k, upto
+        cdef PageTable table
+        cdef page_id_t* grown
+        for b in range(len(tables)):
+            table = <PageTable>tables[b]
+            upto = table.length // self.page_size
+            if counts[b] > 0 and upto > table.num_sealed:
+                bound += min(upto - table.num_sealed, <int64_t>table.num_held())
+        if bound == 0:
+            return 0
+        if bound > self._seal_capacity:
+            grown = <page_id_t*>realloc(self._seal_buffer, bound * sizeof(page_id_t))
+            if grown == NULL:
+                raise MemoryError()
+            self._seal_buffer = grown
+            self._seal_capacity = bound
+        for b in range(len(tables)):
+            table = <PageTable>tables[b]
+            if counts[b] <= 0:
+                continue
+            upto = table.length // self.page_size
+            for k in range(table.num_sealed, min(upto, <int64_t>table.sink_count)):
+                if not self._sealed[table.sinks[k]]:
+                    self._seal_buffer[n] = table.sinks[k]
+                    n += 1
+            for k in range(max(table.num_sealed, table.ring_first), min(upto, table.ring_first + table.ring_count)):
+                if not self._sealed[table.ring_page(k - table.ring_first)]:
+                    self._seal_buffer[n] = table.ring_page(k - table.ring_first)
+                    n += 1
+        return n
+
+    cdef void _after_append_seals(self, list tables, const int64_t* counts, Py_ssize_t num_listed):
+        """Seal the pages _list_seals listed, then clear the seal of every page the append hands out slots in."""
+        cdef Py_ssize_t i, b
+        cdef int64_t n0, k, ps = self.page_size
+        cdef PageTable table
+        if num_listed:
+            with nogil:
+                for i in range(num_listed):
+                    self._seal_page(self._seal_buffer[i])
+        for b in range(len(tables)):
+            if counts[b] <= 0:
+                continue
+            table = <PageTable>tables[b]
+            n0 = table.length - counts[b]
+            if n0 // ps > table.num_sealed:
+                table.num_sealed = n0 // ps
+            # New pages (from the free queue or reused in place), a copy-on-write
+            # destination, or a partial last page written again after a truncate.
+            for k in range(n0 // ps, (table.length - 1) // ps + 1):
+                if k < table.num_sink_pages:
+                    if k < table.sink_count:
+                        self._unseal_page(table.sinks[k])
+                elif table.ring_first <= k < table.ring_first + table.ring_count:
+                    self._unseal_page(table.ring_page(k - table.ring_first))
+
+    @property
+    def page_checksums_enabled(self):
+        """True when the cache records a checksum for each sealed page (``page_checksums=True``)."""
+        return self._checksums != NULL
+
+    def seal(self, seq_ids=None):
+        """Seal the full pages of sequences now: their K/V is complete in every layer.
+
+        A *sealed* page is a full page whose K/V the caller has stored in
+        every layer. The cache seals a sequence's held full pages at three
+        moments: at the start of each :meth:`append` that adds at least one
+        token to it (by then the previous step's K/V was stored), in
+        :meth:`remove_sequence`, and here. A page shared by forked
+        sequences is sealed once. With ``page_checksums=True`` the page's
+        checksum is recorded at its seal (without the GIL), for
+        :meth:`verify_pages`.
+
+        A page stops being sealed when an :meth:`append` hands out slots in
+        it again: a page taken from the free queue or reused in place by the
+        window's ring, a copy-on-write destination, or the partial last page
+        of a sequence truncated into it (its bytes stay as they were until
+        that append). A freed page keeps its seal while its bytes are
+        unchanged (a cached free page of prefix caching can be matched again).
+
+        Parameters
+        ----------
+        seq_ids : sequence of int, shape ``[B]``, optional
+            Distinct, known sequence ids; None seals every sequence's pages.
+
+        Returns
+        -------
+        int
+            Pages newly sealed by this call (pages that were sealed already
+            are not counted).
+
+        Raises
+        ------
+        KeyError
+            Unknown sequence id.
+        ValueError
+            A sequence id listed twice, or ``seq_ids`` not 1-D.
+        TypeError
+            Non-integer ids.
+
+        Notes
+        -----
+        Call it after storing the last layer of a step when pages must be
+        sealed before the next append (e.g. before :meth:`verify_pages` or
+        a snapshot of a sequence that will not be appended to again).
+        """
+        cdef int64_t n = 0
+        cdef PageTable table
+        self._lock.acquire()
+        try:
+            tables = list(self._tables.values()) if seq_ids is None else self._tables_for(seq_ids)
+            for table in tables:
+                with nogil:
+                    n += self._seal_table(table)
+        finally:
+            self._lock.leave()
+        return n
+
+    def verify_pages(self, seq_ids=None):
+        """Recompute the checksums of sealed pages and report every page whose bytes changed (scrub).
+
+        Parameters
+        ----------
+        seq_ids : sequence of int, shape ``[B]``, optional
+            Check the sealed pages these sequences hold (distinct, known
+            ids). None checks every sealed page of the pool, free ones that
+            prefix caching keeps findable included.
+
+        Returns
+        -------
+        PageCheckReport
+            ``num_pages_checked`` and ``bad_pages`` (one :class:`BadPage`
+            per page whose checksum differs: page id, recorded and
+            recomputed checksum, the ids of the sequences holding it). The
+            report is falsy when no page changed.
+
+        Raises
+        ------
+        RuntimeError
+            The cache was created without ``page_checksums=True``: no
+            checksum was recorded.
+        KeyError
+            Unknown sequence id.
+        ValueError, TypeError
+            ``seq_ids`` invalid (listed twice, not 1-D, not integers).
+
+        Notes
+        -----
+        Only sealed pages carry a checksum: a sequence's partial last page,
+        and a full page that has not met a seal moment yet (see
+        :meth:`seal`), are not checked. The checksums are computed in C
+        without the GIL, one page after another (about the memory read
+        bandwidth of one core; see docs/page_integrity.md). The checksum is
+        XXH3-based (``pagedkv_c._checksum.page_checksums``): it detects
+        corruption, not a forger who chooses the bytes.
+        """
+        cdef PageTable table
+        cdef cnp.ndarray pages, actual
+        cdef Py_ssize_t n
+        if self._checksums == NULL:
+            raise RuntimeError(
+                "verify_pages needs recorded checksums: create the cache with KVCache(..., page_checksums=True)"
+            )
+        self._lock.acquire()
+        try:
+            sealed = np.asarray(self._sealed_array).view(np.bool_)
+            if seq_ids is None:
+                pages = np.flatnonzero(sealed).astype(np.int32)
+            else:
+                held = [table.pages()[0] for table in self._tables_for(seq_ids)]
+                pages = np.unique(np.concatenate(held)) if held else np.empty(0, dtype=np.int32)
+                pages = np.ascontiguousarray(pages[sealed[pages]], dtype=np.int32)
+            n = pages.shape[0]
+            actual = np.empty(n, dtype=np.uint64)
+            with nogil:
+                pkv_page_checksums(<const uint8_t*>self._data, <size_t>self._layer_bytes, <size_t>self._page_bytes,
+                                   self.num_layers, <const int32_t*>cnp.PyArray_DATA(pages), n,
+                                   <uint64_t*>cnp.PyArray_DATA(actual), self._digest_scratch)
+            expected = self._checksum_array[pages]
+            bad = np.flatnonzero(actual != expected)
+            bad_pages = []
+            if bad.size:
+                holders = {int(p): [] for p in pages[bad]}
+                for seq_id, table in self._tables.items():
+                    for p in set(table.pages()[0].tolist()) & holders.keys():
+                        holders[p].append(seq_id)
+                bad_pages = [BadPage(int(pages[i]), int(expected[i]), int(actual[i]), holders[int(pages[i])])
+                             for i in bad]
+        finally:
+            self._lock.leave()
+        return PageCheckReport(int(n), bad_pages)
+
+    def _enable_sealed_log(self, enabled, capacity=4096):
+        """Start or stop logging sealed pages for a consumer that copies them out (internal: the shared tier).
+
+        While enabled, each page sealed (see :meth:`seal`) that is in the
+        prefix index at its seal is appended to a bounded log, with its
+        128-bit page hash, its token ids and its checksum (computed at the
+        seal even without ``page_checksums``). Pages without a prefix hash
+        (prefix caching off, or a page whose hash is cached on another page)
+        are not logged. Drain it with :meth:`_take_sealed_pages` after each
+        call that can seal (``append``, ``seal``, ``remove_sequence``).
+
+        Parameters
+        ----------
+        enabled : bool
+            True starts logging (a no-op when already on), False stops it and
+            discards pending entries.
+        capacity : int
+            Entries that can wait, ``1 <= capacity <= 2**24``; the log takes
+            ``capacity * (32 + 4 * page_size)`` bytes plus 8 per page of the
+            pool. A seal that finds it full is not logged (counted as
+            ``dropped`` in :meth:`_sealed_log_stats`). Default 4096.
+
+        Raises
+        ------
+        TypeError
+            ``enabled`` not a bool, ``capacity`` not an integer.
+        ValueError
+            ``capacity`` out of range.
+        MemoryError
+            The log cannot be allocated.
+        """
+        if not isinstance(enabled, (bool, np.bool_)):
+            raise TypeError(f"Invalid type of enabled: expected a bool, got {type(enabled).__name__}")
+        cdef int64_t entries = check_int(capacity, "capacity", 1, 2**24)
+        self._lock.acquire()
+        try:
+            if enabled and not self._log_enabled:
+                if pkv_sealed_log_init(&self._log, entries, self.page_size, self.pool.num_pages) != 0:
+                    raise MemoryError(f"the sealed-page log of {entries} entries cannot be allocated")
+                self._log_enabled = True
+            elif not enabled and self._log_enabled:
+                pkv_sealed_log_free(&self._log)
+                self._log_enabled = False
+        finally:
+            self._lock.leave()
+
+    def _take_sealed_pages(self):
+        """The pages sealed since the last call, in seal order, and empty the log (internal: the shared tier).
+
+        Returns
+        -------
+        page_ids : numpy.ndarray
+            int32, shape ``[n]``.
+        page_hashes : numpy.ndarray
+            uint8, shape ``[n, 16]``: each page's 128-bit prefix hash ``h =
+            hi << 64 | lo`` as ``h.to_bytes(16, "little")`` (``lo`` first),
+            the value of ``prefix_index.page_hash(page_id)`` at the seal.
+        token_ids : numpy.ndarray
+            int32, shape ``[n, page_size]``: the page's token ids, all -1 for
+            a page keyed by external block hashes (no token ids kept).
+        checksums : numpy.ndarray
+            uint64, shape ``[n]``: the page checksum at the seal
+            (``pagedkv_c._checksum.page_checksums``).
+
+        Raises
+        ------
+        RuntimeError
+            The log is not enabled (see :meth:`_enable_sealed_log`).
+
+        Notes
+        -----
+        The listed pages hold exactly the sealed bytes when this is called
+        right after the call that sealed them: an entry whose page was
+        written again (handed out by an append, including a copy-on-write
+        copy in the sealing call itself) is withdrawn before it is returned.
+        Copy the bytes (``kv[:, page_ids]``) before the next call that can
+        hand out pages or store K/V; the checksums let the copy be verified.
+        """
+        cdef cnp.ndarray page_ids, hashes, token_ids, checksums
+        cdef int64_t n
+        self._lock.acquire()
+        try:
+            if not self._log_enabled:
+                raise RuntimeError("the sealed-page log is not enabled: call _enable_sealed_log(True) first")
+            n = pkv_sealed_log_count(&self._log)
+            page_ids = np.empty(n, dtype=np.int32)
+            hashes = np.empty((n, 2), dtype=np.uint64)
+            token_ids = np.empty((n, self.page_size), dtype=np.int32)
+            checksums = np.empty(n, dtype=np.uint64)
+            pkv_sealed_log_drain(&self._log, <int32_t*>cnp.PyArray_DATA(page_ids), <uint64_t*>cnp.PyArray_DATA(hashes),
+                                 <int32_t*>cnp.PyArray_DATA(token_ids), <uint64_t*>cnp.PyArray_DATA(checksums))
+        finally:
+            self._lock.leave()
+        return page_ids, hashes.astype("<u8").view(np.uint8).reshape(n, 16), token_ids, checksums
+
+    def _sealed_log_stats(self):
+        """Counters of the sealed-page log (internal: the shared tier's metrics).
+
+        Returns
+        -------
+        dict
+            ``enabled`` (bool), ``capacity`` (entries), ``pending`` (entries
+            waiting), ``logged`` (entries ever appended), ``dropped`` (seals
+            not logged because the log was full), ``withdrawn`` (entries whose
+            page was written again before the log was drained); counts are 0
+            while disabled.
+        """
+        self._lock.acquire()
+        try:
+            if not self._log_enabled:
+                return {"enabled": False, "capacity": 0, "pending": 0, "logged": 0, "dropped": 0, "withdrawn": 0}
+            return {"enabled": True, "capacity": self._log.capacity, "pending": pkv_sealed_log_count(&self._log),
+                    "logged": self._log.num_logged, "dropped": self._log.num_dropped,
+                    "withdrawn": self._log.num_withdrawn}
+        finally:
+            self._lock.leave()
+
+    def _sealed_state(self):
+        """Copies of the per-page seal flags and checksums (internal: snapshots).
+
+        Returns
+        -------
+        dict
+            ``sealed``: uint8, shape ``[num_pages]``, 1 for a sealed page;
+            ``checksums``: uint64, shape ``[num_pages]``, the checksum recorded
+            at each sealed page's seal (0 elsewhere), or None without
+            ``page_checksums``; ``pages_sealed``: seals over the cache's life
+            (int, in pages).
+        """
+        self._lock.acquire()
+        try:
+            return {
+                "sealed": np.array(self._sealed_array, copy=True),
+                "checksums": None if self._checksum_array is None else np.array(self._checksum_array, copy=True),
+                "pages_sealed": self._pages_sealed,
+            }
+        finally:
+            self._lock.leave()
+
+    def _restore_sealed_state(self, sealed, checksums=None, pages_sealed=0):
+        """Set the per-page seal flags and checksums from :meth:`_sealed_state` (internal: snapshots).
+
+        The caller restores the pool's bytes and page tables first; the
+        cache takes the flags and checksums as given (verify them with
+        :meth:`verify_pages`). Pending entries of the sealed-page log are
+        withdrawn.
+
+        Parameters
+        ----------
+        sealed : numpy.ndarray
+            uint8, shape ``[num_pages]``, values 0 or 1.
+        checksums : numpy.ndarray or None
+            uint64, shape ``[num_pages]``, required with ``page_checksums``
+            and refused without; entries of unsealed pages are ignored (set
+            to 0).
+        pages_sealed : int
+            The seal counter, ``>= 0``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            An array of the wrong type, dtype, shape or layout, a flag other
+            than 0 or 1, ``checksums`` given (or missing) against the cache's
+            ``page_checksums``, a negative counter. Nothing is changed.
+        """
+        cdef PageTable table
+        flags = check_array(sealed, "sealed", np.uint8, (self.pool.num_pages,))
+        if flags.size and flags.max() > 1:
+            raise ValueError(f"Invalid value of sealed: expected flags 0 or 1, got {int(flags.max())}")
+        if self._checksums != NULL:
+            if checksums is None:
+                raise ValueError("Invalid value of checksums: expected an array, the cache records page checksums")
+            values = check_array(checksums, "checksums", np.uint64, (self.pool.num_pages,))
+        elif checksums is not None:
+            raise ValueError("Invalid value of checksums: expected None, the cache records no page checksums")
+        cdef int64_t counter = check_int(pages_sealed, "pages_sealed", 0, INT64_MAX)
+        self._lock.acquire()
+        try:
+            if self._log_enabled:
+                pkv_sealed_log_clear(&self._log)
+            np.copyto(self._sealed_array, flags)
+            if self._checksums != NULL:
+                np.multiply(values, flags, out=self._checksum_array, casting="unsafe")
+            self._pages_sealed = counter
+            for table in self._tables.values():
+                table.num_sealed = 0  # the flags no longer follow from this table's history
+        finally:
+            self._lock.leave()
+
+    # ------------------------------------------------------------ metrics
+    cdef void _note_prefix_hit(self, int64_t tokens) noexcept nogil:
+        """Count one prefix lookup that served ``tokens`` in the prefix-hit histogram."""
+        cdef Py_ssize_t bucket = 0
+        cdef int64_t bound = 16
+        if tokens > 0:
+            bucket = 1
+            while bucket < NUM_PREFIX_HIT_BUCKETS - 1 and tokens > bound:
+                bound <<= 1
+                bucket += 1
+        self._prefix_hit_counts[bucket] = self._prefix_hit_counts[bucket] + 1
+
+
+class BadPage:
+    """A sealed page whose bytes no longer match the checksum recorded at its seal.
+
+    Attributes
+    ----------
+    page_id : int
+        The page (its K/V in every layer).
+    expected : int
+        Checksum recorded at the seal (uint64 value).
+    actual : int
+        Checksum of the page's bytes now.
+    seq_ids : list of int
+        Sequences holding the page (empty for a free page kept by prefix caching).
+    """
+    __slots__ = ("page_id", "expected", "actual", "seq_ids")
+
+    def __init__(self, page_id, expected, actual, seq_ids):
+        self.page_id = page_id
+        self.expected = expected
+        self.actual = actual
+        self.seq_ids = seq_ids
+
+    def __eq__(self, other):
+        if not isinstance(other, BadPage):
+            return NotImplemented
+        return (self.page_id, self.expected, self.actual, self.seq_ids) == \
+            (other.page_id, other.expected, other.actual, other.seq_ids)
+
+    __hash__ = None
+
+    def __repr__(self):
+        return (f"BadPage(page_id={self.page_id}, expected={self.expected:#018x}, "
+                f"actual={self.actual:#018x}, seq_ids={self.seq_ids})")
+
+
+class PageCheckReport:
+    """Result of :meth:`KVCache.verify_pages`: pages checked and pages found changed.
+
+    Falsy when every checked page matched its recorded checksum, so
+    ``if report: ...`` reads "if corruption was found".
+
+    Attributes
+    ----------
+    num_pages_checked : int
+        Sealed pages whose checksum was recomputed, in pages.
+    bad_pages : list of BadPage
+        Pages whose checksum differs, in increasing page id order.
+    """
+    __slots__ = ("num_pages_checked", "bad_pages")
+
+    def __init__(self, num_pages_checked, bad_pages):
+        self.num_pages_checked = num_pages_checked
+        self.bad_pages = bad_pages
+
+    def __bool__(self):
+        return bool(self.bad_pages)
+
+    def __repr__(self):
+        return f"PageCheckReport(num_pages_checked={self.num_pages_checked}, bad_pages={self.bad_pages})"
+
 
 def _remove_deferred(tuple cache_and_key):
     """Remove a sequence whose removal a re-entrant remove_sequence deferred (under the lock)."""
     cdef KVCache cache = cache_and_key[0]
     cdef PageTable table = cache._tables.get(cache_and_key[1])
     if table is not None:  # the running call may have removed it already
+        cache._seal_table(table)
         table.drop_tail(0)
         del cache._tables[cache_and_key[1]]
 

@@ -24,6 +24,9 @@ cdef class PageTable:
     cdef Py_ssize_t ring_count          # pages in the ring
     cdef int64_t ring_first             # logical index of the oldest ring page, >= num_sink_pages
     cdef SequenceHashes hashes          # prefix-caching hash chain, or None
+    # Sealed pages (owner KVCache): every held logical page below this index
+    # is sealed, so a seal resumes here instead of rescanning the table.
+    cdef int64_t num_sealed             # in logical pages, <= length // page_size
 
     cdef int64_t num_logical(self) noexcept nogil
     cdef Py_ssize_t num_held(self) noexcept nogil

@@ -523,6 +523,7 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
             page_id = scratch.spare[scratch.spare_start[b] + i]
             pkv_set_ref(&pool.q, page_id, 1)
             scratch.taken[cursor + i] = page_id
+        pool.num_reused_in_place = pool.num_reused_in_place + scratch.own[b]
         cursor += scratch.need[b]
     for b in range(num_tables):
         for i in range(scratch.spare_start[b] + scratch.own[b], scratch.spare_start[b + 1]):

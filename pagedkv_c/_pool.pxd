@@ -14,6 +14,7 @@ cdef extern from "page_pool.h":
         int64_t head                  # absolute positions: entries live in [head, tail)
         int64_t tail
         int32_t num_free              # pages in the queue
+        int64_t num_cached_free       # queued pages still findable by prefix hash (metrics)
     pkv_page_record* pkv_rec(const pkv_free_queue* q, int32_t page) noexcept nogil
     void pkv_queue_remove(pkv_free_queue* q, int32_t page) noexcept nogil
     void pkv_queue_push(pkv_free_queue* q, int32_t page) noexcept nogil
@@ -60,3 +61,7 @@ cdef class PagePool:
     cdef object _checked_ids(self, object page_ids, bint forbid_duplicates)
     cdef int _check_unowned(self, str method) except -1
     cdef int attach_prefix(self, PrefixIndex index) except -1
+
+    # Counters since construction, for metrics (KVCache.stats, pagedkv.metrics).
+    cdef readonly int64_t num_taken           # pages handed out of the free queue by take (in pages)
+    cdef readonly int64_t num_reused_in_place # window pages a ring reused without the free queue (in pages)

@@ -91,6 +91,12 @@ cdef class PagePool:
         tables hold the references: there the pool is read-only (``num_free``,
         ``ref_count``, ``free_pages``, ``check_invariants``) and ``allocate``,
         ``free`` and ``incref`` raise RuntimeError. None for a standalone pool.
+    num_taken : int
+        Pages handed out of the free queue since construction (in pages),
+        by ``allocate`` and by the caches built on the pool.
+    num_reused_in_place : int
+        Window pages that a sequence's ring reused in place since
+        construction, without passing through the free queue (in pages).
     """
 
     def __cinit__(self, num_pages):
@@ -123,6 +129,9 @@ cdef class PagePool:
         self.q.head = 0
         self.q.tail = n
         self.q.num_free = n
+        self.q.num_cached_free = 0
+        self.num_taken = 0
+        self.num_reused_in_place = 0
         self._stamp = 0
         self.owner = None
 
@@ -140,6 +149,7 @@ cdef class PagePool:
         """
         cdef Py_ssize_t i
         cdef page_id_t page_id
+        self.num_taken = self.num_taken + n
         for i in range(min(n, _POP_PREFETCH_DISTANCE)):
             pkv_queue_prefetch(&self.q, i)
         for i in range(n):
@@ -482,6 +492,20 @@ cdef class PagePool:
                 raise AssertionError(f"page {p} has ref count {self._ref_count[p]} but is in the free queue")
             if not seen[p] and qpos != -1:
                 raise AssertionError(f"page {p} is not queued but records queue position {qpos}")
+        # The metrics counter of queued pages still findable by prefix hash (page_pool.h).
+        cdef int64_t cached_free = 0
+        for p in range(n):
+            if seen[p] and pkv_rec(&self.q, p).cached:
+                cached_free += 1
+        if cached_free != self.q.num_cached_free:
+            raise AssertionError(
+                f"{cached_free} free pages are cached but num_cached_free is {self.q.num_cached_free}"
+            )
+
+    @property
+    def num_cached_free(self):
+        """Free pages still findable by prefix hash (int, in pages); 0 without a prefix index."""
+        return self.q.num_cached_free
 
     def __reduce__(self):
         raise TypeError(

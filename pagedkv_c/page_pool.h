@@ -28,6 +28,11 @@ typedef struct {
     int64_t mask;           /* ring capacity - 1, capacity a power of two >= 2 * num_pages */
     int64_t head, tail;     /* absolute positions: entries live in [head, tail) */
     int32_t num_free;       /* pages in the queue (live entries) */
+    /* Metrics: queued pages whose record says cached (free pages still findable
+     * by prefix hash). Kept by push, pop and remove from the record they touch
+     * anyway; the cached byte is always 0 in a pool without a prefix index. A
+     * change to the cached flag of a queued page must adjust it. */
+    int64_t num_cached_free;
 } pkv_free_queue;
 
 /* The record of a page (only the allocator's fields are valid without a prefix index). */
@@ -56,6 +61,7 @@ PKV_INLINE void pkv_queue_remove(pkv_free_queue *q, int32_t page)
 {
     pkv_rec(q, page)->qpos = -1;
     q->num_free--;
+    q->num_cached_free -= pkv_rec(q, page)->cached;
 }
 
 /* Append a page at the tail (most recently freed). */
@@ -67,6 +73,7 @@ PKV_INLINE void pkv_queue_push(pkv_free_queue *q, int32_t page)
     pkv_rec(q, page)->qpos = q->tail;
     q->tail++;
     q->num_free++;
+    q->num_cached_free += pkv_rec(q, page)->cached;
 }
 
 /* Pop the least recently freed page; the queue must not be empty. */
@@ -78,6 +85,7 @@ PKV_INLINE int32_t pkv_queue_pop(pkv_free_queue *q)
         if (pkv_rec(q, page)->qpos == a) {
             pkv_rec(q, page)->qpos = -1;
             q->num_free--;
+            q->num_cached_free -= pkv_rec(q, page)->cached;
             return page;
         }
     }

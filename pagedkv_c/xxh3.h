@@ -316,6 +316,117 @@ static inline uint64_t pkv_xxh3_merge(const uint64_t acc[8], uint64_t init, cons
     return pkv_xxh3_avalanche(result);
 }
 
+/* SSE2 (part of every x86-64 CPU, so no run-time dispatch): the same
+ * accumulate and scramble on two 64-bit lanes at a time, the
+ * specification's "vectorized" form (xxHash's own SSE2 path does the same).
+ * Large inputs (page checksums of whole K/V pages) run at memory speed
+ * instead of about half of it. PKV_XXH3_SCALAR forces the scalar code. */
+#if (defined(__SSE2__) || defined(_M_X64)) && !defined(PKV_XXH3_SCALAR)
+#include <emmintrin.h>
+#define PKV_XXH3_SSE2 1
+
+static inline void pkv_xxh3_accumulate_sse2(__m128i acc[4], const uint8_t *stripe, const uint8_t *secret)
+{
+    int i;
+    for (i = 0; i < 4; i++) {
+        const __m128i data = _mm_loadu_si128((const __m128i *)(stripe + 16 * i));
+        const __m128i keyed = _mm_xor_si128(data, _mm_loadu_si128((const __m128i *)(secret + 16 * i)));
+        /* low 32 bits times high 32 bits of each 64-bit lane */
+        const __m128i product = _mm_mul_epu32(keyed, _mm_shuffle_epi32(keyed, _MM_SHUFFLE(0, 3, 0, 1)));
+        /* acc[i ^ 1] += data[i]: swap the two 64-bit lanes */
+        const __m128i swapped = _mm_shuffle_epi32(data, _MM_SHUFFLE(1, 0, 3, 2));
+        acc[i] = _mm_add_epi64(acc[i], _mm_add_epi64(product, swapped));
+    }
+}
+
+static inline void pkv_xxh3_scramble_sse2(__m128i acc[4])
+{
+    const uint8_t *s = pkv_xxh3_secret + PKV_XXH3_SECRET_SIZE - 64;
+    const __m128i prime = _mm_set1_epi32((int)PKV_PRIME32_1);
+    int i;
+    for (i = 0; i < 4; i++) {
+        __m128i a = acc[i];
+        a = _mm_xor_si128(a, _mm_srli_epi64(a, 47));
+        a = _mm_xor_si128(a, _mm_loadu_si128((const __m128i *)(s + 16 * i)));
+        /* 64 x 32-bit product: low half times prime, plus high half times prime shifted */
+        {
+            const __m128i low = _mm_mul_epu32(a, prime);
+            const __m128i high = _mm_mul_epu32(_mm_shuffle_epi32(a, _MM_SHUFFLE(0, 3, 0, 1)), prime);
+            acc[i] = _mm_add_epi64(low, _mm_slli_epi64(high, 32));
+        }
+    }
+}
+#endif
+
+/* AVX2 (most x86-64 CPUs since 2013; chosen at run time with GCC and Clang):
+ * four 64-bit lanes at a time, about twice the SSE2 rate on K/V pages.
+ * PKV_XXH3_NO_AVX2 leaves it out. */
+#if defined(PKV_XXH3_SSE2) && defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && \
+    !defined(PKV_XXH3_NO_AVX2)
+#include <immintrin.h>
+#define PKV_XXH3_AVX2 1
+#define PKV_XXH3_AVX2_FN __attribute__((target("avx2")))
+
+static inline PKV_XXH3_AVX2_FN void pkv_xxh3_accumulate_avx2(__m256i acc[2], const uint8_t *stripe,
+                                                              const uint8_t *secret)
+{
+    int i;
+    for (i = 0; i < 2; i++) {
+        const __m256i data = _mm256_loadu_si256((const __m256i *)(stripe + 32 * i));
+        const __m256i keyed = _mm256_xor_si256(data, _mm256_loadu_si256((const __m256i *)(secret + 32 * i)));
+        const __m256i product = _mm256_mul_epu32(keyed, _mm256_shuffle_epi32(keyed, _MM_SHUFFLE(0, 3, 0, 1)));
+        const __m256i swapped = _mm256_shuffle_epi32(data, _MM_SHUFFLE(1, 0, 3, 2));
+        acc[i] = _mm256_add_epi64(acc[i], _mm256_add_epi64(product, swapped));
+    }
+}
+
+static inline PKV_XXH3_AVX2_FN void pkv_xxh3_scramble_avx2(__m256i acc[2])
+{
+    const uint8_t *s = pkv_xxh3_secret + PKV_XXH3_SECRET_SIZE - 64;
+    const __m256i prime = _mm256_set1_epi32((int)PKV_PRIME32_1);
+    int i;
+    for (i = 0; i < 2; i++) {
+        __m256i a = acc[i];
+        a = _mm256_xor_si256(a, _mm256_srli_epi64(a, 47));
+        a = _mm256_xor_si256(a, _mm256_loadu_si256((const __m256i *)(s + 32 * i)));
+        {
+            const __m256i low = _mm256_mul_epu32(a, prime);
+            const __m256i high = _mm256_mul_epu32(_mm256_shuffle_epi32(a, _MM_SHUFFLE(0, 3, 0, 1)), prime);
+            acc[i] = _mm256_add_epi64(low, _mm256_slli_epi64(high, 32));
+        }
+    }
+}
+
+/* The stripe loop of pkv_xxh3_128_large with AVX2 (same order of operations). */
+static PKV_XXH3_AVX2_FN void pkv_xxh3_large_avx2(uint64_t acc[8], const uint8_t *in, size_t len)
+{
+    const size_t block_bytes = 64 * PKV_XXH3_STRIPES_PER_BLOCK;
+    const size_t num_blocks = (len - 1) / block_bytes;
+    const uint8_t *s = pkv_xxh3_secret;
+    __m256i vacc[2];
+    size_t block, n;
+    vacc[0] = _mm256_loadu_si256((const __m256i *)acc);
+    vacc[1] = _mm256_loadu_si256((const __m256i *)(acc + 4));
+    for (block = 0; block < num_blocks; block++) {
+        const uint8_t *b = in + block * block_bytes;
+        for (n = 0; n < PKV_XXH3_STRIPES_PER_BLOCK; n++) {
+            pkv_xxh3_accumulate_avx2(vacc, b + 64 * n, s + 8 * n);
+        }
+        pkv_xxh3_scramble_avx2(vacc);
+    }
+    {
+        const uint8_t *b = in + num_blocks * block_bytes;
+        const size_t num_stripes = (len - num_blocks * block_bytes - 1) / 64;
+        for (n = 0; n < num_stripes; n++) {
+            pkv_xxh3_accumulate_avx2(vacc, b + 64 * n, s + 8 * n);
+        }
+        pkv_xxh3_accumulate_avx2(vacc, in + len - 64, s + PKV_XXH3_SECRET_SIZE - 71);
+    }
+    _mm256_storeu_si256((__m256i *)acc, vacc[0]);
+    _mm256_storeu_si256((__m256i *)(acc + 4), vacc[1]);
+}
+#endif
+
 /* Large inputs: full 1024-byte blocks (each 16 stripes, then a scramble) while
  * more than a block remains; then the last block's stripes but its last, and
  * the input's last 64 bytes as a final stripe. */
@@ -327,6 +438,36 @@ static inline void pkv_xxh3_128_large(const uint8_t *in, size_t len, uint64_t *l
     uint64_t acc[8] = {PKV_PRIME32_3, PKV_PRIME64_1, PKV_PRIME64_2, PKV_PRIME64_3,
                        PKV_PRIME64_4, PKV_PRIME32_2, PKV_PRIME64_5, PKV_PRIME32_1};
     size_t block, n;
+#ifdef PKV_XXH3_AVX2
+    if (__builtin_cpu_supports("avx2")) {
+        pkv_xxh3_large_avx2(acc, in, len);
+        *lo = pkv_xxh3_merge(acc, (uint64_t)len * PKV_PRIME64_1, s + 11);
+        *hi = pkv_xxh3_merge(acc, ~((uint64_t)len * PKV_PRIME64_2), s + PKV_XXH3_SECRET_SIZE - 75);
+        return;
+    }
+#endif
+#ifdef PKV_XXH3_SSE2
+    __m128i vacc[4];
+    for (n = 0; n < 4; n++)
+        vacc[n] = _mm_loadu_si128((const __m128i *)(acc + 2 * n));
+    for (block = 0; block < num_blocks; block++) {
+        const uint8_t *b = in + block * block_bytes;
+        for (n = 0; n < PKV_XXH3_STRIPES_PER_BLOCK; n++) {
+            pkv_xxh3_accumulate_sse2(vacc, b + 64 * n, s + 8 * n);
+        }
+        pkv_xxh3_scramble_sse2(vacc);
+    }
+    {
+        const uint8_t *b = in + num_blocks * block_bytes;
+        const size_t num_stripes = (len - num_blocks * block_bytes - 1) / 64;
+        for (n = 0; n < num_stripes; n++) {
+            pkv_xxh3_accumulate_sse2(vacc, b + 64 * n, s + 8 * n);
+        }
+        pkv_xxh3_accumulate_sse2(vacc, in + len - 64, s + PKV_XXH3_SECRET_SIZE - 71);
+    }
+    for (n = 0; n < 4; n++)
+        _mm_storeu_si128((__m128i *)(acc + 2 * n), vacc[n]);
+#else
     for (block = 0; block < num_blocks; block++) {
         const uint8_t *b = in + block * block_bytes;
         for (n = 0; n < PKV_XXH3_STRIPES_PER_BLOCK; n++) {
@@ -342,6 +483,7 @@ static inline void pkv_xxh3_128_large(const uint8_t *in, size_t len, uint64_t *l
         }
         pkv_xxh3_accumulate(acc, in + len - 64, s + PKV_XXH3_SECRET_SIZE - 71);
     }
+#endif
     *lo = pkv_xxh3_merge(acc, (uint64_t)len * PKV_PRIME64_1, s + 11);
     *hi = pkv_xxh3_merge(acc, ~((uint64_t)len * PKV_PRIME64_2), s + PKV_XXH3_SECRET_SIZE - 75);
 }

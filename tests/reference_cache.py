@@ -13,6 +13,12 @@ slot arithmetic:
 * then, sequence by sequence, a shared partial last page is copied, and new
   logical pages are taken; the call fails, changing nothing, if the pool's
   free pages plus the pages its releases free do not cover what it takes.
+
+Sealed pages (KVCache.seal): a page is sealed at the start of an append
+that adds tokens to a sequence holding it as a full page (k + 1) * page_size
+<= length, by an explicit seal of such a sequence, and by its removal; it
+stops being sealed when an append hands out slots in it again (a new page,
+a copy-on-write copy, or a partial last page written in place).
 """
 import itertools
 import math
@@ -49,6 +55,14 @@ class RefCache:
         self._ids = itertools.count()
         self.evictions = 0
         self.cow_copies = 0
+        self.sealed = set()  # abstract page ids
+        # Counters of KVCache.stats() for metrics.
+        self.pages_allocated = 0  # pages taken from the free pool (new and copy-on-write pages)
+        self.ring_reuses = 0  # released pages a sequence reused for its own new pages in the same append
+        self.out_of_pages_errors = 0
+        self.sequences_added = 0
+        self.tokens_appended = 0
+        self.pages_peak = 0
 
     # -- helpers
     def _new_page(self):
@@ -83,8 +97,26 @@ class RefCache:
     def add(self, seq_id):
         assert seq_id not in self.seqs
         self.seqs[seq_id] = RefSequence()
+        self.sequences_added += 1
+
+    def _seal_full_pages(self, seq):
+        """Seal the sequence's held full pages; return the newly sealed abstract ids in logical order."""
+        new = [page for k, page in sorted(seq.pages.items())
+               if (k + 1) * self.page_size <= seq.length and page not in self.sealed]
+        self.sealed.update(new)
+        return new
+
+    def seal(self, seq_ids=None):
+        """KVCache.seal: the number of pages newly sealed."""
+        ids = sorted(self.seqs) if seq_ids is None else seq_ids
+        return sum(len(self._seal_full_pages(self.seqs[sid])) for sid in ids)
+
+    def sealed_logical_pages(self, seq_id):
+        """Logical pages of the sequence whose page is sealed (sorted)."""
+        return sorted(k for k, page in self.seqs[seq_id].pages.items() if page in self.sealed)
 
     def remove(self, seq_id):
+        self._seal_full_pages(self.seqs[seq_id])
         seq = self.seqs.pop(seq_id)
         for page in seq.pages.values():
             self._drop(page)
@@ -94,6 +126,7 @@ class RefCache:
         for page in seq.pages.values():
             self.refs[page] += 1
         self.seqs[child] = seq
+        self.sequences_added += 1
 
     def append(self, seq_ids, counts):
         """Return [(seq_id, position)] of the new tokens, or raise OutOfPages."""
@@ -124,13 +157,21 @@ class RefCache:
                     needed += 1
             needed += math.ceil((n0 + t) / ps) - math.ceil(n0 / ps)
         if needed > free:
+            self.out_of_pages_errors += 1
             raise OutOfPages(needed, free)
-        # apply
+        # apply: the seal comes first, then releases, copies and new pages
+        for sid, t in zip(seq_ids, counts):
+            if t:
+                self._seal_full_pages(self.seqs[sid])
         new_tokens = []
+        freed_by = {}  # pages whose last reference a sequence's release dropped: it reuses them first
         for sid, t in zip(seq_ids, counts):
             seq = self.seqs[sid]
+            freed_by[sid] = 0
             for k in releases[sid]:
-                self._drop(seq.pages.pop(k))
+                page = seq.pages.pop(k)
+                self._drop(page)
+                freed_by[sid] += page not in self.refs
                 for p in range(k * ps, (k + 1) * ps):
                     seq.kv.pop(p, None)
                 self.evictions += 1
@@ -139,14 +180,22 @@ class RefCache:
             if t == 0:
                 continue
             n0 = seq.length
+            new_pages = int(copies[sid]) + math.ceil((n0 + t) / ps) - math.ceil(n0 / ps)
+            reused = min(new_pages, freed_by[sid])
+            self.ring_reuses += reused
+            self.pages_allocated += new_pages - reused
             if copies[sid]:
                 self._drop(seq.pages[n0 // ps])
                 seq.pages[n0 // ps] = self._new_page()
                 self.cow_copies += 1
+            elif n0 % ps and n0 // ps in seq.pages:
+                self.sealed.discard(seq.pages[n0 // ps])  # written in place again
             for k in range(math.ceil(n0 / ps), math.ceil((n0 + t) / ps)):
                 seq.pages[k] = self._new_page()
             seq.length = n0 + t
             new_tokens += [(sid, p) for p in range(n0, n0 + t)]
+        self.tokens_appended += sum(counts)
+        self.pages_peak = max(self.pages_peak, self.pages_in_use)
         return new_tokens
 
     def truncate_allowed(self, seq_id, new_len):
@@ -274,3 +323,46 @@ class RefPagePool:
     def incref(self, ids):
         for page in ids:
             self.refs[page] += 1
+
+
+class RefSealedPages:
+    """The seal rule of KVCache over physical page ids, driven by observed page tables.
+
+    Where the abstract RefCache cannot follow the pages (prefix-cache hits
+    start a sequence on pages other sequences filled), this model takes the
+    page tables observed around each call (``{seq_id: ({logical page: page
+    id}, length)}``) and applies the seal rule of the module docstring to
+    them: which pages each call seals, in which order, and which it unseals.
+    """
+
+    def __init__(self, page_size):
+        self.page_size = page_size
+        self.sealed = set()
+
+    def _seal(self, held, length, order):
+        for k in sorted(held):
+            page = held[k]
+            if (k + 1) * self.page_size <= length and page not in self.sealed:
+                self.sealed.add(page)
+                order.append(page)
+
+    def seal(self, observed):
+        """An explicit seal of the observed sequences; the pages newly sealed, in seal order."""
+        order = []
+        for held, length in observed:
+            self._seal(held, length, order)
+        return order
+
+    def append(self, before, after, counts):
+        """A successful append: ``before``/``after`` observed per listed sequence, in call order."""
+        order = []
+        for (held, length), t in zip(before, counts):
+            if t:
+                self._seal(held, length, order)
+        ps = self.page_size
+        for (held_before, n0), (held, length), t in zip(before, after, counts):
+            if t:
+                for k in range(n0 // ps, -(-length // ps)):
+                    if k in held:
+                        self.sealed.discard(held[k])
+        return order

@@ -28,6 +28,8 @@ def test_readme_python_example_runs(index, capsys):
             find_smollm2_gguf()
         except FileNotFoundError as exc:
             pytest.skip(str(exc))
+    if "pagedkv.metrics" in blocks[index]:
+        pytest.importorskip("prometheus_client", reason='the metrics example needs pip install "pagedkv[metrics]"')
     exec(compile(blocks[index], f"README.md example {index}", "exec"), {})
     printed = capsys.readouterr().out
     if "LlamaModel.from_gguf()" in blocks[index]:

@@ -7,6 +7,8 @@ KVCache
     window with attention sinks, copy-on-write forks, FlashInfer/vLLM exports).
 PageTableView
     A batch of page tables in FlashInfer's CSR form (``KVCache.page_table``).
+PageCheckReport, BadPage
+    Result of ``KVCache.verify_pages`` (pages whose bytes changed since their seal).
 PagePool
     Free-list page allocator with ref counts.
 OutOfPagesError
@@ -33,10 +35,10 @@ if "numpy" not in _sys.modules:
 
 from pagedkv_c._build_info import build_info, openmp_enabled
 from pagedkv_c._classic import PagedKVCache
-from pagedkv_c._kv_cache import KVCache, PageTableView
+from pagedkv_c._kv_cache import BadPage, KVCache, PageCheckReport, PageTableView
 from pagedkv_c._pool import OutOfPagesError, PagePool
 from pagedkv import attention
 
-__all__ = ["KVCache", "OutOfPagesError", "PagePool", "PageTableView", "PagedKVCache", "attention",
-           "build_info", "openmp_enabled"]
+__all__ = ["BadPage", "KVCache", "OutOfPagesError", "PageCheckReport", "PagePool", "PageTableView",
+           "PagedKVCache", "attention", "build_info", "openmp_enabled"]
 __version__ = "0.1.0"

@@ -184,7 +184,8 @@ def capacity_pages(capacity_tokens: int, page_size: int, max_pages: int = MAX_PA
 
 
 def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_hash: str = "xxh3_128",
-           progress: Callable[[int], object] | None = None, keep_cache: bool = False) -> ReplayResult:
+           progress: Callable[[int], object] | None = None, keep_cache: bool = False,
+           on_cache: Callable[[KVCache], object] | None = None) -> ReplayResult:
     """Replay a trace through a page manager of ``capacity_tokens`` tokens.
 
     See the module notes for the steps per request, the rejection rule and
@@ -208,6 +209,10 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
         number finished since the previous call (e.g. ``tqdm.update``).
     keep_cache : bool
         Keep the cache in ``ReplayResult.cache`` for inspection.
+    on_cache : callable or None
+        Called as ``on_cache(cache)`` with the new :class:`pagedkv.KVCache`
+        before the first request, e.g. to register a
+        :class:`pagedkv.metrics.Collector` for it.
 
     Returns
     -------
@@ -234,6 +239,8 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
         )
     cache = KVCache(0, 1, 1, num_pages, page_size=page_size, enable_prefix_caching=with_prefix,
                     prefix_hash=prefix_hash)
+    if on_cache is not None:
+        on_cache(cache)
 
     inputs = trace.input_lengths
     outputs = trace.output_lengths

@@ -605,6 +605,8 @@ class KVCacheProgram:
             check(stats["pages_in_use"] == ref.pages_in_use, f"pages_in_use {stats['pages_in_use']} != {ref.pages_in_use}")
             check(stats["evictions"] == ref.evictions, "evictions differ from the reference")
             check(stats["cow_copies"] == ref.cow_copies, "cow_copies differ from the reference")
+            for key in ("pages_allocated", "ring_reuses", "sequences_added", "tokens_appended", "pages_peak"):
+                check(stats[key] == getattr(ref, key), f"{key} {stats[key]} != reference {getattr(ref, key)}")
         if not live:
             return
         view = cache.page_table(live)

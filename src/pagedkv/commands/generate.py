@@ -5,6 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from pagedkv.commands._metrics_options import RunMetrics, add_metrics_arguments
 from pagedkv.commands._model_options import (
     CommandError,
     add_model_arguments,
@@ -114,6 +115,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="seed of the sampler: the same seed gives the same text (default: random)")
     add_window_arguments(parser)
     add_model_arguments(parser)
+    add_metrics_arguments(parser)
     parser.set_defaults(parser=parser)
     return parser
 
@@ -174,6 +176,17 @@ def _run(args: argparse.Namespace) -> int:
         args.parser.error("argument --system: only used with --chat")
     prompts, line_numbers = _read_prompts(args)
     check_thread_control(args.threads)
+    metrics = RunMetrics(args, "generate")  # before the model loads: a missing extra or busy port fails fast
+    try:
+        status = _generate(args, prompts, line_numbers, metrics)
+    finally:
+        metrics_error = metrics.close()
+    if metrics_error is not None:
+        raise CommandError(metrics_error)
+    return status
+
+
+def _generate(args: argparse.Namespace, prompts: list[str], line_numbers: list[int], metrics: RunMetrics) -> int:
     model, tokenizer = load_model(args.gguf, args.threads)
 
     import numpy as np
@@ -213,6 +226,7 @@ def _run(args: argparse.Namespace) -> int:
         model.config, num_pages, page_size=args.page_size, dtype=np.dtype(args.dtype),
         window=args.window, sink_tokens=args.sinks, num_threads=args.threads, positions=args.positions,
     )
+    metrics.attach(backend.cache)
 
     streams = [TextStream(tokenizer) for _ in prompts]
     lengths = [0] * len(prompts)
@@ -248,6 +262,7 @@ def _run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
     stats = backend.stats()  # before the sequences are released
+    metrics.detach()  # --metrics-file reports this point too
     for seq_id in backend.seq_ids:
         backend.remove_sequence(seq_id)
     _print_report(result, stats, backend, num_pages, len(prompts))

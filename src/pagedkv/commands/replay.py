@@ -6,7 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from pagedkv.commands._model_options import positive_int
+from pagedkv.commands._metrics_options import RunMetrics, add_metrics_arguments
+from pagedkv.commands._model_options import CommandError, positive_int
 from pagedkv.commands._paths import dataset_or_path, not_a_dataset_hint, plot_file
 from pagedkv.replay import MAX_PAGES, MAX_PREFIX_PAGES, PREFIX_HASHES, ReplayResult, capacity_pages, replay
 from pagedkv.data import DataError
@@ -66,6 +67,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="draw the token hit rate against capacity (needs matplotlib and a mooncake trace; "
                              "the extension gives the image format)")
     parser.add_argument("--no-progress", action="store_true", help="do not show the tqdm progress bar")
+    add_metrics_arguments(parser)
     return parser
 
 
@@ -176,21 +178,18 @@ def run(args: argparse.Namespace) -> int:
             print("pagedkv replay: tqdm is not installed, no progress bar (pip install tqdm)", file=sys.stderr)
         else:
             progress_bar = tqdm
-    print(f"{trace.format} trace {args.trace}: {len(trace):,} requests, "
-          f"{int(trace.input_lengths.sum()):,} prompt and {int(trace.output_lengths.sum()):,} output tokens; "
-          f"page size {args.page_size}, prefix caching {'on' if trace.has_block_ids else 'off (no block ids)'}")
-    results = []
-    for capacity in capacities:
-        bar = None
-        if progress_bar is not None:
-            bar = progress_bar(total=len(trace), unit="req", desc=f"{capacity:,} tokens", leave=False)
-        try:
-            result = replay(trace, capacity, page_size=args.page_size, prefix_hash=args.prefix_hash,
-                            progress=bar.update if bar is not None else None)
-        finally:
-            if bar is not None:
-                bar.close()
-        results.append(result)
+    try:
+        metrics = RunMetrics(args, "replay")  # each capacity's cache is labelled capacity_tokens=N
+    except CommandError as exc:
+        print(f"pagedkv replay: {exc}", file=sys.stderr)
+        return 2
+    try:
+        results = _replay_all(args, trace, capacities, progress_bar, metrics)
+    finally:
+        metrics_error = metrics.close()
+    if metrics_error is not None:
+        print(f"pagedkv replay: {metrics_error}", file=sys.stderr)
+        return 2
     print(format_table(results))
     if args.plot:
         # The path was checked when parsing; writing can still fail (a full disk, a directory removed since).
@@ -202,3 +201,26 @@ def run(args: argparse.Namespace) -> int:
             return 2
         print(f"hit-rate plot written to {args.plot}")
     return 0
+
+
+def _replay_all(args: argparse.Namespace, trace, capacities: list[int], progress_bar,
+                metrics: RunMetrics) -> list[ReplayResult]:
+    """Replay ``trace`` at every capacity, in order; return the results."""
+    print(f"{trace.format} trace {args.trace}: {len(trace):,} requests, "
+          f"{int(trace.input_lengths.sum()):,} prompt and {int(trace.output_lengths.sum()):,} output tokens; "
+          f"page size {args.page_size}, prefix caching {'on' if trace.has_block_ids else 'off (no block ids)'}")
+    results = []
+    for capacity in capacities:
+        bar = None
+        if progress_bar is not None:
+            bar = progress_bar(total=len(trace), unit="req", desc=f"{capacity:,} tokens", leave=False)
+        try:
+            result = replay(trace, capacity, page_size=args.page_size, prefix_hash=args.prefix_hash,
+                            progress=bar.update if bar is not None else None,
+                            on_cache=lambda cache: metrics.attach(cache, {"capacity_tokens": str(capacity)}))
+        finally:
+            metrics.detach()
+            if bar is not None:
+                bar.close()
+        results.append(result)
+    return results

@@ -1,0 +1,102 @@
+"""Page checksums of a K/V pool: what a sealed page records and a scrub recomputes.
+
+One 64-bit value per page id over its K/V bytes in every layer (see
+``page_checksum.h``): for each layer, XXH3-128 of the page's bytes in that
+layer (K then V, as laid out in the pool) as its 16-byte canonical digest;
+the checksum is the low 64 bits of XXH3-128 over the concatenated digests
+(over the empty string with zero layers). XXH3 is the xxHash family's hash
+(Yann Collet, https://github.com/Cyan4973/xxHash); the core carries its own
+implementation (``xxh3.h``), the one prefix caching uses for its page hashes.
+"""
+import numpy as np
+
+cimport numpy as cnp
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+
+from pagedkv_c._checks cimport as_int_array, invalid
+
+cnp.import_array()
+
+__all__ = ["page_checksums"]
+
+
+def page_checksums(kv, page_ids):
+    """Checksum of each listed page over its K/V bytes in every layer.
+
+    Runs in C without the GIL. The same function records the checksum of a
+    sealed page in ``KVCache(..., page_checksums=True)``, so a value computed
+    here for a pool's page equals the one the cache recorded while the bytes
+    are unchanged.
+
+    Parameters
+    ----------
+    kv : numpy.ndarray, float16 or float32, shape ``(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)``
+        A K/V pool in the layout of ``KVCache.kv`` (index 0 of the third
+        axis is K, 1 is V), C-contiguous; read only, so a read-only array or
+        a memory map is accepted. ``num_layers`` may be 0.
+    page_ids : sequence of int or numpy.ndarray of integers, shape ``(n,)``
+        Page ids in ``[0, num_pages - 1]``; repeats are allowed.
+
+    Returns
+    -------
+    numpy.ndarray, uint64, shape ``(n,)``
+        ``out[i]`` is the checksum of page ``page_ids[i]``: for each layer L,
+        ``d_L = xxh3_128(kv[L, page].tobytes()).digest()`` (16 bytes); the
+        checksum is ``xxh3_128(d_0 + ... + d_{L-1}).intdigest() & (2**64 - 1)``.
+
+    Raises
+    ------
+    TypeError
+        ``kv`` is not an ndarray of float16 or float32; ``page_ids`` is not a
+        1-D sequence of integers.
+    ValueError
+        ``kv`` is not 6-D with 2 on its third axis, or not C-contiguous;
+        ``page_ids`` is not 1-D or holds an id outside ``[0, num_pages - 1]``.
+
+    Notes
+    -----
+    XXH3 is not a cryptographic hash: it detects corruption (bit flips,
+    torn or swapped pages), not a forger who chooses the bytes.
+    """
+    cdef cnp.ndarray pool = _checked_pool(kv, "kv")
+    cdef int64_t num_pages = pool.shape[1]
+    cdef cnp.ndarray ids = as_int_array(page_ids, "page_ids", np.int64)
+    if ids.size:
+        lo = int(ids.min())
+        hi = int(ids.max())
+        if lo < 0 or hi >= num_pages:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"{invalid('value', 'page_ids')}: expected page ids in [0, {num_pages - 1}], got {bad}"
+            )
+    ids = np.ascontiguousarray(ids, dtype=np.int32)
+    cdef int64_t n = ids.shape[0]
+    cdef cnp.ndarray out = np.empty(n, dtype=np.uint64)
+    cdef int64_t num_layers = pool.shape[0]
+    cdef cnp.ndarray scratch = np.empty(max(num_layers, 1) * 16, dtype=np.uint8)
+    # From the shape, not the strides: NumPy calls every empty array C-contiguous whatever its strides.
+    cdef size_t page_bytes = <size_t>(2 * pool.shape[3] * pool.shape[4] * pool.shape[5] * pool.itemsize)
+    cdef size_t layer_stride = <size_t>num_pages * page_bytes
+    cdef const uint8_t* data = <const uint8_t*>cnp.PyArray_DATA(pool)
+    cdef const int32_t* id_data = <const int32_t*>cnp.PyArray_DATA(ids)
+    cdef uint64_t* out_data = <uint64_t*>cnp.PyArray_DATA(out)
+    cdef uint8_t* scratch_data = <uint8_t*>cnp.PyArray_DATA(scratch)
+    with nogil:
+        pkv_page_checksums(data, layer_stride, page_bytes, num_layers, id_data, n, out_data, scratch_data)
+    return out
+
+
+cdef cnp.ndarray _checked_pool(object kv, str name):
+    """Check that ``kv`` is a C-contiguous 6-D float16/float32 pool array."""
+    if not isinstance(kv, np.ndarray):
+        raise TypeError(f"{invalid('type', name)}: expected numpy.ndarray, got {type(kv).__name__}")
+    if kv.dtype != np.float16 and kv.dtype != np.float32:
+        raise TypeError(f"{invalid('dtype', name)}: expected float16 or float32, got {kv.dtype}")
+    if kv.ndim != 6 or kv.shape[2] != 2:
+        raise ValueError(
+            f"{invalid('shape', name)}: expected (num_layers, num_pages, 2, page_size, num_kv_heads, "
+            f"head_dim), got {kv.shape}"
+        )
+    if not kv.flags.c_contiguous:
+        raise ValueError(f"{invalid('layout', name)}: expected a C-contiguous array, got strides {kv.strides}")
+    return <cnp.ndarray>kv
