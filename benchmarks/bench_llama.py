@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from _timing import format_table, machine_info, write_json
+from pagedkv import data
 from pagedkv.commands.perplexity import load_token_ids
 from pagedkv.models import DenseBackend, LlamaModel
 from pagedkv.models.paged_backend import PagedBackend
@@ -42,12 +43,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def find_text():
-    """``../shared/data/tinyshakespeare.txt`` from the repository root, else from the nearest ancestor."""
+    """``../shared/data/tinyshakespeare.txt`` from the repository root, else from the nearest ancestor,
+    else the copy that ``pagedkv data fetch tinyshakespeare`` put in the data directory."""
     for base in [REPO_ROOT.parent, *REPO_ROOT.parent.parents]:
         candidate = base / "shared" / "data" / "tinyshakespeare.txt"
         if candidate.is_file():
             return candidate
-    return None
+    fetched = data.dataset_path("tinyshakespeare")
+    return fetched if fetched.is_file() else None
 CANDIDATES = ("dense", "paged float32", "paged float16")
 
 

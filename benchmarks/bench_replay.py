@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedkv import data
 from pagedkv.replay import capacity_pages, replay
 from pagedkv.traces import Trace, load_trace
 from pagedkv_c._prefix import xxh3_in_c
@@ -56,12 +57,14 @@ TRACE_NAME = "mooncake_conversation_trace.jsonl"
 
 
 def default_trace_path() -> Path | None:
-    """``<repo root>/../shared/data/<trace>``, else the nearest ancestor's ``shared/data``."""
+    """``<repo root>/../shared/data/<trace>``, else the nearest ancestor's ``shared/data``,
+    else the copy that ``pagedkv data fetch mooncake-conversation`` put in the data directory."""
     for base in [REPO_ROOT.parent, *REPO_ROOT.parent.parents]:
         candidate = base / "shared" / "data" / TRACE_NAME
         if candidate.is_file():
             return candidate
-    return None
+    fetched = data.dataset_path("mooncake-conversation")
+    return fetched if fetched.is_file() else None
 
 
 def run_baseline(trace, num_pages, page_size, hash_name):
@@ -97,7 +100,8 @@ def check_identical(result, cached, manager):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trace", default=None, help=f"Mooncake trace (default: shared/data/{TRACE_NAME})")
+    parser.add_argument("--trace", default=None, help=f"Mooncake trace (default: shared/data/{TRACE_NAME}, else "
+                                                    "the one `pagedkv data fetch mooncake-conversation` placed)")
     parser.add_argument("--capacity-tokens", type=int, default=10_000_000)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests (both managers)")
@@ -112,7 +116,8 @@ def main():
 
     path = args.trace or default_trace_path()
     if path is None:
-        raise SystemExit(f"{TRACE_NAME} not found in {REPO_ROOT.parent / 'shared' / 'data'}; pass --trace")
+        raise SystemExit(f"{TRACE_NAME} not found in {REPO_ROOT.parent / 'shared' / 'data'} nor in "
+                         f"{data.data_dir()}: run `pagedkv data fetch mooncake-conversation` or pass --trace")
     trace = load_trace(path, "mooncake", limit=args.limit)
     num_pages = capacity_pages(args.capacity_tokens, args.page_size)
     load_before = os.getloadavg()

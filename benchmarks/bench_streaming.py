@@ -221,7 +221,8 @@ def main():
     model, tokenizer = LlamaModel.from_gguf(args.gguf)
     text = find_text()
     if text is None:
-        sys.exit("tinyshakespeare.txt not found in ../shared/data or an ancestor's shared/data")
+        sys.exit("tinyshakespeare.txt not found in ../shared/data, an ancestor's shared/data or the data "
+                 "directory: run `pagedkv data fetch tinyshakespeare`")
     tokens = load_token_ids(str(text), tokenizer, args.tokens, json_ids=False)
     if tokens.size < args.tokens:
         print(f"note: tinyshakespeare holds {tokens.size} tokens; tokens from its beginning repeat to reach "

@@ -29,10 +29,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default: ``sys.argv[1:]``), run the subcommand, return its exit status."""
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the subcommand, return its exit status.
+
+    The status is the subcommand's (0 on success, 2 on a usage or input error), 130 when
+    the run is interrupted with Ctrl-C (SIGINT; a one-line notice on stderr, no traceback)
+    and 1 when the reader of stdout goes away.
+    """
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        # Ctrl-C while a model loads, a text is scored or a trace replays: a one-line notice
+        # instead of a traceback from deep inside NumPy or gguf, and the shell's status for
+        # SIGINT (128 + 2), so scripts still see the run as interrupted.
+        print(f"\npagedkv {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader of stdout has gone (``pagedkv replay ... | head``): stop without a traceback.
         # Python flushes stdout again at exit, which would fail the same way, so point it at devnull.

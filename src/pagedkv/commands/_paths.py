@@ -7,6 +7,7 @@ rather than a failure once the work is done.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 from pathlib import Path
 
@@ -41,6 +42,31 @@ def dataset_or_path(text: str) -> str:
     if os.path.exists(text) or text not in data.DATASETS:
         return text
     return data.resolve(text)
+
+
+def not_a_dataset_hint(text: str) -> str:
+    """The end of a "no such file" message for a FILE/TRACE argument that may be a mistyped dataset name.
+
+    Parameters
+    ----------
+    text : str
+        The argument as given, which names no existing file.
+
+    Returns
+    -------
+    str
+        ``", nor a dataset name (did you mean NAME? known: ...; see `pagedkv data list`)"``
+        when ``text`` has no directory part (a bare word, as a dataset name is), with the
+        suggestion only for a close match; ``""`` for a path with a directory part, whose
+        "no such file" says enough.
+    """
+    if os.sep in text or (os.altsep and os.altsep in text):
+        return ""
+    from pagedkv import data
+
+    close = difflib.get_close_matches(text, list(data.DATASETS), n=1)
+    suggestion = f"did you mean {close[0]}? " if close else ""
+    return f", nor a dataset name ({suggestion}known: {', '.join(data.DATASETS)}; see `pagedkv data list`)"
 
 
 def output_file(text: str) -> str:

@@ -25,7 +25,7 @@ from pagedkv.commands._model_options import (
     resolve_threads,
     run_reporting_errors,
 )
-from pagedkv.commands._paths import dataset_or_path, output_file, plot_file
+from pagedkv.commands._paths import dataset_or_path, not_a_dataset_hint, output_file, plot_file
 from pagedkv.data import DataError
 
 DEFAULT_NUM_TOKENS = 4096
@@ -46,7 +46,7 @@ repeat --setting SPEC, where SPEC is "full" (full attention), "window=W" or
 visible, as StreamingLLM does), optionally followed by ",positions=cache" (StreamingLLM's
 rotary positions inside the cache instead of the positions in the text), e.g.
 
-  pagedkv perplexity ../shared/data/tinyshakespeare.txt --tokens 4096 \\
+  pagedkv perplexity tinyshakespeare --tokens 4096 \\
       --setting full --setting window=256 --setting window=256,sinks=4 \\
       --setting window=256,sinks=4,positions=cache --plot ppl.png
 
@@ -203,7 +203,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "downloaded dataset (tinyshakespeare; see `pagedkv data list`)")
     parser.add_argument("--token-ids", action="store_true",
                         help="FILE is JSON: a list of token ids, or an object with a 'token_ids' list")
-    parser.add_argument("--tokens", type=positive_int, default=DEFAULT_NUM_TOKENS, metavar="N",
+    parser.add_argument("--tokens", type=tokens_to_score, default=DEFAULT_NUM_TOKENS, metavar="N",
                         help=f"score the first N tokens (default {DEFAULT_NUM_TOKENS}; fewer if FILE is shorter)")
     parser.add_argument("--segment-tokens", type=positive_int, default=DEFAULT_SEGMENT_TOKENS, metavar="L",
                         help=f"positions per reported segment (default {DEFAULT_SEGMENT_TOKENS})")
@@ -223,6 +223,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def tokens_to_score(text: str) -> int:
+    """argparse type of ``--tokens``: an integer >= 2.
+
+    The first token is only context (N tokens give N - 1 scores), so fewer than two is
+    refused while the command line is parsed, before the model loads.
+    """
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2 (the first token is only context: "
+                                         f"N tokens give N - 1 scores), got {value}")
+    return value
+
+
 def read_input(path: str, *, json_ids: bool) -> str | list[int]:
     """The content of FILE: its text, or with ``json_ids`` its list of token ids.
 
@@ -240,7 +253,8 @@ def read_input(path: str, *, json_ids: bool) -> str | list[int]:
             return text
         data = json.loads(text)
     except OSError as exc:
-        raise CommandError(f"cannot read {path!r}: {exc.strerror or exc}") from exc
+        hint = not_a_dataset_hint(path) if isinstance(exc, FileNotFoundError) else ""
+        raise CommandError(f"cannot read {path!r}: {exc.strerror or exc}{hint}") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CommandError(f"cannot parse {path!r}: {exc}") from exc
     ids = data.get("token_ids") if isinstance(data, dict) else data
@@ -453,6 +467,10 @@ def _run(args: argparse.Namespace) -> int:
     except DataError as exc:
         raise CommandError(str(exc)) from exc
     content = read_input(args.file, json_ids=args.token_ids)  # a bad FILE fails before the model loads
+    if isinstance(content, list):
+        first_token_ids(content, None, args.tokens, args.file)  # too few ids: known without the tokenizer
+    elif not content:
+        raise CommandError(f"{args.file!r} is empty; at least 2 tokens are needed to score one")
     check_thread_control(args.threads)
     args.threads = resolve_threads(args.threads)
     model, tokenizer = load_model(args.gguf, args.threads)
@@ -472,7 +490,13 @@ def _run(args: argparse.Namespace) -> int:
                 args.parser.error(f"argument --num-pages: {setting.label} needs {needed} pages of {args.page_size} "
                                   f"tokens for {num_tokens} tokens, got {args.num_pages}; "
                                   f"omit it or give at least {needed}")
-    print(f"scoring {num_tokens} tokens of {args.file} ({num_tokens - 1} decode steps per setting), "
+    if args.plot and len(segment_bounds(num_tokens, args.segment_tokens)) == 1:
+        # Said before the scoring (minutes), so a user can stop and ask for more segments.
+        print(f"note: {num_tokens} tokens make a single {args.segment_tokens}-token segment, so --plot draws "
+              f"one point per setting; for a curve give --tokens above {args.segment_tokens} or a smaller "
+              "--segment-tokens", file=sys.stderr)
+    steps = f"{num_tokens - 1} decode step{'s' if num_tokens > 2 else ''}"
+    print(f"scoring {num_tokens} tokens of {args.file} ({steps} per setting), "
           f"{args.dtype} cache, page size {args.page_size}", file=sys.stderr)
     results = []
     with blas_threads(args.threads):

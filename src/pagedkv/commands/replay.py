@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pagedkv.commands._metrics_options import RunMetrics, add_metrics_arguments
 from pagedkv.commands._model_options import CommandError, positive_int
-from pagedkv.commands._paths import dataset_or_path, plot_file
+from pagedkv.commands._paths import dataset_or_path, not_a_dataset_hint, plot_file
 from pagedkv.replay import MAX_PAGES, MAX_PREFIX_PAGES, PREFIX_HASHES, ReplayResult, capacity_pages, replay
 from pagedkv.data import DataError
 from pagedkv.traces import FORMATS, MOONCAKE_BLOCK_TOKENS, infer_format, load_trace
@@ -138,8 +138,12 @@ def run(args: argparse.Namespace) -> int:
     except DataError as exc:
         print(f"pagedkv replay: {exc}", file=sys.stderr)
         return 2
+    if not os.path.exists(args.trace):  # before the format is guessed from a name that may be a typo
+        print(f"pagedkv replay: cannot read {args.trace!r}: No such file or directory"
+              f"{not_a_dataset_hint(args.trace)}", file=sys.stderr)
+        return 2
     trace_format = args.format
-    if trace_format is None and os.path.exists(args.trace):  # a missing file is reported by load_trace below
+    if trace_format is None:
         try:
             trace_format = infer_format(args.trace)
         except ValueError:

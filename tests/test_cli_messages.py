@@ -1,0 +1,98 @@
+"""Messages of the command line for inputs a user gets wrong or may not expect."""
+import json
+
+import pytest
+
+from pagedkv import data
+from pagedkv.cli import main
+
+
+def test_mistyped_dataset_name_gets_the_names_and_a_suggestion(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no file of these names here
+    assert main(["perplexity", "tinyshakespear"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedkv perplexity: cannot read 'tinyshakespear': No such file or directory, "
+                          "nor a dataset name (did you mean tinyshakespeare? known: ")
+    assert all(name in err for name in data.DATASETS) and "see `pagedkv data list`" in err
+
+    assert main(["replay", "mooncake-conversaton", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read 'mooncake-conversaton'" in err and "did you mean mooncake-conversation?" in err
+
+    assert main(["replay", "trace-of-last-week", "--format", "mooncake", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "nor a dataset name (known: " in err and "did you mean" not in err  # nothing close
+
+
+def test_missing_path_with_a_directory_is_not_taken_for_a_name(tmp_path, capsys):
+    missing = tmp_path / "tinyshakespear"
+    assert main(["perplexity", str(missing)]) == 2
+    assert capsys.readouterr().err == f"pagedkv perplexity: cannot read {str(missing)!r}: No such file or directory\n"
+
+
+def test_perplexity_refuses_fewer_than_two_tokens_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    from pagedkv.commands import perplexity
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded for an input that cannot be scored")
+
+    monkeypatch.setattr(perplexity, "load_model", no_model)
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be", encoding="utf-8")
+    try:
+        main(["perplexity", str(text), "--tokens", "1"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("--tokens 1 was accepted")
+    assert "argument --tokens: expected an integer >= 2" in capsys.readouterr().err
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("", encoding="utf-8")
+    assert main(["perplexity", str(empty)]) == 2
+    assert capsys.readouterr().err == f"pagedkv perplexity: {str(empty)!r} is empty; at least 2 tokens are needed to score one\n"
+
+    one_id = tmp_path / "ids.json"
+    one_id.write_text("[42]", encoding="utf-8")
+    assert main(["perplexity", str(one_id), "--token-ids"]) == 2
+    assert capsys.readouterr().err == (f"pagedkv perplexity: {str(one_id)!r} holds 1 token(s); "
+                                       "at least 2 are needed to score one\n")
+
+
+def test_perplexity_help_example_uses_the_dataset_name(capsys):
+    # The example in --help must run for a user of the installed package, who has no checkout
+    # with data beside it: `pagedkv data fetch tinyshakespeare` makes the name work anywhere.
+    try:
+        main(["perplexity", "--help"])
+    except SystemExit as exc:
+        assert exc.code == 0
+    out = capsys.readouterr().out
+    assert "pagedkv perplexity tinyshakespeare --tokens 4096" in out
+    assert "shared/data" not in out
+
+
+def test_perplexity_plot_of_a_single_segment_says_so_before_scoring(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (pagedkv[cli])")
+    for module in ("gguf", "threadpoolctl"):
+        pytest.importorskip(module, reason=f"the model commands need {module}")
+    from _llama_support import tiny_llama_path
+
+    from pagedkv.commands import perplexity
+    from pagedkv.models import LlamaModel
+    from pagedkv.models.gguf_loader import load_llama_gguf
+
+    # A tiny random Llama scores token ids (--token-ids needs no tokenizer), in place of SmolLM2.
+    config, weights, _ = load_llama_gguf(tiny_llama_path(tmp_path))
+    monkeypatch.setattr(perplexity, "load_model", lambda gguf, threads: (LlamaModel(config, weights), None))
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(list(range(1, 13))), encoding="utf-8")
+    common = ["perplexity", str(ids), "--token-ids", "--no-progress", "--threads", "1"]
+    assert main(common + ["--plot", str(tmp_path / "one.png")]) == 0
+    err = capsys.readouterr().err
+    assert ("note: 12 tokens make a single 512-token segment, so --plot draws one point per setting; "
+            "for a curve give --tokens above 512 or a smaller --segment-tokens") in err
+    assert err.index("note: 12 tokens") < err.index("full cache: perplexity")  # before the scoring
+    assert (tmp_path / "one.png").is_file()
+
+    assert main(common + ["--segment-tokens", "4", "--plot", str(tmp_path / "three.png")]) == 0
+    assert "single" not in capsys.readouterr().err  # three segments: a curve, no note
