@@ -222,15 +222,18 @@ class Collector:
         values = list(self._labels.values())
 
         def family(kind: Any, name: str, doc: str, value: float) -> Any:
+            """A metric family ``<namespace>_<name>`` of ``kind`` with the user labels and one sample ``value``."""
             metric = kind(f"{ns}_{name}", doc, labels=keys)
             if stats is not None:
                 metric.add_metric(values, value)
             return metric
 
         def counter(name: str, doc: str, key: str) -> Any:
+            """A counter family read from ``stats()[key]`` (0 when the key is absent)."""
             return family(core.CounterMetricFamily, name, doc, stats.get(key, 0) if stats else 0)
 
         def gauge(name: str, doc: str, value: float) -> Any:
+            """A gauge family holding ``value``."""
             return family(core.GaugeMetricFamily, name, doc, value)
 
         info = core.InfoMetricFamily(f"{ns}_cache_config", "Configuration of the cache.", labels=keys)

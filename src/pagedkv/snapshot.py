@@ -121,6 +121,7 @@ def _decode(section: str, data: bytes) -> dict[str, np.ndarray]:
     pos, end = 0, len(data)
 
     def fail(what: str) -> SnapshotError:
+        """A SnapshotError naming the section, ``what`` is wrong and the byte offset reached."""
         return SnapshotError(f"section {section!r}: {what} at byte {pos}")
 
     while pos < end:
@@ -162,9 +163,12 @@ class _Section:
         self.arrays = arrays
 
     def error(self, text: str) -> SnapshotError:
+        """A SnapshotError naming this section and ``text``."""
         return SnapshotError(f"section {self.name!r}: {text}")
 
     def array(self, key: str, dtype, ndim: int, shape: tuple | None = None) -> np.ndarray:
+        """Entry ``key`` checked to be ``dtype`` with ``ndim`` dimensions and, where ``shape``
+        gives an extent (None: any), that extent; raises SnapshotError otherwise."""
         value = self.arrays.get(key)
         if value is None:
             raise self.error(f"entry {key!r} is missing")
@@ -175,12 +179,14 @@ class _Section:
         return value
 
     def int(self, key: str, low: int = 0, high: int = 2**63 - 1) -> int:
+        """Scalar int64 entry ``key`` checked to lie in ``[low, high]``; raises SnapshotError otherwise."""
         value = int(self.array(key, np.int64, 0))
         if not low <= value <= high:
             raise self.error(f"entry {key!r} is {value}, expected {low} <= {key} <= {high}")
         return value
 
     def text(self, key: str, allowed: tuple[str, ...]) -> str:
+        """ASCII entry ``key`` (uint8 bytes) checked to be one of ``allowed``; raises SnapshotError otherwise."""
         raw = self.array(key, np.uint8, 1).tobytes()
         value = raw.decode("ascii", errors="replace")
         if value not in allowed:
