@@ -26,7 +26,8 @@ from libc.stdlib cimport malloc, free, realloc
 from libc.stdint cimport uint8_t, uint64_t
 from pagedkv_c._checksum cimport pkv_page_checksum, pkv_page_checksums
 from pagedkv_c._prefix cimport pkv_index, pkv_index_remove
-from pagedkv_c._kv_events cimport KVEventLog, pkv_kv_events_stored, pkv_kv_events_cleared
+from pagedkv_c._kv_events cimport (KVEventLog, pkv_kv_events_stored, pkv_kv_events_cleared,
+                                  pkv_kv_events_total_recorded)
 
 cnp.import_array()
 
@@ -1233,7 +1234,7 @@ cdef class KVCache:
                 extra["tier_hits"] = self._tier_hits
                 extra |= {f"tier_{name}": value for name, value in self._tier.stats().items()}
             if self._kv_events is not None:
-                extra |= {"kv_events_recorded": self._kv_events.log.total_recorded,
+                extra |= {"kv_events_recorded": pkv_kv_events_total_recorded(&self._kv_events.log),
                           "kv_events_dropped": self._kv_events.log.total_dropped}
             return {
                 "pages_in_use": in_use,

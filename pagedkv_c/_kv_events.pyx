@@ -11,16 +11,24 @@ them, without the GIL, as vLLM's ``KVEventBatch`` (``kv_events_msgpack.h``;
 :mod:`pagedkv.events` documents the wire format). The event kinds and fields
 are those of vLLM's KV events (``vllm/distributed/kv_events.py``).
 """
-from cpython.bytes cimport PyBytes_FromStringAndSize
-from libc.stdlib cimport malloc, free
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_DECREF
+from libc.stdlib cimport free
 from libc.stdint cimport uint8_t
 
 cdef extern from "kv_events_msgpack.h":
-    int64_t pkv_kv_events_count_groups(const pkv_kv_event* r, int64_t n) noexcept nogil
-    size_t pkv_kv_events_encode_bound(int64_t n, int64_t num_tokens, size_t medium_len) noexcept nogil
-    size_t pkv_kv_events_encode(const pkv_kv_event* r, int64_t n, const int32_t* tokens, int64_t page_size,
-                                double ts, int64_t rank, const char* medium, size_t medium_len,
-                                int64_t window, int hash_bytes, uint8_t* out) noexcept nogil
+    size_t pkv_kv_events_encode_bound(int64_t num_units, int64_t num_events, int64_t num_tokens,
+                                      size_t medium_len) noexcept nogil
+    size_t pkv_kv_events_encode(const pkv_kv_unit* units, int64_t num_units, int64_t num_events,
+                                const int32_t* tokens, int64_t page_size, double ts, int64_t rank,
+                                const char* medium, size_t medium_len, int64_t window, int hash_bytes,
+                                uint8_t* out) noexcept nogil
+
+cdef extern from "Python.h":
+    # Raw forms: the payload is encoded into a new bytes object and shrunk in place.
+    PyObject* _bytes_new "PyBytes_FromStringAndSize"(const char* data, Py_ssize_t size) except NULL
+    char* _bytes_data "PyBytes_AS_STRING"(PyObject* b) noexcept
+    int _PyBytes_Resize(PyObject** b, Py_ssize_t size) except -1
 
 HASH_FORMATS = ("int", "bytes")
 
@@ -35,8 +43,9 @@ cdef class KVEventLog:
     ----------
     capacity : int
         Most events kept between two drains, ``1 <= capacity <= 2**31``. The
-        log grows by doubling up to it (40 bytes per page event, plus ``4 *
-        page_size`` bytes of token ids per stored page).
+        log grows by doubling (16 bytes per page event and 16 or 32 more
+        per event as vLLM counts them, plus ``4 * page_size`` bytes of
+        token ids per stored page that has them).
     page_size : int
         Tokens per page, ``>= 1``.
 
@@ -53,6 +62,7 @@ cdef class KVEventLog:
             raise ValueError(f"Invalid value of page_size: expected >= 1, got {page_size}")
         self.log.capacity = capacity
         self.log.page_size = page_size
+        self.log.open = -1
 
     def __dealloc__(self):
         pkv_kv_events_free(&self.log)
@@ -70,7 +80,7 @@ cdef class KVEventLog:
     @property
     def total_recorded(self):
         """Page events recorded over the cache's life (int), dropped ones excluded."""
-        return self.log.total_recorded
+        return pkv_kv_events_total_recorded(&self.log)
 
     @property
     def total_dropped(self):
@@ -80,19 +90,17 @@ cdef class KVEventLog:
     cdef object take(self):
         """The recorded events as a :class:`KVEvents` and the number dropped; the log starts empty."""
         cdef KVEvents out = KVEvents.__new__(KVEvents)
-        cdef int64_t i
         out.page_size = self.log.page_size
         out.num_dropped = self.log.dropped
         if self.log.count:
             out.num_records = self.log.count
-            pkv_kv_events_detach(&self.log, &out.records, &out.allocated, &out.tokens, &out.token_allocated)
+            out.num_units = self.log.num_units
+            out.num_tokens = self.log.num_tokens
+            out.num_events = self.log.num_events
+            out.num_pages_stored = self.log.num_stored
+            out.num_pages_removed = self.log.num_removed
+            pkv_kv_events_detach(&self.log, &out.units, &out.allocated, &out.tokens, &out.token_allocated)
             out.log = self
-            for i in range(out.num_records):
-                if out.records[i].kind == PKV_KV_STORED:
-                    out.num_pages_stored += 1
-                elif out.records[i].kind == PKV_KV_REMOVED:
-                    out.num_pages_removed += 1
-            out.num_events = pkv_kv_events_count_groups(out.records, out.num_records)
         else:
             pkv_kv_events_reset(&self.log)
         return out, out.num_dropped
@@ -119,14 +127,14 @@ cdef class KVEvents:
     """
 
     def __cinit__(self):
-        self.records = NULL
+        self.units = NULL
         self.tokens = NULL
 
     def __dealloc__(self):
         if self.log is not None:
-            pkv_kv_events_give_back(&self.log.log, self.records, self.allocated, self.tokens, self.token_allocated)
+            pkv_kv_events_give_back(&self.log.log, self.units, self.allocated, self.tokens, self.token_allocated)
         else:
-            free(self.records)
+            free(self.units)
             free(self.tokens)
 
     def __len__(self):
@@ -156,35 +164,35 @@ cdef class KVEvents:
             ``("BlockRemoved", block_hashes)``; ``("AllBlocksCleared",)``.
         """
         cdef list events = []
-        cdef Py_ssize_t i, t
-        cdef pkv_kv_event* e
-        cdef int previous = -1
-        cdef int32_t* tok
-        for i in range(self.num_records):
-            e = &self.records[i]
-            if e.kind == PKV_KV_STORED:
-                h = (int(e.hi) << 64) | int(e.lo)
-                if e.has_tokens:
-                    tok = self.tokens + e.token_offset
-                    ids = [tok[t] for t in range(self.page_size)]
-                else:
-                    ids = []
-                if e.continues and previous == PKV_KV_STORED:
-                    event = events[len(events) - 1]
-                    (<list>event[1]).append(h)
-                    (<list>event[3]).extend(ids)
-                else:
-                    parent = ((int(e.parent_hi) << 64) | int(e.parent_lo)) if e.has_parent else None
-                    events.append(("BlockStored", [h], parent, ids, self.page_size))
-            elif e.kind == PKV_KV_REMOVED:
-                h = (int(e.hi) << 64) | int(e.lo)
-                if previous == PKV_KV_REMOVED:
-                    (<list>events[len(events) - 1][1]).append(h)
-                else:
-                    events.append(("BlockRemoved", [h]))
-            else:
+        cdef list hashes
+        cdef Py_ssize_t i = 0, j, n
+        cdef uint64_t kind, flags
+        cdef int64_t pages
+        cdef int32_t* tok = self.tokens
+        cdef pkv_kv_unit* u = self.units
+        while i < self.num_units:
+            flags = u[i].lo
+            kind = flags & PKV_KV_KIND_MASK
+            pages = <int64_t>u[i].hi
+            i += 1
+            if kind == PKV_KV_CLEARED:
                 events.append(("AllBlocksCleared",))
-            previous = e.kind
+                continue
+            parent = None
+            if kind == PKV_KV_STORED and flags & PKV_KV_HAS_PARENT:
+                parent = (int(u[i].hi) << 64) | int(u[i].lo)
+                i += 1
+            hashes = [(int(u[j].hi) << 64) | int(u[j].lo) for j in range(i, i + pages)]
+            i += pages
+            if kind == PKV_KV_REMOVED:
+                events.append(("BlockRemoved", hashes))
+                continue
+            ids = []
+            if flags & PKV_KV_HAS_TOKENS:
+                n = pages * self.page_size
+                ids = [tok[j] for j in range(n)]
+                tok += n
+            events.append(("BlockStored", hashes, parent, ids, self.page_size))
         return events
 
     def encode(self, double ts, *, data_parallel_rank=0, window=None, medium="CPU", hash_format="int"):
@@ -232,19 +240,16 @@ cdef class KVEvents:
         cdef int64_t rank = data_parallel_rank
         cdef int64_t window_tokens = -1 if window is None else window
         cdef int as_bytes = hash_format == "bytes"
-        cdef int64_t num_tokens = 0, i
-        for i in range(self.num_records):
-            if self.records[i].has_tokens:
-                num_tokens += self.page_size
-        cdef size_t bound = pkv_kv_events_encode_bound(self.num_records, num_tokens, medium_len)
-        cdef uint8_t* out = <uint8_t*>malloc(bound)
+        cdef size_t bound = pkv_kv_events_encode_bound(self.num_units, self.num_events, self.num_tokens, medium_len)
         cdef size_t length
-        if out == NULL:
-            raise MemoryError(f"cannot allocate {bound} bytes to encode {self.num_events} KV events")
-        try:
-            with nogil:
-                length = pkv_kv_events_encode(self.records, self.num_records, self.tokens, self.page_size, ts,
-                                              rank, medium_chars, medium_len, window_tokens, as_bytes, out)
-            return PyBytes_FromStringAndSize(<char*>out, length)
-        finally:
-            free(out)
+        # Encoded straight into a new bytes object, which nothing else sees
+        # until it is returned, then shrunk to length in place.
+        cdef PyObject* raw = _bytes_new(NULL, <Py_ssize_t>bound)
+        cdef uint8_t* out = <uint8_t*>_bytes_data(raw)
+        with nogil:
+            length = pkv_kv_events_encode(self.units, self.num_units, self.num_events, self.tokens, self.page_size,
+                                          ts, rank, medium_chars, medium_len, window_tokens, as_bytes, out)
+        _PyBytes_Resize(&raw, <Py_ssize_t>length)  # on failure it frees raw and raises MemoryError
+        payload = <object>raw  # a second reference; the one _bytes_new made is dropped next
+        Py_DECREF(payload)
+        return payload

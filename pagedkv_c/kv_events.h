@@ -5,9 +5,21 @@
  * of vLLM's KV events (vllm/distributed/kv_events.py: BlockStored,
  * BlockRemoved, AllBlocksCleared); _kv_events.pyx turns records into them.
  *
- * The log grows by doubling up to `capacity` records; when it is full, or
- * memory runs out, a new record is dropped and counted instead: recording
- * never blocks and never fails, and the drainer learns how many it lost.
+ * Layout: one array of 16-byte units holding events already grouped as vLLM
+ * counts them. An event is a header unit (kind, flags, number of pages),
+ * then for a stored event with a parent the parent's hash, then one unit per
+ * page hash. A page that continues the open event (the next page of the same
+ * sequence, or another removal) costs one unit and a counter increment, so
+ * the recording hot path writes 16 bytes per page and the drain needs no
+ * pass over the records. Token ids of stored pages go, in order, to a
+ * second array; a reader finds them by counting.
+ *
+ * `capacity` bounds the page records (an AllBlocksCleared counts as one)
+ * kept between two drains; the arrays grow by doubling. When the log is
+ * full, or memory runs out, a new record is dropped and counted instead:
+ * recording never blocks and never fails, and the drainer learns how many it
+ * lost. After a drop the next page starts a new event with its parent, so
+ * the events kept stay exact.
  */
 #ifndef PAGEDKV_KV_EVENTS_H
 #define PAGEDKV_KV_EVENTS_H
@@ -18,144 +30,193 @@
 
 enum { PKV_KV_STORED = 0, PKV_KV_REMOVED = 1, PKV_KV_CLEARED = 2 };
 
+/* A page hash, or a header: lo = kind | PKV_KV_HAS_PARENT | PKV_KV_HAS_TOKENS,
+ * hi = pages in the event (0 for cleared). */
 typedef struct {
-    uint64_t lo, hi;             /* the page's 128-bit hash (stored, removed) */
-    uint64_t parent_lo, parent_hi; /* stored: the previous page's hash, when has_parent */
-    int64_t token_offset;        /* stored with tokens: first of its page_size ids in tokens */
-    uint8_t kind;                /* PKV_KV_STORED / _REMOVED / _CLEARED */
-    uint8_t has_parent;          /* stored: 0 for the first page of a sequence */
-    uint8_t has_tokens;          /* stored: 0 for pages keyed by external block ids */
-    uint8_t continues;           /* stored: next page of the same sequence as the record before */
-    uint8_t unused[4];
-} pkv_kv_event;
+    uint64_t lo, hi;
+} pkv_kv_unit;
+
+#define PKV_KV_KIND_MASK 0xffu
+#define PKV_KV_HAS_PARENT 0x100u /* stored: a parent unit follows the header */
+#define PKV_KV_HAS_TOKENS 0x200u /* stored: page_size token ids per page, in order */
 
 typedef struct pkv_kv_events {
-    pkv_kv_event *records;       /* (allocated,) */
-    int32_t *tokens;             /* (token_allocated,) token ids of stored records */
-    int64_t allocated;           /* records allocated, <= capacity */
+    pkv_kv_unit *units;          /* (allocated,) headers, parents and page hashes */
+    int32_t *tokens;             /* (token_allocated,) token ids of stored pages */
+    int64_t allocated;           /* units allocated */
     int64_t token_allocated;     /* token ids allocated */
-    int64_t capacity;            /* most records kept between two drains */
-    int64_t count;               /* records kept */
+    int64_t capacity;            /* most page records kept between two drains */
+    int64_t count;               /* page records kept (a cleared counts one) */
+    int64_t num_units;           /* units used */
     int64_t num_tokens;          /* token ids kept */
     int64_t page_size;           /* token ids per stored page */
+    int64_t open;                /* header of the event a page may extend, or -1 */
+    int64_t num_events;          /* events (headers) kept */
+    int64_t num_stored;          /* stored page records kept */
+    int64_t num_removed;         /* removed page records kept */
     int64_t dropped;             /* records dropped since the last drain */
-    int64_t total_recorded;      /* records kept over the log's life */
+    int64_t total_recorded;      /* records kept over the log's life, up to the last drain */
     int64_t total_dropped;       /* records dropped over the log's life */
     /* Buffers of a drain that its reader gave back, reused by the next drain:
      * fresh memory costs a page fault per 4 KiB on first write. */
-    pkv_kv_event *spare_records;
+    pkv_kv_unit *spare_units;
     int32_t *spare_tokens;
     int64_t spare_allocated, spare_token_allocated;
 } pkv_kv_events;
 
-/* A free slot for one more record (and, with tokens, page_size ids), or NULL
- * after counting the record as dropped. */
-PKV_INLINE pkv_kv_event *pkv_kv_events_slot(pkv_kv_events *ev, int with_tokens)
+/* Count one record as dropped; the next page cannot extend the open event. */
+PKV_INLINE void pkv_kv_events_drop(pkv_kv_events *ev)
 {
-    if (ev->count == ev->allocated) {
-        int64_t grown = ev->allocated ? 2 * ev->allocated : 256;
-        if (grown > ev->capacity)
-            grown = ev->capacity;
-        pkv_kv_event *records = grown > ev->allocated
-            ? (pkv_kv_event *)realloc(ev->records, (size_t)grown * sizeof(pkv_kv_event)) : NULL;
-        if (records == NULL) {
-            ev->dropped++;
-            ev->total_dropped++;
-            return NULL;
-        }
-        ev->records = records;
+    ev->dropped++;
+    ev->total_dropped++;
+    ev->open = -1;
+}
+
+/* Room for `units` more units (and `token_ids` more ids), or 0 when memory ran out. */
+static int pkv_kv_events_grow(pkv_kv_events *ev, int64_t units, int64_t token_ids)
+{
+    if (ev->num_units + units > ev->allocated) {
+        int64_t grown = ev->allocated ? 2 * ev->allocated : 512;
+        while (grown < ev->num_units + units)
+            grown *= 2;
+        pkv_kv_unit *p = (pkv_kv_unit *)realloc(ev->units, (size_t)grown * sizeof(pkv_kv_unit));
+        if (p == NULL)
+            return 0;
+        ev->units = p;
         ev->allocated = grown;
     }
-    if (with_tokens && ev->num_tokens + ev->page_size > ev->token_allocated) {
+    if (ev->num_tokens + token_ids > ev->token_allocated) {
         int64_t grown = ev->token_allocated ? 2 * ev->token_allocated : 256 * ev->page_size;
-        while (grown < ev->num_tokens + ev->page_size)
+        while (grown < ev->num_tokens + token_ids)
             grown *= 2;
-        int32_t *tokens = (int32_t *)realloc(ev->tokens, (size_t)grown * sizeof(int32_t));
-        if (tokens == NULL) {
-            ev->dropped++;
-            ev->total_dropped++;
-            return NULL;
-        }
-        ev->tokens = tokens;
+        int32_t *p = (int32_t *)realloc(ev->tokens, (size_t)grown * sizeof(int32_t));
+        if (p == NULL)
+            return 0;
+        ev->tokens = p;
         ev->token_allocated = grown;
     }
-    pkv_kv_event *e = &ev->records[ev->count++];
-    memset(e, 0, sizeof(*e));
-    ev->total_recorded++;
-    return e;
+    return 1;
 }
 
 /* A page entered the prefix index under (lo, hi). `parent` is NULL for the
  * first page of a sequence, else {lo, hi} of the previous page; `tokens` is
  * its page_size token ids or NULL; `continues` says it follows the previous
- * record's page in the same sequence (consumers may merge the two). */
+ * record's page in the same sequence, so it may extend the open event. */
 PKV_INLINE void pkv_kv_events_stored(pkv_kv_events *ev, uint64_t lo, uint64_t hi,
                                      const uint64_t *parent, const int32_t *tokens, int continues)
 {
-    pkv_kv_event *e = pkv_kv_events_slot(ev, tokens != NULL);
-    if (e == NULL)
+    const uint64_t flags = PKV_KV_STORED | (parent != NULL ? PKV_KV_HAS_PARENT : 0) |
+                           (tokens != NULL ? PKV_KV_HAS_TOKENS : 0);
+    const int extend = continues && ev->open >= 0 &&
+                       (ev->units[ev->open].lo & ~(uint64_t)PKV_KV_HAS_PARENT) == (flags & ~(uint64_t)PKV_KV_HAS_PARENT);
+    const int64_t need = extend ? 1 : 2 + (parent != NULL);
+    const int64_t token_ids = tokens != NULL ? ev->page_size : 0;
+    if (ev->count == ev->capacity ||
+        ((ev->num_units + need > ev->allocated || ev->num_tokens + token_ids > ev->token_allocated) &&
+         !pkv_kv_events_grow(ev, need, token_ids))) {
+        pkv_kv_events_drop(ev);
         return;
-    e->kind = PKV_KV_STORED;
-    e->lo = lo;
-    e->hi = hi;
-    if (parent != NULL) {
-        e->has_parent = 1;
-        e->parent_lo = parent[0];
-        e->parent_hi = parent[1];
     }
+    pkv_kv_unit *u = ev->units + ev->num_units;
+    if (!extend) {
+        ev->open = ev->num_units;
+        u->lo = flags;
+        u->hi = 0;
+        u++;
+        if (parent != NULL) {
+            u->lo = parent[0];
+            u->hi = parent[1];
+            u++;
+        }
+        ev->num_events++;
+    }
+    u->lo = lo;
+    u->hi = hi;
+    ev->num_units += need;
+    ev->units[ev->open].hi++;
     if (tokens != NULL) {
-        e->has_tokens = 1;
-        e->token_offset = ev->num_tokens;
-        memcpy(ev->tokens + ev->num_tokens, tokens, (size_t)ev->page_size * sizeof(int32_t));
-        ev->num_tokens += ev->page_size;
+        memcpy(ev->tokens + ev->num_tokens, tokens, (size_t)token_ids * sizeof(int32_t));
+        ev->num_tokens += token_ids;
     }
-    e->continues = (uint8_t)(continues != 0);
+    ev->count++;
+    ev->num_stored++;
 }
 
 /* A page left the prefix index (evicted, or about to be written again). */
 PKV_INLINE void pkv_kv_events_removed(pkv_kv_events *ev, uint64_t lo, uint64_t hi)
 {
-    pkv_kv_event *e = pkv_kv_events_slot(ev, 0);
-    if (e == NULL)
+    const int extend = ev->open >= 0 && ev->units[ev->open].lo == PKV_KV_REMOVED;
+    const int64_t need = extend ? 1 : 2;
+    if (ev->count == ev->capacity ||
+        (ev->num_units + need > ev->allocated && !pkv_kv_events_grow(ev, need, 0))) {
+        pkv_kv_events_drop(ev);
         return;
-    e->kind = PKV_KV_REMOVED;
-    e->lo = lo;
-    e->hi = hi;
+    }
+    pkv_kv_unit *u = ev->units + ev->num_units;
+    if (!extend) {
+        ev->open = ev->num_units;
+        u->lo = PKV_KV_REMOVED;
+        u->hi = 0;
+        u++;
+        ev->num_events++;
+    }
+    u->lo = lo;
+    u->hi = hi;
+    ev->num_units += need;
+    ev->units[ev->open].hi++;
+    ev->count++;
+    ev->num_removed++;
 }
 
 /* Every page left the prefix index at once (a reset). */
 PKV_INLINE void pkv_kv_events_cleared(pkv_kv_events *ev)
 {
-    pkv_kv_event *e = pkv_kv_events_slot(ev, 0);
-    if (e != NULL)
-        e->kind = PKV_KV_CLEARED;
+    if (ev->count == ev->capacity || (ev->num_units + 1 > ev->allocated && !pkv_kv_events_grow(ev, 1, 0))) {
+        pkv_kv_events_drop(ev);
+        return;
+    }
+    ev->units[ev->num_units].lo = PKV_KV_CLEARED;
+    ev->units[ev->num_units].hi = 0;
+    ev->num_units++;
+    ev->open = -1;
+    ev->num_events++;
+    ev->count++;
+}
+
+/* Records kept over the log's life, the pending ones included. */
+PKV_INLINE int64_t pkv_kv_events_total_recorded(const pkv_kv_events *ev)
+{
+    return ev->total_recorded + ev->count;
 }
 
 /* Forget the kept records (after a drain) and the count of dropped ones. */
 PKV_INLINE void pkv_kv_events_reset(pkv_kv_events *ev)
 {
-    ev->count = 0;
-    ev->num_tokens = 0;
+    ev->total_recorded += ev->count;
+    ev->count = ev->num_units = ev->num_tokens = 0;
+    ev->num_events = ev->num_stored = ev->num_removed = 0;
+    ev->open = -1;
     ev->dropped = 0;
 }
 
-/* Hand the kept records and token ids (and their allocated sizes) over to
- * the caller, who gives them back with pkv_kv_events_give_back or frees
- * them, and continue on the spare buffers (the previous drain's), else on
- * new ones of the same size. */
-static void pkv_kv_events_detach(pkv_kv_events *ev, pkv_kv_event **records, int64_t *allocated,
+/* Hand the kept units and token ids (and their allocated sizes) over to the
+ * caller, who gives them back with pkv_kv_events_give_back or frees them,
+ * and continue on the spare buffers (the previous drain's), else on new ones
+ * of the same size. The counts (count, num_units, ...) are the caller's to
+ * read before; they start from 0. */
+static void pkv_kv_events_detach(pkv_kv_events *ev, pkv_kv_unit **units, int64_t *allocated,
                                  int32_t **tokens, int64_t *token_allocated)
 {
-    *records = ev->records;
+    *units = ev->units;
     *allocated = ev->allocated;
     *tokens = ev->tokens;
     *token_allocated = ev->token_allocated;
-    if (ev->spare_records != NULL) {
-        ev->records = ev->spare_records;
+    if (ev->spare_units != NULL) {
+        ev->units = ev->spare_units;
         ev->allocated = ev->spare_allocated;
     } else {
-        ev->records = ev->allocated ? (pkv_kv_event *)malloc((size_t)ev->allocated * sizeof(pkv_kv_event)) : NULL;
-        if (ev->records == NULL)
+        ev->units = ev->allocated ? (pkv_kv_unit *)malloc((size_t)ev->allocated * sizeof(pkv_kv_unit)) : NULL;
+        if (ev->units == NULL)
             ev->allocated = 0;
     }
     if (ev->spare_tokens != NULL) {
@@ -166,21 +227,21 @@ static void pkv_kv_events_detach(pkv_kv_events *ev, pkv_kv_event **records, int6
         if (ev->tokens == NULL)
             ev->token_allocated = 0;
     }
-    ev->spare_records = NULL;
+    ev->spare_units = NULL;
     ev->spare_tokens = NULL;
     ev->spare_allocated = ev->spare_token_allocated = 0;
     pkv_kv_events_reset(ev);
 }
 
 /* Take back the buffers of a drain as spares (freed if spares are held). */
-static void pkv_kv_events_give_back(pkv_kv_events *ev, pkv_kv_event *records, int64_t allocated,
+static void pkv_kv_events_give_back(pkv_kv_events *ev, pkv_kv_unit *units, int64_t allocated,
                                     int32_t *tokens, int64_t token_allocated)
 {
-    if (ev->spare_records == NULL && records != NULL) {
-        ev->spare_records = records;
+    if (ev->spare_units == NULL && units != NULL) {
+        ev->spare_units = units;
         ev->spare_allocated = allocated;
     } else {
-        free(records);
+        free(units);
     }
     if (ev->spare_tokens == NULL && tokens != NULL) {
         ev->spare_tokens = tokens;
@@ -192,13 +253,13 @@ static void pkv_kv_events_give_back(pkv_kv_events *ev, pkv_kv_event *records, in
 
 PKV_INLINE void pkv_kv_events_free(pkv_kv_events *ev)
 {
-    free(ev->records);
+    free(ev->units);
     free(ev->tokens);
-    free(ev->spare_records);
+    free(ev->spare_units);
     free(ev->spare_tokens);
-    ev->records = ev->spare_records = NULL;
+    ev->units = ev->spare_units = NULL;
     ev->tokens = ev->spare_tokens = NULL;
-    ev->allocated = ev->token_allocated = ev->count = ev->num_tokens = 0;
+    ev->allocated = ev->token_allocated = ev->count = ev->num_units = ev->num_tokens = 0;
 }
 
 #endif

@@ -1,10 +1,10 @@
 /* MessagePack encoding of KV event records as one vLLM KVEventBatch
  * (vllm/distributed/kv_events.py, vLLM 0.26): the array
  * [ts, events, data_parallel_rank], each event a map tagged by "type".
- * Consecutive stored records of one sequence (`continues`) become one
- * BlockStored with several hashes, consecutive removals one BlockRemoved.
- * Field list and order: pagedkv/events.py documents them. Plain C over the
- * records, run without the GIL.
+ * The log already holds the events as vLLM counts them (consecutive pages
+ * of one sequence form one BlockStored, consecutive removals one
+ * BlockRemoved). Field list and order: pagedkv/events.py documents them.
+ * Plain C straight from the log's units, run without the GIL.
  */
 #ifndef PAGEDKV_KV_EVENTS_MSGPACK_H
 #define PAGEDKV_KV_EVENTS_MSGPACK_H
@@ -74,41 +74,23 @@ static uint8_t *pkv_mp_hash(uint8_t *p, uint64_t lo, uint64_t hi, int as_bytes)
     return pkv_mp_be(p, lo, 8);
 }
 
-/* Records [i, end) that form the event starting at record i. */
-static int64_t pkv_mp_group_end(const pkv_kv_event *r, int64_t i, int64_t n)
+/* Bytes that pkv_kv_events_encode writes at most for a log's units. */
+static size_t pkv_kv_events_encode_bound(int64_t num_units, int64_t num_events, int64_t num_tokens,
+                                         size_t medium_len)
 {
-    int64_t j = i + 1;
-    if (r[i].kind == PKV_KV_STORED)
-        while (j < n && r[j].kind == PKV_KV_STORED && r[j].continues)
-            j++;
-    else if (r[i].kind == PKV_KV_REMOVED)
-        while (j < n && r[j].kind == PKV_KV_REMOVED)
-            j++;
-    return j;
+    /* Per event: its map with every key and fixed value (under 256 bytes)
+     * and the medium; per unit (hash or parent): at most 18 bytes; per token
+     * id 5 bytes. */
+    return 64 + (size_t)num_events * (256 + medium_len) + (size_t)num_units * 18 + (size_t)num_tokens * 5;
 }
 
-/* Events (after grouping) in n records. */
-static int64_t pkv_kv_events_count_groups(const pkv_kv_event *r, int64_t n)
-{
-    int64_t groups = 0;
-    for (int64_t i = 0; i < n; i = pkv_mp_group_end(r, i, n))
-        groups++;
-    return groups;
-}
-
-/* Bytes that pkv_kv_events_encode writes at most. */
-static size_t pkv_kv_events_encode_bound(int64_t n, int64_t num_tokens, size_t medium_len)
-{
-    /* Per record: its map with every key and fixed value (under 256 bytes),
-     * the medium, two hashes of at most 18 bytes; per token id 5 bytes. */
-    return 64 + (size_t)n * (256 + medium_len + 36) + (size_t)num_tokens * 5;
-}
-
-/* Write the batch into out (pkv_kv_events_encode_bound bytes); return its length.
- * window < 0: full attention. */
-static size_t pkv_kv_events_encode(const pkv_kv_event *r, int64_t n, const int32_t *tokens,
-                                   int64_t page_size, double ts, int64_t rank, const char *medium,
-                                   size_t medium_len, int64_t window, int hash_bytes, uint8_t *out)
+/* Write the events of units[0, num_units) (kv_events.h) into out
+ * (pkv_kv_events_encode_bound bytes) as one batch of num_events events;
+ * return its length. window < 0: full attention. */
+static size_t pkv_kv_events_encode(const pkv_kv_unit *u, int64_t num_units, int64_t num_events,
+                                   const int32_t *tokens, int64_t page_size, double ts, int64_t rank,
+                                   const char *medium, size_t medium_len, int64_t window, int hash_bytes,
+                                   uint8_t *out)
 {
     uint8_t *p = out;
     uint64_t ts_bits;
@@ -116,28 +98,36 @@ static size_t pkv_kv_events_encode(const pkv_kv_event *r, int64_t n, const int32
     p = pkv_mp_array(p, 3);
     *p++ = 0xcb;
     p = pkv_mp_be(p, ts_bits, 8);
-    p = pkv_mp_array(p, (uint64_t)pkv_kv_events_count_groups(r, n));
-    for (int64_t i = 0, end; i < n; i = end) {
-        end = pkv_mp_group_end(r, i, n);
-        if (r[i].kind == PKV_KV_STORED) {
+    p = pkv_mp_array(p, (uint64_t)num_events);
+    for (int64_t i = 0; i < num_units;) {
+        const uint64_t kind = u[i].lo & PKV_KV_KIND_MASK, flags = u[i].lo;
+        const int64_t pages = (int64_t)u[i].hi;
+        i++;
+        if (kind == PKV_KV_STORED) {
             p = pkv_mp_map(p, window >= 0 ? 11 : 10);
             p = PKV_MP_KEY(p, "type");
             p = PKV_MP_KEY(p, "BlockStored");
             p = PKV_MP_KEY(p, "block_hashes");
-            p = pkv_mp_array(p, (uint64_t)(end - i));
-            for (int64_t j = i; j < end; j++)
-                p = pkv_mp_hash(p, r[j].lo, r[j].hi, hash_bytes);
+            p = pkv_mp_array(p, (uint64_t)pages);
+            const pkv_kv_unit *parent = (flags & PKV_KV_HAS_PARENT) ? &u[i++] : NULL;
+            for (int64_t j = 0; j < pages; j++)
+                p = pkv_mp_hash(p, u[i + j].lo, u[i + j].hi, hash_bytes);
+            i += pages;
             p = PKV_MP_KEY(p, "parent_block_hash");
-            if (r[i].has_parent)
-                p = pkv_mp_hash(p, r[i].parent_lo, r[i].parent_hi, hash_bytes);
+            if (parent != NULL)
+                p = pkv_mp_hash(p, parent->lo, parent->hi, hash_bytes);
             else
                 *p++ = 0xc0;
             p = PKV_MP_KEY(p, "token_ids");
-            p = pkv_mp_array(p, r[i].has_tokens ? (uint64_t)((end - i) * page_size) : 0);
-            if (r[i].has_tokens)
-                for (int64_t j = i; j < end; j++)
-                    for (int64_t t = 0; t < page_size; t++)
-                        p = pkv_mp_int(p, tokens[r[j].token_offset + t]);
+            if (flags & PKV_KV_HAS_TOKENS) {
+                const int64_t n = pages * page_size;
+                p = pkv_mp_array(p, (uint64_t)n);
+                for (int64_t t = 0; t < n; t++)
+                    p = pkv_mp_int(p, tokens[t]);
+                tokens += n;
+            } else {
+                p = pkv_mp_array(p, 0);
+            }
             p = PKV_MP_KEY(p, "block_size");
             p = pkv_mp_uint(p, (uint64_t)page_size);
             p = PKV_MP_KEY(p, "lora_id");
@@ -156,14 +146,15 @@ static size_t pkv_kv_events_encode(const pkv_kv_event *r, int64_t n, const int32
             } else {
                 p = PKV_MP_KEY(p, "full_attention");
             }
-        } else if (r[i].kind == PKV_KV_REMOVED) {
+        } else if (kind == PKV_KV_REMOVED) {
             p = pkv_mp_map(p, 4);
             p = PKV_MP_KEY(p, "type");
             p = PKV_MP_KEY(p, "BlockRemoved");
             p = PKV_MP_KEY(p, "block_hashes");
-            p = pkv_mp_array(p, (uint64_t)(end - i));
-            for (int64_t j = i; j < end; j++)
-                p = pkv_mp_hash(p, r[j].lo, r[j].hi, hash_bytes);
+            p = pkv_mp_array(p, (uint64_t)pages);
+            for (int64_t j = 0; j < pages; j++)
+                p = pkv_mp_hash(p, u[i + j].lo, u[i + j].hi, hash_bytes);
+            i += pages;
             p = PKV_MP_KEY(p, "medium");
             p = pkv_mp_str(p, medium, medium_len);
             p = PKV_MP_KEY(p, "group_idx");

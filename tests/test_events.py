@@ -234,6 +234,72 @@ def test_encode_events_full_attention_bytes_hashes_and_removals():
         encode_events(tuples)
 
 
+def reference_payload(tuples, ts, rank, window, medium, hash_format):
+    """The KVEventBatch of drained events, encoded by msgspec from vLLM's field list.
+
+    ``tuples`` are ``KVEvents.tolist()``, whose hashes and token ids tests/test_kv_events.py
+    checks against the cache's prefix index and an XXH3 reference.
+    """
+    def wire(h):
+        return h & MASK64 if hash_format == "int" else h.to_bytes(16, "big")
+
+    events = []
+    for t in tuples:
+        if t[0] == "BlockStored":
+            event = {"type": "BlockStored", "block_hashes": [wire(h) for h in t[1]],
+                     "parent_block_hash": None if t[2] is None else wire(t[2]), "token_ids": t[3],
+                     "block_size": t[4], "lora_id": None, "medium": medium, "lora_name": None, "group_idx": 0,
+                     "kv_cache_spec_kind": "full_attention" if window is None else "sliding_window"}
+            if window is not None:
+                event["kv_cache_spec_sliding_window"] = window
+        elif t[0] == "BlockRemoved":
+            event = {"type": "BlockRemoved", "block_hashes": [wire(h) for h in t[1]], "medium": medium,
+                     "group_idx": 0}
+        else:
+            event = {"type": "AllBlocksCleared"}
+        events.append(event)
+    return msgspec.msgpack.encode([ts, events, rank])
+
+
+@pytest.mark.parametrize("window,hash_format,capacity", [(None, "int", 2**20), (None, "bytes", 5),
+                                                         (12, "int", 3), (40, "bytes", 2**20)])
+def test_encoding_is_byte_identical_to_msgspec_on_a_random_run(window, hash_format, capacity):
+    """Every drained batch, full or cut short by the log's bound, equals msgspec's encoding."""
+    rng = np.random.default_rng(capacity + (window or 0))
+    cache = KVCache(0, 1, 1, 96, page_size=4, window=window, enable_prefix_caching=True, enable_kv_events=True,
+                    kv_events_capacity=capacity)
+    prompts = [rng.integers(0, 3, size=80).tolist() for _ in range(4)]
+    live, counts = [], {"batches": 0, "events": 0, "dropped": 0, "big": 0}
+    for step in range(600):
+        if len(live) >= 3 or (live and rng.random() < 0.3):
+            cache.remove_sequence(live.pop(int(rng.integers(len(live)))))
+        if step == 300:
+            for seq in live:
+                cache.remove_sequence(seq)
+            live.clear()
+            assert cache.reset_prefix_cache()
+        prompt = prompts[rng.integers(len(prompts))][:int(rng.integers(2, 80))]
+        prompt = prompt + rng.integers(0, 3, size=int(rng.integers(0, 9))).tolist()
+        cached = cache.add_sequence(step, prompt)
+        cache.append([step], [len(prompt) - cached], token_ids=prompt[cached:])
+        live.append(step)
+        if step % 11 == 0 or step == 599:
+            events, dropped = cache.take_kv_events()
+            ts = 1.5e9 + step / 7
+            payload = encode_events(events, ts=ts, data_parallel_rank=step % 3, window=window, medium="CPU",
+                                    hash_format=hash_format)
+            tuples = events.tolist()
+            assert payload == reference_payload(tuples, ts, step % 3, window, "CPU", hash_format)
+            batch = DECODER.decode(payload)  # vLLM's structs accept it
+            assert len(batch.events) == len(events) == len(tuples)
+            counts["batches"] += 1
+            counts["events"] += len(events)
+            counts["dropped"] += dropped
+            counts["big"] += any(len(t) > 1 and len(t[1]) >= 16 for t in tuples)  # array16 headers
+    assert counts["events"] > 50 and (counts["dropped"] > 0) == (capacity < 100)
+    assert capacity < 100 or counts["big"] > 0
+
+
 @pytest.mark.parametrize("hash_format", ["int", "bytes"])
 def test_stream_rebuilds_cached_hashes_after_a_long_random_run(hash_format):
     endpoint, replay_endpoint = endpoints()

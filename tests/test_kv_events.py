@@ -197,3 +197,142 @@ def test_random_run_events_rebuild_the_cached_hashes(window, sinks):
     apply(events.tolist(), state)
     assert dropped == 0 and state == cached_hashes(cache) and state
     cache.check_invariants()
+
+
+def page_records(events):
+    """Events as page-level records: ("S", hash, parent, token ids) / ("R", hash) / ("C",)."""
+    records = []
+    for event in events:
+        if event[0] == "BlockStored":
+            parent, size = event[2], event[4]
+            for i, h in enumerate(event[1]):
+                records.append(("S", h, parent, tuple(event[3][i * size:(i + 1) * size])))
+                parent = h
+        elif event[0] == "BlockRemoved":
+            records.extend(("R", h) for h in event[1])
+        else:
+            records.append(("C",))
+    return records
+
+
+def first_events(events, num_records):
+    """The events that hold the first ``num_records`` page records, the last one cut to fit."""
+    kept = []
+    for event in events:
+        if num_records == 0:
+            break
+        if event[0] == "AllBlocksCleared":
+            kept.append(event)
+            num_records -= 1
+            continue
+        n = min(num_records, len(event[1]))
+        if event[0] == "BlockStored":
+            kept.append(("BlockStored", event[1][:n], event[2], event[3][:n * event[4]], event[4]))
+        else:
+            kept.append(("BlockRemoved", event[1][:n]))
+        num_records -= n
+    return kept
+
+
+def drive_in_lockstep(caches, seed, steps, drain_every, on_drain):
+    """The same random adds (shared prefixes), appends, forks, removals and resets on every cache.
+
+    Every ``drain_every`` steps ``on_drain([cache.take_kv_events() for cache in caches])``.
+    """
+    rng = np.random.default_rng(seed)
+    page_size = caches[0].page_size
+    prompts = [rng.integers(0, 3, size=8 * page_size).tolist() for _ in range(4)]
+    live, next_id = [], 0
+
+    def on_each(call):
+        """Run ``call(cache)`` on every cache; all must run out of pages, or none."""
+        failed = []
+        for cache in caches:
+            try:
+                call(cache)
+                failed.append(False)
+            except OutOfPagesError:
+                failed.append(True)
+        assert len(set(failed)) == 1, "twin caches diverged"
+        return failed[0]
+
+    def add(cache, seq, prompt):
+        cached = cache.add_sequence(seq, prompt)
+        cache.append([seq], [len(prompt) - cached], token_ids=prompt[cached:])
+
+    for step in range(1, steps + 1):
+        op = rng.integers(0, 10)
+        failed = False
+        if op < 5 or not live:
+            prompt = prompts[rng.integers(len(prompts))][:rng.integers(1, 8 * page_size)]
+            prompt = prompt + rng.integers(0, 3, size=rng.integers(0, 2 * page_size)).tolist()
+            failed = on_each(lambda cache: add(cache, next_id, prompt))
+            live.append(next_id)
+            next_id += 1
+        elif op < 7:
+            seq = live[rng.integers(len(live))]
+            new = rng.integers(0, 3, size=rng.integers(1, 2 * page_size)).tolist()
+            failed = on_each(lambda cache: cache.append([seq], [len(new)], token_ids=new))
+        elif op == 7:
+            seq = live[rng.integers(len(live))]
+            on_each(lambda cache: cache.fork(seq, next_id))
+            live.append(next_id)
+            next_id += 1
+        elif op == 8 or len(live) > 1:
+            seq = live.pop(int(rng.integers(len(live))))
+            on_each(lambda cache: cache.remove_sequence(seq))
+        else:
+            failed = True  # remove everything, then reset the prefix cache
+        if failed:
+            for seq in live:
+                on_each(lambda cache: cache.remove_sequence(seq) if seq in cache else None)
+            live = []
+            if op >= 8:
+                assert all(cache.reset_prefix_cache() for cache in caches)
+        if step % drain_every == 0:
+            on_drain([cache.take_kv_events() for cache in caches])
+    on_drain([cache.take_kv_events() for cache in caches])
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 8, 14])
+def test_a_full_log_keeps_the_first_records_of_each_drain_and_counts_the_rest(capacity):
+    """Against a twin cache whose log never fills: the same operations, the same drains."""
+    page_size = 2
+    args = dict(page_size=page_size, enable_prefix_caching=True, enable_kv_events=True)
+    complete = KVCache(0, 1, 1, 40, **args)
+    bounded = KVCache(0, 1, 1, 40, kv_events_capacity=capacity, **args)
+    totals = {"kept": 0, "dropped": 0, "drains_with_drops": 0}
+
+    def on_drain(drained):
+        (all_events, all_dropped), (events, dropped) = drained
+        assert all_dropped == 0
+        everything = all_events.tolist()
+        reference = page_records(everything)
+        kept = events.tolist()
+        assert page_records(kept) == reference[:capacity]
+        assert kept == first_events(everything, capacity) and len(events) == len(kept)
+        assert dropped == events.num_dropped == max(0, len(reference) - capacity)
+        assert events.num_records == min(capacity, len(reference))
+        assert events.num_pages_stored == sum(r[0] == "S" for r in reference[:capacity])
+        assert events.num_pages_removed == sum(r[0] == "R" for r in reference[:capacity])
+        check_chain(kept, page_size)
+        totals["kept"] += events.num_records
+        totals["dropped"] += dropped
+        totals["drains_with_drops"] += dropped > 0
+
+    drive_in_lockstep([complete, bounded], seed=capacity, steps=400, drain_every=9, on_drain=on_drain)
+    stats = bounded.stats()
+    assert stats["kv_events_recorded"] == totals["kept"] and stats["kv_events_dropped"] == totals["dropped"]
+    assert complete.stats()["kv_events_recorded"] == totals["kept"] + totals["dropped"]
+    assert totals["drains_with_drops"] > 5  # the bound was hit many times
+    bounded.check_invariants()
+
+
+def test_pending_records_count_as_recorded_before_the_drain():
+    cache = KVCache(0, 1, 1, 8, page_size=2, enable_prefix_caching=True, enable_kv_events=True)
+    cache.add_sequence(0, [1, 2, 3, 4, 5])
+    cache.append([0], [5], token_ids=[1, 2, 3, 4, 5])
+    assert cache.stats()["kv_events_recorded"] == 2
+    events, _ = cache.take_kv_events()
+    assert cache.stats()["kv_events_recorded"] == 2 and events.num_records == 2
+    assert cache.take_kv_events()[0].num_records == 0 and cache.stats()["kv_events_recorded"] == 2
