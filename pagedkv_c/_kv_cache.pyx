@@ -26,7 +26,7 @@ from libc.stdlib cimport malloc, free, realloc
 from libc.stdint cimport uint8_t, uint64_t
 from pagedkv_c._checksum cimport pkv_page_checksum, pkv_page_checksums
 from pagedkv_c._prefix cimport pkv_index, pkv_index_remove
-from pagedkv_c._kv_events cimport (KVEventLog, pkv_kv_events_stored, pkv_kv_events_cleared,
+from pagedkv_c._kv_events cimport (KVEventLog, pkv_kv_events_stored_run, pkv_kv_events_cleared,
                                   pkv_kv_events_total_recorded)
 
 cnp.import_array()
@@ -495,7 +495,7 @@ cdef class KVCache:
         cdef int64_t k
         cdef page_id_t page_id
         cdef Py_ssize_t t
-        cdef int64_t last_stored = -2  # KV events: the logical page stored last in this call
+        cdef int64_t run_first = 0, run_end = 0  # KV events: pages [run_first, run_end) stored in a row
         for k in range(hashes.num_registered, upto):
             _look_ahead(index, hashes, k, upto)
             if k < table.num_sink_pages:
@@ -511,8 +511,12 @@ cdef class KVCache:
                     index.tokens[page_id, t] = hashes.token_ids[k * self.page_size + t]
                 index.has_tokens[page_id] = 1
             if self._kv_events is not None and pkv_index_is_cached(&index.ix, page_id):  # inserted
-                _record_stored(self._kv_events, hashes, k, self.page_size, k == last_stored + 1)
-                last_stored = k
+                if k != run_end:
+                    _record_stored_run(self._kv_events, hashes, run_first, run_end, self.page_size)
+                    run_first = k
+                run_end = k + 1
+        if self._kv_events is not None:
+            _record_stored_run(self._kv_events, hashes, run_first, run_end, self.page_size)
         if upto > hashes.num_registered:
             hashes.num_registered = upto
         return 0
@@ -2610,9 +2614,10 @@ cdef int _check_tier(object tier, object enable_prefix_caching, object window) e
     if window is not None:
         raise ValueError(f"Invalid value of tier: a shared tier needs full attention (window=None), got window={window}")
     return 0
-cdef inline void _record_stored(KVEventLog events, SequenceHashes hashes, int64_t k, int32_t page_size,
-                                bint continues) noexcept:
-    """Record the KV event of logical page ``k`` of ``hashes`` entering the prefix index."""
-    pkv_kv_events_stored(&events.log, hashes.chain[k].lo, hashes.chain[k].hi,
-                         <const uint64_t*>&hashes.chain[k - 1] if k > 0 else NULL,
-                         NULL if hashes.external else &hashes.token_ids[k * page_size], continues)
+cdef inline void _record_stored_run(KVEventLog events, SequenceHashes hashes, int64_t first, int64_t end,
+                                    int32_t page_size) noexcept:
+    """Record the KV event of logical pages ``[first, end)`` of ``hashes`` entering the prefix index (one copy)."""
+    if end > first:
+        pkv_kv_events_stored_run(&events.log, <const uint64_t*>&hashes.chain[first], end - first,
+                                 <const uint64_t*>&hashes.chain[first - 1] if first > 0 else NULL,
+                                 NULL if hashes.external else &hashes.token_ids[first * page_size], 0)

@@ -18,9 +18,11 @@ cdef extern from "kv_events.h":
         int64_t num_tokens               # token ids kept
         int64_t page_size                # token ids per stored page
         int64_t open                     # header of the event a page may extend, or -1
+        uint64_t open_flags              # its flags, PKV_KV_NO_EVENT when none is open
+        int64_t open_pages               # its pages so far (its header holds them once closed)
         int64_t num_events               # events kept (as vLLM counts them)
-        int64_t num_stored               # stored page records kept
-        int64_t num_removed              # removed page records kept
+        int64_t num_stored               # stored page records in closed events
+        int64_t num_removed              # removed page records in closed events
         int64_t dropped                  # records dropped since the last drain
         int64_t total_dropped            # records dropped over the log's life
     enum:
@@ -32,6 +34,9 @@ cdef extern from "kv_events.h":
         PKV_KV_HAS_TOKENS
     void pkv_kv_events_stored(pkv_kv_events* ev, uint64_t lo, uint64_t hi, const uint64_t* parent,
                               const int32_t* tokens, int continues) noexcept nogil
+    void pkv_kv_events_stored_run(pkv_kv_events* ev, const uint64_t* hashes, int64_t n, const uint64_t* parent,
+                                  const int32_t* tokens, int continues) noexcept nogil
+    void pkv_kv_events_close(pkv_kv_events* ev) noexcept nogil
     void pkv_kv_events_removed(pkv_kv_events* ev, uint64_t lo, uint64_t hi) noexcept nogil
     void pkv_kv_events_cleared(pkv_kv_events* ev) noexcept nogil
     int64_t pkv_kv_events_total_recorded(const pkv_kv_events* ev) noexcept nogil

@@ -62,7 +62,7 @@ cdef class KVEventLog:
             raise ValueError(f"Invalid value of page_size: expected >= 1, got {page_size}")
         self.log.capacity = capacity
         self.log.page_size = page_size
-        self.log.open = -1
+        pkv_kv_events_reset(&self.log)  # no open event
 
     def __dealloc__(self):
         pkv_kv_events_free(&self.log)
@@ -92,6 +92,7 @@ cdef class KVEventLog:
         cdef KVEvents out = KVEvents.__new__(KVEvents)
         out.page_size = self.log.page_size
         out.num_dropped = self.log.dropped
+        pkv_kv_events_close(&self.log)
         if self.log.count:
             out.num_records = self.log.count
             out.num_units = self.log.num_units

@@ -9,9 +9,10 @@
  * counts them. An event is a header unit (kind, flags, number of pages),
  * then for a stored event with a parent the parent's hash, then one unit per
  * page hash. A page that continues the open event (the next page of the same
- * sequence, or another removal) costs one unit and a counter increment, so
- * the recording hot path writes 16 bytes per page and the drain needs no
- * pass over the records. Token ids of stored pages go, in order, to a
+ * sequence, or another removal) costs one unit and two counter increments,
+ * and a run of stored pages is one copy of their hashes, so the recording
+ * hot path writes 16 bytes per page and the drain needs no pass over the
+ * records. Token ids of stored pages go, in order, to a
  * second array; a reader finds them by counting.
  *
  * `capacity` bounds the page records (an AllBlocksCleared counts as one)
@@ -40,6 +41,8 @@ typedef struct {
 #define PKV_KV_HAS_PARENT 0x100u /* stored: a parent unit follows the header */
 #define PKV_KV_HAS_TOKENS 0x200u /* stored: page_size token ids per page, in order */
 
+#define PKV_KV_NO_EVENT (~(uint64_t)0) /* open_flags when no event is open */
+
 typedef struct pkv_kv_events {
     pkv_kv_unit *units;          /* (allocated,) headers, parents and page hashes */
     int32_t *tokens;             /* (token_allocated,) token ids of stored pages */
@@ -50,10 +53,15 @@ typedef struct pkv_kv_events {
     int64_t num_units;           /* units used */
     int64_t num_tokens;          /* token ids kept */
     int64_t page_size;           /* token ids per stored page */
-    int64_t open;                /* header of the event a page may extend, or -1 */
+    /* The open event, which the next page may extend: its header's index and
+     * flags, and its pages so far (written to the header when it closes, so
+     * that the hot path touches only the unit it appends). */
+    int64_t open;
+    uint64_t open_flags;         /* PKV_KV_NO_EVENT when none is open */
+    int64_t open_pages;
     int64_t num_events;          /* events (headers) kept */
-    int64_t num_stored;          /* stored page records kept */
-    int64_t num_removed;         /* removed page records kept */
+    int64_t num_stored;          /* stored page records in closed events */
+    int64_t num_removed;         /* removed page records in closed events */
     int64_t dropped;             /* records dropped since the last drain */
     int64_t total_recorded;      /* records kept over the log's life, up to the last drain */
     int64_t total_dropped;       /* records dropped over the log's life */
@@ -64,12 +72,27 @@ typedef struct pkv_kv_events {
     int64_t spare_allocated, spare_token_allocated;
 } pkv_kv_events;
 
-/* Count one record as dropped; the next page cannot extend the open event. */
-PKV_INLINE void pkv_kv_events_drop(pkv_kv_events *ev)
+/* Write the open event's page count into its header; no event is open after. */
+PKV_INLINE void pkv_kv_events_close(pkv_kv_events *ev)
 {
-    ev->dropped++;
-    ev->total_dropped++;
+    if (ev->open_flags != PKV_KV_NO_EVENT) {
+        ev->units[ev->open].hi = (uint64_t)ev->open_pages;
+        if ((ev->open_flags & PKV_KV_KIND_MASK) == PKV_KV_STORED)
+            ev->num_stored += ev->open_pages;
+        else if ((ev->open_flags & PKV_KV_KIND_MASK) == PKV_KV_REMOVED)
+            ev->num_removed += ev->open_pages;
+    }
     ev->open = -1;
+    ev->open_flags = PKV_KV_NO_EVENT;
+    ev->open_pages = 0;
+}
+
+/* Count `n` records as dropped; the next page cannot extend the open event. */
+PKV_INLINE void pkv_kv_events_drop(pkv_kv_events *ev, int64_t n)
+{
+    ev->dropped += n;
+    ev->total_dropped += n;
+    pkv_kv_events_close(ev);
 }
 
 /* Room for `units` more units (and `token_ids` more ids), or 0 when memory ran out. */
@@ -98,88 +121,102 @@ static int pkv_kv_events_grow(pkv_kv_events *ev, int64_t units, int64_t token_id
     return 1;
 }
 
-/* A page entered the prefix index under (lo, hi). `parent` is NULL for the
- * first page of a sequence, else {lo, hi} of the previous page; `tokens` is
- * its page_size token ids or NULL; `continues` says it follows the previous
- * record's page in the same sequence, so it may extend the open event. */
-PKV_INLINE void pkv_kv_events_stored(pkv_kv_events *ev, uint64_t lo, uint64_t hi,
-                                     const uint64_t *parent, const int32_t *tokens, int continues)
+/* Open a new event with header flags `flags` (and a parent unit when
+ * parent != NULL); the caller made room for its units. */
+PKV_INLINE void pkv_kv_events_open(pkv_kv_events *ev, uint64_t flags, const uint64_t *parent)
+{
+    pkv_kv_events_close(ev);
+    pkv_kv_unit *u = ev->units + ev->num_units;
+    u->lo = flags;
+    u->hi = 0;
+    ev->open = ev->num_units++;
+    if (parent != NULL) {
+        u[1].lo = parent[0];
+        u[1].hi = parent[1];
+        ev->num_units++;
+    }
+    ev->open_flags = flags;
+    ev->num_events++;
+}
+
+/* n consecutive pages of one sequence entered the prefix index: `hashes`
+ * holds their {lo, hi} pairs (2 * n values). `parent` is NULL when the
+ * first is the first page of a sequence, else {lo, hi} of the page before
+ * it; `tokens` is their n * page_size token ids or NULL; `continues` says
+ * the first follows the previous record's page in the same sequence, so the
+ * run may extend the open event. When the log has room for fewer than n,
+ * the first ones are kept and the rest counted as dropped. */
+PKV_INLINE void pkv_kv_events_stored_run(pkv_kv_events *ev, const uint64_t *hashes, int64_t n,
+                                         const uint64_t *parent, const int32_t *tokens, int continues)
 {
     const uint64_t flags = PKV_KV_STORED | (parent != NULL ? PKV_KV_HAS_PARENT : 0) |
                            (tokens != NULL ? PKV_KV_HAS_TOKENS : 0);
-    const int extend = continues && ev->open >= 0 &&
-                       (ev->units[ev->open].lo & ~(uint64_t)PKV_KV_HAS_PARENT) == (flags & ~(uint64_t)PKV_KV_HAS_PARENT);
-    const int64_t need = extend ? 1 : 2 + (parent != NULL);
-    const int64_t token_ids = tokens != NULL ? ev->page_size : 0;
-    if (ev->count == ev->capacity ||
-        ((ev->num_units + need > ev->allocated || ev->num_tokens + token_ids > ev->token_allocated) &&
-         !pkv_kv_events_grow(ev, need, token_ids))) {
-        pkv_kv_events_drop(ev);
+    int64_t kept = ev->capacity - ev->count < n ? ev->capacity - ev->count : n;
+    if (kept <= 0) {
+        pkv_kv_events_drop(ev, n);
         return;
     }
-    pkv_kv_unit *u = ev->units + ev->num_units;
-    if (!extend) {
-        ev->open = ev->num_units;
-        u->lo = flags;
-        u->hi = 0;
-        u++;
-        if (parent != NULL) {
-            u->lo = parent[0];
-            u->hi = parent[1];
-            u++;
-        }
-        ev->num_events++;
+    const int extend = continues && ev->open_flags != PKV_KV_NO_EVENT &&
+                       (ev->open_flags | PKV_KV_HAS_PARENT) == (flags | PKV_KV_HAS_PARENT);
+    const int64_t need = kept + (extend ? 0 : 2);
+    const int64_t token_ids = tokens != NULL ? kept * ev->page_size : 0;
+    if ((ev->num_units + need > ev->allocated || ev->num_tokens + token_ids > ev->token_allocated) &&
+        !pkv_kv_events_grow(ev, need, token_ids)) {
+        pkv_kv_events_drop(ev, n);
+        return;
     }
-    u->lo = lo;
-    u->hi = hi;
-    ev->num_units += need;
-    ev->units[ev->open].hi++;
+    if (!extend)
+        pkv_kv_events_open(ev, flags, parent);
+    memcpy(ev->units + ev->num_units, hashes, (size_t)kept * sizeof(pkv_kv_unit));
+    ev->num_units += kept;
+    ev->open_pages += kept;
     if (tokens != NULL) {
         memcpy(ev->tokens + ev->num_tokens, tokens, (size_t)token_ids * sizeof(int32_t));
         ev->num_tokens += token_ids;
     }
-    ev->count++;
-    ev->num_stored++;
+    ev->count += kept;
+    if (kept < n)
+        pkv_kv_events_drop(ev, n - kept);
+}
+
+/* One page entered the prefix index (pkv_kv_events_stored_run of one page). */
+PKV_INLINE void pkv_kv_events_stored(pkv_kv_events *ev, uint64_t lo, uint64_t hi,
+                                     const uint64_t *parent, const int32_t *tokens, int continues)
+{
+    const uint64_t hash[2] = {lo, hi};
+    pkv_kv_events_stored_run(ev, hash, 1, parent, tokens, continues);
 }
 
 /* A page left the prefix index (evicted, or about to be written again). */
 PKV_INLINE void pkv_kv_events_removed(pkv_kv_events *ev, uint64_t lo, uint64_t hi)
 {
-    const int extend = ev->open >= 0 && ev->units[ev->open].lo == PKV_KV_REMOVED;
-    const int64_t need = extend ? 1 : 2;
-    if (ev->count == ev->capacity ||
-        (ev->num_units + need > ev->allocated && !pkv_kv_events_grow(ev, need, 0))) {
-        pkv_kv_events_drop(ev);
+    if (ev->count == ev->capacity) {
+        pkv_kv_events_drop(ev, 1);
         return;
     }
-    pkv_kv_unit *u = ev->units + ev->num_units;
-    if (!extend) {
-        ev->open = ev->num_units;
-        u->lo = PKV_KV_REMOVED;
-        u->hi = 0;
-        u++;
-        ev->num_events++;
+    const int extend = ev->open_flags == PKV_KV_REMOVED;
+    if (ev->num_units + 2 > ev->allocated && !pkv_kv_events_grow(ev, 2, 0)) {
+        pkv_kv_events_drop(ev, 1);
+        return;
     }
+    if (!extend)
+        pkv_kv_events_open(ev, PKV_KV_REMOVED, NULL);
+    pkv_kv_unit *u = ev->units + ev->num_units++;
     u->lo = lo;
     u->hi = hi;
-    ev->num_units += need;
-    ev->units[ev->open].hi++;
+    ev->open_pages++;
     ev->count++;
-    ev->num_removed++;
 }
 
 /* Every page left the prefix index at once (a reset). */
 PKV_INLINE void pkv_kv_events_cleared(pkv_kv_events *ev)
 {
     if (ev->count == ev->capacity || (ev->num_units + 1 > ev->allocated && !pkv_kv_events_grow(ev, 1, 0))) {
-        pkv_kv_events_drop(ev);
+        pkv_kv_events_drop(ev, 1);
         return;
     }
-    ev->units[ev->num_units].lo = PKV_KV_CLEARED;
-    ev->units[ev->num_units].hi = 0;
-    ev->num_units++;
-    ev->open = -1;
-    ev->num_events++;
+    pkv_kv_events_open(ev, PKV_KV_CLEARED, NULL);
+    pkv_kv_events_close(ev);
     ev->count++;
 }
 
@@ -196,14 +233,16 @@ PKV_INLINE void pkv_kv_events_reset(pkv_kv_events *ev)
     ev->count = ev->num_units = ev->num_tokens = 0;
     ev->num_events = ev->num_stored = ev->num_removed = 0;
     ev->open = -1;
+    ev->open_flags = PKV_KV_NO_EVENT;
+    ev->open_pages = 0;
     ev->dropped = 0;
 }
 
 /* Hand the kept units and token ids (and their allocated sizes) over to the
  * caller, who gives them back with pkv_kv_events_give_back or frees them,
  * and continue on the spare buffers (the previous drain's), else on new ones
- * of the same size. The counts (count, num_units, ...) are the caller's to
- * read before; they start from 0. */
+ * of the same size. The caller reads the counts (count, num_units, ...)
+ * before, after pkv_kv_events_close; they start from 0. */
 static void pkv_kv_events_detach(pkv_kv_events *ev, pkv_kv_unit **units, int64_t *allocated,
                                  int32_t **tokens, int64_t *token_allocated)
 {
