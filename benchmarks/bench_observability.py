@@ -10,7 +10,7 @@ Replays the Mooncake conversation trace (``pagedkv.replay.replay``, page size 16
   requests (the events are dropped after the take).
 * ``(d) events over ZeroMQ``: a ``pagedkv.events.ZmqEventPublisher`` publishing every 256
   requests on loopback to a subscriber *process* that decodes every batch with msgspec
-  structs of vLLM's schema; the timed span runs until the publisher thread has sent the
+  structs of vLLM's schema (straight from ZeroMQ's receive buffer, ``copy=False``); the timed span runs until the publisher thread has sent the
   last batch, and the run fails unless the subscriber received every batch (sequence
   numbers 0..n-1, gaps filled from the replay socket) and every event.
 
@@ -90,9 +90,9 @@ SUBSCRIBER = textwrap.dedent('''
     while expected is None or len(seen) < expected:
         ready = dict(poller.poll(100))
         if sub in ready:
-            topic, seq, payload = sub.recv_multipart()
+            topic, seq, payload = sub.recv_multipart(copy=False)  # decoded from ZeroMQ's buffer
             wire += len(topic) + len(seq) + len(payload)
-            take(int.from_bytes(seq, "big"), payload)
+            take(int.from_bytes(seq.bytes, "big"), payload.buffer)
         elif sys.stdin.fileno() in ready or sys.stdin in ready:
             expected = int(sys.stdin.readline())
         elif expected is not None:  # quiet and incomplete: replay what is missing

@@ -63,15 +63,47 @@ static uint8_t *pkv_mp_str(uint8_t *p, const char *s, size_t n)
 }
 #define PKV_MP_KEY(p, literal) pkv_mp_str((p), (literal), sizeof(literal) - 1)
 
-/* A page hash: vLLM's int form (the low 64 bits) or 16 big-endian bytes. */
-static uint8_t *pkv_mp_hash(uint8_t *p, uint64_t lo, uint64_t hi, int as_bytes)
+/* 8 bytes of v, big-endian (one byte swap and one store where available). */
+static inline uint8_t *pkv_mp_be64(uint8_t *p, uint64_t v)
 {
-    if (!as_bytes)
+#if defined(__GNUC__) || defined(__clang__)
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    memcpy(p, &v, 8);
+    return p + 8;
+#else
+    return pkv_mp_be(p, v, 8);
+#endif
+}
+
+/* A page hash: vLLM's int form (the low 64 bits) or 16 big-endian bytes. */
+static inline uint8_t *pkv_mp_hash(uint8_t *p, uint64_t lo, uint64_t hi, int as_bytes)
+{
+    if (!as_bytes) {
+        if (lo >> 32) { /* nearly every hash: uint 64 */
+            *p++ = 0xcf;
+            return pkv_mp_be64(p, lo);
+        }
         return pkv_mp_uint(p, lo);
+    }
     *p++ = 0xc4;
     *p++ = 16;
-    p = pkv_mp_be(p, hi, 8);
-    return pkv_mp_be(p, lo, 8);
+    p = pkv_mp_be64(p, hi);
+    return pkv_mp_be64(p, lo);
+}
+
+/* The hashes of n consecutive units. */
+static uint8_t *pkv_mp_hashes(uint8_t *p, const pkv_kv_unit *u, int64_t n, int as_bytes)
+{
+    if (as_bytes) {
+        for (int64_t j = 0; j < n; j++)
+            p = pkv_mp_hash(p, u[j].lo, u[j].hi, 1);
+    } else {
+        for (int64_t j = 0; j < n; j++)
+            p = pkv_mp_hash(p, u[j].lo, 0, 0);
+    }
+    return p;
 }
 
 /* Bytes that pkv_kv_events_encode writes at most for a log's units. */
@@ -110,8 +142,7 @@ static size_t pkv_kv_events_encode(const pkv_kv_unit *u, int64_t num_units, int6
             p = PKV_MP_KEY(p, "block_hashes");
             p = pkv_mp_array(p, (uint64_t)pages);
             const pkv_kv_unit *parent = (flags & PKV_KV_HAS_PARENT) ? &u[i++] : NULL;
-            for (int64_t j = 0; j < pages; j++)
-                p = pkv_mp_hash(p, u[i + j].lo, u[i + j].hi, hash_bytes);
+            p = pkv_mp_hashes(p, u + i, pages, hash_bytes);
             i += pages;
             p = PKV_MP_KEY(p, "parent_block_hash");
             if (parent != NULL)
@@ -152,8 +183,7 @@ static size_t pkv_kv_events_encode(const pkv_kv_unit *u, int64_t num_units, int6
             p = PKV_MP_KEY(p, "BlockRemoved");
             p = PKV_MP_KEY(p, "block_hashes");
             p = pkv_mp_array(p, (uint64_t)pages);
-            for (int64_t j = 0; j < pages; j++)
-                p = pkv_mp_hash(p, u[i + j].lo, u[i + j].hi, hash_bytes);
+            p = pkv_mp_hashes(p, u + i, pages, hash_bytes);
             i += pages;
             p = PKV_MP_KEY(p, "medium");
             p = pkv_mp_str(p, medium, medium_len);

@@ -378,7 +378,9 @@ class ZmqEventPublisher:
                                     hash_format=self._hash_format)
             sequence_bytes = sequence.to_bytes(8, "big")
             try:
-                self._pub.send_multipart((self._topic, sequence_bytes, payload))
+                # copy=False: ZeroMQ sends from the payload itself (kept for replays anyway);
+                # pyzmq still copies frames under its copy threshold (the topic, the number).
+                self._pub.send_multipart((self._topic, sequence_bytes, payload), copy=False)
             except zmq.ZMQError:
                 logger.exception("sending KV event batch %d failed", sequence)
             self._buffer.append((sequence, payload))
