@@ -17,7 +17,17 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from pagedkv.tiers._format import HEADER, REJECT_KINDS, PageLayout, check_value, encode_header, page_keys
+from pagedkv.tiers._format import (
+    FLAG_TOKENS,
+    FORMAT_VERSION,
+    HEADER,
+    MAGIC,
+    REJECT_KINDS,
+    PageLayout,
+    check_value,
+    page_keys,
+)
+from pagedkv_c._tier_io import body_checksums, record_checksums
 
 __all__ = ["RedisTier"]
 
@@ -29,6 +39,9 @@ _UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
 # Pages and bytes the writer thread sends in one pipeline.
 _WRITE_BATCH_PAGES = 64
 _WRITE_BATCH_BYTES = 16 * 2**20
+# Offload buffers kept for reuse after the writer sent them: how many, and the largest kept.
+_SPARE_BUFFERS = 4
+_SPARE_BYTES = 64 * 2**20
 # Wait before the first retry after the store was unreachable, and the longest wait, in seconds.
 _BACKOFF_FIRST = 0.25
 _BACKOFF_MAX = 4.0
@@ -121,14 +134,20 @@ class RedisTier:
     key, a value that is corrupt, truncated, of another layout or whose token
     ids differ from the prompt's is a miss: it is counted (:meth:`stats`),
     logged once per kind on the ``pagedkv.tiers`` logger, and never raised
-    out of the cache's calls. After a connection failure the tier answers
-    misses at once for a short while (0.25 s, doubling up to 4 s while the
-    store stays down), then tries again: it reconnects by itself.
+    out of the cache's calls. After a connection failure the tier takes that
+    node (or the whole store) as down for a short while (0.25 s, doubling up
+    to 4 s while it stays down): its keys are misses at once and its writes
+    are counted as failed; then it tries again: it reconnects by itself.
 
-    *Round trips.* A fetch is one pipeline of GETs: one round trip to a
-    standalone server, and with a cluster one round trip per node holding some
-    of the keys (redis-py's cluster pipeline groups the commands by node,
-    writes to every node, then reads every node).
+    *Offload.* The cache's thread only copies sealed pages into a buffer of
+    the tier (one hold of the cache's lock, in C); the writer thread fills
+    the value headers, computes the page checksums (in C, without the GIL)
+    and sends the values, one pipeline of ``SET NX`` per node.
+
+    *Round trips.* A fetch is one pipeline of GETs per server holding some
+    of the keys: one round trip to a standalone server, one per node of a
+    cluster. A node that is down (or times out) costs only its own keys: the
+    prompt's pages before its first key still count, the run stops there.
 
     *One layout.* A tier serves caches of one layout, fixed by the first
     cache it is given to; a cache of another layout raises ValueError.
@@ -162,8 +181,9 @@ class RedisTier:
         self._writing = 0                      # pages the writer is sending now
         self._closed = False
         self._writer = None
-        self._unreachable_until = 0.0          # time.monotonic() before which fetches are misses
-        self._backoff = _BACKOFF_FIRST
+        self._down = {}                        # node (None: the store) -> (monotonic time it may be up, next backoff)
+        self._spare_buffers = []               # sent offload buffers, for reuse
+        self._record_bytes = 0                 # bytes of one page value (set by _attach)
         self._logged = set()
         self._counts = collections.Counter()
 
@@ -180,10 +200,9 @@ class RedisTier:
             ``pages_written``, ``bytes_written``, ``pages_existing`` (already in the
             store: ``SET NX`` did nothing), ``dropped_writes`` (pages not queued:
             ``max_inflight_bytes`` was reached), ``write_errors`` (pages whose write
-            failed), ``stale_writes`` (pages not sent: their copy no longer matched the
-            checksum of the seal); ``fetch_errors`` (fetches or values lost to a server or network
-            fault), ``unreachable_skips`` (fetches answered as misses while the
-            store was taken as down); ``rejected_<kind>`` for each kind of bad
+            failed, a node down included); ``fetch_errors`` (fetches or values lost to a server or network
+            fault), ``unreachable_skips`` (fetches, or parts of one, answered as misses
+            and write batches not sent while a node or the store was taken as down); ``rejected_<kind>`` for each kind of bad
             value (``truncated``, ``format``, ``layout``, ``hash``, ``tokens``,
             ``checksum``) and ``checksum_failures`` (= ``rejected_checksum``);
             ``inflight_bytes`` (queued or being written now).
@@ -193,7 +212,7 @@ class RedisTier:
             inflight = self._inflight_bytes
         out = {name: counts.get(name, 0) for name in (
             "lookups", "pages_requested", "hit_pages", "misses", "bytes_read", "pages_written",
-            "bytes_written", "pages_existing", "dropped_writes", "write_errors", "stale_writes", "fetch_errors",
+            "bytes_written", "pages_existing", "dropped_writes", "write_errors", "fetch_errors",
             "unreachable_skips")}
         out["hit_tokens"] = out["hit_pages"] * (self.layout.page_size if self.layout else 0)
         for kind in REJECT_KINDS[1:]:
@@ -246,62 +265,55 @@ class RedisTier:
                     f"got a cache of layout {layout.describe()}; make one RedisTier per layout")
             self.layout = layout
             self._prefix = layout.key_prefix(self.namespace)
+            self._record_bytes = HEADER.size + 4 * layout.page_size + layout.body_bytes
 
-    def _reserve(self, num_pages):
-        """Room in the write queue for up to ``num_pages`` pages; the rest count as dropped.
+    def _offload_buffer(self, num_pages):
+        """A buffer for up to ``num_pages`` sealed pages, its room in the write queue reserved.
 
-        Returns the number of pages reserved (the caller enqueues that many, or cancels).
+        Returns ``(records, page_hashes, token_offset, body_offset)`` for
+        ``KVCache._take_sealed_copies``: ``records`` is uint8 ``[k, record_bytes]``,
+        one page value per row (the header, left for the writer thread to fill,
+        the token ids, the body), ``k <= num_pages`` the pages that fit the
+        queue (0 when it is full or the tier closed); ``page_hashes`` uint64
+        ``[k, 2]``. Hand it back with :meth:`_offload_submit`.
         """
-        per_page = HEADER.size + 4 * self.layout.page_size + self.layout.body_bytes
+        per_page = self._record_bytes
         with self._lock:
-            if self._closed:
-                fit = 0
-            else:
-                fit = min(num_pages, (self.max_inflight_bytes - self._inflight_bytes) // per_page)
+            fit = 0 if self._closed else max(0, min(num_pages, (self.max_inflight_bytes - self._inflight_bytes) // per_page))
             self._inflight_bytes += fit * per_page
-            if fit < num_pages:
-                self._counts["dropped_writes"] += num_pages - fit
+            records = None if fit else np.empty((0, per_page), dtype=np.uint8)
+            # Reuse a buffer the writer has sent: a new one would fault in every page of memory again.
+            for i, spare in enumerate(self._spare_buffers if fit else ()):
+                if spare.shape[0] >= fit:
+                    records = spare[:fit]
+                    del self._spare_buffers[i]
+                    break
+        if records is None:
+            records = np.empty((fit, per_page), dtype=np.uint8)
+        return records, np.empty((fit, 2), dtype=np.uint64), HEADER.size, HEADER.size + 4 * self.layout.page_size
+
+    def _offload_submit(self, records, page_hashes, num_taken, num_discarded):
+        """Queue the first ``num_taken`` rows of a buffer from :meth:`_offload_buffer` for writing.
+
+        The room of the other rows is given back; ``num_discarded`` sealed pages
+        that did not fit are counted as ``dropped_writes``. The caller's work
+        ends here: headers, checksums and the network are the writer thread's.
+        """
+        per_page = self._record_bytes
+        with self._lock:
+            self._inflight_bytes -= (records.shape[0] - num_taken) * per_page
+            if num_discarded:
+                self._counts["dropped_writes"] += num_discarded
                 self._log_once("dropped", "write queue full (max_inflight_bytes=%d): offloads are "
                                "dropped and counted", self.max_inflight_bytes)
-        return fit
-
-    def _cancel(self, num_pages):
-        """Give back the room of pages reserved but not enqueued."""
-        per_page = HEADER.size + 4 * self.layout.page_size + self.layout.body_bytes
-        with self._lock:
-            self._inflight_bytes -= num_pages * per_page
-            self._lock.notify_all()
-
-    def _enqueue(self, page_hashes, token_ids, checksums, bodies):
-        """Queue reserved pages for writing.
-
-        Parameters
-        ----------
-        page_hashes : numpy.ndarray
-            uint64, shape ``[n, 2]``.
-        token_ids : numpy.ndarray or None
-            int32, shape ``[n, page_size]``; None for block-keyed pages.
-        checksums : numpy.ndarray
-            uint64, shape ``[n]``: page checksums recorded at the seal. The
-            writer checks each copy against its checksum and does not send a
-            page whose bytes changed after the seal (``stale_writes``).
-        bodies : numpy.ndarray
-            uint8, shape ``[n, body_bytes]``: a copy the tier owns.
-        """
-        n = len(page_hashes)
-        keys = page_keys(self._prefix, page_hashes)
-        items = []
-        for i in range(n):
-            # A block-keyed page has no token ids (the sealed-page log gives -1s).
-            tokens = None if token_ids is None or (token_ids[i] == -1).all() else token_ids[i]
-            items.append((keys[i], encode_header(self.layout, page_hashes[i], tokens, checksums[i]),
-                          int(checksums[i]), bodies[i].data))
-        with self._lock:
-            self._queue.extend(items)
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._write_loop, name="pagedkv-tier-writer",
-                                                daemon=True)
-                self._writer.start()
+            if num_taken:
+                self._queue.append((records, page_hashes, num_taken))
+                if self._writer is None:
+                    self._writer = threading.Thread(target=self._write_loop, name="pagedkv-tier-writer",
+                                                    daemon=True)
+                    self._writer.start()
+            elif records.shape[0]:
+                self._recycle(records)
             self._lock.notify_all()
 
     def _fetch(self, page_hashes, token_ids):
@@ -319,58 +331,85 @@ class RedisTier:
         -------
         list of memoryview
             The bodies (``layout.body_bytes`` each) of pages ``0 .. k-1``, where
-            page ``k`` is the first one missing or rejected. Never raises for a
-            fault of the store or a bad value.
+            page ``k`` is the first one missing, rejected or on a node that
+            failed. Never raises for a fault of the store or a bad value.
+
+        Notes
+        -----
+        One pipeline per node holding some of the keys (one round trip each),
+        so that a node that is down costs only its own keys: the pages before
+        its first key still count.
         """
         n = len(page_hashes)
         with self._lock:
             self._counts["lookups"] += 1
             self._counts["pages_requested"] += n
-            if n and time.monotonic() < self._unreachable_until:
-                self._counts["unreachable_skips"] += 1
-                return []
         if n == 0:
             return []
-        try:
-            client = self._client()
-            pipe = client.pipeline(transaction=False)
-            for key in page_keys(self._prefix, page_hashes):
-                pipe.get(key)
-            values = pipe.execute(raise_on_error=False)
-        except Exception as exc:  # any failure of the store or the client is a miss
-            self._fault("fetch_errors", exc)
+        keys = page_keys(self._prefix, page_hashes)
+        groups = self._by_node(keys, "fetch_errors")
+        if groups is None:
             return []
-        bodies = []
+        values = [None] * n
+        end = n  # pages from `end` on are lost to a fault: the run stops there
+        for node, client, indices in groups:
+            indices = [i for i in indices if i < end]
+            if not indices:
+                continue
+            if self._is_down(node):
+                with self._lock:
+                    self._counts["unreachable_skips"] += 1
+                end = min(end, indices[0])
+                continue
+            try:
+                pipe = client.pipeline(transaction=False)
+                for i in indices:
+                    pipe.get(keys[i])
+                got = pipe.execute(raise_on_error=False)
+            except Exception as exc:  # any failure of the store or the client is a miss
+                self._fault("fetch_errors", exc, node)
+                end = min(end, indices[0])
+                continue
+            for i, value in zip(indices, got):
+                if isinstance(value, Exception):
+                    self._fault("fetch_errors", value, node)
+                    end = min(end, i)
+                    break
+                values[i] = value
+            else:
+                self._node_up(node)
+        return self._verified(values[:end], page_hashes, token_ids, keys)
+
+    def _verified(self, values, page_hashes, token_ids, keys):
+        """The bodies of the leading values that pass every check; counts the rest."""
         layout = self.layout
-        num_read = 0
+        offsets, stated, num_read, kind = [], [], 0, None
         for i, value in enumerate(values):
-            if isinstance(value, Exception):
-                self._fault("fetch_errors", value)
-                break
-            kind, offset, checksum = check_value(value, layout, page_hashes[i],
-                                                 None if token_ids is None else token_ids[i])
-            if kind is None:
-                body = memoryview(value)[offset:]
-                if _body_checksum(body, layout) != checksum:
-                    kind = "checksum"
-            if kind == "missing":
-                with self._lock:
-                    self._counts["misses"] += 1
-                break
+            kind, offset, checksum = check_value(value, layout, page_hashes[i], None if token_ids is None else token_ids[i])
             if kind is not None:
-                with self._lock:
-                    self._counts[f"rejected_{kind}"] += 1
-                self._log_once(f"rejected_{kind}", "rejected a page value (%s check failed) under key %r: "
-                               "counted as a miss", kind, page_keys(self._prefix, page_hashes[i:i + 1])[0])
                 break
-            bodies.append(body)
+            offsets.append(offset)
+            stated.append(checksum)
             num_read += len(value)
+        good = len(offsets)
+        if good:  # one call for every checksum, in C without the GIL
+            actual = body_checksums(values[:good], offsets, layout.num_layers, layout.page_bytes)
+            bad = np.flatnonzero(np.array(stated, dtype=np.uint64) != actual)
+            if bad.size:
+                good, kind = int(bad[0]), "checksum"
+                num_read = sum(len(v) for v in values[:good])
+        if kind == "missing":
+            with self._lock:
+                self._counts["misses"] += 1
+        elif kind is not None:
+            with self._lock:
+                self._counts[f"rejected_{kind}"] += 1
+            self._log_once(f"rejected_{kind}", "rejected a page value (%s check failed) under key %r: "
+                           "counted as a miss", kind, keys[good])
         with self._lock:
-            self._counts["hit_pages"] += len(bodies)
+            self._counts["hit_pages"] += good
             self._counts["bytes_read"] += num_read
-            self._unreachable_until = 0.0
-            self._backoff = _BACKOFF_FIRST
-        return bodies
+        return [memoryview(values[i])[offsets[i]:] for i in range(good)]
 
     # ---------------------------------------------------------------- internals
     def _client(self):
@@ -384,70 +423,127 @@ class RedisTier:
             self._logged.add(kind)
             log.warning(message + " (logged once per kind; see RedisTier.stats())", *args)
 
-    def _fault(self, counter, exc):
-        """Count a failure of the store; take it as unreachable for a while after a connection fault."""
+    def _by_node(self, keys, counter):
+        """``[(node, client, indices)]``: the keys' indices grouped by the node that holds them.
+
+        ``node`` names the server (``host:port``; ``None`` for a standalone
+        client), ``client`` is a plain client of it. None when the cluster's
+        map cannot be had (counted under ``counter``).
+        """
+        if self._is_down(None):
+            with self._lock:
+                self._counts["unreachable_skips"] += 1
+            return None
+        try:
+            client = self._client()
+            if not self.is_cluster:
+                return [(None, client, list(range(len(keys))))]
+            groups = {}
+            for i, key in enumerate(keys):
+                node = client.get_node_from_key(key)
+                if node.name not in groups:
+                    groups[node.name] = (node.name, client.get_redis_connection(node), [])
+                groups[node.name][2].append(i)
+        except Exception as exc:
+            self._fault(counter, exc, None)
+            return None
+        return list(groups.values())
+
+    def _is_down(self, node):
+        """True while a node (None: the whole store) is taken as unreachable after a connection fault."""
+        state = self._down.get(node)
+        return state is not None and time.monotonic() < state[0]
+
+    def _node_up(self, node):
+        if node in self._down or None in self._down:
+            with self._lock:
+                self._down.pop(node, None)
+                self._down.pop(None, None)
+
+    def _fault(self, counter, exc, node=None):
+        """Count a failure of the store; take the node as unreachable for a while after a connection fault."""
         with self._lock:
             self._counts[counter] += 1
             if isinstance(exc, _UNREACHABLE):
-                self._unreachable_until = time.monotonic() + self._backoff
-                self._backoff = min(2 * self._backoff, _BACKOFF_MAX)
+                backoff = self._down[node][1] if node in self._down else _BACKOFF_FIRST
+                self._down[node] = (time.monotonic() + backoff, min(2 * backoff, _BACKOFF_MAX))
         self._log_once(f"{counter}:{type(exc).__name__}", "%s from %r: %s (%s; counted as a miss)",
                        type(exc).__name__, self, exc, counter)
 
+    def _recycle(self, records):
+        """Keep a sent buffer for the next offload (a few, the largest first)."""
+        base = records.base if records.base is not None else records
+        if base.nbytes <= _SPARE_BYTES and len(self._spare_buffers) < _SPARE_BUFFERS:
+            self._spare_buffers.append(base)
+            self._spare_buffers.sort(key=lambda a: a.shape[0])
+
     def _write_loop(self):
-        per_page = HEADER.size + 4 * self.layout.page_size + self.layout.body_bytes
+        layout = self.layout
+        body_offset = HEADER.size + 4 * layout.page_size
+        fields = layout.header_fields()
         while True:
             with self._lock:
                 self._lock.wait_for(lambda: self._queue or self._closed)
                 if not self._queue:
                     return
-                batch, size = [], 0
-                while self._queue and len(batch) < _WRITE_BATCH_PAGES and size < _WRITE_BATCH_BYTES:
-                    item = self._queue.popleft()
-                    batch.append(item)
-                    size += per_page
-                self._writing = len(batch)
+                records, page_hashes, count = self._queue.popleft()
+                self._writing = count
+            # The copies were taken with the seal's log entries in one hold of the cache's
+            # lock: they are the sealed bytes. Checksums in C without the GIL.
+            rows = records[:count]
+            checksums = record_checksums(rows, body_offset, layout.num_layers, layout.page_bytes)
+            keyed = (rows[:, HEADER.size:body_offset].view(np.int32) != -1).any(axis=1)
+            raw_hashes = np.ascontiguousarray(page_hashes[:count], dtype="<u8").tobytes()
+            keys = page_keys(self._prefix, page_hashes[:count])
+            values = []
+            for i in range(count):
+                if keyed[i]:  # header, token ids, body
+                    at, flags = 0, FLAG_TOKENS
+                else:  # a block-keyed page has no token ids: the header goes right before the body
+                    at, flags = body_offset - HEADER.size, 0
+                HEADER.pack_into(rows[i], at, MAGIC, FORMAT_VERSION, flags, *fields, 0,
+                                 raw_hashes[16 * i:16 * i + 16], int(checksums[i]), layout.body_bytes)
+                values.append(memoryview(rows[i])[at:])
             written = existing = failed = num_bytes = 0
-            # A copy whose bytes changed after the seal (another thread wrote the page
-            # between the seal and the copy) is not sent.
-            fresh = [item for item in batch if _body_checksum(item[3], self.layout) == item[2]]
-            try:
-                pipe = self._client().pipeline(transaction=False)
-                for key, header, checksum, body in fresh:
-                    pipe.set(key, b"".join((header, body)), nx=True, ex=self.ttl_seconds)
-                results = pipe.execute(raise_on_error=False) if fresh else []
-            except Exception as exc:
-                results = [exc] * len(fresh)
             error = None
-            for (key, header, checksum, body), result in zip(fresh, results):
-                if isinstance(result, Exception):
-                    failed += 1
-                    error = result
-                elif result:
-                    written += 1
-                    num_bytes += len(header) + len(body)
-                else:
-                    existing += 1
+            per_batch = max(1, min(_WRITE_BATCH_PAGES, _WRITE_BATCH_BYTES // self._record_bytes))
+            for start in range(0, count, per_batch):
+                part = range(start, min(count, start + per_batch))
+                groups = self._by_node([keys[i] for i in part], "write_errors")
+                if groups is None:
+                    failed += len(part)
+                    continue
+                for node, client, indices in groups:
+                    if self._is_down(node):
+                        failed += len(indices)
+                        continue
+                    try:
+                        pipe = client.pipeline(transaction=False)
+                        for j in indices:
+                            pipe.set(keys[start + j], values[start + j], nx=True, ex=self.ttl_seconds)
+                        results = pipe.execute(raise_on_error=False)
+                    except Exception as exc:
+                        self._fault("write_errors", exc, node)
+                        failed += len(indices) - 1  # _fault counted one
+                        continue
+                    for j, result in zip(indices, results):
+                        if isinstance(result, Exception):
+                            failed += 1
+                            error = (result, node)
+                        elif result:
+                            written += 1
+                            num_bytes += len(values[start + j])
+                        else:
+                            existing += 1
             if error is not None:
-                self._fault("write_errors", error)
-                with self._lock:  # fault counted one; the counter is per page
-                    self._counts["write_errors"] += failed - 1
+                self._fault("write_errors", *error)
+                failed -= 1
             with self._lock:
                 self._counts["pages_written"] += written
                 self._counts["bytes_written"] += num_bytes
                 self._counts["pages_existing"] += existing
-                self._counts["stale_writes"] += len(batch) - len(fresh)
-                self._inflight_bytes -= len(batch) * per_page
+                self._counts["write_errors"] += failed
+                self._inflight_bytes -= count * self._record_bytes
                 self._writing = 0
+                self._recycle(records)
                 self._lock.notify_all()
-            if error is not None and isinstance(error, _UNREACHABLE):
-                time.sleep(min(self._backoff, _BACKOFF_MAX))
-
-
-def _body_checksum(body, layout):
-    """The page checksum of a value's body (pagedkv_c._checksum, the pool's layout with one page)."""
-    from pagedkv_c._checksum import page_checksums
-
-    shape = (layout.num_layers, 1, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
-    pages = np.frombuffer(body, dtype=layout.dtype).reshape(shape)
-    return int(page_checksums(pages, np.zeros(1, dtype=np.int32))[0])
