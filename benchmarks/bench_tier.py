@@ -13,10 +13,15 @@ Starts a cluster with ``scripts/redis_cluster.sh`` (or uses ``--url``) and measu
   without one (goal: within 5%). Every 16 steps each sequence seals a page, which is copied out
   and queued.
 
+* **Time to first token of a second ``pagedkv generate`` process.** A first process generates
+  from a ``--ttft-tokens`` (default 1024) token prompt (the start of tinyshakespeare) with
+  ``--tier URL`` and writes the prompt's pages; then, alternately, a process with the same prompt
+  and tier (every full page but the last token's fetched) and one without a tier (the whole
+  prompt prefilled). Each reports its time from the start of the sequence (tier fetch included)
+  to the first token; the ratio is recompute / tier hit. SmolLM2-135M, 1 thread each.
+
 The trace split (hit rate of 4 isolated caches, of the same 4 sharing the tier, of one cache of
 4x the capacity) is ``pagedkv replay TRACE --tier URL --instances 4 --capacity-tokens 2500000``.
-Not measured: time to first token of a second ``pagedkv generate`` process (the generate command
-does not take a tier).
 
 Prints a table (medians and ratios) and writes ``benchmarks/results/bench_tier.json``.
 
@@ -162,6 +167,52 @@ def bench_decode(url, batch, steps, repeats):
             "ratio": statistics.median(with_tier) / statistics.median(without)}
 
 
+def find_text():
+    """``shared/data/tinyshakespeare.txt`` beside the checkout (or in an ancestor), else None."""
+    for base in [REPO.parent, *REPO.parent.parents]:
+        candidate = base / "shared" / "data" / "tinyshakespeare.txt"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _generate(prompt, url=None, fingerprint=None):
+    """Run ``pagedkv generate`` for one token; (time to first token in s, tokens from the tier, prompt tokens)."""
+    command = [sys.executable, "-m", "pagedkv", "generate", prompt, "--max-new-tokens", "1", "--threads", "1"]
+    if url is not None:
+        command += ["--tier", url, "--model-fingerprint", fingerprint]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=1800)
+    prefill = next(line for line in out.stderr.splitlines() if line.startswith("prefill:"))
+    tokens, seconds = int(prefill.split()[1]), float(prefill.split(" in ")[1].split(" s")[0])
+    fetched = 0
+    for line in out.stderr.splitlines():
+        if line.startswith("prefix cache:"):
+            fetched = int(line.split("(")[1].split(" fetched")[0])
+    return seconds, fetched, tokens
+
+
+def bench_ttft(url, num_tokens, repeats):
+    from pagedkv.models import LlamaModel
+
+    text_path = find_text()
+    if text_path is None:
+        return None
+    _, tokenizer = LlamaModel.from_gguf(None)
+    ids = tokenizer.encode(text_path.read_text(encoding="utf-8")[: num_tokens * 8])[:num_tokens]
+    prompt = tokenizer.decode(ids)
+    fingerprint = f"bench-ttft-{uuid.uuid4().hex}"
+    _generate(prompt, url, fingerprint)  # the first process: writes the prompt's pages
+    hit, recompute = [], []
+    for _ in range(repeats):
+        seconds, fetched, tokens = _generate(prompt, url, fingerprint)
+        assert fetched == (tokens - 1) // 16 * 16, (fetched, tokens)
+        hit.append(seconds)
+        recompute.append(_generate(prompt)[0])
+    return {"prompt_tokens": tokens, "fetched_tokens": fetched, "ttft_tier_hit_s": statistics.median(hit),
+            "ttft_recompute_s": statistics.median(recompute),
+            "ratio": statistics.median(recompute) / statistics.median(hit)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="a cluster or server URL; default: start a 3-node cluster")
@@ -169,6 +220,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batch", type=int, default=8, help="decode batch (default 8)")
     parser.add_argument("--steps", type=int, default=128, help="decode steps (default 128)")
+    parser.add_argument("--ttft-tokens", type=int, default=1024,
+                        help="prompt tokens of the generate processes (default 1024; 0 skips that part)")
+    parser.add_argument("--ttft-repeats", type=int, default=3, help="generate pairs (default 3)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         env = None
@@ -178,6 +232,7 @@ def main():
         try:
             fetch = bench_fetch(url, args.pages, args.repeats)
             decode = bench_decode(url, args.batch, args.steps, max(5, args.repeats // 2))
+            ttft = bench_ttft(url, args.ttft_tokens, args.ttft_repeats) if args.ttft_tokens else None
         finally:
             if env is not None:
                 subprocess.run([str(REPO / "scripts" / "redis_cluster.sh"), "stop"], env=env, check=True)
@@ -188,7 +243,13 @@ def main():
     print(f"decode, batch {decode['batch']}, {decode['steps']} steps, SmolLM2 layout:")
     print(f"  without tier {decode['tokens_per_s_without_tier']:9.0f} tokens/s")
     print(f"  with tier    {decode['tokens_per_s_with_tier']:9.0f} tokens/s  ratio {decode['ratio']:.3f} (goal >= 0.95)")
-    write_json("bench_tier", {"machine": machine_info(), "fetch": fetch,
+    if ttft is not None:
+        print(f"time to first token of a second generate process, {ttft['prompt_tokens']}-token prompt "
+              f"(median of {args.ttft_repeats}):")
+        print(f"  tier hit ({ttft['fetched_tokens']} tokens fetched) {ttft['ttft_tier_hit_s']:7.2f} s")
+        print(f"  recompute (no tier)          {ttft['ttft_recompute_s']:7.2f} s   "
+              f"ratio recompute / hit {ttft['ratio']:.1f}x")
+    write_json("bench_tier", {"machine": machine_info(), "fetch": fetch, "ttft": ttft,
                               "decode": decode, "store": "3-node cluster on loopback" if env else "given URL"})
 
 
