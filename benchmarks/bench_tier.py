@@ -13,6 +13,9 @@ Starts a cluster with ``scripts/redis_cluster.sh`` (or uses ``--url``) and measu
   without one (goal: within 5%). Every 16 steps each sequence seals a page, which is copied out
   and queued.
 
+* **Decode with offload, with a model.** SmolLM2-135M generates 64 tokens for each of 8 distinct
+  128-token prompts as one batch (``pagedkv.models.generate``, greedy, 1 thread) over a cache with
+  prefix caching, with the tier against without one: decode tokens/s, alternated runs.
 * **Time to first token of a second ``pagedkv generate`` process.** A first process generates
   from a ``--ttft-tokens`` (default 1024) token prompt (the start of tinyshakespeare) with
   ``--tier URL`` and writes the prompt's pages; then, alternately, a process with the same prompt
@@ -167,6 +170,30 @@ def bench_decode(url, batch, steps, repeats):
             "ratio": statistics.median(with_tier) / statistics.median(without)}
 
 
+def bench_model_decode(url, repeats):
+    from pagedkv.models import LlamaModel, generate
+    from pagedkv.models.paged_backend import PagedBackend
+
+    model, _ = LlamaModel.from_gguf(None, num_threads=1)
+    rng = np.random.default_rng(1)
+    with_tier, without = [], []
+    for r in range(repeats):
+        prompts = [rng.integers(0, model.config.vocab_size, size=128).tolist() for _ in range(8)]
+        for use_tier in (False, True):
+            tier = RedisTier(url, namespace=f"bench-model-{uuid.uuid4().hex}") if use_tier else None
+            backend = PagedBackend.for_config(model.config, 8 * (128 + 64) // 16 + 16, num_threads=1,
+                                              enable_prefix_caching=True, tier=tier)
+            result = generate(model, backend, prompts, max_new_tokens=64)
+            (with_tier if use_tier else without).append(result.decode_tokens_per_second)
+            if tier is not None:
+                assert tier.flush(120) and tier.stats()["pages_written"] > 0, tier.stats()
+                tier.close()
+    return {"batch": 8, "prompt_tokens": 128, "new_tokens": 64,
+            "tokens_per_s_without_tier": statistics.median(without),
+            "tokens_per_s_with_tier": statistics.median(with_tier),
+            "ratio": statistics.median(with_tier) / statistics.median(without)}
+
+
 def find_text():
     """``shared/data/tinyshakespeare.txt`` beside the checkout (or in an ancestor), else None."""
     for base in [REPO.parent, *REPO.parent.parents]:
@@ -221,7 +248,8 @@ def main():
     parser.add_argument("--batch", type=int, default=8, help="decode batch (default 8)")
     parser.add_argument("--steps", type=int, default=128, help="decode steps (default 128)")
     parser.add_argument("--ttft-tokens", type=int, default=1024,
-                        help="prompt tokens of the generate processes (default 1024; 0 skips that part)")
+                        help="prompt tokens of the generate processes (default 1024; 0 skips that part "
+                             "and the model decode)")
     parser.add_argument("--ttft-repeats", type=int, default=3, help="generate pairs (default 3)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -232,6 +260,7 @@ def main():
         try:
             fetch = bench_fetch(url, args.pages, args.repeats)
             decode = bench_decode(url, args.batch, args.steps, max(5, args.repeats // 2))
+            model_decode = bench_model_decode(url, 3) if args.ttft_tokens else None
             ttft = bench_ttft(url, args.ttft_tokens, args.ttft_repeats) if args.ttft_tokens else None
         finally:
             if env is not None:
@@ -243,13 +272,18 @@ def main():
     print(f"decode, batch {decode['batch']}, {decode['steps']} steps, SmolLM2 layout:")
     print(f"  without tier {decode['tokens_per_s_without_tier']:9.0f} tokens/s")
     print(f"  with tier    {decode['tokens_per_s_with_tier']:9.0f} tokens/s  ratio {decode['ratio']:.3f} (goal >= 0.95)")
+    if model_decode is not None:
+        print("decode with SmolLM2-135M, batch 8, 128-token prompts, 64 new tokens (median of 3):")
+        print(f"  without tier {model_decode['tokens_per_s_without_tier']:9.1f} tokens/s")
+        print(f"  with tier    {model_decode['tokens_per_s_with_tier']:9.1f} tokens/s  "
+              f"ratio {model_decode['ratio']:.3f} (goal >= 0.95)")
     if ttft is not None:
         print(f"time to first token of a second generate process, {ttft['prompt_tokens']}-token prompt "
               f"(median of {args.ttft_repeats}):")
         print(f"  tier hit ({ttft['fetched_tokens']} tokens fetched) {ttft['ttft_tier_hit_s']:7.2f} s")
         print(f"  recompute (no tier)          {ttft['ttft_recompute_s']:7.2f} s   "
               f"ratio recompute / hit {ttft['ratio']:.1f}x")
-    write_json("bench_tier", {"machine": machine_info(), "fetch": fetch, "ttft": ttft,
+    write_json("bench_tier", {"machine": machine_info(), "fetch": fetch, "ttft": ttft, "model_decode": model_decode,
                               "decode": decode, "store": "3-node cluster on loopback" if env else "given URL"})
 
 

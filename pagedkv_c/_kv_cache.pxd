@@ -33,8 +33,9 @@ cdef extern from "sealed_copy.h":
     # Drain the sealed-page log and copy the pages out in one step (the shared tier's offload).
     int64_t pkv_sealed_log_take_copies(pkv_sealed_log* log, const uint8_t* pool, size_t layer_stride,
                                        size_t page_bytes, int64_t num_layers, int64_t max_pages,
-                                       uint8_t* records, size_t record_bytes, size_t token_offset,
-                                       size_t body_offset, uint64_t* hashes, int64_t* num_discarded) noexcept nogil
+                                       int discard_rest, uint8_t* records, size_t record_bytes,
+                                       size_t token_offset, size_t body_offset, uint64_t* hashes,
+                                       int64_t* num_discarded) noexcept nogil
 
 # Buckets of the prefix-hit histogram: 0 tokens, <= 2**4 .. 2**20 tokens, more (PREFIX_HIT_BUCKETS).
 cdef enum:
@@ -97,6 +98,7 @@ cdef class KVCache:
     cdef bint _log_enabled
     cdef int64_t _pages_sealed            # seals over the cache's life, in pages
     cdef bint _log_without_checksums      # the log's consumer computes checksums itself (the shared tier)
+    cdef int64_t _log_drops_reported      # the log's num_dropped already returned by _take_sealed_copies
 
     cdef int _init_sealing(self, bint page_checksums) except -1
     cdef bint _seal_page(self, page_id_t page_id) noexcept nogil

@@ -359,10 +359,10 @@ cdef class KVCache:
         self._tier_hits = 0
         if tier is not None:
             _check_tier(tier, enable_prefix_caching, window)
-            tier._attach(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size,
-                         np_dtype, prefix_hash)
-            # One call can seal every page of the pool (removing a long sequence).
-            self._enable_sealed_log(True, min(self.pool.num_pages, 2**24))
+            # The tier says how many sealed pages may wait for its writer; more are not logged.
+            waiting = tier._attach(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size,
+                                   np_dtype, prefix_hash)
+            self._enable_sealed_log(True, max(1, min(self.pool.num_pages, waiting, 2**24)))
             self._log_without_checksums = True  # the tier's writer thread computes them on its copies
             self._tier = tier
         self._kv_events = None
@@ -1506,25 +1506,18 @@ cdef class KVCache:
         return r * ps
 
     cdef int _offload_sealed(self) except -1:
-        """Hand the pages the call just sealed to the tier, without waiting on the network.
+        """Tell the tier that the call just sealed pages: its writer thread copies them out.
 
-        Called after the lock is released. The tier gives a buffer for as
-        many pages as its write queue has room for; :meth:`_take_sealed_copies`
-        fills it in one hold of the lock (entries beyond it are discarded and
-        counted as dropped by the tier). Headers and checksums are made by the
-        tier's writer thread.
+        Called after the lock is released. The writer takes the pages from the
+        log and copies their bytes in one hold of the lock
+        (:meth:`_take_sealed_copies`, in C without the GIL), then makes the
+        headers and checksums and sends them: this thread does no per-page
+        work and never waits on the network.
         """
-        if not self._log_enabled or pkv_sealed_log_count(&self._log) == 0:
-            return 0  # most decode steps seal nothing
-        records, page_hashes, token_offset, body_offset = self._tier._offload_buffer(
-            pkv_sealed_log_count(&self._log))
-        try:
-            taken, discarded = self._take_sealed_copies(records, token_offset, body_offset, page_hashes)
-        except BaseException:
-            self._tier._offload_submit(records, page_hashes, 0, 0)  # gives the room back
-            raise
-        self._tier._offload_submit(records, page_hashes, taken, discarded)
+        if self._log_enabled and pkv_sealed_log_count(&self._log) > 0:  # most decode steps seal nothing
+            self._tier._offload_notify(self)
         return 0
+
     # ------------------------------------------------------------ metrics
     cdef void _note_prefix_hit(self, int64_t tokens) noexcept nogil:
         """Count one prefix lookup that served ``tokens`` in the prefix-hit histogram."""
@@ -2355,13 +2348,16 @@ cdef class KVCache:
             self._lock.leave()
 
     # ------------------------------------------------- sealed pages: one-hold copy
-    def _take_sealed_copies(self, records, Py_ssize_t token_offset, Py_ssize_t body_offset, page_hashes):
-        """Drain the sealed-page log and copy the pages out, in one hold of the lock (internal: the shared tier).
+    def _take_sealed_copies(self, records, Py_ssize_t token_offset, Py_ssize_t body_offset, page_hashes,
+                            bint discard_rest=False):
+        """Take sealed pages from the log and copy them out, in one hold of the lock (internal: the shared tier).
 
         Because the entries are taken and the bytes copied while the lock is
         held, each copy holds exactly the page's bytes at its seal (an entry
         whose page was written again was withdrawn before): the consumer
-        needs no second check. Runs in C without the GIL (``sealed_copy.h``).
+        needs no second check. Runs in C without the GIL (``sealed_copy.h``),
+        so it can run on a consumer's own thread while the caller's thread
+        goes on with calls that do not need the lock.
 
         Parameters
         ----------
@@ -2371,21 +2367,24 @@ cdef class KVCache:
             byte order, ``page_size`` of them, all -1 for a page keyed by
             external block hashes) at ``token_offset``, its K/V at
             ``body_offset`` (for each layer in order the page's K then V
-            bytes, ``num_layers * bytes_per_page_per_layer`` bytes as in the
-            pool). Other bytes of the row are left as they are.
+            bytes, ``stats()["bytes_per_page"]`` in all, as in the pool).
+            Other bytes of the row are left as they are.
         token_offset, body_offset : int
             Byte offsets in a row; the two ranges must lie in the row and not
             overlap.
         page_hashes : numpy.ndarray
             uint64, shape ``[m, 2]``, C-contiguous, writable: row ``k`` gets
             page ``k``'s 128-bit prefix hash (lo, hi).
+        discard_rest : bool
+            Pending pages beyond the ``m`` rows leave the log uncopied (True)
+            or stay pending for the next call (False, the default).
 
         Returns
         -------
         (int, int)
             Pages copied (rows ``0 .. n-1`` filled, in seal order) and pages
-            discarded (pending beyond the ``m`` rows: they leave the log
-            uncopied). The log is empty afterwards.
+            lost since the previous call: discarded by ``discard_rest``, or
+            sealed while the log was full (never logged).
 
         Raises
         ------
@@ -2414,7 +2413,7 @@ cdef class KVCache:
                              f"overlaps the token ids ({token_bytes} bytes at {token_offset})")
         cdef uint8_t* out = <uint8_t*>cnp.PyArray_DATA(rows)
         cdef uint64_t* out_hashes = <uint64_t*>cnp.PyArray_DATA(hashes)
-        cdef int64_t taken = 0, discarded = 0
+        cdef int64_t taken = 0, discarded = 0, unlogged = 0
         self._lock.acquire()
         try:
             if not self._log_enabled:
@@ -2422,11 +2421,13 @@ cdef class KVCache:
             with nogil:
                 taken = pkv_sealed_log_take_copies(
                     &self._log, <const uint8_t*>self._data, <size_t>self._layer_bytes, <size_t>self._page_bytes,
-                    self.num_layers, m, out, <size_t>record_bytes, <size_t>token_offset, <size_t>body_offset,
-                    out_hashes, &discarded)
+                    self.num_layers, m, discard_rest, out, <size_t>record_bytes, <size_t>token_offset,
+                    <size_t>body_offset, out_hashes, &discarded)
+            unlogged = max(self._log.num_dropped - self._log_drops_reported, 0)
+            self._log_drops_reported = self._log.num_dropped
         finally:
             self._lock.leave()
-        return taken, discarded
+        return taken, discarded + unlogged
 
 
 class BadPage:
@@ -2656,7 +2657,7 @@ cdef int _fill_indices(list tables, int32_t[::1] indptr, int32_t[::1] indices,
 
 cdef int _check_tier(object tier, object enable_prefix_caching, object window) except -1:
     """A tier needs prefix caching and full attention; it must be a tier object."""
-    if not all(hasattr(tier, name) for name in ("_attach", "_fetch", "_offload_buffer", "_offload_submit")):
+    if not all(hasattr(tier, name) for name in ("_attach", "_fetch", "_offload_notify")):
         raise TypeError(f"Invalid type of tier: expected a tier such as pagedkv.tiers.RedisTier, "
                         f"got {type(tier).__name__}")
     if not enable_prefix_caching:

@@ -19,13 +19,15 @@
 
 #include "sealed_log.h"
 
-/* Take the pending entries in seal order: the first ``max_pages`` are copied into
- * ``records`` (see above), the rest are discarded (counted in ``*num_discarded``).
- * The log is empty afterwards. Returns the number of pages copied. */
+/* Take pending entries in seal order: the first ``max_pages`` are copied into ``records``
+ * (see above). With ``discard_rest`` the entries after them leave the log uncopied
+ * (counted in ``*num_discarded``); without, they stay pending for the next call.
+ * Returns the number of pages copied. */
 static inline int64_t pkv_sealed_log_take_copies(pkv_sealed_log *log, const uint8_t *pool, size_t layer_stride,
                                                  size_t page_bytes, int64_t num_layers, int64_t max_pages,
-                                                 uint8_t *records, size_t record_bytes, size_t token_offset,
-                                                 size_t body_offset, uint64_t *hashes, int64_t *num_discarded)
+                                                 int discard_rest, uint8_t *records, size_t record_bytes,
+                                                 size_t token_offset, size_t body_offset, uint64_t *hashes,
+                                                 int64_t *num_discarded)
 {
     int64_t a, layer, k = 0, discarded = 0;
     for (a = log->head; a < log->tail; a++) {
@@ -33,11 +35,14 @@ static inline int64_t pkv_sealed_log_take_copies(pkv_sealed_log *log, const uint
         const int32_t page = log->page_ids[slot];
         if (page < 0)
             continue;  /* withdrawn: the page was written again */
-        log->position_of[page] = -1;
         if (k >= max_pages) {
+            if (!discard_rest)
+                break;  /* stays pending from here */
+            log->position_of[page] = -1;
             discarded++;
             continue;
         }
+        log->position_of[page] = -1;
         uint8_t *record = records + (size_t)k * record_bytes;
         hashes[2 * k] = log->hashes[2 * slot];
         hashes[2 * k + 1] = log->hashes[2 * slot + 1];
@@ -48,7 +53,7 @@ static inline int64_t pkv_sealed_log_take_copies(pkv_sealed_log *log, const uint
                    pool + (size_t)layer * layer_stride + (size_t)page * page_bytes, page_bytes);
         k++;
     }
-    log->head = log->tail;
+    log->head = a;
     *num_discarded = discarded;
     return k;
 }

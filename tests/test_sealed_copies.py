@@ -68,19 +68,35 @@ def test_copies_equal_the_sealed_pages_and_the_log_empties():
     assert cache._sealed_log_stats()["pending"] == 0
 
 
-def test_pages_beyond_the_buffer_are_discarded():
+def test_pages_beyond_the_buffer_wait_or_are_discarded():
     cache = _cache()
-    prompt = np.arange(5 * PS, dtype=np.int32)
+    prompt = np.arange(7 * PS, dtype=np.int32)
     cache.add_sequence(0, prompt)
     _fill(cache, 0, len(prompt), 1)
     cache.seal()
-    full = cache.page_table([0]).indices[:5]
-    expected = _expected(cache, full[:2])
+    full = cache.page_table([0]).indices[:7]
+    expected = _expected(cache, full)
     records, hashes, token_offset, body_offset, body = _buffers(cache, 2)
-    assert cache._take_sealed_copies(records, token_offset, body_offset, hashes) == (2, 3)
-    for k in range(2):  # the first pages in seal order
-        assert np.array_equal(records[k, body_offset:body_offset + body], expected[k][0])
+    for first in (0, 2):  # the first pages in seal order, then the next ones: the rest stays pending
+        assert cache._take_sealed_copies(records, token_offset, body_offset, hashes) == (2, 0)
+        for k in range(2):
+            assert np.array_equal(records[k, body_offset:body_offset + body], expected[first + k][0])
+            assert tuple(int(x) for x in hashes[k]) == expected[first + k][2]
+    assert cache._sealed_log_stats()["pending"] == 3
+    assert cache._take_sealed_copies(records[:1], token_offset, body_offset, hashes[:1], discard_rest=True) == (1, 2)
+    assert np.array_equal(records[0, body_offset:body_offset + body], expected[4][0])
     assert cache._sealed_log_stats()["pending"] == 0
+
+
+def test_seals_that_find_the_log_full_are_reported_once():
+    cache = KVCache(LAYERS, HEADS, DIM, 32, page_size=PS, enable_prefix_caching=True)
+    cache._enable_sealed_log(True, 2)
+    cache.add_sequence(0, np.arange(5 * PS, dtype=np.int32))
+    _fill(cache, 0, 5 * PS, 5)
+    cache.seal()
+    records, hashes, token_offset, body_offset, body = _buffers(cache, 8)
+    assert cache._take_sealed_copies(records, token_offset, body_offset, hashes) == (2, 3)
+    assert cache._take_sealed_copies(records, token_offset, body_offset, hashes) == (0, 0)
 
 
 def test_a_page_written_again_is_not_copied():

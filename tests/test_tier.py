@@ -284,6 +284,26 @@ def test_fetch_takes_at_most_the_free_pages(standalone):
     cache.check_invariants()
 
 
+def test_pages_are_written_with_the_ttl(standalone):
+    """SET NX EX: each page is written with its expiry, as the protocol's SET would."""
+    ns = namespace()
+    prompt = worker.make_prompt(10, 50)
+    tier = RedisTier(standalone, namespace=ns, ttl_seconds=300)
+    cache = KVCache(num_pages=64, enable_prefix_caching=True, tier=tier, **worker.LAYOUT)
+    cache.add_sequence(0, prompt)
+    worker.fill(cache, 0, prompt, 0)
+    cache.remove_sequence(0)
+    assert tier.flush(timeout=30)
+    stats = tier.stats()
+    assert stats["pages_written"] == 3 and stats["write_errors"] == 0
+    client = tier._client()
+    for key in _prompt_keys(tier, prompt):
+        assert 0 < client.ttl(key) <= 300
+    reader, _ = fresh_cache(standalone, ns)
+    assert reader.add_sequence(0, prompt) == 48
+    assert worker.served_rows_are_right(reader, 0, prompt)
+
+
 def test_tenants_never_share_a_page(standalone):
     ns = namespace()
     prompt = worker.make_prompt(4, 70)

@@ -33,18 +33,29 @@ __all__ = ["RedisTier"]
 
 log = logging.getLogger("pagedkv.tiers")
 
+# _per_node's answer for a node taken as down.
+_SKIPPED = object()
 # Errors after which the store is taken as unreachable for a while (fetches are misses at once).
 _UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                 redis.exceptions.ClusterDownError, redis.exceptions.RedisClusterException, OSError)
 # Pages and bytes the writer thread sends in one pipeline.
 _WRITE_BATCH_PAGES = 64
 _WRITE_BATCH_BYTES = 16 * 2**20
-# Offload buffers kept for reuse after the writer sent them: how many, and the largest kept.
-_SPARE_BUFFERS = 4
-_SPARE_BYTES = 64 * 2**20
 # Wait before the first retry after the store was unreachable, and the longest wait, in seconds.
 _BACKOFF_FIRST = 0.25
 _BACKOFF_MAX = 4.0
+
+
+def _packed_set(key, value, ttl_seconds):
+    """``SET key value NX [EX ttl]`` in the Redis protocol (RESP) as chunks, the value itself as given.
+
+    Sending the value's memoryview as it is (``socket.sendall`` runs without the GIL)
+    spares the two copies redis-py's packer makes of it while holding the GIL.
+    """
+    expiry = b"" if ttl_seconds is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl_seconds)), ttl_seconds)
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (4 if ttl_seconds is None else 6, len(key), key,
+                                                               len(value))
+    return [head, value, b"\r\n$2\r\nNX\r\n" + expiry]
 
 
 def _connect(url_or_client, timeout_seconds):
@@ -105,8 +116,10 @@ class RedisTier:
         pages until the store evicts them (set a ``maxmemory-policy`` such as
         ``allkeys-lru`` on the servers).
     max_inflight_bytes : int
-        Bytes of pages queued or being written at once, ``>= 1`` (default
-        256 MiB). An offload that does not fit is dropped and counted
+        Bytes of page values the writer thread copies out and sends at once,
+        ``>= 1`` (default 256 MiB; a SmolLM2-135M page value is about 369 KB);
+        as many pages again may wait, sealed, in each cache's log. A page
+        sealed while its cache's log is full is not written and is counted
         (``dropped_writes``): the cache never waits on the network.
     timeout_seconds : float
         Connect and read timeout of URL clients, in seconds (default 2.0).
@@ -139,10 +152,13 @@ class RedisTier:
     to 4 s while it stays down): its keys are misses at once and its writes
     are counted as failed; then it tries again: it reconnects by itself.
 
-    *Offload.* The cache's thread only copies sealed pages into a buffer of
-    the tier (one hold of the cache's lock, in C); the writer thread fills
-    the value headers, computes the page checksums (in C, without the GIL)
-    and sends the values, one pipeline of ``SET NX`` per node.
+    *Offload.* The cache's thread only tells the writer thread that a call
+    sealed pages. The writer takes them from the cache's sealed-page log and
+    copies their bytes in one hold of the cache's lock (in C, without the
+    GIL, so the copy is exactly the sealed bytes), fills the value headers,
+    computes the page checksums (in C, without the GIL) and sends the values
+    with one pipeline of ``SET NX`` per node (the page bytes go to the socket
+    without a copy in Python).
 
     *Round trips.* A fetch is one pipeline of GETs per server holding some
     of the keys: one round trip to a standalone server, one per node of a
@@ -176,13 +192,12 @@ class RedisTier:
         self.layout = None
         self._prefix = None
         self._lock = threading.Condition()
-        self._queue = collections.deque()      # (key, header, body) waiting for the writer
-        self._inflight_bytes = 0               # reserved, queued or being written
+        self._queue = collections.deque()      # caches whose sealed pages wait for the writer
+        self._inflight_bytes = 0               # pages being written, in bytes
         self._writing = 0                      # pages the writer is sending now
         self._closed = False
         self._writer = None
         self._down = {}                        # node (None: the store) -> (monotonic time it may be up, next backoff)
-        self._spare_buffers = []               # sent offload buffers, for reuse
         self._record_bytes = 0                 # bytes of one page value (set by _attach)
         self._logged = set()
         self._counts = collections.Counter()
@@ -198,14 +213,14 @@ class RedisTier:
             ``hit_pages`` and ``hit_tokens`` (verified pages returned),
             ``misses`` (keys absent: never written or evicted), ``bytes_read``;
             ``pages_written``, ``bytes_written``, ``pages_existing`` (already in the
-            store: ``SET NX`` did nothing), ``dropped_writes`` (pages not queued:
-            ``max_inflight_bytes`` was reached), ``write_errors`` (pages whose write
+            store: ``SET NX`` did nothing), ``dropped_writes`` (sealed pages not written:
+            their cache's log was full, see ``max_inflight_bytes``), ``write_errors`` (pages whose write
             failed, a node down included); ``fetch_errors`` (fetches or values lost to a server or network
             fault), ``unreachable_skips`` (fetches, or parts of one, answered as misses
             and write batches not sent while a node or the store was taken as down); ``rejected_<kind>`` for each kind of bad
             value (``truncated``, ``format``, ``layout``, ``hash``, ``tokens``,
             ``checksum``) and ``checksum_failures`` (= ``rejected_checksum``);
-            ``inflight_bytes`` (queued or being written now).
+            ``inflight_bytes`` (page values being written now).
         """
         with self._lock:
             counts = dict(self._counts)
@@ -222,7 +237,7 @@ class RedisTier:
         return out
 
     def flush(self, timeout=None):
-        """Wait until every queued page is written (or failed).
+        """Wait until every sealed page the caches told the writer about is written (or failed).
 
         Parameters
         ----------
@@ -232,7 +247,7 @@ class RedisTier:
         Returns
         -------
         bool
-            True when the queue is empty and nothing is being written.
+            True when no cache waits for the writer and nothing is being written.
         """
         with self._lock:
             return self._lock.wait_for(lambda: not self._queue and not self._writing, timeout)
@@ -240,7 +255,8 @@ class RedisTier:
     def close(self, timeout=10.0):
         """Write what is queued (waiting at most ``timeout`` seconds), stop the writer thread.
 
-        Later offloads are dropped and counted; fetches still work.
+        Pages sealed later are not written (they wait in their cache's log
+        until it is full); fetches still work.
         """
         with self._lock:
             self._closed = True
@@ -256,7 +272,10 @@ class RedisTier:
 
     # ------------------------------------------------- interface of KVCache
     def _attach(self, num_layers, num_kv_heads, head_dim, page_size, dtype, hash_algorithm):
-        """Fix the layout on the first cache; refuse a cache of another layout (ValueError)."""
+        """Fix the layout on the first cache; refuse a cache of another layout (ValueError).
+
+        Returns the number of sealed pages that may wait in the cache's log.
+        """
         layout = PageLayout.of_cache(num_layers, num_kv_heads, head_dim, page_size, dtype, hash_algorithm)
         with self._lock:
             if self.layout is not None and self.layout != layout:
@@ -266,54 +285,19 @@ class RedisTier:
             self.layout = layout
             self._prefix = layout.key_prefix(self.namespace)
             self._record_bytes = HEADER.size + 4 * layout.page_size + layout.body_bytes
+        # Sealed pages that may wait in a cache's log for the writer (the writer holds as many more).
+        return max(1, self.max_inflight_bytes // self._record_bytes)
 
-    def _offload_buffer(self, num_pages):
-        """A buffer for up to ``num_pages`` sealed pages, its room in the write queue reserved.
-
-        Returns ``(records, page_hashes, token_offset, body_offset)`` for
-        ``KVCache._take_sealed_copies``: ``records`` is uint8 ``[k, record_bytes]``,
-        one page value per row (the header, left for the writer thread to fill,
-        the token ids, the body), ``k <= num_pages`` the pages that fit the
-        queue (0 when it is full or the tier closed); ``page_hashes`` uint64
-        ``[k, 2]``. Hand it back with :meth:`_offload_submit`.
-        """
-        per_page = self._record_bytes
+    def _offload_notify(self, cache):
+        """``cache`` sealed pages: the writer thread takes them from its log (the caller does nothing more)."""
         with self._lock:
-            fit = 0 if self._closed else max(0, min(num_pages, (self.max_inflight_bytes - self._inflight_bytes) // per_page))
-            self._inflight_bytes += fit * per_page
-            records = None if fit else np.empty((0, per_page), dtype=np.uint8)
-            # Reuse a buffer the writer has sent: a new one would fault in every page of memory again.
-            for i, spare in enumerate(self._spare_buffers if fit else ()):
-                if spare.shape[0] >= fit:
-                    records = spare[:fit]
-                    del self._spare_buffers[i]
-                    break
-        if records is None:
-            records = np.empty((fit, per_page), dtype=np.uint8)
-        return records, np.empty((fit, 2), dtype=np.uint64), HEADER.size, HEADER.size + 4 * self.layout.page_size
-
-    def _offload_submit(self, records, page_hashes, num_taken, num_discarded):
-        """Queue the first ``num_taken`` rows of a buffer from :meth:`_offload_buffer` for writing.
-
-        The room of the other rows is given back; ``num_discarded`` sealed pages
-        that did not fit are counted as ``dropped_writes``. The caller's work
-        ends here: headers, checksums and the network are the writer thread's.
-        """
-        per_page = self._record_bytes
-        with self._lock:
-            self._inflight_bytes -= (records.shape[0] - num_taken) * per_page
-            if num_discarded:
-                self._counts["dropped_writes"] += num_discarded
-                self._log_once("dropped", "write queue full (max_inflight_bytes=%d): offloads are "
-                               "dropped and counted", self.max_inflight_bytes)
-            if num_taken:
-                self._queue.append((records, page_hashes, num_taken))
-                if self._writer is None:
-                    self._writer = threading.Thread(target=self._write_loop, name="pagedkv-tier-writer",
-                                                    daemon=True)
-                    self._writer.start()
-            elif records.shape[0]:
-                self._recycle(records)
+            if self._closed:
+                return
+            if not any(waiting is cache for waiting in self._queue):
+                self._queue.append(cache)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="pagedkv-tier-writer", daemon=True)
+                self._writer.start()
             self._lock.notify_all()
 
     def _fetch(self, page_hashes, token_ids):
@@ -352,25 +336,15 @@ class RedisTier:
             return []
         values = [None] * n
         end = n  # pages from `end` on are lost to a fault: the run stops there
-        for node, client, indices in groups:
-            indices = [i for i in indices if i < end]
-            if not indices:
-                continue
-            if self._is_down(node):
-                with self._lock:
-                    self._counts["unreachable_skips"] += 1
+        for (node, _, indices), replies in zip(groups, self._per_node(groups, lambda i: ("GET", keys[i]))):
+            if replies is _SKIPPED:
                 end = min(end, indices[0])
                 continue
-            try:
-                pipe = client.pipeline(transaction=False)
-                for i in indices:
-                    pipe.get(keys[i])
-                got = pipe.execute(raise_on_error=False)
-            except Exception as exc:  # any failure of the store or the client is a miss
-                self._fault("fetch_errors", exc, node)
+            if isinstance(replies, Exception):
+                self._fault("fetch_errors", replies, node)
                 end = min(end, indices[0])
                 continue
-            for i, value in zip(indices, got):
+            for i, value in zip(indices, replies):
                 if isinstance(value, Exception):
                     self._fault("fetch_errors", value, node)
                     end = min(end, i)
@@ -449,6 +423,58 @@ class RedisTier:
             return None
         return list(groups.values())
 
+    def _per_node(self, groups, command, packed=False):
+        """Run ``command(i)`` for every index of every group: send to each node, then read each node.
+
+        ``command(i)`` gives the command's arguments, or with ``packed`` the
+        command already in the protocol, as a list of bytes-like chunks (sent
+        as they are: a page value is never copied by the client).
+
+        All nodes work at once (as redis-py's cluster pipeline does), but a node
+        that fails costs only its own commands. Returns, per group in order, the
+        list of replies (an exception object for a command the server refused),
+        the exception that lost the whole group, or ``_SKIPPED`` for a node
+        taken as down (counted in ``unreachable_skips``).
+        """
+        out = [None] * len(groups)
+        sent = []
+        for g, (node, client, indices) in enumerate(groups):
+            if self._is_down(node):
+                with self._lock:
+                    self._counts["unreachable_skips"] += 1
+                out[g] = _SKIPPED
+                continue
+            pool = client.connection_pool
+            conn = None
+            try:
+                conn = pool.get_connection()
+                if packed:
+                    chunks = [chunk for i in indices for chunk in command(i)]
+                else:
+                    chunks = conn.pack_commands([command(i) for i in indices])
+                conn.send_packed_command(chunks)
+                sent.append((g, pool, conn))
+            except Exception as exc:  # any failure of the store or the client loses this node's part
+                if conn is not None:
+                    conn.disconnect()
+                    pool.release(conn)
+                out[g] = exc
+        for g, pool, conn in sent:
+            replies = []
+            try:
+                for _ in groups[g][2]:
+                    try:
+                        replies.append(conn.read_response())
+                    except redis.exceptions.ResponseError as exc:  # this command only; the rest follow
+                        replies.append(exc)
+                out[g] = replies
+            except Exception as exc:
+                conn.disconnect()  # replies may be left unread: never reuse this connection
+                out[g] = exc
+            finally:
+                pool.release(conn)
+        return out
+
     def _is_down(self, node):
         """True while a node (None: the whole store) is taken as unreachable after a connection fault."""
         state = self._down.get(node)
@@ -470,80 +496,98 @@ class RedisTier:
         self._log_once(f"{counter}:{type(exc).__name__}", "%s from %r: %s (%s; counted as a miss)",
                        type(exc).__name__, self, exc, counter)
 
-    def _recycle(self, records):
-        """Keep a sent buffer for the next offload (a few, the largest first)."""
-        base = records.base if records.base is not None else records
-        if base.nbytes <= _SPARE_BYTES and len(self._spare_buffers) < _SPARE_BUFFERS:
-            self._spare_buffers.append(base)
-            self._spare_buffers.sort(key=lambda a: a.shape[0])
-
     def _write_loop(self):
         layout = self.layout
-        body_offset = HEADER.size + 4 * layout.page_size
-        fields = layout.header_fields()
+        token_offset, body_offset = HEADER.size, HEADER.size + 4 * layout.page_size
+        room = self.max_inflight_bytes // self._record_bytes  # pages taken and written at once
+        per_batch = max(1, min(room, _WRITE_BATCH_PAGES, _WRITE_BATCH_BYTES // self._record_bytes))
+        records = np.empty((per_batch, self._record_bytes), dtype=np.uint8)  # reused: no new pages to fault in
+        page_hashes = np.empty((per_batch, 2), dtype=np.uint64)
         while True:
             with self._lock:
                 self._lock.wait_for(lambda: self._queue or self._closed)
                 if not self._queue:
                     return
-                records, page_hashes, count = self._queue.popleft()
-                self._writing = count
-            # The copies were taken with the seal's log entries in one hold of the cache's
-            # lock: they are the sealed bytes. Checksums in C without the GIL.
-            rows = records[:count]
-            checksums = record_checksums(rows, body_offset, layout.num_layers, layout.page_bytes)
-            keyed = (rows[:, HEADER.size:body_offset].view(np.int32) != -1).any(axis=1)
-            raw_hashes = np.ascontiguousarray(page_hashes[:count], dtype="<u8").tobytes()
-            keys = page_keys(self._prefix, page_hashes[:count])
-            values = []
-            for i in range(count):
-                if keyed[i]:  # header, token ids, body
-                    at, flags = 0, FLAG_TOKENS
-                else:  # a block-keyed page has no token ids: the header goes right before the body
-                    at, flags = body_offset - HEADER.size, 0
-                HEADER.pack_into(rows[i], at, MAGIC, FORMAT_VERSION, flags, *fields, 0,
-                                 raw_hashes[16 * i:16 * i + 16], int(checksums[i]), layout.body_bytes)
-                values.append(memoryview(rows[i])[at:])
-            written = existing = failed = num_bytes = 0
-            error = None
-            per_batch = max(1, min(_WRITE_BATCH_PAGES, _WRITE_BATCH_BYTES // self._record_bytes))
-            for start in range(0, count, per_batch):
-                part = range(start, min(count, start + per_batch))
-                groups = self._by_node([keys[i] for i in part], "write_errors")
-                if groups is None:
-                    failed += len(part)
-                    continue
-                for node, client, indices in groups:
-                    if self._is_down(node):
-                        failed += len(indices)
-                        continue
-                    try:
-                        pipe = client.pipeline(transaction=False)
-                        for j in indices:
-                            pipe.set(keys[start + j], values[start + j], nx=True, ex=self.ttl_seconds)
-                        results = pipe.execute(raise_on_error=False)
-                    except Exception as exc:
-                        self._fault("write_errors", exc, node)
-                        failed += len(indices) - 1  # _fault counted one
-                        continue
-                    for j, result in zip(indices, results):
-                        if isinstance(result, Exception):
-                            failed += 1
-                            error = (result, node)
-                        elif result:
-                            written += 1
-                            num_bytes += len(values[start + j])
-                        else:
-                            existing += 1
-            if error is not None:
-                self._fault("write_errors", *error)
-                failed -= 1
-            with self._lock:
-                self._counts["pages_written"] += written
-                self._counts["bytes_written"] += num_bytes
-                self._counts["pages_existing"] += existing
-                self._counts["write_errors"] += failed
-                self._inflight_bytes -= count * self._record_bytes
-                self._writing = 0
-                self._recycle(records)
-                self._lock.notify_all()
+                cache = self._queue.popleft()
+                self._writing = 1
+            try:
+                while True:
+                    # One hold of the cache's lock takes the log entries and copies the pages (C,
+                    # no GIL): the copies are the sealed bytes, nothing to check again.
+                    taken, lost = cache._take_sealed_copies(records[:per_batch if room else 0], token_offset,
+                                                            body_offset, page_hashes[:per_batch if room else 0],
+                                                            discard_rest=not room)
+                    if lost:
+                        with self._lock:
+                            self._counts["dropped_writes"] += lost
+                        self._log_once("dropped", "offloads dropped: more sealed pages waited than "
+                                       "max_inflight_bytes=%d holds (counted)", self.max_inflight_bytes)
+                    if not taken:
+                        break
+                    with self._lock:
+                        self._inflight_bytes = taken * self._record_bytes
+                    self._write(records[:taken], page_hashes[:taken], body_offset)
+                    if taken < per_batch:
+                        break
+            except Exception as exc:  # a bug must not kill the writer silently
+                self._fault("write_errors", exc)
+            finally:
+                del cache
+                with self._lock:
+                    self._inflight_bytes = 0
+                    self._writing = 0
+                    self._lock.notify_all()
+
+    def _write(self, rows, page_hashes, body_offset):
+        """Fill the value headers of copied pages and send them, one pipeline of ``SET NX`` per node."""
+        layout = self.layout
+        count = rows.shape[0]
+        checksums = record_checksums(rows, body_offset, layout.num_layers, layout.page_bytes)  # C, no GIL
+        keyed = (rows[:, HEADER.size:body_offset].view(np.int32) != -1).any(axis=1)
+        raw_hashes = np.ascontiguousarray(page_hashes, dtype="<u8").tobytes()
+        keys = page_keys(self._prefix, page_hashes)
+        fields = layout.header_fields()
+        values = []
+        for i in range(count):
+            if keyed[i]:  # header, token ids, body
+                at, flags = 0, FLAG_TOKENS
+            else:  # a block-keyed page has no token ids: the header goes right before the body
+                at, flags = body_offset - HEADER.size, 0
+            HEADER.pack_into(rows[i], at, MAGIC, FORMAT_VERSION, flags, *fields, 0,
+                             raw_hashes[16 * i:16 * i + 16], int(checksums[i]), layout.body_bytes)
+            values.append(memoryview(rows[i])[at:])
+        written = existing = failed = num_bytes = 0
+        error = None
+        groups = self._by_node(keys, "write_errors")
+        if groups is None:
+            failed = count - 1  # _by_node counted one
+            groups = []
+
+        def set_command(i):
+            return _packed_set(keys[i], values[i], self.ttl_seconds)
+
+        for (node, _, indices), results in zip(groups, self._per_node(groups, set_command, packed=True)):
+            if results is _SKIPPED:
+                failed += len(indices)
+                continue
+            if isinstance(results, Exception):
+                self._fault("write_errors", results, node)
+                failed += len(indices) - 1  # _fault counted one
+                continue
+            for i, result in zip(indices, results):
+                if isinstance(result, Exception):
+                    failed += 1
+                    error = (result, node)
+                elif result is not None:
+                    written += 1
+                    num_bytes += len(values[i])
+                else:
+                    existing += 1
+        if error is not None:
+            self._fault("write_errors", *error)
+            failed -= 1
+        with self._lock:
+            self._counts["pages_written"] += written
+            self._counts["bytes_written"] += num_bytes
+            self._counts["pages_existing"] += existing
+            self._counts["write_errors"] += failed
