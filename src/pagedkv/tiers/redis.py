@@ -199,6 +199,7 @@ class RedisTier:
         self._writer = None
         self._down = {}                        # node (None: the store) -> (monotonic time it may be up, next backoff)
         self._record_bytes = 0                 # bytes of one page value (set by _attach)
+        self._stale_map = False                # the cluster's slot map must be read again
         self._logged = set()
         self._counts = collections.Counter()
 
@@ -412,6 +413,9 @@ class RedisTier:
             client = self._client()
             if not self.is_cluster:
                 return [(None, client, list(range(len(keys))))]
+            if self._stale_map:  # a node answered MOVED or ASK: slots moved since the map was read
+                self._stale_map = False
+                client.nodes_manager.initialize()
             groups = {}
             for i, key in enumerate(keys):
                 node = client.get_node_from_key(key)
@@ -490,6 +494,8 @@ class RedisTier:
         """Count a failure of the store; take the node as unreachable for a while after a connection fault."""
         with self._lock:
             self._counts[counter] += 1
+            if isinstance(exc, (redis.exceptions.MovedError, redis.exceptions.AskError)):
+                self._stale_map = True
             if isinstance(exc, _UNREACHABLE):
                 backoff = self._down[node][1] if node in self._down else _BACKOFF_FIRST
                 self._down[node] = (time.monotonic() + backoff, min(2 * backoff, _BACKOFF_MAX))
