@@ -8,14 +8,15 @@ Starts a cluster with ``scripts/redis_cluster.sh`` (or uses ``--url``) and measu
   one pipelined fetch, value checks (header, token ids, checksum), copy into the pool. The
   baseline, timed in the same run, is redis-py's own cluster pipeline of GETs of the same keys
   (the network part alone). Reported: pages/s, MB/s and the ratio (goal >= 0.8).
-* **Decode with offload.** A decode loop over ``--batch`` sequences (one token per sequence per
-  step: ``append``, ``store`` of every layer): tokens/s with the tier against the same loop
-  without one (goal: within 5%). Every 16 steps each sequence seals a page, which is copied out
-  and queued.
-
+* **Decode with offload, no model (the worst case).** A decode loop over ``--batch`` sequences
+  (one token per sequence per step: ``append``, ``store`` of every layer): tokens/s with the tier
+  against the same loop without one. Every 16 steps each sequence seals a page, which the tier's
+  writer thread copies out and sends while the loop goes on: with no model work the offload's
+  traffic is about as many bytes as the loop stores.
 * **Decode with offload, with a model.** SmolLM2-135M generates 64 tokens for each of 8 distinct
   128-token prompts as one batch (``pagedkv.models.generate``, greedy, 1 thread) over a cache with
-  prefix caching, with the tier against without one: decode tokens/s, alternated runs.
+  prefix caching, with the tier against without one: decode tokens/s, alternated runs (goal:
+  within 5%).
 * **Time to first token of a second ``pagedkv generate`` process.** A first process generates
   from a ``--ttft-tokens`` (default 1024) token prompt (the start of tinyshakespeare) with
   ``--tier URL`` and writes the prompt's pages; then, alternately, a process with the same prompt
