@@ -181,8 +181,8 @@ cdef class KVCache:
         A prefix tier shared with other caches, processes and machines
         (needs ``enable_prefix_caching=True`` and full attention,
         ``window=None``). Each sealed page (full, its K/V complete in every
-        layer: see :meth:`seal`) is copied out and written to the tier in the
-        background; :meth:`add_sequence` fetches the prompt's pages that the
+        layer: see :meth:`seal`) is copied out and written to the tier by
+        the tier's writer thread; :meth:`add_sequence` fetches the prompt's pages that the
         local prefix cache lacks. Faults of the tier are misses, never errors.
         Its counters are in :meth:`stats` (``tier_*``).
     enable_kv_events : bool
