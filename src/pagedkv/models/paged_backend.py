@@ -164,6 +164,15 @@ class PagedBackend(AttentionBackend):
         absolute rotation; the sink keys are scored with a second query rotated to
         ``min(p, S + W - 1)`` (the kernels' ``q_sink``), so no stored key is ever
         rotated again. See :mod:`pagedkv.models.attention_backend`.
+    enable_prefix_caching : bool
+        Keep the full pages of prompts findable by their tokens (the cache's prefix
+        caching), so that a later prompt with the same start reuses their K/V:
+        :meth:`add_sequence` with the prompt's token ids returns the tokens served.
+        Full attention only (``window=None``). Default False.
+    tier : pagedkv.tiers.RedisTier or None
+        A prefix tier shared with other processes (needs ``enable_prefix_caching``):
+        sealed prompt pages are written to it, and :meth:`add_sequence` fetches the
+        pages the local cache lacks. See :class:`pagedkv.KVCache`.
 
     Attributes
     ----------
@@ -202,6 +211,8 @@ class PagedBackend(AttentionBackend):
         sink_tokens: int = 0,
         num_threads: int | Literal["auto"] | None = AUTO,
         positions: str = "absolute",
+        enable_prefix_caching: bool = False,
+        tier=None,
     ) -> None:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("num_pages", num_pages), ("page_size", page_size)):
@@ -224,7 +235,8 @@ class PagedBackend(AttentionBackend):
         self.positions = positions
         self.cache = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, int(num_pages),
                              page_size=int(page_size), dtype=np_dtype, window=self.window,
-                             sink_tokens=self.sink_tokens)
+                             sink_tokens=self.sink_tokens, enable_prefix_caching=bool(enable_prefix_caching),
+                             tier=tier)
 
     @staticmethod
     def pages_for(
@@ -289,11 +301,45 @@ class PagedBackend(AttentionBackend):
     def __contains__(self, seq_id: int) -> bool:
         return isinstance(seq_id, (int, np.integer)) and int(seq_id) in self.cache
 
-    def add_sequence(self, seq_id: int) -> None:
-        """Start an empty sequence; see :meth:`AttentionBackend.add_sequence`."""
+    @property
+    def prefix_caching(self) -> bool:
+        """True when the cache keeps prompt pages for reuse (``enable_prefix_caching``)."""
+        return bool(self.cache.prefix_caching)
+
+    def add_sequence(self, seq_id: int, prompt_token_ids=None) -> int:
+        """Start a sequence; see :meth:`AttentionBackend.add_sequence`.
+
+        Parameters
+        ----------
+        seq_id : int
+            A new id, >= 0.
+        prompt_token_ids : sequence of int or None
+            ``[prompt_len]`` token ids of the whole prompt, with prefix caching: the
+            sequence starts holding the K/V of its longest cached start (local pages,
+            then the tier's), at most ``prompt_len - 1`` tokens so that the last
+            prompt token is computed. None starts it empty.
+
+        Returns
+        -------
+        int
+            Prompt tokens served from the prefix cache (and tier), in tokens; the
+            caller feeds the prompt from there. 0 without ``prompt_token_ids``.
+
+        Raises
+        ------
+        ValueError
+            ``seq_id`` negative or present, or ``prompt_token_ids`` given without
+            prefix caching.
+        """
         if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)) or seq_id < 0:
             raise ValueError(f"Invalid value of seq_id: expected an int >= 0, got {seq_id!r}")
-        self.cache.add_sequence(int(seq_id))
+        if prompt_token_ids is None:
+            self.cache.add_sequence(int(seq_id))
+            return 0
+        if not self.prefix_caching:
+            raise ValueError("Invalid value of prompt_token_ids: expected None, the backend was made without "
+                             "enable_prefix_caching")
+        return int(self.cache.add_sequence(int(seq_id), np.asarray(prompt_token_ids, dtype=np.int32)))
 
     def remove_sequence(self, seq_id: int) -> None:
         """Drop a sequence and its K/V; see :meth:`AttentionBackend.remove_sequence`."""

@@ -17,12 +17,24 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from pagedkv.tiers._format import HEADER, REJECT_KINDS, PageLayout, check_value, encode_header, page_keys
+from pagedkv.tiers._format import (
+    FLAG_TOKENS,
+    FORMAT_VERSION,
+    HEADER,
+    MAGIC,
+    REJECT_KINDS,
+    PageLayout,
+    check_value,
+    page_keys,
+)
+from pagedkv_c._tier_io import body_checksums, record_checksums
 
 __all__ = ["RedisTier"]
 
 log = logging.getLogger("pagedkv.tiers")
 
+# _per_node's answer for a node taken as down.
+_SKIPPED = object()
 # Errors after which the store is taken as unreachable for a while (fetches are misses at once).
 _UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                 redis.exceptions.ClusterDownError, redis.exceptions.RedisClusterException, OSError)
@@ -32,6 +44,18 @@ _WRITE_BATCH_BYTES = 16 * 2**20
 # Wait before the first retry after the store was unreachable, and the longest wait, in seconds.
 _BACKOFF_FIRST = 0.25
 _BACKOFF_MAX = 4.0
+
+
+def _packed_set(key, value, ttl_seconds):
+    """``SET key value NX [EX ttl]`` in the Redis protocol (RESP) as chunks, the value itself as given.
+
+    Sending the value's memoryview as it is (``socket.sendall`` runs without the GIL)
+    spares the two copies redis-py's packer makes of it while holding the GIL.
+    """
+    expiry = b"" if ttl_seconds is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl_seconds)), ttl_seconds)
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (4 if ttl_seconds is None else 6, len(key), key,
+                                                               len(value))
+    return [head, value, b"\r\n$2\r\nNX\r\n" + expiry]
 
 
 def _connect(url_or_client, timeout_seconds):
@@ -92,8 +116,10 @@ class RedisTier:
         pages until the store evicts them (set a ``maxmemory-policy`` such as
         ``allkeys-lru`` on the servers).
     max_inflight_bytes : int
-        Bytes of pages queued or being written at once, ``>= 1`` (default
-        256 MiB). An offload that does not fit is dropped and counted
+        Bytes of page values the writer thread copies out and sends at once,
+        ``>= 1`` (default 256 MiB; a SmolLM2-135M page value is about 369 KB);
+        as many pages again may wait, sealed, in each cache's log. A page
+        sealed while its cache's log is full is not written and is counted
         (``dropped_writes``): the cache never waits on the network.
     timeout_seconds : float
         Connect and read timeout of URL clients, in seconds (default 2.0).
@@ -121,14 +147,23 @@ class RedisTier:
     key, a value that is corrupt, truncated, of another layout or whose token
     ids differ from the prompt's is a miss: it is counted (:meth:`stats`),
     logged once per kind on the ``pagedkv.tiers`` logger, and never raised
-    out of the cache's calls. After a connection failure the tier answers
-    misses at once for a short while (0.25 s, doubling up to 4 s while the
-    store stays down), then tries again: it reconnects by itself.
+    out of the cache's calls. After a connection failure the tier takes that
+    node (or the whole store) as down for a short while (0.25 s, doubling up
+    to 4 s while it stays down): its keys are misses at once and its writes
+    are counted as failed; then it tries again: it reconnects by itself.
 
-    *Round trips.* A fetch is one pipeline of GETs: one round trip to a
-    standalone server, and with a cluster one round trip per node holding some
-    of the keys (redis-py's cluster pipeline groups the commands by node,
-    writes to every node, then reads every node).
+    *Offload.* The cache's thread only tells the writer thread that a call
+    sealed pages. The writer takes them from the cache's sealed-page log and
+    copies their bytes in one hold of the cache's lock (in C, without the
+    GIL, so the copy is exactly the sealed bytes), fills the value headers,
+    computes the page checksums (in C, without the GIL) and sends the values
+    with one pipeline of ``SET NX`` per node (the page bytes go to the socket
+    without a copy in Python).
+
+    *Round trips.* A fetch is one pipeline of GETs per server holding some
+    of the keys: one round trip to a standalone server, one per node of a
+    cluster. A node that is down (or times out) costs only its own keys: the
+    prompt's pages before its first key still count, the run stops there.
 
     *One layout.* A tier serves caches of one layout, fixed by the first
     cache it is given to; a cache of another layout raises ValueError.
@@ -157,13 +192,14 @@ class RedisTier:
         self.layout = None
         self._prefix = None
         self._lock = threading.Condition()
-        self._queue = collections.deque()      # (key, header, body) waiting for the writer
-        self._inflight_bytes = 0               # reserved, queued or being written
+        self._queue = collections.deque()      # caches whose sealed pages wait for the writer
+        self._inflight_bytes = 0               # pages being written, in bytes
         self._writing = 0                      # pages the writer is sending now
         self._closed = False
         self._writer = None
-        self._unreachable_until = 0.0          # time.monotonic() before which fetches are misses
-        self._backoff = _BACKOFF_FIRST
+        self._down = {}                        # node (None: the store) -> (monotonic time it may be up, next backoff)
+        self._record_bytes = 0                 # bytes of one page value (set by _attach)
+        self._stale_map = False                # the cluster's slot map must be read again
         self._logged = set()
         self._counts = collections.Counter()
 
@@ -178,22 +214,21 @@ class RedisTier:
             ``hit_pages`` and ``hit_tokens`` (verified pages returned),
             ``misses`` (keys absent: never written or evicted), ``bytes_read``;
             ``pages_written``, ``bytes_written``, ``pages_existing`` (already in the
-            store: ``SET NX`` did nothing), ``dropped_writes`` (pages not queued:
-            ``max_inflight_bytes`` was reached), ``write_errors`` (pages whose write
-            failed), ``stale_writes`` (pages not sent: their copy no longer matched the
-            checksum of the seal); ``fetch_errors`` (fetches or values lost to a server or network
-            fault), ``unreachable_skips`` (fetches answered as misses while the
-            store was taken as down); ``rejected_<kind>`` for each kind of bad
+            store: ``SET NX`` did nothing), ``dropped_writes`` (sealed pages not written:
+            their cache's log was full, see ``max_inflight_bytes``), ``write_errors`` (pages whose write
+            failed, a node down included); ``fetch_errors`` (fetches or values lost to a server or network
+            fault), ``unreachable_skips`` (fetches, or parts of one, answered as misses
+            and write batches not sent while a node or the store was taken as down); ``rejected_<kind>`` for each kind of bad
             value (``truncated``, ``format``, ``layout``, ``hash``, ``tokens``,
             ``checksum``) and ``checksum_failures`` (= ``rejected_checksum``);
-            ``inflight_bytes`` (queued or being written now).
+            ``inflight_bytes`` (page values being written now).
         """
         with self._lock:
             counts = dict(self._counts)
             inflight = self._inflight_bytes
         out = {name: counts.get(name, 0) for name in (
             "lookups", "pages_requested", "hit_pages", "misses", "bytes_read", "pages_written",
-            "bytes_written", "pages_existing", "dropped_writes", "write_errors", "stale_writes", "fetch_errors",
+            "bytes_written", "pages_existing", "dropped_writes", "write_errors", "fetch_errors",
             "unreachable_skips")}
         out["hit_tokens"] = out["hit_pages"] * (self.layout.page_size if self.layout else 0)
         for kind in REJECT_KINDS[1:]:
@@ -203,7 +238,7 @@ class RedisTier:
         return out
 
     def flush(self, timeout=None):
-        """Wait until every queued page is written (or failed).
+        """Wait until every sealed page the caches told the writer about is written (or failed).
 
         Parameters
         ----------
@@ -213,7 +248,7 @@ class RedisTier:
         Returns
         -------
         bool
-            True when the queue is empty and nothing is being written.
+            True when no cache waits for the writer and nothing is being written.
         """
         with self._lock:
             return self._lock.wait_for(lambda: not self._queue and not self._writing, timeout)
@@ -221,7 +256,8 @@ class RedisTier:
     def close(self, timeout=10.0):
         """Write what is queued (waiting at most ``timeout`` seconds), stop the writer thread.
 
-        Later offloads are dropped and counted; fetches still work.
+        Pages sealed later are not written (they wait in their cache's log
+        until it is full); fetches still work.
         """
         with self._lock:
             self._closed = True
@@ -237,7 +273,10 @@ class RedisTier:
 
     # ------------------------------------------------- interface of KVCache
     def _attach(self, num_layers, num_kv_heads, head_dim, page_size, dtype, hash_algorithm):
-        """Fix the layout on the first cache; refuse a cache of another layout (ValueError)."""
+        """Fix the layout on the first cache; refuse a cache of another layout (ValueError).
+
+        Returns the number of sealed pages that may wait in the cache's log.
+        """
         layout = PageLayout.of_cache(num_layers, num_kv_heads, head_dim, page_size, dtype, hash_algorithm)
         with self._lock:
             if self.layout is not None and self.layout != layout:
@@ -246,61 +285,19 @@ class RedisTier:
                     f"got a cache of layout {layout.describe()}; make one RedisTier per layout")
             self.layout = layout
             self._prefix = layout.key_prefix(self.namespace)
+            self._record_bytes = HEADER.size + 4 * layout.page_size + layout.body_bytes
+        # Sealed pages that may wait in a cache's log for the writer (the writer holds as many more).
+        return max(1, self.max_inflight_bytes // self._record_bytes)
 
-    def _reserve(self, num_pages):
-        """Room in the write queue for up to ``num_pages`` pages; the rest count as dropped.
-
-        Returns the number of pages reserved (the caller enqueues that many, or cancels).
-        """
-        per_page = HEADER.size + 4 * self.layout.page_size + self.layout.body_bytes
+    def _offload_notify(self, cache):
+        """``cache`` sealed pages: the writer thread takes them from its log (the caller does nothing more)."""
         with self._lock:
             if self._closed:
-                fit = 0
-            else:
-                fit = min(num_pages, (self.max_inflight_bytes - self._inflight_bytes) // per_page)
-            self._inflight_bytes += fit * per_page
-            if fit < num_pages:
-                self._counts["dropped_writes"] += num_pages - fit
-                self._log_once("dropped", "write queue full (max_inflight_bytes=%d): offloads are "
-                               "dropped and counted", self.max_inflight_bytes)
-        return fit
-
-    def _cancel(self, num_pages):
-        """Give back the room of pages reserved but not enqueued."""
-        per_page = HEADER.size + 4 * self.layout.page_size + self.layout.body_bytes
-        with self._lock:
-            self._inflight_bytes -= num_pages * per_page
-            self._lock.notify_all()
-
-    def _enqueue(self, page_hashes, token_ids, checksums, bodies):
-        """Queue reserved pages for writing.
-
-        Parameters
-        ----------
-        page_hashes : numpy.ndarray
-            uint64, shape ``[n, 2]``.
-        token_ids : numpy.ndarray or None
-            int32, shape ``[n, page_size]``; None for block-keyed pages.
-        checksums : numpy.ndarray
-            uint64, shape ``[n]``: page checksums recorded at the seal. The
-            writer checks each copy against its checksum and does not send a
-            page whose bytes changed after the seal (``stale_writes``).
-        bodies : numpy.ndarray
-            uint8, shape ``[n, body_bytes]``: a copy the tier owns.
-        """
-        n = len(page_hashes)
-        keys = page_keys(self._prefix, page_hashes)
-        items = []
-        for i in range(n):
-            # A block-keyed page has no token ids (the sealed-page log gives -1s).
-            tokens = None if token_ids is None or (token_ids[i] == -1).all() else token_ids[i]
-            items.append((keys[i], encode_header(self.layout, page_hashes[i], tokens, checksums[i]),
-                          int(checksums[i]), bodies[i].data))
-        with self._lock:
-            self._queue.extend(items)
+                return
+            if not any(waiting is cache for waiting in self._queue):
+                self._queue.append(cache)
             if self._writer is None:
-                self._writer = threading.Thread(target=self._write_loop, name="pagedkv-tier-writer",
-                                                daemon=True)
+                self._writer = threading.Thread(target=self._write_loop, name="pagedkv-tier-writer", daemon=True)
                 self._writer.start()
             self._lock.notify_all()
 
@@ -319,58 +316,75 @@ class RedisTier:
         -------
         list of memoryview
             The bodies (``layout.body_bytes`` each) of pages ``0 .. k-1``, where
-            page ``k`` is the first one missing or rejected. Never raises for a
-            fault of the store or a bad value.
+            page ``k`` is the first one missing, rejected or on a node that
+            failed. Never raises for a fault of the store or a bad value.
+
+        Notes
+        -----
+        One pipeline per node holding some of the keys (one round trip each),
+        so that a node that is down costs only its own keys: the pages before
+        its first key still count.
         """
         n = len(page_hashes)
         with self._lock:
             self._counts["lookups"] += 1
             self._counts["pages_requested"] += n
-            if n and time.monotonic() < self._unreachable_until:
-                self._counts["unreachable_skips"] += 1
-                return []
         if n == 0:
             return []
-        try:
-            client = self._client()
-            pipe = client.pipeline(transaction=False)
-            for key in page_keys(self._prefix, page_hashes):
-                pipe.get(key)
-            values = pipe.execute(raise_on_error=False)
-        except Exception as exc:  # any failure of the store or the client is a miss
-            self._fault("fetch_errors", exc)
+        keys = page_keys(self._prefix, page_hashes)
+        groups = self._by_node(keys, "fetch_errors")
+        if groups is None:
             return []
-        bodies = []
+        values = [None] * n
+        end = n  # pages from `end` on are lost to a fault: the run stops there
+        for (node, _, indices), replies in zip(groups, self._per_node(groups, lambda i: ("GET", keys[i]))):
+            if replies is _SKIPPED:
+                end = min(end, indices[0])
+                continue
+            if isinstance(replies, Exception):
+                self._fault("fetch_errors", replies, node)
+                end = min(end, indices[0])
+                continue
+            for i, value in zip(indices, replies):
+                if isinstance(value, Exception):
+                    self._fault("fetch_errors", value, node)
+                    end = min(end, i)
+                    break
+                values[i] = value
+            else:
+                self._node_up(node)
+        return self._verified(values[:end], page_hashes, token_ids, keys)
+
+    def _verified(self, values, page_hashes, token_ids, keys):
+        """The bodies of the leading values that pass every check; counts the rest."""
         layout = self.layout
-        num_read = 0
+        offsets, stated, num_read, kind = [], [], 0, None
         for i, value in enumerate(values):
-            if isinstance(value, Exception):
-                self._fault("fetch_errors", value)
-                break
-            kind, offset, checksum = check_value(value, layout, page_hashes[i],
-                                                 None if token_ids is None else token_ids[i])
-            if kind is None:
-                body = memoryview(value)[offset:]
-                if _body_checksum(body, layout) != checksum:
-                    kind = "checksum"
-            if kind == "missing":
-                with self._lock:
-                    self._counts["misses"] += 1
-                break
+            kind, offset, checksum = check_value(value, layout, page_hashes[i], None if token_ids is None else token_ids[i])
             if kind is not None:
-                with self._lock:
-                    self._counts[f"rejected_{kind}"] += 1
-                self._log_once(f"rejected_{kind}", "rejected a page value (%s check failed) under key %r: "
-                               "counted as a miss", kind, page_keys(self._prefix, page_hashes[i:i + 1])[0])
                 break
-            bodies.append(body)
+            offsets.append(offset)
+            stated.append(checksum)
             num_read += len(value)
+        good = len(offsets)
+        if good:  # one call for every checksum, in C without the GIL
+            actual = body_checksums(values[:good], offsets, layout.num_layers, layout.page_bytes)
+            bad = np.flatnonzero(np.array(stated, dtype=np.uint64) != actual)
+            if bad.size:
+                good, kind = int(bad[0]), "checksum"
+                num_read = sum(len(v) for v in values[:good])
+        if kind == "missing":
+            with self._lock:
+                self._counts["misses"] += 1
+        elif kind is not None:
+            with self._lock:
+                self._counts[f"rejected_{kind}"] += 1
+            self._log_once(f"rejected_{kind}", "rejected a page value (%s check failed) under key %r: "
+                           "counted as a miss", kind, keys[good])
         with self._lock:
-            self._counts["hit_pages"] += len(bodies)
+            self._counts["hit_pages"] += good
             self._counts["bytes_read"] += num_read
-            self._unreachable_until = 0.0
-            self._backoff = _BACKOFF_FIRST
-        return bodies
+        return [memoryview(values[i])[offsets[i]:] for i in range(good)]
 
     # ---------------------------------------------------------------- internals
     def _client(self):
@@ -384,70 +398,202 @@ class RedisTier:
             self._logged.add(kind)
             log.warning(message + " (logged once per kind; see RedisTier.stats())", *args)
 
-    def _fault(self, counter, exc):
-        """Count a failure of the store; take it as unreachable for a while after a connection fault."""
+    def _by_node(self, keys, counter):
+        """``[(node, client, indices)]``: the keys' indices grouped by the node that holds them.
+
+        ``node`` names the server (``host:port``; ``None`` for a standalone
+        client), ``client`` is a plain client of it. None when the cluster's
+        map cannot be had (counted under ``counter``).
+        """
+        if self._is_down(None):
+            with self._lock:
+                self._counts["unreachable_skips"] += 1
+            return None
+        try:
+            client = self._client()
+            if not self.is_cluster:
+                return [(None, client, list(range(len(keys))))]
+            if self._stale_map:  # a node answered MOVED or ASK: slots moved since the map was read
+                self._stale_map = False
+                client.nodes_manager.initialize()
+            groups = {}
+            for i, key in enumerate(keys):
+                node = client.get_node_from_key(key)
+                if node.name not in groups:
+                    groups[node.name] = (node.name, client.get_redis_connection(node), [])
+                groups[node.name][2].append(i)
+        except Exception as exc:
+            self._fault(counter, exc, None)
+            return None
+        return list(groups.values())
+
+    def _per_node(self, groups, command, packed=False):
+        """Run ``command(i)`` for every index of every group: send to each node, then read each node.
+
+        ``command(i)`` gives the command's arguments, or with ``packed`` the
+        command already in the protocol, as a list of bytes-like chunks (sent
+        as they are: a page value is never copied by the client).
+
+        All nodes work at once (as redis-py's cluster pipeline does), but a node
+        that fails costs only its own commands. Returns, per group in order, the
+        list of replies (an exception object for a command the server refused),
+        the exception that lost the whole group, or ``_SKIPPED`` for a node
+        taken as down (counted in ``unreachable_skips``).
+        """
+        out = [None] * len(groups)
+        sent = []
+        for g, (node, client, indices) in enumerate(groups):
+            if self._is_down(node):
+                with self._lock:
+                    self._counts["unreachable_skips"] += 1
+                out[g] = _SKIPPED
+                continue
+            pool = client.connection_pool
+            conn = None
+            try:
+                conn = pool.get_connection()
+                if packed:
+                    chunks = [chunk for i in indices for chunk in command(i)]
+                else:
+                    chunks = conn.pack_commands([command(i) for i in indices])
+                conn.send_packed_command(chunks)
+                sent.append((g, pool, conn))
+            except Exception as exc:  # any failure of the store or the client loses this node's part
+                if conn is not None:
+                    conn.disconnect()
+                    pool.release(conn)
+                out[g] = exc
+        for g, pool, conn in sent:
+            replies = []
+            try:
+                for _ in groups[g][2]:
+                    try:
+                        replies.append(conn.read_response())
+                    except redis.exceptions.ResponseError as exc:  # this command only; the rest follow
+                        replies.append(exc)
+                out[g] = replies
+            except Exception as exc:
+                conn.disconnect()  # replies may be left unread: never reuse this connection
+                out[g] = exc
+            finally:
+                pool.release(conn)
+        return out
+
+    def _is_down(self, node):
+        """True while a node (None: the whole store) is taken as unreachable after a connection fault."""
+        state = self._down.get(node)
+        return state is not None and time.monotonic() < state[0]
+
+    def _node_up(self, node):
+        if node in self._down or None in self._down:
+            with self._lock:
+                self._down.pop(node, None)
+                self._down.pop(None, None)
+
+    def _fault(self, counter, exc, node=None):
+        """Count a failure of the store; take the node as unreachable for a while after a connection fault."""
         with self._lock:
             self._counts[counter] += 1
+            if isinstance(exc, (redis.exceptions.MovedError, redis.exceptions.AskError)):
+                self._stale_map = True
             if isinstance(exc, _UNREACHABLE):
-                self._unreachable_until = time.monotonic() + self._backoff
-                self._backoff = min(2 * self._backoff, _BACKOFF_MAX)
+                backoff = self._down[node][1] if node in self._down else _BACKOFF_FIRST
+                self._down[node] = (time.monotonic() + backoff, min(2 * backoff, _BACKOFF_MAX))
         self._log_once(f"{counter}:{type(exc).__name__}", "%s from %r: %s (%s; counted as a miss)",
                        type(exc).__name__, self, exc, counter)
 
     def _write_loop(self):
-        per_page = HEADER.size + 4 * self.layout.page_size + self.layout.body_bytes
+        layout = self.layout
+        token_offset, body_offset = HEADER.size, HEADER.size + 4 * layout.page_size
+        room = self.max_inflight_bytes // self._record_bytes  # pages taken and written at once
+        per_batch = max(1, min(room, _WRITE_BATCH_PAGES, _WRITE_BATCH_BYTES // self._record_bytes))
+        records = np.empty((per_batch, self._record_bytes), dtype=np.uint8)  # reused: no new pages to fault in
+        page_hashes = np.empty((per_batch, 2), dtype=np.uint64)
         while True:
             with self._lock:
                 self._lock.wait_for(lambda: self._queue or self._closed)
                 if not self._queue:
                     return
-                batch, size = [], 0
-                while self._queue and len(batch) < _WRITE_BATCH_PAGES and size < _WRITE_BATCH_BYTES:
-                    item = self._queue.popleft()
-                    batch.append(item)
-                    size += per_page
-                self._writing = len(batch)
-            written = existing = failed = num_bytes = 0
-            # A copy whose bytes changed after the seal (another thread wrote the page
-            # between the seal and the copy) is not sent.
-            fresh = [item for item in batch if _body_checksum(item[3], self.layout) == item[2]]
+                cache = self._queue.popleft()
+                self._writing = 1
             try:
-                pipe = self._client().pipeline(transaction=False)
-                for key, header, checksum, body in fresh:
-                    pipe.set(key, b"".join((header, body)), nx=True, ex=self.ttl_seconds)
-                results = pipe.execute(raise_on_error=False) if fresh else []
-            except Exception as exc:
-                results = [exc] * len(fresh)
-            error = None
-            for (key, header, checksum, body), result in zip(fresh, results):
+                while True:
+                    # One hold of the cache's lock takes the log entries and copies the pages (C,
+                    # no GIL): the copies are the sealed bytes, nothing to check again.
+                    taken, lost = cache._take_sealed_copies(records[:per_batch if room else 0], token_offset,
+                                                            body_offset, page_hashes[:per_batch if room else 0],
+                                                            discard_rest=not room)
+                    if lost:
+                        with self._lock:
+                            self._counts["dropped_writes"] += lost
+                        self._log_once("dropped", "offloads dropped: more sealed pages waited than "
+                                       "max_inflight_bytes=%d holds (counted)", self.max_inflight_bytes)
+                    if not taken:
+                        break
+                    with self._lock:
+                        self._inflight_bytes = taken * self._record_bytes
+                    self._write(records[:taken], page_hashes[:taken], body_offset)
+                    if taken < per_batch:
+                        break
+            except Exception as exc:  # a bug must not kill the writer silently
+                self._fault("write_errors", exc)
+            finally:
+                del cache
+                with self._lock:
+                    self._inflight_bytes = 0
+                    self._writing = 0
+                    self._lock.notify_all()
+
+    def _write(self, rows, page_hashes, body_offset):
+        """Fill the value headers of copied pages and send them, one pipeline of ``SET NX`` per node."""
+        layout = self.layout
+        count = rows.shape[0]
+        checksums = record_checksums(rows, body_offset, layout.num_layers, layout.page_bytes)  # C, no GIL
+        keyed = (rows[:, HEADER.size:body_offset].view(np.int32) != -1).any(axis=1)
+        raw_hashes = np.ascontiguousarray(page_hashes, dtype="<u8").tobytes()
+        keys = page_keys(self._prefix, page_hashes)
+        fields = layout.header_fields()
+        values = []
+        for i in range(count):
+            if keyed[i]:  # header, token ids, body
+                at, flags = 0, FLAG_TOKENS
+            else:  # a block-keyed page has no token ids: the header goes right before the body
+                at, flags = body_offset - HEADER.size, 0
+            HEADER.pack_into(rows[i], at, MAGIC, FORMAT_VERSION, flags, *fields, 0,
+                             raw_hashes[16 * i:16 * i + 16], int(checksums[i]), layout.body_bytes)
+            values.append(memoryview(rows[i])[at:])
+        written = existing = failed = num_bytes = 0
+        error = None
+        groups = self._by_node(keys, "write_errors")
+        if groups is None:
+            failed = count - 1  # _by_node counted one
+            groups = []
+
+        def set_command(i):
+            return _packed_set(keys[i], values[i], self.ttl_seconds)
+
+        for (node, _, indices), results in zip(groups, self._per_node(groups, set_command, packed=True)):
+            if results is _SKIPPED:
+                failed += len(indices)
+                continue
+            if isinstance(results, Exception):
+                self._fault("write_errors", results, node)
+                failed += len(indices) - 1  # _fault counted one
+                continue
+            for i, result in zip(indices, results):
                 if isinstance(result, Exception):
                     failed += 1
-                    error = result
-                elif result:
+                    error = (result, node)
+                elif result is not None:
                     written += 1
-                    num_bytes += len(header) + len(body)
+                    num_bytes += len(values[i])
                 else:
                     existing += 1
-            if error is not None:
-                self._fault("write_errors", error)
-                with self._lock:  # fault counted one; the counter is per page
-                    self._counts["write_errors"] += failed - 1
-            with self._lock:
-                self._counts["pages_written"] += written
-                self._counts["bytes_written"] += num_bytes
-                self._counts["pages_existing"] += existing
-                self._counts["stale_writes"] += len(batch) - len(fresh)
-                self._inflight_bytes -= len(batch) * per_page
-                self._writing = 0
-                self._lock.notify_all()
-            if error is not None and isinstance(error, _UNREACHABLE):
-                time.sleep(min(self._backoff, _BACKOFF_MAX))
-
-
-def _body_checksum(body, layout):
-    """The page checksum of a value's body (pagedkv_c._checksum, the pool's layout with one page)."""
-    from pagedkv_c._checksum import page_checksums
-
-    shape = (layout.num_layers, 1, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
-    pages = np.frombuffer(body, dtype=layout.dtype).reshape(shape)
-    return int(page_checksums(pages, np.zeros(1, dtype=np.int32))[0])
+        if error is not None:
+            self._fault("write_errors", *error)
+            failed -= 1
+        with self._lock:
+            self._counts["pages_written"] += written
+            self._counts["bytes_written"] += num_bytes
+            self._counts["pages_existing"] += existing
+            self._counts["write_errors"] += failed
