@@ -37,8 +37,16 @@ Checksums: metadata sections, the section table and the header use the low
 checksum is ``pagedkv_c._checksum.page_checksums`` (``page_checksum.h``), the
 value the cache records for a sealed page. XXH3 detects corruption, not a
 forger: a file is trusted data, but nothing in it can run code (no pickle)
-or make the reader allocate more than the file's size suggests (every
-length is checked against the header and the file before it is read).
+or make the reader allocate more than the file's size suggests. Every
+length is checked against the header and the file before it is read; the
+pool must be exactly the ``pages`` section (layers x pages x 2 x page size x
+heads x head dim x dtype size); ``num_pages`` is the checksum table's length
+/ 8; the kept token ids of prefix caching (num_pages x page_size int32, not
+bounded by the pool when ``num_layers`` is 0) and the page tables' rings and
+sink arrays (4 bytes per entry) together may take at most twice the file's
+length or 256 MiB, whichever is more. ``load_cache`` checks all of that, and
+the ids, ref counts, free queue, prefix index, page-table geometry and seal
+flags, before it allocates the cache or reads a page.
 
 Writes are atomic: the file is written to a temporary file in the target's
 directory, flushed and fsynced, renamed over the target, and the directory is
@@ -482,7 +490,7 @@ def _read_hashes(section: _Section, num_sequences: int) -> list[dict]:
     if (fields < 0).any() or (fields[:, 0] > 1).any():
         raise section.error("negative counts or an external flag other than 0 or 1")
     for column, array, name in ((1, chain, "chain"), (2, token_ids, "token_ids"), (3, block_ids, "block_ids")):
-        if int(fields[:, column].sum()) != array.shape[0]:
+        if sum(fields[:, column].tolist()) != array.shape[0]:  # Python ints: a crafted sum cannot wrap
             raise section.error(f"the counts of {name} do not add up to its {array.shape[0]} entries")
     out, starts = [], [0, 0, 0]
     for b, row in enumerate(fields.tolist()):
@@ -617,6 +625,7 @@ def load_cache(path, *, mmap: bool = False):
         size = os.fstat(f.fileno()).st_size
         parsed = _parse(_read_from_file(f), size, MAGIC_CACHE, os.fspath(path))
         state, tables = _cache_state(parsed)
+        _check_before_build(state, parsed, size)
         config = state["config"]
         shape = _pool_shape(config, config["num_pages"])
         cache = KVCache(**_cache_kwargs(config))
@@ -672,6 +681,136 @@ def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
     return state, tables
 
 
+# ------------------------------------------------- checks before building
+#: Besides the pool (exactly the ``pages`` section), a load allocates at most
+#: this many bytes, or twice the file's length if that is more, for the kept
+#: token ids of prefix caching and the page tables' rings and sink arrays: the
+#: two allocations whose size is not a section's length.
+_EXTRA_ALLOCATION_FLOOR = 2**28
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_before_build(state: dict, parsed: _Parsed, size: int) -> None:
+    """Check sizes, ids, ref counts, free queue, prefix index, tables and seal flags; allocate nothing large.
+
+    Runs on the decoded sections before any cache, pool or page table
+    exists, so a crafted file is refused before it can make the loader
+    allocate (the allocation bound of the module notes) or read page bytes.
+    The core checks the same state again when it applies it.
+    """
+    config = state["config"]
+    num_pages, page_size = config["num_pages"], config["page_size"]
+    windowed = config["window"] != -1
+    # The two allocations a file's sections do not bound by their own length.
+    tokens_bytes = 4 * num_pages * page_size if config["prefix_caching"] else 0
+    allowed = max(2 * size, _EXTRA_ALLOCATION_FLOOR)
+    if tokens_bytes > allowed:
+        raise SnapshotError(
+            f"section 'config': {num_pages} pages of page_size {page_size} need {tokens_bytes} bytes of kept "
+            f"token ids for prefix caching, more than a file of {size} bytes may make the loader allocate "
+            f"({allowed} bytes besides the pool)")
+    sink_pages = min(_ceil_div(config["sink_tokens"], page_size), num_pages) if windowed else 0
+    initial_ring = 8
+    if windowed:
+        initial_ring = 1
+        while initial_ring < min(_ceil_div(config["window"] - 1, page_size) + 1, 1 << 16):
+            initial_ring *= 2
+    sequences = state["sequences"]
+    ring_bytes = sum(4 * (initial_ring + sink_pages + table["ring_capacity"]) for _, table, _ in sequences)
+    if tokens_bytes + ring_bytes > allowed:
+        raise SnapshotError(
+            f"section 'tables': {len(sequences)} page tables (ring capacities and sink pages) need {ring_bytes} "
+            f"bytes, more than a file of {size} bytes may make the loader allocate ({allowed} bytes besides the "
+            f"pool{', with the kept token ids' if tokens_bytes else ''})")
+
+    ref_counts, free_queue = state["ref_counts"], state["free_queue"]
+    if ref_counts.shape != (num_pages,):
+        raise SnapshotError(f"section 'pool': ref_counts has shape {ref_counts.shape}, expected ({num_pages},)")
+    if (ref_counts < 0).any():
+        page = int(np.flatnonzero(ref_counts < 0)[0])
+        raise SnapshotError(f"section 'pool': page {page} has ref count {int(ref_counts[page])}")
+    if ((free_queue < 0) | (free_queue >= num_pages)).any():
+        raise SnapshotError(f"section 'pool': the free queue lists a page id outside [0, {num_pages - 1}]")
+    queued = np.bincount(free_queue, minlength=num_pages)
+    if (queued > 1).any():
+        raise SnapshotError(f"section 'pool': page {int(np.flatnonzero(queued > 1)[0])} is queued twice")
+    wrong = np.flatnonzero((queued == 1) != (ref_counts == 0))
+    if wrong.size:
+        page = int(wrong[0])
+        raise SnapshotError(f"section 'pool': page {page} has ref count {int(ref_counts[page])} but is "
+                            f"{'' if queued[page] else 'not '}in the free queue")
+
+    held = np.zeros(num_pages, dtype=np.int64)
+    for seq_id, table, _ in sequences:
+        pages = table["pages"]
+        if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
+            raise SnapshotError(f"section 'tables': sequence {seq_id} holds a page id outside [0, {num_pages - 1}]")
+        np.add.at(held, pages, 1)
+        _check_table_geometry(seq_id, table, config, sink_pages, initial_ring)
+    bad = np.flatnonzero(held != ref_counts)
+    if bad.size:
+        page = int(bad[0])
+        holders = [seq_id for seq_id, table, _ in sequences if (table["pages"] == page).any()]
+        raise SnapshotError(f"section 'tables': page {page} has ref count {int(ref_counts[page])} in section "
+                            f"'pool' but {int(held[page])} page-table entries (held by sequences {holders})")
+
+    prefix = state["prefix"]
+    if prefix is not None:
+        pages = prefix["pages"]
+        n = pages.shape[0]
+        if (prefix["hashes"].shape != (n, 2) or prefix["has_tokens"].shape != (n,)
+                or prefix["tokens"].shape != (n, page_size)):
+            raise SnapshotError(f"section 'prefix': expected pages (n,), hashes (n, 2), has_tokens (n,) and "
+                                f"tokens (n, {page_size}) for the {n} cached pages")
+        if n and (pages.min() < 0 or pages.max() >= num_pages or (np.diff(pages) <= 0).any()):
+            raise SnapshotError(f"section 'prefix': cached pages are not increasing ids in [0, {num_pages - 1}]")
+        if (prefix["has_tokens"] > 1).any():
+            raise SnapshotError("section 'prefix': a has_tokens flag other than 0 or 1")
+        if n > 1 and np.unique(prefix["hashes"], axis=0).shape[0] != n:
+            raise SnapshotError("section 'prefix': two cached pages have the same hash")
+
+    sealed = parsed.section("sealed")
+    flags = sealed.array("sealed", np.uint8, 1, (num_pages,))
+    if (flags > 1).any():
+        raise sealed.error(f"page {int(np.flatnonzero(flags > 1)[0])} has a seal flag other than 0 or 1")
+    if config["page_checksums"]:
+        sealed.array("checksums", np.uint64, 1, (num_pages,))
+    elif "checksums" in sealed.arrays:
+        raise sealed.error("recorded checksums in a cache without page_checksums")
+    sealed.int("pages_sealed")
+
+
+def _check_table_geometry(seq_id: int, table: dict, config: dict, sink_pages: int, initial_ring: int) -> None:
+    """One sequence's page-table fields against the window, sink pages and pool (as the README describes them)."""
+    length, sink_count, ring_first, capacity = (table[key] for key in ("length", "sink_count", "ring_first",
+                                                                       "ring_capacity"))
+    ring_count = table["pages"].shape[0] - sink_count
+
+    def fail(text: str) -> SnapshotError:
+        return SnapshotError(f"section 'tables': sequence {seq_id}: {text}")
+
+    if not 0 <= length <= 2**62:
+        raise fail(f"length {length} outside [0, 2**62]")
+    logical = _ceil_div(length, config["page_size"])
+    if not 0 <= sink_count <= min(sink_pages, logical) or ring_count < 0:
+        raise fail(f"{sink_count} sink pages of {table['pages'].shape[0]} held, expected at most "
+                   f"{min(sink_pages, logical)}")
+    if ring_count and sink_count < sink_pages:
+        raise fail(f"window pages held before all {sink_pages} sink pages")
+    if config["window"] == -1:
+        if ring_first != 0 or ring_count != logical:
+            raise fail(f"a sequence without a window holds all its {logical} pages, got {ring_count} from "
+                       f"logical page {ring_first}")
+    elif not sink_pages <= ring_first <= max(logical, sink_pages) - ring_count:
+        raise fail(f"{ring_count} window pages from logical page {ring_first} do not fit {length} tokens")
+    largest = max(initial_ring, 4 * (config["num_pages"] + 16))
+    if not max(ring_count, 1) <= capacity <= largest or capacity & (capacity - 1):
+        raise fail(f"ring capacity {capacity}, expected a power of two in [{max(ring_count, 1)}, {largest}]")
+
+
 # Which section a message of KVCache._restore_state is about (first match wins).
 _ERROR_SECTIONS = (("hash chain", "hashes"), ("prefix", "prefix"), ("free_queue", "pool"),
                    ("ref_counts", "pool"), ("counters", "counters"), ("config", "config"))
@@ -709,6 +848,7 @@ def verify(path) -> None:
         size = os.fstat(f.fileno()).st_size
         parsed = _parse(_read_from_file(f), size, MAGIC_CACHE, os.fspath(path))
         state, tables = _cache_state(parsed)
+        _check_before_build(state, parsed, size)
         config = state["config"]
         shape = _pool_shape(config, config["num_pages"])
         if parsed.pages_length:
