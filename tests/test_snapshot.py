@@ -727,3 +727,65 @@ def test_inconsistent_sections_are_refused_before_the_cache_is_built(tmp_path, c
     if case == "ref_count":
         assert f"page {shared}" in str(error) and "sequences [1, 2]" in str(error)
     assert peak < cache.kv.nbytes // 4  # the 8 MiB pool was never allocated
+
+
+def test_layer_digests_combine_to_the_page_checksums():
+    """Hashing a pool one layer and one run of pages at a time gives the documented page checksum."""
+    from pagedkv_c._checksum import combine_digests, layer_digests, page_checksums
+
+    rng = np.random.default_rng(5)
+    kv = rng.standard_normal((3, 7, 2, 2, 2, 3)).astype(np.float16)
+    digests = np.zeros((7, 3, 16), dtype=np.uint8)
+    for layer in range(3):
+        for first, stop in ((0, 3), (3, 3), (3, 7)):
+            layer_digests(kv, layer, first, stop, digests)
+    for page in range(7):
+        for layer in range(3):
+            assert digests[page, layer].tobytes() == xxhash.xxh3_128(kv[layer, page].tobytes()).digest()
+    out = np.zeros(7, dtype=np.uint64)
+    combine_digests(digests, out)
+    reference = [xxhash.xxh3_128_intdigest(digests[p].tobytes()) & (2**64 - 1) for p in range(7)]
+    assert out.tolist() == reference == page_checksums(kv, np.arange(7)).tolist()
+    skip = np.zeros(7, dtype=np.uint8)
+    skip[[1, 4]] = 1
+    fresh, kept = np.zeros((7, 3, 16), dtype=np.uint8), np.full(7, 9, dtype=np.uint64)
+    for layer in range(3):
+        layer_digests(kv, layer, 0, 7, fresh, skip)
+    combine_digests(fresh, kept, skip)
+    assert not fresh[[1, 4]].any() and kept[[1, 4]].tolist() == [9, 9]
+    assert kept[[0, 2, 3, 5, 6]].tolist() == out[[0, 2, 3, 5, 6]].tolist()
+    empty = np.zeros(0, dtype=np.uint64)
+    combine_digests(np.zeros((0, 3, 16), np.uint8), empty)
+    none = np.zeros(2, dtype=np.uint64)
+    combine_digests(np.zeros((2, 0, 16), np.uint8), none)  # no layers: the hash of the empty string
+    assert none.tolist() == [xxhash.xxh3_128_intdigest(b"") & (2**64 - 1)] * 2
+    with pytest.raises(ValueError, match="Invalid value of stop"):
+        layer_digests(kv, 0, 4, 8, digests)
+    with pytest.raises(ValueError, match="Invalid shape of digests"):
+        layer_digests(kv, 0, 0, 7, np.zeros((7, 2, 16), np.uint8))
+    with pytest.raises(ValueError, match="Invalid value of layer"):
+        layer_digests(kv, 3, 0, 7, digests)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_threads_and_runs_give_the_same_file(tmp_path, num_threads, monkeypatch):
+    """Runs smaller than a layer (many per layer) and either thread count write and read the same bytes;
+    a page whose bytes changed after its seal keeps its recorded checksum, so the load refuses it."""
+    cache = _small_cache()
+    cache.seal()
+    reference = tmp_path / "reference.pkv"
+    monkeypatch.setattr(snap, "_RUN_BYTES", 1 << 30)
+    snap.save_cache(cache, reference, num_threads=1)
+    monkeypatch.setattr(snap, "_RUN_BYTES", 40)
+    path = tmp_path / "runs.pkv"
+    snap.save_cache(cache, path, num_threads=num_threads)
+    assert path.read_bytes() == reference.read_bytes()
+    _assert_same(cache, snap.load_cache(path, num_threads=num_threads))
+    sealed = np.flatnonzero(cache._sealed_state()["sealed"])
+    assert sealed.size
+    cache.kv[1, int(sealed[0])] += 1  # damage in memory after the seal
+    snap.save_cache(cache, path, num_threads=num_threads)
+    with pytest.raises(SnapshotError, match=rf"checksum mismatch in page {int(sealed[0])}"):
+        snap.load_cache(path, num_threads=num_threads)
+    with pytest.raises(ValueError, match="num_threads"):
+        snap.save_cache(cache, path, num_threads=3)

@@ -57,12 +57,11 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
-import threading
 from typing import Any
 
 import numpy as np
 
-from pagedkv_c._checksum import page_checksums
+from pagedkv_c._checksum import combine_digests, layer_digests, page_checksums
 from pagedkv_c._prefix import xxh3_128_intdigest
 
 __all__ = ["FORMAT_VERSION", "SnapshotError", "export_sequence", "import_sequence", "load_cache",
@@ -349,6 +348,8 @@ def _readinto(f, offset: int, target: np.ndarray) -> None:
 def _atomic_write(path, parts, finish=None) -> None:
     """Write the buffers ``parts`` to ``path`` atomically (temp file, fsync, rename, fsync the directory).
 
+    A callable part is called with the open (unbuffered) file and writes its own bytes.
+
     ``finish(fd)``, if given, runs after the parts are written and before
     the fsync (to overwrite a placeholder at the start of the file).
     """
@@ -358,6 +359,9 @@ def _atomic_write(path, parts, finish=None) -> None:
     try:
         with os.fdopen(fd, "wb", buffering=0) as f:
             for part in parts:
+                if callable(part):  # writes its own bytes
+                    part(f)
+                    continue
                 view = memoryview(part).cast("B") if not isinstance(part, bytes) else part
                 written = 0
                 while written < len(view):  # a raw write may be partial
@@ -508,9 +512,35 @@ def _holders(tables: list[tuple[int, dict]], page_id: int) -> list[int]:
     return [seq_id for seq_id, table in tables if (table["pages"] == page_id).any()]
 
 
+def _read_and_check_pages(f, offset: int, kv: np.ndarray, expected: np.ndarray, tables: list[tuple[int, dict]],
+                          threads: int) -> None:
+    """Read the pages section at ``offset`` straight into ``kv``, hashing each run after it is read,
+    then compare every page checksum with ``expected`` (naming the first pages that differ)."""
+    f.seek(offset)
+    digests = np.zeros((kv.shape[1], kv.shape[0], 16), dtype=np.uint8)
+
+    def read(run) -> None:
+        view, done = run[3], 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise SnapshotError("section 'pages': the file ended early while reading pages")
+            done += n
+
+    _pipeline(_page_runs(kv), lambda run: layer_digests(kv, run[0], run[1], run[2], digests), read, threads,
+              hash_first=False)
+    actual = np.zeros(kv.shape[1], dtype=np.uint64)
+    combine_digests(digests, actual)
+    _report_bad_pages(actual, expected, tables, "")
+
+
 def _check_pages(kv: np.ndarray, expected: np.ndarray, tables: list[tuple[int, dict]], what: str) -> None:
     """Recompute every page checksum of ``kv`` and name the first pages that differ."""
-    actual = page_checksums(kv, np.arange(kv.shape[1], dtype=np.int32))
+    _report_bad_pages(page_checksums(kv, np.arange(kv.shape[1], dtype=np.int32)), expected, tables, what)
+
+
+def _report_bad_pages(actual: np.ndarray, expected: np.ndarray, tables: list[tuple[int, dict]], what: str) -> None:
+    """Raise SnapshotError naming the first page whose checksum differs (and the sequences holding it)."""
     bad = np.flatnonzero(actual != expected)
     if bad.size:
         first = int(bad[0])
@@ -522,8 +552,16 @@ def _check_pages(kv: np.ndarray, expected: np.ndarray, tables: list[tuple[int, d
         )
 
 
-def save_cache(cache, path) -> None:
+def save_cache(cache, path, *, num_threads: int | None = None) -> None:
     """Write a snapshot of a ``KVCache`` to ``path`` atomically (see the module notes for the format).
+
+    The pool is written in runs of about 4 MiB of one layer's pages; each run
+    is hashed (XXH3-128 per page and layer, in C without the GIL) just before
+    it is written, while its bytes are in the CPU's cache, so the pool is read
+    from memory once. Pages sealed with a recorded checksum (a cache made with
+    ``page_checksums=True``) are not hashed again: the file carries the
+    checksum recorded at the seal, so a page whose bytes changed in memory
+    since is refused by :func:`load_cache`.
 
     Parameters
     ----------
@@ -531,12 +569,18 @@ def save_cache(cache, path) -> None:
         The cache; no other thread may change it during the call.
     path : str or os.PathLike
         Target file; replaced atomically if it exists.
+    num_threads : int, optional
+        1: hash and write in the calling thread. 2 (the default, None):
+        hash the next run in a helper thread while this one is written.
 
     Raises
     ------
+    ValueError
+        ``num_threads`` is not None, 1 or 2.
     OSError
         The file cannot be written; the old file (if any) is untouched.
     """
+    threads = _checked_threads(num_threads)
     state = cache._export_state()
     kv = cache.kv
     sequences = state["sequences"]
@@ -547,48 +591,119 @@ def save_cache(cache, path) -> None:
     sections.append(("tables", _tables_section(sequences)))
     if state["prefix"] is not None:
         sections.append(("hashes", _hashes_section(sequences)))
-    sections.append(("sealed", _sealed_section(cache)))
-    # The page checksums are computed in a thread (without the GIL) while the
-    # pool is written; the header, table and checksums, written first as a
-    # placeholder of the same length, are then overwritten in place.
-    result: dict[str, Any] = {}
+    sealed_state = cache._sealed_state()
+    sections.append(("sealed", _sealed_section(sealed_state)))
+    # Sealed pages keep the checksum recorded at their seal; the others are hashed while written.
+    recorded = sealed_state["checksums"]
+    skip = np.ascontiguousarray(sealed_state["sealed"], dtype=np.uint8) if recorded is not None else None
+    digests = np.zeros((kv.shape[1], kv.shape[0], 16), dtype=np.uint8)
 
-    def checksum_pool():
-        try:
-            result["checksums"] = page_checksums(kv, np.arange(kv.shape[1], dtype=np.int32)).astype("<u8").tobytes()
-        except BaseException as exc:  # re-raised in the writer
-            result["error"] = exc
-
-    worker = threading.Thread(target=checksum_pool, name="pagedkv-snapshot-checksums")
-    worker.start()
+    def write_pages(f) -> None:
+        def write(run) -> None:
+            written = 0
+            while written < len(run):  # a raw write may be partial
+                written += f.write(run[written:])
+        _pipeline(_page_runs(kv), lambda run: layer_digests(kv, run[0], run[1], run[2], digests, skip),
+                  lambda run: write(run[3]), threads, hash_first=True)
 
     def finish(fd: int) -> None:
-        worker.join()
-        if "error" in result:
-            raise result["error"]
-        prefix, _ = _container(MAGIC_CACHE, sections, result["checksums"], kv.nbytes, _PAGE_ALIGN)
+        checksums = np.zeros(kv.shape[1], dtype=np.uint64)
+        combine_digests(digests, checksums, skip)
+        if skip is not None:
+            checksums[skip != 0] = recorded[skip != 0]
+        prefix, _ = _container(MAGIC_CACHE, sections, checksums.astype("<u8").tobytes(), kv.nbytes, _PAGE_ALIGN)
         os.lseek(fd, 0, os.SEEK_SET)  # (os.pwrite is not on Windows)
         done = 0
         while done < len(prefix):
             done += os.write(fd, prefix[done:])
 
+    # The header, table and checksums precede the pages: a placeholder of the
+    # same length is written first and overwritten once the pages are hashed.
     placeholder, _ = _container(MAGIC_CACHE, sections, bytes(8 * kv.shape[1]), kv.nbytes, _PAGE_ALIGN)
-    try:
-        _atomic_write(path, [placeholder, _pool_bytes(kv)], finish)
-    finally:
-        worker.join()
+    _atomic_write(path, [placeholder, write_pages], finish)
 
 
-def _sealed_section(cache) -> bytes:
+#: Bytes of one layer's pages hashed and written (or read and hashed) together:
+#: small enough to stay in the CPU's cache between the two.
+_RUN_BYTES = 4 << 20
+
+
+def _checked_threads(num_threads) -> int:
+    if num_threads is None:
+        return 2
+    if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)) or num_threads not in (1, 2):
+        raise ValueError(f"Invalid value of num_threads: expected None, 1 or 2, got {num_threads!r}")
+    return int(num_threads)
+
+
+def _page_runs(kv: np.ndarray) -> list[tuple[int, int, int, memoryview]]:
+    """``(layer, first, stop, bytes)`` runs of about ``_RUN_BYTES`` of one layer's pages, in file order."""
+    num_layers, num_pages = kv.shape[0], kv.shape[1]
+    if not kv.size:
+        return []
+    page_bytes = kv.nbytes // (num_layers * num_pages)
+    per_run = max(1, _RUN_BYTES // page_bytes)
+    flat = memoryview(kv.reshape(-1).view(np.uint8))
+    runs = []
+    for layer in range(num_layers):
+        for first in range(0, num_pages, per_run):
+            stop = min(num_pages, first + per_run)
+            start = (layer * num_pages + first) * page_bytes
+            runs.append((layer, first, stop, flat[start:start + (stop - first) * page_bytes]))
+    return runs
+
+
+def _pipeline(runs: list, hash_run, io_run, threads: int, hash_first: bool) -> None:
+    """Hash and do I/O on each run, in order, the two steps of a run back to back.
+
+    ``hash_first``: hash a run, then write it (save); otherwise read a run,
+    then hash it (load). With two threads a helper thread hashes while the
+    calling thread does the I/O of the neighbouring run; at most one run is
+    hashed ahead of (or behind) the I/O.
+    """
+    if threads == 1:
+        for run in runs:
+            if hash_first:
+                hash_run(run)
+                io_run(run)
+            else:
+                io_run(run)
+                hash_run(run)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="pagedkv-snapshot-hash") as helper:
+        pending = None
+        try:
+            if hash_first:
+                pending = helper.submit(hash_run, runs[0]) if runs else None
+                for k, run in enumerate(runs):
+                    pending.result()
+                    pending = helper.submit(hash_run, runs[k + 1]) if k + 1 < len(runs) else None
+                    io_run(run)
+            else:
+                for run in runs:
+                    io_run(run)
+                    if pending is not None:
+                        pending.result()
+                    pending = helper.submit(hash_run, run)
+                if pending is not None:
+                    pending.result()
+                pending = None
+        finally:
+            if pending is not None:  # an I/O error: let the helper finish before the buffers go
+                pending.cancel() or pending.exception()
+
+
+def _sealed_section(state: dict) -> bytes:
     """The seal flags, the checksums recorded at the seals (with ``page_checksums``) and the seal counter."""
-    state = cache._sealed_state()
     arrays = {"sealed": state["sealed"], "pages_sealed": int(state["pages_sealed"])}
     if state["checksums"] is not None:
         arrays["checksums"] = state["checksums"]
     return _encode(arrays)
 
 
-def load_cache(path, *, mmap: bool = False):
+def load_cache(path, *, mmap: bool = False, num_threads: int | None = None):
     """Read a ``KVCache`` snapshot; verify everything, then build the cache.
 
     Parameters
@@ -604,6 +719,11 @@ def load_cache(path, *, mmap: bool = False):
         section table and every metadata section are verified at once; the
         page bytes are not read, so call :func:`verify` on the file (any
         time, e.g. from a background thread) to check them.
+    num_threads : int, optional
+        For a full load: 1 reads the pool straight into the new cache's pool
+        in runs of about 4 MiB of one layer's pages and hashes each run right
+        after reading it, in the calling thread; 2 (the default, None)
+        hashes each run in a helper thread while the next one is read.
 
     Returns
     -------
@@ -621,6 +741,7 @@ def load_cache(path, *, mmap: bool = False):
     """
     from pagedkv_c._kv_cache import KVCache
 
+    threads = _checked_threads(num_threads)
     with open(path, "rb", buffering=0) as f:  # unbuffered: the pages are read straight into the pool
         size = os.fstat(f.fileno()).st_size
         parsed = _parse(_read_from_file(f), size, MAGIC_CACHE, os.fspath(path))
@@ -634,8 +755,7 @@ def load_cache(path, *, mmap: bool = False):
                 cache._adopt_pool(np.memmap(f, dtype=cache.kv.dtype, mode="c", offset=parsed.pages_offset,
                                             shape=shape))
         else:
-            _readinto(f, parsed.pages_offset, cache.kv)
-            _check_pages(cache.kv, parsed.checksums, tables, "")
+            _read_and_check_pages(f, parsed.pages_offset, cache.kv, parsed.checksums, tables, threads)
     _restore(cache, state, parsed)
     return cache
 
