@@ -92,7 +92,7 @@ def _calibrate(fn, min_seconds, setup=None):
         number *= 2 if elapsed <= 0 else max(2, min(10, int(1.2 * min_seconds / elapsed) + 1))
 
 
-def compare(candidates, *, repeats=7, min_seconds=0.02, number=None):
+def compare(candidates, *, repeats=7, min_seconds=0.02, number=None, clock=time.perf_counter):
     """Time several callables in interleaved rounds; return per-call statistics for each.
 
     Parameters
@@ -107,6 +107,10 @@ def compare(candidates, *, repeats=7, min_seconds=0.02, number=None):
         Target duration of one repetition when calibrating (in seconds).
     number : int or None
         Calls per repetition for every candidate; None calibrates each.
+    clock : callable
+        Returns the time in seconds: ``time.perf_counter`` (wall time, the
+        default) or ``time.thread_time`` (CPU time of this thread, which a
+        busy neighbour on a shared machine does not inflate).
 
     Returns
     -------
@@ -123,10 +127,10 @@ def compare(candidates, *, repeats=7, min_seconds=0.02, number=None):
         for _ in range(repeats):
             for name, fn in candidates.items():
                 count = numbers[name]
-                start = time.perf_counter()
+                start = clock()
                 for _ in range(count):
                     fn()
-                samples[name].append((time.perf_counter() - start) / count)
+                samples[name].append((clock() - start) / count)
     finally:
         if gc_was_enabled:
             gc.enable()

@@ -25,8 +25,6 @@ time the process waits for a core, which swamps a few-percent difference.
 Run: python benchmarks/bench_kvcache.py [--quick] [--checksums-only]
 """
 import argparse
-import gc
-import statistics
 import time
 
 import numpy as np
@@ -123,24 +121,6 @@ def export_case(batch, context, page_size, repeats):
     }
 
 
-def compare_cpu(candidates, *, repeats, number):
-    """Like ``_timing.compare`` (interleaved rounds, medians per call) in CPU seconds of this thread."""
-    samples = {name: [] for name in candidates}
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(repeats):
-            for name, fn in candidates.items():
-                start = time.thread_time()
-                for _ in range(number):
-                    fn()
-                samples[name].append((time.thread_time() - start) / number)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    return {name: {"median": statistics.median(values), "samples": values} for name, values in samples.items()}
-
-
 def checksum_case(batch, num_layers, num_kv_heads, num_q_heads, head_dim, context, page_size, repeats):
     """Decode step with page_checksums on and off, and the verify_pages scan rate."""
     steps = 2 * repeats * page_size + 2 * page_size  # two comparisons plus the warm-up
@@ -179,16 +159,16 @@ def checksum_case(batch, num_layers, num_kv_heads, num_q_heads, head_dim, contex
     for cache in caches.values():  # warm-up: one page of steps each
         for _ in range(page_size):
             step_of(cache, False)()
-    store_only = compare_cpu({name: step_of(c, False) for name, c in caches.items()}, repeats=repeats,
-                             number=page_size)
-    with_attention = compare_cpu({name: step_of(c, True) for name, c in caches.items()}, repeats=repeats,
-                                 number=page_size)
+    store_only = compare({name: step_of(c, False) for name, c in caches.items()}, repeats=repeats,
+                         number=page_size, clock=time.thread_time)
+    with_attention = compare({name: step_of(c, True) for name, c in caches.items()}, repeats=repeats,
+                             number=page_size, clock=time.thread_time)
     checked = caches["on"]
     assert not checked.verify_pages(), "a page changed after its seal"
     bytes_per_page = checked.stats()["bytes_per_page"]
     pool_words = checked.kv.reshape(-1).view(np.uint64)
-    scan = compare_cpu({"verify_pages": checked.verify_pages, "numpy": lambda: np.add.reduce(pool_words)},
-                       repeats=repeats, number=1)
+    scan = compare({"verify_pages": checked.verify_pages, "numpy": lambda: np.add.reduce(pool_words)},
+                   repeats=repeats, number=1, clock=time.thread_time)
     num_sealed = checked.verify_pages().num_pages_checked
     verify_gbps = num_sealed * bytes_per_page / scan["verify_pages"]["median"] / 1e9
     numpy_gbps = checked.kv.nbytes / scan["numpy"]["median"] / 1e9

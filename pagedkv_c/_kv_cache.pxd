@@ -76,8 +76,8 @@ cdef class KVCache:
     cdef PageTable _new_table(self)
 
     # ---- Sealed pages (docs/page_integrity.md): full pages whose K/V is complete in every layer.
-    cdef object _sealed_array             # uint8 (num_pages,): 1 while the page is sealed
-    cdef uint8_t* _sealed                 # its data
+    cdef object _sealed_array             # uint8 (num_pages,): 1 while the page is sealed (a strided
+                                          # view of the seal flags in the pool's page records)
     cdef object _checksum_array           # uint64 (num_pages,): checksum recorded at the seal, or None
     cdef uint64_t* _checksums             # its data; NULL unless page_checksums=True
     cdef uint8_t* _digest_scratch         # (16 * num_layers,) bytes for pkv_page_checksum (malloc)
@@ -90,8 +90,11 @@ cdef class KVCache:
     cdef int64_t _pages_sealed            # seals over the cache's life, in pages
 
     cdef int _init_sealing(self, bint page_checksums) except -1
+    # final: called once per page in the append and removal loops (a direct, inlinable call, no vtable)
+    @cython.final
     cdef bint _seal_page(self, page_id_t page_id) noexcept nogil
     cdef int64_t _seal_table(self, PageTable table) noexcept nogil
+    @cython.final
     cdef void _unseal_page(self, page_id_t page_id) noexcept nogil
     cdef Py_ssize_t _list_seals(self, list tables, const int64_t* counts) except -1
     cdef void _after_append_seals(self, list tables, const int64_t* counts, Py_ssize_t num_listed)

@@ -11,8 +11,9 @@ cimport cython
 cimport numpy as cnp
 from libc.stdint cimport INT64_MAX, INT64_MIN
 from libc.string cimport memcpy, memset
-from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t, PAD_SLOT, pkv_page_record
-from pagedkv_c._pool cimport PagePool, pkv_incref, pkv_queue_remove, pkv_ref, pkv_set_ref
+from pagedkv_c._types cimport (page_id_t, pos_t, slot_t, int32_t, int64_t, PAD_SLOT, pkv_page_record,
+                               PKV_SEALED_OFFSET)
+from pagedkv_c._pool cimport PagePool, pkv_incref, pkv_queue_remove, pkv_rec, pkv_ref, pkv_set_ref
 from pagedkv_c._pool import OutOfPagesError
 from pagedkv_c._prefix import ALGORITHMS as _PREFIX_HASHES
 from pagedkv_c._page_table cimport PageTable, append_batch, owner_key
@@ -1493,7 +1494,7 @@ cdef class KVCache:
                 index.has_tokens[page_id] = 1
             table.push_page(page_id)
             # Complete in every layer: sealed now, and not logged (the tier holds it).
-            self._sealed[page_id] = 1
+            pkv_rec(&self.pool.q, page_id).sealed = 1
             self._pages_sealed += 1
             if self._checksums != NULL:
                 self._checksums[page_id] = pkv_page_checksum(
@@ -1913,9 +1914,12 @@ cdef class KVCache:
     # (verify_pages), snapshots (_sealed_state) and the sealed-page log.
 
     cdef int _init_sealing(self, bint page_checksums) except -1:
-        """Allocate the per-page seal flags (and checksums with ``page_checksums``)."""
-        self._sealed_array = np.zeros(self.pool.num_pages, dtype=np.uint8)
-        self._sealed = <uint8_t*>cnp.PyArray_DATA(self._sealed_array)
+        """View the seal flags of the page records; allocate checksums with ``page_checksums``.
+
+        Called after the prefix index (if any) adopted the pool's records.
+        """
+        records = np.asarray(self.pool._records).view(np.uint8)  # 16 or 32 bytes per page
+        self._sealed_array = records[:, PKV_SEALED_OFFSET]
         self._checksum_array = None
         self._checksums = NULL
         if page_checksums:
@@ -1935,14 +1939,15 @@ cdef class KVCache:
         if self._log_enabled:
             pkv_sealed_log_free(&self._log)
 
+    @cython.final
     cdef bint _seal_page(self, page_id_t page_id) noexcept nogil:
         """Seal one page unless it is sealed: flag, checksum, log. True if newly sealed."""
         cdef uint64_t checksum = 0
         cdef pkv_page_record* record
         cdef bint logged
-        if self._sealed[page_id]:
+        if pkv_rec(&self.pool.q, page_id).sealed:
             return False
-        self._sealed[page_id] = 1
+        pkv_rec(&self.pool.q, page_id).sealed = 1
         self._pages_sealed += 1
         logged = self._log_enabled and self._ix != NULL and pkv_index_is_cached(self._ix, page_id)
         if self._checksums != NULL or logged:
@@ -1959,10 +1964,11 @@ cdef class KVCache:
                                 checksum)
         return True
 
+    @cython.final
     cdef void _unseal_page(self, page_id_t page_id) noexcept nogil:
         """The page is about to be written again: clear its seal (and withdraw its log entry)."""
-        if self._sealed[page_id]:
-            self._sealed[page_id] = 0
+        if pkv_rec(&self.pool.q, page_id).sealed:
+            pkv_rec(&self.pool.q, page_id).sealed = 0
             if self._checksums != NULL:
                 self._checksums[page_id] = 0
             if self._log_enabled:
@@ -2012,11 +2018,11 @@ cdef class KVCache:
                 continue
             upto = table.length // self.page_size
             for k in range(table.num_sealed, min(upto, <int64_t>table.sink_count)):
-                if not self._sealed[table.sinks[k]]:
+                if not pkv_rec(&self.pool.q, table.sinks[k]).sealed:
                     self._seal_buffer[n] = table.sinks[k]
                     n += 1
             for k in range(max(table.num_sealed, table.ring_first), min(upto, table.ring_first + table.ring_count)):
-                if not self._sealed[table.ring_page(k - table.ring_first)]:
+                if not pkv_rec(&self.pool.q, table.ring_page(k - table.ring_first)).sealed:
                     self._seal_buffer[n] = table.ring_page(k - table.ring_first)
                     n += 1
         return n

@@ -30,8 +30,10 @@ cdef extern from "page_record.h":
         int32_t ref                   # allocator: ref count; 0 = free (queued)
         uint8_t cached                # prefix index: 1 while findable by its hash
         uint8_t has_tokens            # prefix index: 1 when the token ids are kept for hit checks
+        uint8_t sealed                # KVCache: 1 while the page is sealed
         uint64_t lo                   # prefix index: hash while cached, low 64 bits
         uint64_t hi                   #   and high 64 bits
     # log2 of the record stride: the allocator's 16 bytes alone, or the whole record.
     int PKV_ALLOCATOR_RECORD_SHIFT
+    int PKV_SEALED_OFFSET             # byte offset of the seal flag in a record
     int PKV_SHARED_RECORD_SHIFT

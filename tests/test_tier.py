@@ -469,3 +469,35 @@ def test_replays_share_pages_through_the_tier(standalone):
     assert second.hit_tokens == int(((prompts - 1) // 16 * 16).sum())
     assert 0 < second.tier_hit_tokens <= second.hit_tokens
     assert second_tier.stats()["bytes_read"] > 0 and second_tier.stats()["rejected_tokens"] == 0
+
+
+def test_shared_replay_serves_what_any_instance_sealed(standalone):
+    """Dealt round-robin over 3 caches that never evict, sharing the tier: every request is served
+    what one cache of all the requests would serve it (the reference), while isolated caches,
+    which see only every third turn of each conversation, serve less."""
+    from pagedkv.replay import replay, replay_shared, split_round_robin
+    from pagedkv.traces import Trace
+
+    rng = random.Random(7)
+    blocks, prompts = [], []
+    conversations = [[] for _ in range(4)]
+    for _ in range(40):  # turns of 4 conversations, interleaved at random
+        turns = conversations[rng.randrange(4)]
+        turns.extend(rng.randrange(1000 * (len(blocks) + 1), 1000 * (len(blocks) + 2)) for _ in range(2))
+        blocks.append(list(turns))
+        prompts.append(32 * len(turns) - rng.randrange(32))
+    offsets = np.concatenate([[0], np.cumsum([len(b) for b in blocks])])
+    trace = Trace(format="mooncake", source="<test>", arrival_seconds=np.zeros(len(blocks)),
+                  input_lengths=np.array(prompts), output_lengths=np.full(len(blocks), 7),
+                  block_ids=np.array(sum(blocks, []), dtype=np.int64), block_offsets=offsets, block_tokens=32)
+    ns = namespace()
+    tiers = [RedisTier(standalone, namespace=ns) for _ in range(3)]
+    shared = replay_shared(trace, 1 << 16, tiers)
+    one = replay(trace, 1 << 16)
+    for part, result in enumerate(shared):
+        assert np.array_equal(result.cached_tokens, one.cached_tokens[part::3])
+    assert sum(r.tier_hit_tokens for r in shared) > 0
+    isolated = sum(replay(split_round_robin(trace, 3, p), 1 << 16).hit_tokens for p in range(3))
+    assert isolated < sum(r.hit_tokens for r in shared) == one.hit_tokens
+    with pytest.raises(ValueError, match="tiers"):
+        replay_shared(trace, 1 << 16, [])

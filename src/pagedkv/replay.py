@@ -246,17 +246,8 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
     """
     if tier is not None and not trace.has_block_ids:
         raise ValueError(f"Invalid value of tier: a shared tier needs block ids, the {trace.format} trace has none")
-    if not isinstance(trace, Trace):
-        raise TypeError(f"Invalid type of trace: expected pagedkv.traces.Trace, got {type(trace).__name__}")
+    num_pages = _checked_num_pages(trace, capacity_tokens, page_size, prefix_hash)
     with_prefix = trace.has_block_ids
-    num_pages = capacity_pages(capacity_tokens, page_size, MAX_PREFIX_PAGES if with_prefix else MAX_PAGES)
-    if prefix_hash not in PREFIX_HASHES:
-        raise ValueError(f"Invalid value of prefix_hash: expected one of {PREFIX_HASHES}, got {prefix_hash!r}")
-    if with_prefix and trace.block_tokens % page_size:
-        raise ValueError(
-            f"Invalid value of page_size: expected a divisor of the trace's block_tokens "
-            f"{trace.block_tokens}, got {page_size}"
-        )
     if kv_events is not None and not with_prefix:
         raise ValueError(f"Invalid value of kv_events: KV events report the prefix cache, and a {trace.format} "
                          "trace has no block ids to cache")
@@ -308,6 +299,32 @@ def replay(trace: Trace, capacity_tokens: int, *, page_size: int = 16, prefix_ha
     if tier is not None:
         tier.flush()
 
+    return _result(trace, cache, capacity_tokens, page_size, num_pages, cached_tokens, seconds, keep_cache)
+
+
+def _checked_num_pages(trace, capacity_tokens, page_size, prefix_hash) -> int:
+    """The pool size of a replay in pages, after checking its arguments (see :func:`replay`)."""
+    if not isinstance(trace, Trace):
+        raise TypeError(f"Invalid type of trace: expected pagedkv.traces.Trace, got {type(trace).__name__}")
+    with_prefix = trace.has_block_ids
+    num_pages = capacity_pages(capacity_tokens, page_size, MAX_PREFIX_PAGES if with_prefix else MAX_PAGES)
+    if prefix_hash not in PREFIX_HASHES:
+        raise ValueError(f"Invalid value of prefix_hash: expected one of {PREFIX_HASHES}, got {prefix_hash!r}")
+    if with_prefix and trace.block_tokens % page_size:
+        raise ValueError(
+            f"Invalid value of page_size: expected a divisor of the trace's block_tokens "
+            f"{trace.block_tokens}, got {page_size}"
+        )
+    return num_pages
+
+
+def _result(trace, cache, capacity_tokens, page_size, num_pages, cached_tokens, seconds, keep_cache):
+    """The :class:`ReplayResult` of ``trace`` replayed through ``cache``; checks the cache ended empty."""
+    with_prefix = trace.has_block_ids
+    inputs = trace.input_lengths
+    needed_pages = (inputs + trace.output_lengths + (page_size - 1)) // page_size
+    admitted = needed_pages <= num_pages
+    num_requests = len(trace)
     stats = cache.stats()
     admitted_inputs = int(inputs[admitted].sum())
     if stats["pages_in_use"] or stats["num_sequences"] or \
@@ -364,3 +381,88 @@ def split_round_robin(trace: Trace, num_parts: int, part: int) -> Trace:
                  arrival_seconds=trace.arrival_seconds[keep], input_lengths=trace.input_lengths[keep],
                  output_lengths=trace.output_lengths[keep], block_ids=block_ids, block_offsets=block_offsets,
                  block_tokens=trace.block_tokens)
+
+
+def replay_shared(trace: Trace, capacity_tokens: int, tiers, *, page_size: int = 16,
+                  prefix_hash: str = "xxh3_128",
+                  progress: Callable[[int], object] | None = None) -> list[ReplayResult]:
+    """Replay a trace over several caches that share a prefix tier, dealt round-robin.
+
+    Instance ``p`` of ``n = len(tiers)`` gets requests ``p, p + n, p + 2n,
+    ...`` (what :func:`split_round_robin` gives it), with a cache of its own
+    of ``capacity_tokens`` tokens on top of ``tiers[p]``. Requests are served
+    one at a time in file order, each as in :func:`replay`, and every request
+    waits for its tier's writes (``tier.flush()``) before the next one starts:
+    a request finds in the tier every page that the requests before it in
+    the trace sealed, whichever instance served them. That is the case of a
+    fleet whose requests finish and whose pages land in the tier before the
+    next turn of a conversation arrives; it makes the result the same from
+    run to run. (Replays in parallel processes that share a tier race: a
+    replay runs thousands of requests per second, faster than the writes
+    land, and would measure that race instead.)
+
+    Parameters
+    ----------
+    trace : Trace
+        Requests in file order, with block ids (Mooncake).
+    capacity_tokens : int
+        Pool capacity of each instance in tokens (``capacity_tokens //
+        page_size`` pages).
+    tiers : sequence of pagedkv.tiers.RedisTier
+        One tier object per instance, all on the same store and namespace
+        (a tier object serves one cache).
+    page_size, prefix_hash, progress
+        As for :func:`replay` (``progress`` gets the number of requests
+        served across all instances).
+
+    Returns
+    -------
+    list of ReplayResult
+        One per instance, over that instance's requests (``seconds`` is the
+        wall time of the whole shared loop, waits for the tier included).
+
+    Raises
+    ------
+    ValueError
+        No tiers, a trace without block ids, or an argument out of range as
+        for :func:`replay`.
+    TypeError
+        As for :func:`replay`.
+    """
+    num_pages = _checked_num_pages(trace, capacity_tokens, page_size, prefix_hash)
+    tiers = list(tiers)
+    if not tiers:
+        raise ValueError("Invalid value of tiers: expected at least one tier, got none")
+    if not trace.has_block_ids:
+        raise ValueError(f"Invalid value of trace: a shared tier needs block ids, the {trace.format} trace has none")
+    n = len(tiers)
+    parts = [split_round_robin(trace, n, p) for p in range(n)]
+    caches = [KVCache(0, 1, 1, num_pages, page_size=page_size, enable_prefix_caching=True,
+                      prefix_hash=prefix_hash, tier=tier) for tier in tiers]
+    cached_tokens = [[-1] * len(part) for part in parts]
+    inputs, outputs = trace.input_lengths.tolist(), trace.output_lengths.tolist()
+    admitted = (((trace.input_lengths + trace.output_lengths + (page_size - 1)) // page_size)
+                <= num_pages).tolist()
+    blocks = trace.request_blocks()
+    seq_ids = np.zeros(1, dtype=np.int64)
+    counts = np.zeros(1, dtype=np.int64)
+    start = time.perf_counter()
+    for i in range(len(trace)):
+        p, cache = i % n, caches[i % n]
+        if admitted[i]:
+            cached = cache.add_sequence(0, block_hashes=blocks[i], block_tokens=trace.block_tokens,
+                                        num_prompt_tokens=inputs[i])
+            for count in (inputs[i] - cached, outputs[i]):
+                if count:
+                    counts[0] = count
+                    cache.append(seq_ids, counts, return_slot_mapping=False)
+            cache.remove_sequence(0)
+            tiers[p].flush()
+            cached_tokens[p][i // n] = cached
+        if progress is not None and (i + 1) % _PROGRESS_CHUNK == 0:
+            progress(_PROGRESS_CHUNK)
+    seconds = time.perf_counter() - start
+    if progress is not None and len(trace) % _PROGRESS_CHUNK:
+        progress(len(trace) % _PROGRESS_CHUNK)
+    return [_result(part, cache, capacity_tokens, page_size, num_pages, cached, seconds, False)
+            for part, cache, cached in zip(parts, caches, cached_tokens)]

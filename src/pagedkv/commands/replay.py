@@ -75,10 +75,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--no-progress", action="store_true", help="do not show the tqdm progress bar")
     parser.add_argument("--tier", default=None, metavar="URL",
                         help="a shared prefix tier (redis://HOST:PORT/DB or redis+cluster://HOST:PORT,...; needs "
-                             "the redis extra): split the trace round-robin over --instances processes that "
-                             "share it, and compare with isolated caches and one cache of the total capacity")
+                             "the redis extra): deal the trace round-robin over --instances caches that share it "
+                             "(served in file order, each request's tier writes landing before the next one), and "
+                             "compare with isolated caches and one cache of the total capacity")
     parser.add_argument("--instances", type=positive_int, default=4, metavar="N",
-                        help="replay processes with --tier, each with a cache of --capacity-tokens (default 4)")
+                        help="caches sharing the --tier, each of --capacity-tokens (default 4)")
     add_metrics_arguments(parser)
     return parser
 
@@ -272,26 +273,11 @@ def _replay_all(args: argparse.Namespace, trace, capacities: list[int], progress
     return results
 
 
-def _replay_part(trace, capacity, page_size, prefix_hash, url, namespace, num_parts, part):
-    """One instance of a shared-tier replay (run in its own process): (hit, tier hit, prompt) tokens."""
-    from pagedkv.replay import split_round_robin
-    from pagedkv.tiers import RedisTier
-
-    tier = RedisTier(url, namespace=namespace)
-    result = replay(split_round_robin(trace, num_parts, part), capacity, page_size=page_size,
-                    prefix_hash=prefix_hash, tier=tier)
-    tier.close()
-    stats = tier.stats()
-    return result.hit_tokens, result.tier_hit_tokens, result.prompt_tokens, stats["fetch_errors"], \
-        stats["dropped_writes"] + stats["write_errors"]
-
-
 def _run_shared(args: argparse.Namespace, trace, capacities) -> int:
     """``--tier``: isolated caches, the same caches sharing the tier, one cache of the total capacity."""
-    import multiprocessing
     import uuid
 
-    from pagedkv.replay import split_round_robin
+    from pagedkv.replay import replay_shared, split_round_robin
 
     if not trace.has_block_ids:
         print(f"pagedkv replay: --tier needs a trace with block ids (mooncake); {trace.format} has none",
@@ -309,12 +295,12 @@ def _run_shared(args: argparse.Namespace, trace, capacities) -> int:
         return 2
     n = args.instances
     print(f"{trace.format} trace {args.trace}: {len(trace):,} requests dealt round-robin over {n} instances; "
-          f"page size {args.page_size}. The tier stores page headers only: a replay has no K/V bytes. "
+          f"page size {args.page_size}. Requests are served in file order, each one's tier writes landing "
+          f"before the next starts. The tier stores page headers only: a replay has no K/V bytes. "
           f"Each capacity runs under a namespace of its own.")
     header = ["capacity per instance", f"{n} isolated", f"{n} sharing the tier", "of which from the tier",
               f"one cache of {n}x"]
     rows = [header]
-    context = multiprocessing.get_context("spawn")
     for capacity in capacities:
         isolated_hits = prompt_tokens = 0
         for part in range(n):
@@ -323,13 +309,18 @@ def _run_shared(args: argparse.Namespace, trace, capacities) -> int:
             isolated_hits += result.hit_tokens
             prompt_tokens += result.prompt_tokens
         namespace = f"pagedkv-replay-{uuid.uuid4().hex}"
-        with context.Pool(n) as pool:
-            parts = pool.starmap(_replay_part, [(trace, capacity, args.page_size, args.prefix_hash, args.tier,
-                                                 namespace, n, part) for part in range(n)])
-        shared_hits = sum(p[0] for p in parts)
-        tier_hits = sum(p[1] for p in parts)
-        shared_prompt = sum(p[2] for p in parts)
-        errors, lost_writes = sum(p[3] for p in parts), sum(p[4] for p in parts)
+        tiers = [RedisTier(args.tier, namespace=namespace) for _ in range(n)]
+        try:
+            results = replay_shared(trace, capacity, tiers, page_size=args.page_size, prefix_hash=args.prefix_hash)
+        finally:
+            for tier in tiers:
+                tier.close()
+        tier_stats = [tier.stats() for tier in tiers]
+        shared_hits = sum(r.hit_tokens for r in results)
+        tier_hits = sum(r.tier_hit_tokens for r in results)
+        shared_prompt = sum(r.prompt_tokens for r in results)
+        errors = sum(t["fetch_errors"] for t in tier_stats)
+        lost_writes = sum(t["dropped_writes"] + t["write_errors"] for t in tier_stats)
         single = replay(trace, n * capacity, page_size=args.page_size, prefix_hash=args.prefix_hash)
         rows.append([f"{capacity:,}", f"{100 * isolated_hits / max(prompt_tokens, 1):.2f}%",
                      f"{100 * shared_hits / max(shared_prompt, 1):.2f}%",
