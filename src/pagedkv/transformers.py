@@ -232,6 +232,20 @@ class _StepPages:
         return self._kv_cache.page_table(seq_ids)
 
 
+def _kernel_threads() -> int | None:
+    """``num_threads`` for the kernels when the cache sets none: torch's thread count.
+
+    None (the kernels' own choice: OpenMP's maximum, lowered so that each thread reads at
+    least 2 MiB of K/V) when OpenMP's maximum is torch's count, i.e. the kernels run on
+    torch's OpenMP runtime: then a short context runs on one thread instead of waking a
+    second one per layer (on a loaded 2-core machine, 30 layers of 512 tokens took 74 ms
+    on two threads against 11 ms on one). Otherwise torch's count, so that the two
+    libraries never run more threads than torch was given.
+    """
+    threads = torch.get_num_threads()
+    return None if paged_attention.kernel_info()["max_threads"] == threads else threads
+
+
 def _check_size(name: str, value, low: int, allow_none: bool = True):
     if value is None and allow_none:
         return None
@@ -335,7 +349,9 @@ class PagedCache(Cache):
     num_threads : int, optional
         OpenMP threads of the attention kernels, ``>= 1``. Default:
         ``torch.get_num_threads()``, read at each forward, so one setting governs both
-        libraries (the kernels run on the OpenMP runtime torch loaded: one thread pool).
+        libraries (the kernels run on the OpenMP runtime torch loaded: one thread pool);
+        of those, a call whose K/V is under 2 MiB per thread uses fewer (see
+        :func:`pagedkv.attention.decode`).
 
     Attributes
     ----------
@@ -419,7 +435,7 @@ class PagedCache(Cache):
         # tokens, the rows' sequence ids as an array, and (made by the first attention
         # call) the page tables of the step.
         self._step_paged = False
-        self._step_threads = 1
+        self._step_threads: int | None = 1
         self._step_unpadded = True  # no row has left padding in this forward
         self._step_dense_rows = True  # ... and every row stores all its new tokens
         self._step_seq_ids = np.zeros(0, dtype=np.int64)
@@ -764,7 +780,7 @@ class PagedCache(Cache):
             # Read once per forward (a config attribute lookup costs more than the rest of
             # a layer's bookkeeping); every layer of the forward runs the same attention.
             self._step_paged = getattr(self._config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
-            self._step_threads = self._num_threads or torch.get_num_threads()
+            self._step_threads = self._num_threads or _kernel_threads()
         paged = self._step_paged
         if not paged and self._window is not None:
             raise ValueError(
