@@ -11,10 +11,13 @@ directory:
 
 * ``save`` vs ``np.save`` of the pool array to an open file, then
   ``flush`` and ``os.fsync`` of that file (no temporary file, no rename, no
-  directory fsync, no checksums: ``save`` does all four on top);
+  directory fsync, no checksums: ``save`` does all four on top), with the
+  default two threads (a helper hashes the next run of pages while one is
+  written) and with one (``num_threads=1``, as ``np.save``);
 * ``load`` (read every page, check every page checksum, rebuild the page
-  tables) vs ``np.load`` of that file; both read files just written, from
-  the page cache;
+  tables) vs ``np.load`` of that file, with two threads and with one;
+  both read files just written, from the page cache; ``np.load`` checks
+  nothing;
 * ``load(mmap=True)`` until the cache is usable vs the full ``load``;
 * ``verify_pages`` (recompute the checksum of every sealed page of a cache
   made with ``page_checksums=True``) in GB/s vs a NumPy read-bandwidth probe
@@ -30,7 +33,7 @@ import tempfile
 import numpy as np
 
 from _timing import compare, fmt_time, format_table, machine_info, write_json
-from pagedkv import KVCache
+from pagedkv import KVCache, snapshot
 
 HEADS, DIM, PAGE_SIZE, SINKS, NUM_PAGES = 8, 64, 16, 4, 1092
 # Pages one of the 64 sequences holds at most (a fifth of the pool stays free).
@@ -93,9 +96,11 @@ def run(args, workdir):
             f.flush()
             os.fsync(f.fileno())
 
-    save = compare({"KVCache.save": lambda: cache.save(snap_path), "np.save + fsync": np_save},
+    save = compare({"KVCache.save": lambda: cache.save(snap_path), "np.save + fsync": np_save,
+                    "save, 1 thread": lambda: snapshot.save_cache(cache, snap_path, num_threads=1)},
                    repeats=args.repeats, number=1)
     load = compare({"KVCache.load": lambda: KVCache.load(snap_path), "np.load": lambda: np.load(npy_path),
+                    "load, 1 thread": lambda: snapshot.load_cache(snap_path, num_threads=1),
                     "KVCache.load(mmap=True)": lambda: KVCache.load(snap_path, mmap=True)},
                    repeats=args.repeats, number=1)
     del cache
@@ -112,8 +117,13 @@ def run(args, workdir):
         ["save", fmt_time(med["KVCache.save"]), f"{gbps(nbytes, med['KVCache.save']):.2f} GB/s",
          "np.save + fsync", fmt_time(med["np.save + fsync"]),
          f"{med['np.save + fsync'] / med['KVCache.save']:.2f}x throughput"],
+        ["save, 1 thread", fmt_time(med["save, 1 thread"]), f"{gbps(nbytes, med['save, 1 thread']):.2f} GB/s",
+         "np.save + fsync", fmt_time(med["np.save + fsync"]),
+         f"{med['np.save + fsync'] / med['save, 1 thread']:.2f}x throughput"],
         ["load", fmt_time(med["KVCache.load"]), f"{gbps(nbytes, med['KVCache.load']):.2f} GB/s",
          "np.load", fmt_time(med["np.load"]), f"{med['np.load'] / med['KVCache.load']:.2f}x throughput"],
+        ["load, 1 thread", fmt_time(med["load, 1 thread"]), f"{gbps(nbytes, med['load, 1 thread']):.2f} GB/s",
+         "np.load", fmt_time(med["np.load"]), f"{med['np.load'] / med['load, 1 thread']:.2f}x throughput"],
         ["load(mmap=True)", fmt_time(med["KVCache.load(mmap=True)"]), "",
          "KVCache.load", fmt_time(med["KVCache.load"]),
          f"{100 * med['KVCache.load(mmap=True)'] / med['KVCache.load']:.1f}% of the time"],

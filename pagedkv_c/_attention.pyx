@@ -242,8 +242,8 @@ cdef int paged_decode(
     """One query per sequence at position seq_len - 1.
 
     Work item = (sequence, block of KV heads). A block holds all KV heads
-    unless that leaves fewer than 4 items per thread; then blocks shrink
-    down to one KV head. Reading all heads of a token row in one run keeps
+    unless that leaves fewer items than threads; then blocks shrink down to
+    one KV head. Reading all heads of a token row in one run keeps
     the memory stream sequential inside a page (FlashInfer's NHD layout puts
     the heads of a token next to each other). Each head's arithmetic is the
     same whatever the block size, so results do not depend on num_threads.
@@ -254,7 +254,9 @@ cdef int paged_decode(
                scale, q, q_sink, out, lse)
     if batch_size == 0:
         return 0
-    cdef int64_t wanted_blocks = (4 * num_threads + batch_size - 1) // batch_size
+    # One item per thread at most: an item of fewer heads reads each token row in
+    # pieces, which streams at half the bandwidth or less (SmolLM2's 3 KV heads: 2-3x).
+    cdef int64_t wanted_blocks = (num_threads + batch_size - 1) // batch_size
     cdef int64_t heads_per_item = num_kv_heads
     if wanted_blocks > 1:
         heads_per_item = (num_kv_heads + wanted_blocks - 1) // wanted_blocks

@@ -10,9 +10,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -514,3 +516,276 @@ def test_classic_damage_is_refused(tmp_path):
     with pytest.raises(SnapshotError, match="PagedKVCache snapshot, expected a KVCache snapshot"):
         KVCache.load(path)
     _classic_same(cache, pagedkv.PagedKVCache.load(path))
+
+
+# ------------------------------------------------ crafted files: bounds checked before anything is built
+# A reader and writer of the container as the README documents it (independent of pagedkv.snapshot):
+# a 64-byte header, a 40-byte table entry per section, sections without gaps, the pages section on a
+# 4096-byte boundary; checksums are the low 64 bits of XXH3-128 (the ``xxhash`` package).
+_DOC_DTYPES = {1: "<i4", 2: "<i8", 3: "<u8", 4: "u1"}
+
+
+def _doc_checksum(data: bytes) -> int:
+    return xxhash.xxh3_128_intdigest(bytes(data)) & (2**64 - 1)
+
+
+def _doc_read(data: bytes):
+    """(magic, {tag: section bytes} in file order) of a container."""
+    magic, num_sections = data[:8], struct.unpack_from("<I", data, 16)[0]
+    sections = {}
+    for i in range(num_sections):
+        tag, offset, length, _ = struct.unpack_from("<16sQQQ", data, 64 + 40 * i)
+        sections[tag.rstrip(b"\0").decode()] = data[offset:offset + length]
+    return magic, sections
+
+
+def _doc_entries(section: bytes) -> dict:
+    """The named arrays of a metadata section."""
+    out, pos = {}, 0
+    while pos < len(section):
+        name_length, code, ndim = struct.unpack_from("<HBB", section, pos)
+        name = section[pos + 4:pos + 4 + name_length].decode()
+        pos += 4 + name_length
+        pos += -pos % 8
+        shape = struct.unpack_from(f"<{ndim}Q", section, pos)
+        pos += 8 * ndim
+        array = np.frombuffer(section, dtype=_DOC_DTYPES[code], count=int(np.prod(shape, dtype=np.int64)),
+                              offset=pos).reshape(shape)
+        out[name] = array.copy()
+        pos += array.nbytes
+        pos += -pos % 8
+    return out
+
+
+def _doc_encode(entries: dict) -> bytes:
+    out = bytearray()
+    codes = {np.dtype(v): k for k, v in _DOC_DTYPES.items()}
+    for name, array in entries.items():
+        array = np.asarray(array, order="C")  # (ascontiguousarray would make a 0-d array 1-D)
+        out += struct.pack("<HBB", len(name), codes[array.dtype.newbyteorder("<")], array.ndim) + name.encode()
+        out += bytes(-len(out) % 8)
+        out += struct.pack(f"<{array.ndim}Q", *array.shape) + array.tobytes()
+        out += bytes(-len(out) % 8)
+    return bytes(out)
+
+
+def _doc_write(path, magic: bytes, sections: dict, pages_length: int | None = None) -> None:
+    """Write ``sections`` (tag -> bytes, ``pages`` last) as a container with every checksum valid.
+
+    ``pages_length`` (default: the bytes given) is the length the table and header claim for the
+    pages section; only the bytes given are written.
+    """
+    tags = list(sections)
+    assert tags[-1] == "pages"
+    offset = 64 + 40 * len(tags)
+    table, body = bytearray(), bytearray()
+    for tag in tags[:-1]:
+        table += struct.pack("<16sQQQ", tag.encode(), offset, len(sections[tag]), _doc_checksum(sections[tag]))
+        body += sections[tag]
+        offset += len(sections[tag])
+    padding = -offset % 4096
+    claimed = len(sections["pages"]) if pages_length is None else pages_length
+    table += struct.pack("<16sQQQ", b"pages", offset + padding, claimed, _doc_checksum(sections["checksums"]))
+    head = struct.pack("<8sIIIIQQ16s", magic, 1, 64, len(tags), 0, offset + padding + claimed,
+                       _doc_checksum(table), bytes(16))
+    head += struct.pack("<Q", _doc_checksum(head))
+    path.write_bytes(head + table + body + bytes(padding) + sections["pages"])
+
+
+def _crafted(tmp_path, cache: KVCache, edit, name="crafted.pkv"):
+    """Save ``cache``, change its sections with ``edit(sections)`` (tag -> {name: array} for metadata,
+    bytes for checksums and pages), rewrite it with valid checksums; return the path."""
+    path = tmp_path / name
+    cache.save(path)
+    magic, raw = _doc_read(path.read_bytes())
+    sections = {tag: (_doc_entries(data) if tag not in ("checksums", "pages") else data) for tag, data in raw.items()}
+    pages_length = edit(sections)
+    _doc_write(path, magic, {tag: (_doc_encode(v) if isinstance(v, dict) else v) for tag, v in sections.items()},
+               pages_length)
+    return path
+
+
+def _load_peak(path, **kwargs) -> tuple[SnapshotError, int]:
+    """The SnapshotError a load raises and the peak bytes traced (NumPy reports its allocations) meanwhile."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(SnapshotError) as info:
+            KVCache.load(path, **kwargs)
+        return info.value, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_crafted_sections_load_back_when_untouched(tmp_path):
+    """The test's own writer produces files pagedkv loads: the crafted files below differ only in what they change."""
+    cache = _small_cache()
+    path = _crafted(tmp_path, cache, lambda sections: None)
+    _assert_same(cache, KVCache.load(path))
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_page_size_without_layers_is_bounded_by_the_file(tmp_path, mmap):
+    """No K/V bytes (num_layers=0) but prefix caching: page_size x num_pages kept token ids are refused
+    when the file is far too small for them, before they are allocated."""
+    cache = KVCache(0, 1, 1, 4096, page_size=4, enable_prefix_caching=True)
+    cache.add_sequence(1, list(range(10)))
+    cache.append([1], [10])
+    path = tmp_path / "ok.pkv"
+    cache.save(path)
+    _assert_same(cache, KVCache.load(path, mmap=mmap))  # the honest file loads
+
+    def huge_pages(sections):
+        sections["config"]["page_size"] = np.array(2**20)  # 4096 pages x 2**20 tokens x 4 bytes = 16 GiB
+        sections["tables"]["fields"][:, 0] = 0  # a sequence of 0 tokens holds no page
+        sections["tables"]["fields"][:, 4] = 0
+        sections["tables"]["pages"] = np.zeros(0, np.int32)
+        sections["hashes"]["fields"][:, 1:] = 0
+        sections["hashes"]["chain"] = np.zeros((0, 2), np.uint64)
+        sections["hashes"]["token_ids"] = np.zeros(0, np.int32)
+        sections["pool"]["ref_counts"][:] = 0
+        sections["pool"]["free_queue"] = np.arange(4096, dtype=np.int32)
+        for key in ("pages", "has_tokens"):
+            sections["prefix"][key] = sections["prefix"][key][:0]
+        sections["prefix"]["hashes"] = np.zeros((0, 2), np.uint64)
+        sections["prefix"]["tokens"] = np.zeros((0, 2**20), np.int32)
+
+    error, peak = _load_peak(_crafted(tmp_path, cache, huge_pages), mmap=mmap)
+    assert "section 'config'" in str(error) and "page_size 1048576" in str(error)
+    assert peak < 2**26
+
+
+def test_pool_geometry_must_match_the_pages_section(tmp_path):
+    """Layers, heads, head dim, page size and dtype of the config imply the pages section's length."""
+    cache = _small_cache()
+    for key, value in (("num_layers", 2**20), ("num_kv_heads", 2**16), ("head_dim", 2**16), ("page_size", 2**20)):
+        path = _crafted(tmp_path, cache, lambda s: s["config"].__setitem__(key, np.array(value)))
+        error, peak = _load_peak(path)
+        assert "section 'pages'" in str(error) and "expected" in str(error), key
+        assert peak < 2**24, key
+    path = _crafted(tmp_path, cache, lambda s: s["config"].__setitem__("dtype", np.frombuffer(b"float32", np.uint8)))
+    assert "section 'pages'" in str(_load_peak(path)[0])
+
+
+def test_claimed_lengths_past_the_end_are_refused_before_reading(tmp_path):
+    cache = _small_cache()
+    # A pages section of 2**40 bytes that the file does not hold (its header claims it consistently).
+    path = _crafted(tmp_path, cache, lambda s: 2**40)
+    error, peak = _load_peak(path)
+    assert "section 'header'" in str(error) and "truncated" in str(error)
+    assert peak < 2**24
+    # A metadata section whose table entry runs past the end of the file.
+    cache.save(tmp_path / "ok.pkv")
+    data = bytearray((tmp_path / "ok.pkv").read_bytes())
+    num_sections = struct.unpack_from("<I", data, 16)[0]
+    for i in range(num_sections):
+        if data[64 + 40 * i:64 + 40 * i + 16].rstrip(b"\0") == b"tables":
+            struct.pack_into("<Q", data, 64 + 40 * i + 24, 2**50)
+    table = bytes(data[64:64 + 40 * num_sections])
+    struct.pack_into("<Q", data, 32, _doc_checksum(table))
+    struct.pack_into("<Q", data, 56, _doc_checksum(bytes(data[:56])))
+    (tmp_path / "long.pkv").write_bytes(data)
+    error, peak = _load_peak(tmp_path / "long.pkv")
+    assert "section 'tables'" in str(error) and peak < 2**24
+
+
+def _big_pool_cache() -> KVCache:
+    """A cache whose pool (8 MiB) dwarfs its metadata: a load that built it would show in the peak."""
+    cache = KVCache(4, 8, 16, 256, page_size=16, enable_prefix_caching=True, dtype=np.float16)
+    cache.add_sequence(1, list(range(40)))
+    cache.append([1], [40])
+    cache.fork(1, 2)
+    cache.append([2], [20])
+    return cache
+
+
+@pytest.mark.parametrize("case", ["ref_count", "page_id", "free_queue_twice", "free_queue_missing", "ring",
+                                  "prefix_page", "seal_flag"])
+def test_inconsistent_sections_are_refused_before_the_cache_is_built(tmp_path, case):
+    cache = _big_pool_cache()
+    shared = int(cache.page_table([1]).indices[0])  # held by sequences 1 and 2
+
+    def edit(s):
+        if case == "ref_count":
+            s["pool"]["ref_counts"][shared] = 1
+        elif case == "page_id":
+            s["tables"]["pages"][0] = 256
+        elif case == "free_queue_twice":
+            s["pool"]["free_queue"][1] = s["pool"]["free_queue"][0]
+        elif case == "free_queue_missing":
+            s["pool"]["free_queue"] = s["pool"]["free_queue"][1:]
+        elif case == "ring":
+            s["tables"]["fields"][0, 3] = 3  # ring capacity, not a power of two
+        elif case == "prefix_page":
+            s["prefix"]["pages"][0] = 300
+        elif case == "seal_flag":
+            s["sealed"]["sealed"][0] = 2
+
+    error, peak = _load_peak(_crafted(tmp_path, cache, edit))
+    section = {"ref_count": "tables", "page_id": "tables", "free_queue_twice": "pool", "free_queue_missing": "pool",
+               "ring": "tables", "prefix_page": "prefix", "seal_flag": "sealed"}[case]
+    assert f"section '{section}'" in str(error)
+    if case == "ref_count":
+        assert f"page {shared}" in str(error) and "sequences [1, 2]" in str(error)
+    assert peak < cache.kv.nbytes // 4  # the 8 MiB pool was never allocated
+
+
+def test_layer_digests_combine_to_the_page_checksums():
+    """Hashing a pool one layer and one run of pages at a time gives the documented page checksum."""
+    from pagedkv_c._checksum import combine_digests, layer_digests, page_checksums
+
+    rng = np.random.default_rng(5)
+    kv = rng.standard_normal((3, 7, 2, 2, 2, 3)).astype(np.float16)
+    digests = np.zeros((7, 3, 16), dtype=np.uint8)
+    for layer in range(3):
+        for first, stop in ((0, 3), (3, 3), (3, 7)):
+            layer_digests(kv, layer, first, stop, digests)
+    for page in range(7):
+        for layer in range(3):
+            assert digests[page, layer].tobytes() == xxhash.xxh3_128(kv[layer, page].tobytes()).digest()
+    out = np.zeros(7, dtype=np.uint64)
+    combine_digests(digests, out)
+    reference = [xxhash.xxh3_128_intdigest(digests[p].tobytes()) & (2**64 - 1) for p in range(7)]
+    assert out.tolist() == reference == page_checksums(kv, np.arange(7)).tolist()
+    skip = np.zeros(7, dtype=np.uint8)
+    skip[[1, 4]] = 1
+    fresh, kept = np.zeros((7, 3, 16), dtype=np.uint8), np.full(7, 9, dtype=np.uint64)
+    for layer in range(3):
+        layer_digests(kv, layer, 0, 7, fresh, skip)
+    combine_digests(fresh, kept, skip)
+    assert not fresh[[1, 4]].any() and kept[[1, 4]].tolist() == [9, 9]
+    assert kept[[0, 2, 3, 5, 6]].tolist() == out[[0, 2, 3, 5, 6]].tolist()
+    empty = np.zeros(0, dtype=np.uint64)
+    combine_digests(np.zeros((0, 3, 16), np.uint8), empty)
+    none = np.zeros(2, dtype=np.uint64)
+    combine_digests(np.zeros((2, 0, 16), np.uint8), none)  # no layers: the hash of the empty string
+    assert none.tolist() == [xxhash.xxh3_128_intdigest(b"") & (2**64 - 1)] * 2
+    with pytest.raises(ValueError, match="Invalid value of stop"):
+        layer_digests(kv, 0, 4, 8, digests)
+    with pytest.raises(ValueError, match="Invalid shape of digests"):
+        layer_digests(kv, 0, 0, 7, np.zeros((7, 2, 16), np.uint8))
+    with pytest.raises(ValueError, match="Invalid value of layer"):
+        layer_digests(kv, 3, 0, 7, digests)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_threads_and_runs_give_the_same_file(tmp_path, num_threads, monkeypatch):
+    """Runs smaller than a layer (many per layer) and either thread count write and read the same bytes;
+    a page whose bytes changed after its seal keeps its recorded checksum, so the load refuses it."""
+    cache = _small_cache()
+    cache.seal()
+    reference = tmp_path / "reference.pkv"
+    monkeypatch.setattr(snap, "_RUN_BYTES", 1 << 30)
+    snap.save_cache(cache, reference, num_threads=1)
+    monkeypatch.setattr(snap, "_RUN_BYTES", 40)
+    path = tmp_path / "runs.pkv"
+    snap.save_cache(cache, path, num_threads=num_threads)
+    assert path.read_bytes() == reference.read_bytes()
+    _assert_same(cache, snap.load_cache(path, num_threads=num_threads))
+    sealed = np.flatnonzero(cache._sealed_state()["sealed"])
+    assert sealed.size
+    cache.kv[1, int(sealed[0])] += 1  # damage in memory after the seal
+    snap.save_cache(cache, path, num_threads=num_threads)
+    with pytest.raises(SnapshotError, match=rf"checksum mismatch in page {int(sealed[0])}"):
+        snap.load_cache(path, num_threads=num_threads)
+    with pytest.raises(ValueError, match="num_threads"):
+        snap.save_cache(cache, path, num_threads=3)

@@ -576,3 +576,122 @@ def test_cache_positions_are_validated():
     with pytest.raises(ValueError, match="rope_type"):
         pt.PagedCache(config, num_pages=8, window=8, sink_tokens=2, positions="cache")
     assert pt.PagedCache(config, num_pages=8, window=8, sink_tokens=2).positions == "absolute"
+
+
+# ---------------------------------------------------------------------------------------
+# The pagedkv attention path without a model: random K/V and queries through update() and
+# paged_attention_forward, with random batch edits between forwards, against dense float64
+# softmax attention over what DynamicCache holds. Each forward exports the rows' page
+# tables once for all layers; an edit (crop, fork, reorder) must not leave a stale export.
+
+def _dense_attention_f64(q, keys, values, first_key_column, query_positions, scale):
+    """Causal softmax attention of one row: ``q [Hq, T, D]`` over ``keys/values [Hkv, N, D]``.
+
+    Columns before ``first_key_column`` are left padding (masked); the key in column ``c``
+    sits at position ``c - first_key_column``; query ``t`` attends to positions
+    ``<= query_positions[t]``. float64; GQA by repeating the KV heads.
+    """
+    group = q.shape[0] // keys.shape[0]
+    k = np.repeat(keys[:, first_key_column:], group, axis=0)
+    v = np.repeat(values[:, first_key_column:], group, axis=0)
+    scores = np.einsum("htd,hnd->htn", q, k) * scale
+    key_positions = np.arange(k.shape[1])
+    scores = np.where(key_positions[None, None, :] <= np.asarray(query_positions)[None, :, None], scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return np.einsum("htn,hnd->htd", weights, v)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_paged_attention_through_random_edits_matches_dense_attention(data):
+    with pytest.MonkeyPatch.context() as patch:
+        _random_edits_against_dense_attention(data, patch)
+
+
+def _random_edits_against_dense_attention(data, monkeypatch):
+    config = _tiny_config()
+    config._attn_implementation = pt.ATTN_IMPLEMENTATION
+    exports = []
+
+    class CountingStepPages(pt._StepPages):
+        def __init__(self, *args):
+            super().__init__(*args)
+            exports.append(self)
+
+    monkeypatch.setattr(pt, "_StepPages", CountingStepPages)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    page_size = data.draw(st.sampled_from([1, 3, 4]), label="page_size")
+    paged = pt.PagedCache(config, num_pages=256, page_size=page_size, dtype=torch.float32)
+    dense = DynamicCache(config=config)
+    batch = data.draw(st.integers(1, 3), label="batch")
+    prompt = data.draw(st.integers(1, 7), label="prompt")
+    pads = np.array(data.draw(st.lists(st.integers(0, prompt - 1), min_size=batch, max_size=batch), label="pads"))
+    lengths = np.zeros(batch, dtype=np.int64)  # real tokens per row
+    scale = 8 ** -0.5
+
+    def forward(num_new, pad=None):
+        nonlocal lengths
+        rows = len(lengths)
+        pad = np.zeros(rows, dtype=np.int64) if pad is None else pad
+        positions = np.ones((rows, num_new), dtype=np.int64)  # transformers' filler for padding
+        for b in range(rows):
+            positions[b, pad[b]:] = np.arange(lengths[b], lengths[b] + num_new - pad[b])
+        exports_before = len(exports)
+        for layer in range(config.num_hidden_layers):
+            q = torch.from_numpy(rng.standard_normal((rows, 4, num_new, 8), dtype=np.float32))
+            k = torch.from_numpy(rng.standard_normal((rows, 2, num_new, 8), dtype=np.float32))
+            v = torch.from_numpy(rng.standard_normal((rows, 2, num_new, 8), dtype=np.float32))
+            tagged_k, tagged_v = paged.update(k, v, layer, kwargs={"position_ids": torch.from_numpy(positions)})
+            got = pt.paged_attention_forward(None, q, tagged_k, tagged_v, None)[0].double().numpy()
+            want_k, want_v = dense.update(k, v, layer)
+            for b in range(rows):
+                first = want_k.shape[2] - (lengths[b] + num_new - pad[b])
+                want = _dense_attention_f64(q[b, :, pad[b]:].double().numpy(), want_k[b].double().numpy(),
+                                            want_v[b].double().numpy(), first, positions[b, pad[b]:], scale)
+                np.testing.assert_allclose(got[b, pad[b]:], want.transpose(1, 0, 2), rtol=1e-4, atol=1e-5)
+                assert not got[b, :pad[b]].any()  # padding queries: zero output
+        assert len(exports) == exports_before + 1  # one page-table export per forward, all layers
+        lengths = lengths + num_new - pad
+
+    forward(prompt, pads)
+    for _ in range(data.draw(st.integers(1, 6), label="num_edits")):
+        op = data.draw(st.sampled_from(["decode", "extend", "repeat", "select", "reorder", "crop"]), label="op")
+        rows = len(lengths)
+        if op in ("decode", "extend"):
+            forward(1 if op == "decode" else data.draw(st.integers(2, 5), label="tokens"))
+            continue
+        if op == "repeat" and rows <= 4:
+            r = data.draw(st.integers(1, 3), label="repeats")
+            paged.batch_repeat_interleave(r)
+            dense.batch_repeat_interleave(r)
+            lengths = np.repeat(lengths, r)
+        elif op in ("select", "reorder"):
+            size = rows if op == "reorder" else data.draw(st.integers(1, rows), label="size")
+            idx = data.draw(st.lists(st.integers(0, rows - 1), min_size=size, max_size=size), label="rows")
+            getattr(paged, "reorder_cache" if op == "reorder" else "batch_select_indices")(torch.tensor(idx))
+            getattr(dense, "reorder_cache" if op == "reorder" else "batch_select_indices")(torch.tensor(idx))
+            lengths = lengths[idx]
+        elif op == "crop" and lengths.min() > 1:
+            n = data.draw(st.integers(1, int(lengths.min()) - 1), label="crop")
+            paged.crop(-n)
+            dense.crop(-n)
+            lengths = lengths - n
+        forward(1)  # the step after an edit reads the edited rows' pages
+    paged.kv_cache.check_invariants()
+
+
+def test_paged_kernels_share_torch_openmp_threads():
+    """The kernels run on torch's OpenMP runtime and thread count: one libgomp in the
+    process (two would keep idle threads spinning against each other) and
+    ``torch.set_num_threads`` sets what the kernels use by default."""
+    code = (
+        "import sys, torch, pagedkv.transformers, pagedkv.attention as a\n"
+        "torch.set_num_threads(1)\n"
+        "assert a.kernel_info()['max_threads'] == 1, a.kernel_info()\n"
+        "maps = open('/proc/self/maps').read().splitlines() if sys.platform == 'linux' else []\n"
+        "runtimes = {line.split()[-1] for line in maps if 'libgomp' in line or 'libiomp' in line}\n"
+        "assert len(runtimes) <= 1, runtimes\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=os.environ.copy(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -37,8 +37,16 @@ Checksums: metadata sections, the section table and the header use the low
 checksum is ``pagedkv_c._checksum.page_checksums`` (``page_checksum.h``), the
 value the cache records for a sealed page. XXH3 detects corruption, not a
 forger: a file is trusted data, but nothing in it can run code (no pickle)
-or make the reader allocate more than the file's size suggests (every
-length is checked against the header and the file before it is read).
+or make the reader allocate more than the file's size suggests. Every
+length is checked against the header and the file before it is read; the
+pool must be exactly the ``pages`` section (layers x pages x 2 x page size x
+heads x head dim x dtype size); ``num_pages`` is the checksum table's length
+/ 8; the kept token ids of prefix caching (num_pages x page_size int32, not
+bounded by the pool when ``num_layers`` is 0) and the page tables' rings and
+sink arrays (4 bytes per entry) together may take at most twice the file's
+length or 256 MiB, whichever is more. ``load_cache`` checks all of that, and
+the ids, ref counts, free queue, prefix index, page-table geometry and seal
+flags, before it allocates the cache or reads a page.
 
 Writes are atomic: the file is written to a temporary file in the target's
 directory, flushed and fsynced, renamed over the target, and the directory is
@@ -49,12 +57,11 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
-import threading
 from typing import Any
 
 import numpy as np
 
-from pagedkv_c._checksum import page_checksums
+from pagedkv_c._checksum import combine_digests, layer_digests, page_checksums
 from pagedkv_c._prefix import xxh3_128_intdigest
 
 __all__ = ["FORMAT_VERSION", "SnapshotError", "export_sequence", "import_sequence", "load_cache",
@@ -341,6 +348,8 @@ def _readinto(f, offset: int, target: np.ndarray) -> None:
 def _atomic_write(path, parts, finish=None) -> None:
     """Write the buffers ``parts`` to ``path`` atomically (temp file, fsync, rename, fsync the directory).
 
+    A callable part is called with the open (unbuffered) file and writes its own bytes.
+
     ``finish(fd)``, if given, runs after the parts are written and before
     the fsync (to overwrite a placeholder at the start of the file).
     """
@@ -350,6 +359,9 @@ def _atomic_write(path, parts, finish=None) -> None:
     try:
         with os.fdopen(fd, "wb", buffering=0) as f:
             for part in parts:
+                if callable(part):  # writes its own bytes
+                    part(f)
+                    continue
                 view = memoryview(part).cast("B") if not isinstance(part, bytes) else part
                 written = 0
                 while written < len(view):  # a raw write may be partial
@@ -482,7 +494,7 @@ def _read_hashes(section: _Section, num_sequences: int) -> list[dict]:
     if (fields < 0).any() or (fields[:, 0] > 1).any():
         raise section.error("negative counts or an external flag other than 0 or 1")
     for column, array, name in ((1, chain, "chain"), (2, token_ids, "token_ids"), (3, block_ids, "block_ids")):
-        if int(fields[:, column].sum()) != array.shape[0]:
+        if sum(fields[:, column].tolist()) != array.shape[0]:  # Python ints: a crafted sum cannot wrap
             raise section.error(f"the counts of {name} do not add up to its {array.shape[0]} entries")
     out, starts = [], [0, 0, 0]
     for b, row in enumerate(fields.tolist()):
@@ -500,9 +512,35 @@ def _holders(tables: list[tuple[int, dict]], page_id: int) -> list[int]:
     return [seq_id for seq_id, table in tables if (table["pages"] == page_id).any()]
 
 
+def _read_and_check_pages(f, offset: int, kv: np.ndarray, expected: np.ndarray, tables: list[tuple[int, dict]],
+                          threads: int) -> None:
+    """Read the pages section at ``offset`` straight into ``kv``, hashing each run after it is read,
+    then compare every page checksum with ``expected`` (naming the first pages that differ)."""
+    f.seek(offset)
+    digests = np.zeros((kv.shape[1], kv.shape[0], 16), dtype=np.uint8)
+
+    def read(run) -> None:
+        view, done = run[3], 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise SnapshotError("section 'pages': the file ended early while reading pages")
+            done += n
+
+    _pipeline(_page_runs(kv), lambda run: layer_digests(kv, run[0], run[1], run[2], digests), read, threads,
+              hash_first=False)
+    actual = np.zeros(kv.shape[1], dtype=np.uint64)
+    combine_digests(digests, actual)
+    _report_bad_pages(actual, expected, tables, "")
+
+
 def _check_pages(kv: np.ndarray, expected: np.ndarray, tables: list[tuple[int, dict]], what: str) -> None:
     """Recompute every page checksum of ``kv`` and name the first pages that differ."""
-    actual = page_checksums(kv, np.arange(kv.shape[1], dtype=np.int32))
+    _report_bad_pages(page_checksums(kv, np.arange(kv.shape[1], dtype=np.int32)), expected, tables, what)
+
+
+def _report_bad_pages(actual: np.ndarray, expected: np.ndarray, tables: list[tuple[int, dict]], what: str) -> None:
+    """Raise SnapshotError naming the first page whose checksum differs (and the sequences holding it)."""
     bad = np.flatnonzero(actual != expected)
     if bad.size:
         first = int(bad[0])
@@ -514,8 +552,16 @@ def _check_pages(kv: np.ndarray, expected: np.ndarray, tables: list[tuple[int, d
         )
 
 
-def save_cache(cache, path) -> None:
+def save_cache(cache, path, *, num_threads: int | None = None) -> None:
     """Write a snapshot of a ``KVCache`` to ``path`` atomically (see the module notes for the format).
+
+    The pool is written in runs of about 4 MiB of one layer's pages; each run
+    is hashed (XXH3-128 per page and layer, in C without the GIL) just before
+    it is written, while its bytes are in the CPU's cache, so the pool is read
+    from memory once. Pages sealed with a recorded checksum (a cache made with
+    ``page_checksums=True``) are not hashed again: the file carries the
+    checksum recorded at the seal, so a page whose bytes changed in memory
+    since is refused by :func:`load_cache`.
 
     Parameters
     ----------
@@ -523,12 +569,18 @@ def save_cache(cache, path) -> None:
         The cache; no other thread may change it during the call.
     path : str or os.PathLike
         Target file; replaced atomically if it exists.
+    num_threads : int, optional
+        1: hash and write in the calling thread. 2 (the default, None):
+        hash the next run in a helper thread while this one is written.
 
     Raises
     ------
+    ValueError
+        ``num_threads`` is not None, 1 or 2.
     OSError
         The file cannot be written; the old file (if any) is untouched.
     """
+    threads = _checked_threads(num_threads)
     state = cache._export_state()
     kv = cache.kv
     sequences = state["sequences"]
@@ -539,48 +591,119 @@ def save_cache(cache, path) -> None:
     sections.append(("tables", _tables_section(sequences)))
     if state["prefix"] is not None:
         sections.append(("hashes", _hashes_section(sequences)))
-    sections.append(("sealed", _sealed_section(cache)))
-    # The page checksums are computed in a thread (without the GIL) while the
-    # pool is written; the header, table and checksums, written first as a
-    # placeholder of the same length, are then overwritten in place.
-    result: dict[str, Any] = {}
+    sealed_state = cache._sealed_state()
+    sections.append(("sealed", _sealed_section(sealed_state)))
+    # Sealed pages keep the checksum recorded at their seal; the others are hashed while written.
+    recorded = sealed_state["checksums"]
+    skip = np.ascontiguousarray(sealed_state["sealed"], dtype=np.uint8) if recorded is not None else None
+    digests = np.zeros((kv.shape[1], kv.shape[0], 16), dtype=np.uint8)
 
-    def checksum_pool():
-        try:
-            result["checksums"] = page_checksums(kv, np.arange(kv.shape[1], dtype=np.int32)).astype("<u8").tobytes()
-        except BaseException as exc:  # re-raised in the writer
-            result["error"] = exc
-
-    worker = threading.Thread(target=checksum_pool, name="pagedkv-snapshot-checksums")
-    worker.start()
+    def write_pages(f) -> None:
+        def write(run) -> None:
+            written = 0
+            while written < len(run):  # a raw write may be partial
+                written += f.write(run[written:])
+        _pipeline(_page_runs(kv), lambda run: layer_digests(kv, run[0], run[1], run[2], digests, skip),
+                  lambda run: write(run[3]), threads, hash_first=True)
 
     def finish(fd: int) -> None:
-        worker.join()
-        if "error" in result:
-            raise result["error"]
-        prefix, _ = _container(MAGIC_CACHE, sections, result["checksums"], kv.nbytes, _PAGE_ALIGN)
+        checksums = np.zeros(kv.shape[1], dtype=np.uint64)
+        combine_digests(digests, checksums, skip)
+        if skip is not None:
+            checksums[skip != 0] = recorded[skip != 0]
+        prefix, _ = _container(MAGIC_CACHE, sections, checksums.astype("<u8").tobytes(), kv.nbytes, _PAGE_ALIGN)
         os.lseek(fd, 0, os.SEEK_SET)  # (os.pwrite is not on Windows)
         done = 0
         while done < len(prefix):
             done += os.write(fd, prefix[done:])
 
+    # The header, table and checksums precede the pages: a placeholder of the
+    # same length is written first and overwritten once the pages are hashed.
     placeholder, _ = _container(MAGIC_CACHE, sections, bytes(8 * kv.shape[1]), kv.nbytes, _PAGE_ALIGN)
-    try:
-        _atomic_write(path, [placeholder, _pool_bytes(kv)], finish)
-    finally:
-        worker.join()
+    _atomic_write(path, [placeholder, write_pages], finish)
 
 
-def _sealed_section(cache) -> bytes:
+#: Bytes of one layer's pages hashed and written (or read and hashed) together:
+#: small enough to stay in the CPU's cache between the two.
+_RUN_BYTES = 4 << 20
+
+
+def _checked_threads(num_threads) -> int:
+    if num_threads is None:
+        return 2
+    if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)) or num_threads not in (1, 2):
+        raise ValueError(f"Invalid value of num_threads: expected None, 1 or 2, got {num_threads!r}")
+    return int(num_threads)
+
+
+def _page_runs(kv: np.ndarray) -> list[tuple[int, int, int, memoryview]]:
+    """``(layer, first, stop, bytes)`` runs of about ``_RUN_BYTES`` of one layer's pages, in file order."""
+    num_layers, num_pages = kv.shape[0], kv.shape[1]
+    if not kv.size:
+        return []
+    page_bytes = kv.nbytes // (num_layers * num_pages)
+    per_run = max(1, _RUN_BYTES // page_bytes)
+    flat = memoryview(kv.reshape(-1).view(np.uint8))
+    runs = []
+    for layer in range(num_layers):
+        for first in range(0, num_pages, per_run):
+            stop = min(num_pages, first + per_run)
+            start = (layer * num_pages + first) * page_bytes
+            runs.append((layer, first, stop, flat[start:start + (stop - first) * page_bytes]))
+    return runs
+
+
+def _pipeline(runs: list, hash_run, io_run, threads: int, hash_first: bool) -> None:
+    """Hash and do I/O on each run, in order, the two steps of a run back to back.
+
+    ``hash_first``: hash a run, then write it (save); otherwise read a run,
+    then hash it (load). With two threads a helper thread hashes while the
+    calling thread does the I/O of the neighbouring run; at most one run is
+    hashed ahead of (or behind) the I/O.
+    """
+    if threads == 1:
+        for run in runs:
+            if hash_first:
+                hash_run(run)
+                io_run(run)
+            else:
+                io_run(run)
+                hash_run(run)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="pagedkv-snapshot-hash") as helper:
+        pending = None
+        try:
+            if hash_first:
+                pending = helper.submit(hash_run, runs[0]) if runs else None
+                for k, run in enumerate(runs):
+                    pending.result()
+                    pending = helper.submit(hash_run, runs[k + 1]) if k + 1 < len(runs) else None
+                    io_run(run)
+            else:
+                for run in runs:
+                    io_run(run)
+                    if pending is not None:
+                        pending.result()
+                    pending = helper.submit(hash_run, run)
+                if pending is not None:
+                    pending.result()
+                pending = None
+        finally:
+            if pending is not None:  # an I/O error: let the helper finish before the buffers go
+                pending.cancel() or pending.exception()
+
+
+def _sealed_section(state: dict) -> bytes:
     """The seal flags, the checksums recorded at the seals (with ``page_checksums``) and the seal counter."""
-    state = cache._sealed_state()
     arrays = {"sealed": state["sealed"], "pages_sealed": int(state["pages_sealed"])}
     if state["checksums"] is not None:
         arrays["checksums"] = state["checksums"]
     return _encode(arrays)
 
 
-def load_cache(path, *, mmap: bool = False):
+def load_cache(path, *, mmap: bool = False, num_threads: int | None = None):
     """Read a ``KVCache`` snapshot; verify everything, then build the cache.
 
     Parameters
@@ -596,6 +719,11 @@ def load_cache(path, *, mmap: bool = False):
         section table and every metadata section are verified at once; the
         page bytes are not read, so call :func:`verify` on the file (any
         time, e.g. from a background thread) to check them.
+    num_threads : int, optional
+        For a full load: 1 reads the pool straight into the new cache's pool
+        in runs of about 4 MiB of one layer's pages and hashes each run right
+        after reading it, in the calling thread; 2 (the default, None)
+        hashes each run in a helper thread while the next one is read.
 
     Returns
     -------
@@ -613,10 +741,12 @@ def load_cache(path, *, mmap: bool = False):
     """
     from pagedkv_c._kv_cache import KVCache
 
+    threads = _checked_threads(num_threads)
     with open(path, "rb", buffering=0) as f:  # unbuffered: the pages are read straight into the pool
         size = os.fstat(f.fileno()).st_size
         parsed = _parse(_read_from_file(f), size, MAGIC_CACHE, os.fspath(path))
         state, tables = _cache_state(parsed)
+        _check_before_build(state, parsed, size)
         config = state["config"]
         shape = _pool_shape(config, config["num_pages"])
         cache = KVCache(**_cache_kwargs(config))
@@ -625,8 +755,7 @@ def load_cache(path, *, mmap: bool = False):
                 cache._adopt_pool(np.memmap(f, dtype=cache.kv.dtype, mode="c", offset=parsed.pages_offset,
                                             shape=shape))
         else:
-            _readinto(f, parsed.pages_offset, cache.kv)
-            _check_pages(cache.kv, parsed.checksums, tables, "")
+            _read_and_check_pages(f, parsed.pages_offset, cache.kv, parsed.checksums, tables, threads)
     _restore(cache, state, parsed)
     return cache
 
@@ -672,6 +801,136 @@ def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
     return state, tables
 
 
+# ------------------------------------------------- checks before building
+#: Besides the pool (exactly the ``pages`` section), a load allocates at most
+#: this many bytes, or twice the file's length if that is more, for the kept
+#: token ids of prefix caching and the page tables' rings and sink arrays: the
+#: two allocations whose size is not a section's length.
+_EXTRA_ALLOCATION_FLOOR = 2**28
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_before_build(state: dict, parsed: _Parsed, size: int) -> None:
+    """Check sizes, ids, ref counts, free queue, prefix index, tables and seal flags; allocate nothing large.
+
+    Runs on the decoded sections before any cache, pool or page table
+    exists, so a crafted file is refused before it can make the loader
+    allocate (the allocation bound of the module notes) or read page bytes.
+    The core checks the same state again when it applies it.
+    """
+    config = state["config"]
+    num_pages, page_size = config["num_pages"], config["page_size"]
+    windowed = config["window"] != -1
+    # The two allocations a file's sections do not bound by their own length.
+    tokens_bytes = 4 * num_pages * page_size if config["prefix_caching"] else 0
+    allowed = max(2 * size, _EXTRA_ALLOCATION_FLOOR)
+    if tokens_bytes > allowed:
+        raise SnapshotError(
+            f"section 'config': {num_pages} pages of page_size {page_size} need {tokens_bytes} bytes of kept "
+            f"token ids for prefix caching, more than a file of {size} bytes may make the loader allocate "
+            f"({allowed} bytes besides the pool)")
+    sink_pages = min(_ceil_div(config["sink_tokens"], page_size), num_pages) if windowed else 0
+    initial_ring = 8
+    if windowed:
+        initial_ring = 1
+        while initial_ring < min(_ceil_div(config["window"] - 1, page_size) + 1, 1 << 16):
+            initial_ring *= 2
+    sequences = state["sequences"]
+    ring_bytes = sum(4 * (initial_ring + sink_pages + table["ring_capacity"]) for _, table, _ in sequences)
+    if tokens_bytes + ring_bytes > allowed:
+        raise SnapshotError(
+            f"section 'tables': {len(sequences)} page tables (ring capacities and sink pages) need {ring_bytes} "
+            f"bytes, more than a file of {size} bytes may make the loader allocate ({allowed} bytes besides the "
+            f"pool{', with the kept token ids' if tokens_bytes else ''})")
+
+    ref_counts, free_queue = state["ref_counts"], state["free_queue"]
+    if ref_counts.shape != (num_pages,):
+        raise SnapshotError(f"section 'pool': ref_counts has shape {ref_counts.shape}, expected ({num_pages},)")
+    if (ref_counts < 0).any():
+        page = int(np.flatnonzero(ref_counts < 0)[0])
+        raise SnapshotError(f"section 'pool': page {page} has ref count {int(ref_counts[page])}")
+    if ((free_queue < 0) | (free_queue >= num_pages)).any():
+        raise SnapshotError(f"section 'pool': the free queue lists a page id outside [0, {num_pages - 1}]")
+    queued = np.bincount(free_queue, minlength=num_pages)
+    if (queued > 1).any():
+        raise SnapshotError(f"section 'pool': page {int(np.flatnonzero(queued > 1)[0])} is queued twice")
+    wrong = np.flatnonzero((queued == 1) != (ref_counts == 0))
+    if wrong.size:
+        page = int(wrong[0])
+        raise SnapshotError(f"section 'pool': page {page} has ref count {int(ref_counts[page])} but is "
+                            f"{'' if queued[page] else 'not '}in the free queue")
+
+    held = np.zeros(num_pages, dtype=np.int64)
+    for seq_id, table, _ in sequences:
+        pages = table["pages"]
+        if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
+            raise SnapshotError(f"section 'tables': sequence {seq_id} holds a page id outside [0, {num_pages - 1}]")
+        np.add.at(held, pages, 1)
+        _check_table_geometry(seq_id, table, config, sink_pages, initial_ring)
+    bad = np.flatnonzero(held != ref_counts)
+    if bad.size:
+        page = int(bad[0])
+        holders = [seq_id for seq_id, table, _ in sequences if (table["pages"] == page).any()]
+        raise SnapshotError(f"section 'tables': page {page} has ref count {int(ref_counts[page])} in section "
+                            f"'pool' but {int(held[page])} page-table entries (held by sequences {holders})")
+
+    prefix = state["prefix"]
+    if prefix is not None:
+        pages = prefix["pages"]
+        n = pages.shape[0]
+        if (prefix["hashes"].shape != (n, 2) or prefix["has_tokens"].shape != (n,)
+                or prefix["tokens"].shape != (n, page_size)):
+            raise SnapshotError(f"section 'prefix': expected pages (n,), hashes (n, 2), has_tokens (n,) and "
+                                f"tokens (n, {page_size}) for the {n} cached pages")
+        if n and (pages.min() < 0 or pages.max() >= num_pages or (np.diff(pages) <= 0).any()):
+            raise SnapshotError(f"section 'prefix': cached pages are not increasing ids in [0, {num_pages - 1}]")
+        if (prefix["has_tokens"] > 1).any():
+            raise SnapshotError("section 'prefix': a has_tokens flag other than 0 or 1")
+        if n > 1 and np.unique(prefix["hashes"], axis=0).shape[0] != n:
+            raise SnapshotError("section 'prefix': two cached pages have the same hash")
+
+    sealed = parsed.section("sealed")
+    flags = sealed.array("sealed", np.uint8, 1, (num_pages,))
+    if (flags > 1).any():
+        raise sealed.error(f"page {int(np.flatnonzero(flags > 1)[0])} has a seal flag other than 0 or 1")
+    if config["page_checksums"]:
+        sealed.array("checksums", np.uint64, 1, (num_pages,))
+    elif "checksums" in sealed.arrays:
+        raise sealed.error("recorded checksums in a cache without page_checksums")
+    sealed.int("pages_sealed")
+
+
+def _check_table_geometry(seq_id: int, table: dict, config: dict, sink_pages: int, initial_ring: int) -> None:
+    """One sequence's page-table fields against the window, sink pages and pool (as the README describes them)."""
+    length, sink_count, ring_first, capacity = (table[key] for key in ("length", "sink_count", "ring_first",
+                                                                       "ring_capacity"))
+    ring_count = table["pages"].shape[0] - sink_count
+
+    def fail(text: str) -> SnapshotError:
+        return SnapshotError(f"section 'tables': sequence {seq_id}: {text}")
+
+    if not 0 <= length <= 2**62:
+        raise fail(f"length {length} outside [0, 2**62]")
+    logical = _ceil_div(length, config["page_size"])
+    if not 0 <= sink_count <= min(sink_pages, logical) or ring_count < 0:
+        raise fail(f"{sink_count} sink pages of {table['pages'].shape[0]} held, expected at most "
+                   f"{min(sink_pages, logical)}")
+    if ring_count and sink_count < sink_pages:
+        raise fail(f"window pages held before all {sink_pages} sink pages")
+    if config["window"] == -1:
+        if ring_first != 0 or ring_count != logical:
+            raise fail(f"a sequence without a window holds all its {logical} pages, got {ring_count} from "
+                       f"logical page {ring_first}")
+    elif not sink_pages <= ring_first <= max(logical, sink_pages) - ring_count:
+        raise fail(f"{ring_count} window pages from logical page {ring_first} do not fit {length} tokens")
+    largest = max(initial_ring, 4 * (config["num_pages"] + 16))
+    if not max(ring_count, 1) <= capacity <= largest or capacity & (capacity - 1):
+        raise fail(f"ring capacity {capacity}, expected a power of two in [{max(ring_count, 1)}, {largest}]")
+
+
 # Which section a message of KVCache._restore_state is about (first match wins).
 _ERROR_SECTIONS = (("hash chain", "hashes"), ("prefix", "prefix"), ("free_queue", "pool"),
                    ("ref_counts", "pool"), ("counters", "counters"), ("config", "config"))
@@ -709,6 +968,7 @@ def verify(path) -> None:
         size = os.fstat(f.fileno()).st_size
         parsed = _parse(_read_from_file(f), size, MAGIC_CACHE, os.fspath(path))
         state, tables = _cache_state(parsed)
+        _check_before_build(state, parsed, size)
         config = state["config"]
         shape = _pool_shape(config, config["num_pages"])
         if parsed.pages_length:

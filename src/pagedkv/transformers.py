@@ -48,6 +48,11 @@ left padding: they take no page and no attention work (their attention output is
 and no real token attends to them, as in the dense masked computation).
 ``get_seq_length`` counts the dense columns, padding included, as ``DynamicCache`` does.
 
+Per forward, not per layer: layer 0 appends the new tokens (the slot mapping), and the
+first attention call exports the rows' page tables once (``KVCache.page_table``); the
+other layers store into the same slots and read the same export, which stays valid as
+stores never change a table. An edit between forwards (``crop``, forks) drops it.
+
 Beam search and ``num_return_sequences`` are forks: ``reorder_cache``,
 ``batch_select_indices`` and ``batch_repeat_interleave`` give each new row a
 :meth:`KVCache.fork` of its source row, so beams share pages, and a shared page is copied
@@ -195,6 +200,52 @@ class _Step:
         self.deferred = deferred
 
 
+class _StepPages:
+    """The attention contract of :class:`pagedkv.KVCache` with one forward step's page tables.
+
+    Every layer of a forward reads the same page tables (``KVCache.store`` writes rows,
+    it never changes a table), so the step exports them once (``KVCache.page_table``) and
+    the kernels of all layers reuse the export instead of building and converting it per
+    layer. Valid until the rows change: :class:`PagedCache` drops it at the next forward
+    and at every edit (``crop``, forks, ``reset``, ``begin``).
+    """
+
+    __slots__ = ("kv", "window", "sink_tokens", "num_layers", "page_size", "num_kv_heads", "head_dim",
+                 "_kv_cache", "_seq_ids", "_view")
+
+    def __init__(self, kv_cache: KVCache, seq_ids: np.ndarray) -> None:
+        self.kv = kv_cache.kv
+        self.window = kv_cache.window
+        self.sink_tokens = kv_cache.sink_tokens
+        self.num_layers = kv_cache.num_layers
+        self.page_size = kv_cache.page_size
+        self.num_kv_heads = kv_cache.num_kv_heads
+        self.head_dim = kv_cache.head_dim
+        self._kv_cache = kv_cache
+        self._seq_ids = seq_ids
+        self._view = kv_cache.page_table(seq_ids)
+
+    def page_table(self, seq_ids):
+        """The step's export for the step's own ``seq_ids`` array; any other batch is exported anew."""
+        if seq_ids is self._seq_ids:
+            return self._view
+        return self._kv_cache.page_table(seq_ids)
+
+
+def _kernel_threads() -> int | None:
+    """``num_threads`` for the kernels when the cache sets none: torch's thread count.
+
+    None (the kernels' own choice: OpenMP's maximum, lowered so that each thread reads at
+    least 2 MiB of K/V) when OpenMP's maximum is torch's count, i.e. the kernels run on
+    torch's OpenMP runtime: then a short context runs on one thread instead of waking a
+    second one per layer (on a loaded 2-core machine, 30 layers of 512 tokens took 74 ms
+    on two threads against 11 ms on one). Otherwise torch's count, so that the two
+    libraries never run more threads than torch was given.
+    """
+    threads = torch.get_num_threads()
+    return None if paged_attention.kernel_info()["max_threads"] == threads else threads
+
+
 def _check_size(name: str, value, low: int, allow_none: bool = True):
     if value is None and allow_none:
         return None
@@ -297,7 +348,10 @@ class PagedCache(Cache):
         ``"xxh3_128"`` (default) or ``"sha256"``, see :class:`pagedkv.KVCache`.
     num_threads : int, optional
         OpenMP threads of the attention kernels, ``>= 1``. Default:
-        ``torch.get_num_threads()`` at each call, so one setting governs both libraries.
+        ``torch.get_num_threads()``, read at each forward, so one setting governs both
+        libraries (the kernels run on the OpenMP runtime torch loaded: one thread pool);
+        of those, a call whose K/V is under 2 MiB per thread uses fewer (see
+        :func:`pagedkv.attention.decode`).
 
     Attributes
     ----------
@@ -376,6 +430,17 @@ class PagedCache(Cache):
         # queries into their sink queries (None when no query is past S + W - 1).
         self._sink_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
         self._next_layer = 0
+        # Decided once per forward, at layer 0, for every layer: the attention
+        # implementation, the kernels' thread count, whether every row stores all its new
+        # tokens, the rows' sequence ids as an array, and (made by the first attention
+        # call) the page tables of the step.
+        self._step_paged = False
+        self._step_threads: int | None = 1
+        self._step_unpadded = True  # no row has left padding in this forward
+        self._step_dense_rows = True  # ... and every row stores all its new tokens
+        self._step_seq_ids = np.zeros(0, dtype=np.int64)
+        self._step_pages: _StepPages | None = None
+        self._layer_steps = [_Step(self, i) for i in range(num_layers)]
         super().__init__(layers=[_PagedLayer(self, i) for i in range(num_layers)])
 
     # ------------------------------------------------------------------ sizes
@@ -552,6 +617,7 @@ class PagedCache(Cache):
         self._seq_ids = []
         self._num_columns = 0
         self._slots = None
+        self._step_pages = None
         self._next_layer = 0
 
     # ------------------------------------------------------------------ update
@@ -614,6 +680,10 @@ class PagedCache(Cache):
         self._stored = stored
         self._counts = counts
         self._starts = num_new - counts
+        self._step_unpadded = bool((counts == num_new).all())
+        self._step_dense_rows = self._step_unpadded and not duplicates
+        self._step_seq_ids = np.asarray(self._seq_ids, dtype=np.int64)
+        self._step_pages = None
         self._sink_rotation = self._sink_query_rotation(lengths, counts)
         self._num_columns += num_new
         self.num_stored_tokens += int(stored.sum())
@@ -654,7 +724,7 @@ class PagedCache(Cache):
         if rows.dtype not in _NUMPY_DTYPES:
             rows = rows.float()
         batch_size, num_new = rows.shape[0], rows.shape[1]
-        if not self._starts.any() and bool((self._stored == num_new).all()):
+        if self._step_dense_rows:
             flat = rows.reshape(batch_size * num_new, rows.shape[2], rows.shape[3])
         else:
             flat = torch.cat([rows[b, num_new - int(n):] for b, n in enumerate(self._stored)], dim=0)
@@ -706,7 +776,12 @@ class PagedCache(Cache):
         attn_kwargs = kwargs.get("kwargs")
         if not isinstance(attn_kwargs, dict):
             attn_kwargs = args[0] if args and isinstance(args[0], dict) else kwargs
-        paged = getattr(self._config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+        if layer_idx == 0:
+            # Read once per forward (a config attribute lookup costs more than the rest of
+            # a layer's bookkeeping); every layer of the forward runs the same attention.
+            self._step_paged = getattr(self._config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+            self._step_threads = self._num_threads or _kernel_threads()
+        paged = self._step_paged
         if not paged and self._window is not None:
             raise ValueError(
                 f"Invalid attn_implementation {self._config._attn_implementation!r} for a PagedCache with a window: "
@@ -721,7 +796,7 @@ class PagedCache(Cache):
         self._store_layer(layer_idx, key_states, value_states, attn_kwargs)
         self._next_layer = layer_idx + 1 if layer_idx + 1 < self._num_layers else 0
         if paged:
-            key_states._pagedkv_step = _Step(self, layer_idx)
+            key_states._pagedkv_step = self._layer_steps[layer_idx]
             return key_states, value_states
         return self._gather_dense(layer_idx, key_states.dtype)
 
@@ -777,6 +852,7 @@ class PagedCache(Cache):
                 f"Invalid value of tokens_to_remove: removing {removed} columns reaches the left padding of a row "
                 f"holding {min(lengths)} tokens"
             )
+        self._step_pages = None
         for seq_id, n in zip(self._seq_ids, lengths):
             self.kv_cache.truncate(seq_id, n - removed)
         self._num_columns = keep
@@ -793,6 +869,7 @@ class PagedCache(Cache):
         if source_rows.size == len(self._seq_ids) and np.array_equal(source_rows, np.arange(len(self._seq_ids))):
             return
         kv = self.kv_cache
+        self._step_pages = None
         new_ids = []
         for src in source_rows.tolist():
             child = self._new_seq_id()
@@ -903,22 +980,25 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                 cache._next_layer = 0  # nothing was appended: the next forward starts at layer 0
             raise
         step.deferred = False
-    kv = cache.kv_cache
+    pages = cache._step_pages
+    if pages is None:
+        pages = cache._step_pages = _StepPages(cache.kv_cache, cache._step_seq_ids)
+    seq_ids = cache._step_seq_ids
     batch_size, num_heads, num_new, head_dim = query.shape
-    num_threads = cache._num_threads or torch.get_num_threads()
+    num_threads = cache._step_threads
     counts, starts = cache._counts, cache._starts
     rows = query.detach().transpose(1, 2)
-    if rows.dtype != torch.float32 and rows.dtype != torch.float16:
-        rows = rows.float()
+    if rows.dtype != torch.float32:
+        rows = rows.float()  # the kernels read float32 queries
     sink_rotation = cache._sink_rotation
-    if num_new == 1 and bool((counts == 1).all()):
+    if num_new == 1 and cache._step_unpadded:
         q = rows.reshape(batch_size, num_heads, head_dim)
         q_sink = None if sink_rotation is None else _rotate_half(q.double(), *sink_rotation).float().numpy()
-        out = paged_attention.decode(q.contiguous().numpy(), kv, step.layer_idx, cache._seq_ids, scale=scaling,
+        out = paged_attention.decode(q.contiguous().numpy(), pages, step.layer_idx, seq_ids, scale=scaling,
                                      num_threads=num_threads, q_sink=q_sink)
         result = torch.from_numpy(out).view(batch_size, 1, num_heads, head_dim)
     else:
-        padded = bool(starts.any())
+        padded = not cache._step_unpadded
         if not padded:
             q = rows.reshape(batch_size * num_new, num_heads, head_dim)
         else:
@@ -926,7 +1006,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         qo_indptr = np.zeros(batch_size + 1, dtype=np.int64)
         np.cumsum(counts, out=qo_indptr[1:])
         q_sink = None if sink_rotation is None else _rotate_half(q.double(), *sink_rotation).float().numpy()
-        out = paged_attention.prefill(q.contiguous().numpy(), kv, step.layer_idx, cache._seq_ids, qo_indptr,
+        out = paged_attention.prefill(q.contiguous().numpy(), pages, step.layer_idx, seq_ids, qo_indptr,
                                       scale=scaling, num_threads=num_threads, q_sink=q_sink)
         out = torch.from_numpy(out)
         if not padded:
