@@ -423,25 +423,10 @@ def test_random_edits_gather_what_dynamic_cache_holds(data):
     append(prompt, pads)
     for _ in range(data.draw(st.integers(1, 6), label="num_edits")):
         op = data.draw(st.sampled_from(["append", "repeat", "select", "reorder", "crop"]), label="op")
-        rows = len(lengths)
         if op == "append":
             append(data.draw(st.integers(1, 5), label="tokens"))
-        elif op == "repeat" and rows <= 4:
-            r = data.draw(st.integers(1, 3), label="repeats")
-            paged.batch_repeat_interleave(r)
-            dense.batch_repeat_interleave(r)
-            lengths = np.repeat(lengths, r)
-        elif op in ("select", "reorder"):
-            size = rows if op == "reorder" else data.draw(st.integers(1, rows), label="size")
-            idx = data.draw(st.lists(st.integers(0, rows - 1), min_size=size, max_size=size), label="rows")
-            getattr(paged, "reorder_cache" if op == "reorder" else "batch_select_indices")(torch.tensor(idx))
-            getattr(dense, "reorder_cache" if op == "reorder" else "batch_select_indices")(torch.tensor(idx))
-            lengths = lengths[idx]
-        elif op == "crop" and lengths.min() > 1:
-            n = data.draw(st.integers(1, int(lengths.min()) - 1), label="crop")
-            paged.crop(-n)
-            dense.crop(-n)
-            lengths = lengths - n
+        else:
+            lengths = _edit_both(op, data, paged, dense, lengths)
         assert paged.get_seq_length() == dense.get_seq_length()
         paged.kv_cache.check_invariants()
     append(1)
@@ -657,26 +642,10 @@ def _random_edits_against_dense_attention(data, monkeypatch):
     forward(prompt, pads)
     for _ in range(data.draw(st.integers(1, 6), label="num_edits")):
         op = data.draw(st.sampled_from(["decode", "extend", "repeat", "select", "reorder", "crop"]), label="op")
-        rows = len(lengths)
         if op in ("decode", "extend"):
             forward(1 if op == "decode" else data.draw(st.integers(2, 5), label="tokens"))
             continue
-        if op == "repeat" and rows <= 4:
-            r = data.draw(st.integers(1, 3), label="repeats")
-            paged.batch_repeat_interleave(r)
-            dense.batch_repeat_interleave(r)
-            lengths = np.repeat(lengths, r)
-        elif op in ("select", "reorder"):
-            size = rows if op == "reorder" else data.draw(st.integers(1, rows), label="size")
-            idx = data.draw(st.lists(st.integers(0, rows - 1), min_size=size, max_size=size), label="rows")
-            getattr(paged, "reorder_cache" if op == "reorder" else "batch_select_indices")(torch.tensor(idx))
-            getattr(dense, "reorder_cache" if op == "reorder" else "batch_select_indices")(torch.tensor(idx))
-            lengths = lengths[idx]
-        elif op == "crop" and lengths.min() > 1:
-            n = data.draw(st.integers(1, int(lengths.min()) - 1), label="crop")
-            paged.crop(-n)
-            dense.crop(-n)
-            lengths = lengths - n
+        lengths = _edit_both(op, data, paged, dense, lengths)
         forward(1)  # the step after an edit reads the edited rows' pages
     paged.kv_cache.check_invariants()
 
@@ -695,3 +664,26 @@ def test_paged_kernels_share_torch_openmp_threads():
     )
     result = subprocess.run([sys.executable, "-c", code], env=os.environ.copy(), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def _edit_both(op, data, paged, dense, lengths):
+    """Apply one cache edit drawn by hypothesis (repeat, select, reorder, crop) to the paged and
+    the dense cache alike; return the rows' new lengths (unchanged when the edit does not apply)."""
+    rows = len(lengths)
+    if op == "repeat" and rows <= 4:
+        r = data.draw(st.integers(1, 3), label="repeats")
+        paged.batch_repeat_interleave(r)
+        dense.batch_repeat_interleave(r)
+        return np.repeat(lengths, r)
+    if op in ("select", "reorder"):
+        size = rows if op == "reorder" else data.draw(st.integers(1, rows), label="size")
+        idx = data.draw(st.lists(st.integers(0, rows - 1), min_size=size, max_size=size), label="rows")
+        getattr(paged, "reorder_cache" if op == "reorder" else "batch_select_indices")(torch.tensor(idx))
+        getattr(dense, "reorder_cache" if op == "reorder" else "batch_select_indices")(torch.tensor(idx))
+        return lengths[idx]
+    if op == "crop" and lengths.min() > 1:
+        n = data.draw(st.integers(1, int(lengths.min()) - 1), label="crop")
+        paged.crop(-n)
+        dense.crop(-n)
+        return lengths - n
+    return lengths
