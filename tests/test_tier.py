@@ -581,3 +581,25 @@ def test_shared_replay_serves_what_any_instance_sealed(standalone):
     assert isolated < sum(r.hit_tokens for r in shared) == one.hit_tokens
     with pytest.raises(ValueError, match="tiers"):
         replay_shared(trace, 1 << 16, [])
+
+
+def test_every_sealed_page_is_accounted_for_while_the_store_is_down(tmp_path):
+    """Writes to a server that died: the first batch fails (counted), later ones are skipped while
+    the server is taken as down, and every sealed page lands in exactly one outcome counter."""
+    port = _free_ports(1)
+    proc = _start_standalone(port, tmp_path)
+    cache, tier = fresh_cache(f"redis://127.0.0.1:{port}/0", namespace())
+    _stop(proc)
+    sealed = 0
+    for i in range(4):  # one flush per sequence: four separate batches for the writer
+        prompt = worker.make_prompt(300 + i, 40)
+        cache.add_sequence(i, prompt)
+        worker.fill(cache, i, prompt, 0)
+        cache.seal([i])
+        sealed += len(prompt) // cache.page_size
+        assert tier.flush(timeout=30)
+    stats = cache.stats()
+    outcomes = ("dropped_writes", "pages_written", "pages_existing", "write_errors")
+    assert stats["tier_pages_written"] == 0 and stats["tier_unreachable_skips"] > 0, stats
+    assert sum(stats[f"tier_{name}"] for name in outcomes) == sealed, stats
+    tier.close()

@@ -333,7 +333,7 @@ class RedisTier:
             return []
         keys = page_keys(self._prefix, page_hashes)
         groups = self._by_node(keys, "fetch_errors")
-        if groups is None:
+        if groups is None or groups is _SKIPPED:
             return []
         values = [None] * n
         end = n  # pages from `end` on are lost to a fault: the run stops there
@@ -403,12 +403,13 @@ class RedisTier:
 
         ``node`` names the server (``host:port``; ``None`` for a standalone
         client), ``client`` is a plain client of it. None when the cluster's
-        map cannot be had (counted under ``counter``).
+        map cannot be had (counted once under ``counter``); ``_SKIPPED`` when the
+        store is taken as down (counted in ``unreachable_skips`` only).
         """
         if self._is_down(None):
             with self._lock:
                 self._counts["unreachable_skips"] += 1
-            return None
+            return _SKIPPED
         try:
             client = self._client()
             if not self.is_cluster:
@@ -565,8 +566,8 @@ class RedisTier:
         written = existing = failed = num_bytes = 0
         error = None
         groups = self._by_node(keys, "write_errors")
-        if groups is None:
-            failed = count - 1  # _by_node counted one
+        if groups is None or groups is _SKIPPED:
+            failed = count - 1 if groups is None else count  # a fault was counted once; a skip was not
             groups = []
 
         def set_command(i):
