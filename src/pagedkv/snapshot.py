@@ -241,6 +241,7 @@ class _Parsed:
         self.pages_length = pages_length
 
     def section(self, name: str) -> _Section:
+        """The metadata section ``name`` (its arrays and integers, checksum already verified)."""
         return _Section(name, self.sections[name])
 
 
@@ -323,8 +324,18 @@ def _parse(read, size: int, expected: bytes, source: str) -> _Parsed:
     raise SnapshotError("section 'pages': missing")  # unreachable: the layout ends with pages
 
 
+def _write_all(write, data) -> None:
+    """Call ``write(view)`` (returning the bytes written) until all of ``data`` is written: a raw write may be partial."""
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += write(view[done:])
+
+
 def _read_from_file(f):
+    """``read(offset, length) -> bytes`` over the open file ``f``; a short read raises SnapshotError."""
     def read(offset: int, length: int) -> bytes:
+        """``length`` bytes of the file from byte ``offset``."""
         f.seek(offset)
         data = f.read(length)
         if len(data) != length:
@@ -459,6 +470,7 @@ def _hashes_section(sequences: list) -> bytes:
                       dtype=np.int64).reshape(len(states), len(_HASH_FIELDS))
 
     def joined(key, dtype, tail=()):
+        """The arrays ``key`` of every sequence, concatenated as ``dtype`` (empty of shape ``(0, *tail)``)."""
         parts = [h[key] for h in states]
         return np.concatenate(parts).astype(dtype) if parts else np.zeros((0,) + tail, dtype=dtype)
 
@@ -520,6 +532,7 @@ def _read_and_check_pages(f, offset: int, kv: np.ndarray, expected: np.ndarray, 
     digests = np.zeros((kv.shape[1], kv.shape[0], 16), dtype=np.uint8)
 
     def read(run) -> None:
+        """Fill one run's view of the pool from the file, in order."""
         view, done = run[3], 0
         while done < len(view):
             n = f.readinto(view[done:])
@@ -599,23 +612,19 @@ def save_cache(cache, path, *, num_threads: int | None = None) -> None:
     digests = np.zeros((kv.shape[1], kv.shape[0], 16), dtype=np.uint8)
 
     def write_pages(f) -> None:
-        def write(run) -> None:
-            written = 0
-            while written < len(run):  # a raw write may be partial
-                written += f.write(run[written:])
+        """Write the pages section to ``f``, hashing each run of pages just before it is written."""
         _pipeline(_page_runs(kv), lambda run: layer_digests(kv, run[0], run[1], run[2], digests, skip),
-                  lambda run: write(run[3]), threads, hash_first=True)
+                  lambda run: _write_all(f.write, run[3]), threads, hash_first=True)
 
     def finish(fd: int) -> None:
+        """Overwrite the placeholder at the start of ``fd`` with the real header and page checksums."""
         checksums = np.zeros(kv.shape[1], dtype=np.uint64)
         combine_digests(digests, checksums, skip)
         if skip is not None:
             checksums[skip != 0] = recorded[skip != 0]
         prefix, _ = _container(MAGIC_CACHE, sections, checksums.astype("<u8").tobytes(), kv.nbytes, _PAGE_ALIGN)
         os.lseek(fd, 0, os.SEEK_SET)  # (os.pwrite is not on Windows)
-        done = 0
-        while done < len(prefix):
-            done += os.write(fd, prefix[done:])
+        _write_all(lambda data: os.write(fd, data), prefix)
 
     # The header, table and checksums precede the pages: a placeholder of the
     # same length is written first and overwritten once the pages are hashed.
@@ -743,12 +752,8 @@ def load_cache(path, *, mmap: bool = False, num_threads: int | None = None):
 
     threads = _checked_threads(num_threads)
     with open(path, "rb", buffering=0) as f:  # unbuffered: the pages are read straight into the pool
-        size = os.fstat(f.fileno()).st_size
-        parsed = _parse(_read_from_file(f), size, MAGIC_CACHE, os.fspath(path))
-        state, tables = _cache_state(parsed)
-        _check_before_build(state, parsed, size)
+        parsed, state, tables, shape = _checked_cache_file(f, path)
         config = state["config"]
-        shape = _pool_shape(config, config["num_pages"])
         cache = KVCache(**_cache_kwargs(config))
         if mmap:
             if cache.kv.size:
@@ -758,6 +763,20 @@ def load_cache(path, *, mmap: bool = False, num_threads: int | None = None):
             _read_and_check_pages(f, parsed.pages_offset, cache.kv, parsed.checksums, tables, threads)
     _restore(cache, state, parsed)
     return cache
+
+
+def _checked_cache_file(f, path) -> tuple[_Parsed, dict, list, tuple]:
+    """Parse and check a whole-cache snapshot open as ``f`` (everything but the page bytes).
+
+    Returns the parsed container, the state dict and page tables of
+    :func:`_cache_state`, and the pool's shape. Raises SnapshotError first.
+    """
+    size = os.fstat(f.fileno()).st_size
+    parsed = _parse(_read_from_file(f), size, MAGIC_CACHE, os.fspath(path))
+    state, tables = _cache_state(parsed)
+    _check_before_build(state, parsed, size)
+    config = state["config"]
+    return parsed, state, tables, _pool_shape(config, config["num_pages"])
 
 
 def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
@@ -910,6 +929,7 @@ def _check_table_geometry(seq_id: int, table: dict, config: dict, sink_pages: in
     ring_count = table["pages"].shape[0] - sink_count
 
     def fail(text: str) -> SnapshotError:
+        """The error naming this sequence's page table."""
         return SnapshotError(f"section 'tables': sequence {seq_id}: {text}")
 
     if not 0 <= length <= 2**62:
@@ -965,12 +985,8 @@ def verify(path) -> None:
         The first mismatch found (as :func:`load_cache`).
     """
     with open(path, "rb", buffering=0) as f:  # unbuffered: the pages are read straight into the pool
-        size = os.fstat(f.fileno()).st_size
-        parsed = _parse(_read_from_file(f), size, MAGIC_CACHE, os.fspath(path))
-        state, tables = _cache_state(parsed)
-        _check_before_build(state, parsed, size)
+        parsed, state, tables, shape = _checked_cache_file(f, path)
         config = state["config"]
-        shape = _pool_shape(config, config["num_pages"])
         if parsed.pages_length:
             kv = np.memmap(f, dtype=np.dtype(config["dtype"]), mode="r", offset=parsed.pages_offset, shape=shape)
         else:
