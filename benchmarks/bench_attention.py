@@ -19,7 +19,12 @@ rounds):
 - arithmetic ceiling: the 16 sequences are forks of one short sequence that
   share its pages (512 KiB of K/V, resident in the core's L2), so the rate
   at which decode consumes K/V there is what the arithmetic allows when
-  memory costs nothing.
+  memory costs nothing;
+- one sequence (SmolLM2-135M's attention: Hq=9, Hkv=3, head_dim=64, float32
+  pool) at contexts 4096 and 16384 (``--quick``: 4096), the split decode
+  (partitions of the sequence's pages merged by log-sum-exp) against the
+  same kernel without the split (one work item per KV-head block), on 1
+  and 2 threads, and torch SDPA on the same K/V.
 
 Writes benchmarks/results/bench_attention.json and prints a table.
 
@@ -225,6 +230,68 @@ def hot_case(dtype, repeats):
             "us": medians["hot"] * 1e6, "gbs": nbytes / medians["hot"] / 1e9}
 
 
+SINGLE_QO_HEADS, SINGLE_KV_HEADS, SINGLE_HEAD_DIM = 9, 3, 64
+
+
+def single_sequence_case(context, repeats, thread_counts):
+    """One sequence of SmolLM2's attention shape: split decode against the unsplit kernel."""
+    from pagedkv_c import _attention
+
+    cache = KVCache(1, SINGLE_KV_HEADS, SINGLE_HEAD_DIM, -(-context // PAGE_SIZE), page_size=PAGE_SIZE,
+                    dtype=np.float32)
+    cache.add_sequence(0)
+    cache.append([0], [context])
+    fill_random(cache, np.random.default_rng(7))
+    q = np.random.default_rng(8).standard_normal((1, SINGLE_QO_HEADS, SINGLE_HEAD_DIM), dtype=np.float32)
+    nbytes = context * SINGLE_KV_HEADS * SINGLE_HEAD_DIM * 2 * 4
+
+    def unsplit(t):
+        previous = _attention._set_decode_partition(0)
+        try:
+            return attention.decode(q, cache, 0, [0], num_threads=t)
+        finally:
+            _attention._set_decode_partition(previous)
+
+    split_out, unsplit_out = attention.decode(q, cache, 0, [0]), unsplit(1)
+    max_diff = float(np.abs(split_out - unsplit_out).max())
+    assert max_diff < 1e-5, f"split decode disagrees with the unsplit kernel: {max_diff}"
+
+    tasks = {}
+    for t in thread_counts:
+        tasks[f"split_{t}t"] = lambda t=t: attention.decode(q, cache, 0, [0], num_threads=t)
+        tasks[f"unsplit_{t}t"] = lambda t=t: unsplit(t)
+    view = cache.page_table([0])
+    pool = cache.kv[0]
+    pages = view.indices
+    k = pool[pages, 0].reshape(-1, SINGLE_KV_HEADS, SINGLE_HEAD_DIM)[:context].transpose(1, 0, 2)
+    v = pool[pages, 1].reshape(-1, SINGLE_KV_HEADS, SINGLE_HEAD_DIM)[:context].transpose(1, 0, 2)
+    try:
+        import torch
+        import torch.nn.functional as F
+
+        tk = torch.from_numpy(np.ascontiguousarray(k)[None])
+        tv = torch.from_numpy(np.ascontiguousarray(v)[None])
+        tq = torch.from_numpy(q[:, :, None, :])
+        for t in thread_counts:
+            def run(t=t):
+                torch.set_num_threads(t)
+                with torch.inference_mode():
+                    return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+            tasks[f"torch_{t}t"] = run
+    except ImportError:
+        pass
+    medians = interleaved_medians(tasks, repeats)
+    row = {"context": context, "kv_bytes": nbytes, "max_abs_diff_split_vs_unsplit": max_diff,
+           "seconds": medians}
+    for t in thread_counts:
+        row[f"us_split_{t}t"] = medians[f"split_{t}t"] * 1e6
+        row[f"us_unsplit_{t}t"] = medians[f"unsplit_{t}t"] * 1e6
+        row[f"split_speedup_{t}t"] = medians[f"unsplit_{t}t"] / medians[f"split_{t}t"]
+        if f"torch_{t}t" in medians:
+            row[f"torch_over_split_{t}t"] = medians[f"torch_{t}t"] / medians[f"split_{t}t"]
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="contexts 512 and 4096 only, 5 rounds")
@@ -241,6 +308,7 @@ def main():
             for dtype in (np.float16, np.float32) for c in contexts]
     windows = [window_case(dtype, repeats) for dtype in (np.float16, np.float32)]
     hot = [hot_case(dtype, repeats) for dtype in (np.float16, np.float32)]
+    single = [single_sequence_case(c, repeats, thread_counts) for c in ([4096] if args.quick else [4096, 16384])]
 
     info = attention.kernel_info()
     print(f"pagedkv decode, B={BATCH} Hq={NUM_QO_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} "
@@ -269,6 +337,17 @@ def main():
     for h in hot:
         print(f"| {h['dtype']} | {h['gbs']:.1f} GB/s ({h['us']:.0f} us per call, 16 x 512 KiB) |")
 
+    print()
+    print(f"| one sequence, Hq={SINGLE_QO_HEADS} Hkv={SINGLE_KV_HEADS} D={SINGLE_HEAD_DIM} float32 | unsplit 1T "
+          "| split 1T | split speedup 1T | unsplit 2T | split 2T | split speedup 2T | torch/split 1T | torch/split 2T |")
+    print("|" + "|".join(["---"] * 9) + "|")
+    for r in single:
+        torch1 = f"{r['torch_over_split_1t']:.2f}x" if "torch_over_split_1t" in r else "n/a"
+        torch2 = f"{r['torch_over_split_2t']:.2f}x" if "torch_over_split_2t" in r else "n/a"
+        print(f"| context {r['context']} | {r['us_unsplit_1t']:.0f} us | {r['us_split_1t']:.0f} us "
+              f"| {r['split_speedup_1t']:.2f}x | {r['us_unsplit_2t']:.0f} us | {r['us_split_2t']:.0f} us "
+              f"| {r['split_speedup_2t']:.2f}x | {torch1} | {torch2} |")
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": "bench_attention",
@@ -281,6 +360,7 @@ def main():
         "decode": rows,
         "window": windows,
         "l2_resident": hot,
+        "single_sequence": single,
     }
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")

@@ -1,7 +1,8 @@
 # Paged attention kernels over the KV pool: nogil entry points on raw arrays.
 # The caller has validated every array (dtype, shape, contiguity, page ids in
 # range, CSR offsets well formed); these functions only compute. They fail
-# only when the per-thread scratch cannot be allocated (MemoryError).
+# only when the per-thread scratch, the work items or the partition results of
+# a split decode cannot be allocated (MemoryError).
 from libc.stdint cimport int32_t, int64_t
 
 

@@ -54,6 +54,57 @@ int64_t pkv_scratch_floats(int64_t max_rows, int64_t head_dim)
     return 3 * max_rows * dim_pad + max_rows * PKV_CHUNK_TOKENS + 2 * max_rows;
 }
 
+/* ------------------------------------------------------- split decode merge */
+
+void pkv_merge_partitions(const pkv_attention_args *a, int64_t token, int64_t head,
+                          int64_t first_partial, int64_t num_partials)
+{
+    const int64_t D = a->head_dim, Hq = a->num_kv_heads * a->group_size;
+    float *out = a->out + (token * Hq + head) * D;
+    double acc[PKV_MAX_HEAD_DIM];
+    double max_score = -INFINITY, total = 0.0;
+    int has_nan = 0, has_sum = 0, has_blocked = 0;
+    int64_t i, d;
+    for (i = 0; i < num_partials; i++) {
+        const int64_t row = (first_partial + i) * Hq + head;
+        const float l = a->part_sum[row];
+        if (isnan(l)) {
+            has_nan = 1;
+        } else if (l > 0.0f) {
+            has_sum = 1;
+            if (a->part_max[row] > max_score) max_score = a->part_max[row];
+        } else if (signbit(l)) {
+            has_blocked = 1; /* admitted keys, every score -inf */
+        }
+    }
+    if (has_nan || (!has_sum && has_blocked)) {
+        /* dense softmax: exp(s - max) is NaN, or 0/0 */
+        for (d = 0; d < D; d++) out[d] = NAN;
+        if (a->lse != NULL) a->lse[token * Hq + head] = NAN;
+        return;
+    }
+    if (!has_sum) {
+        /* no key admitted in any partition */
+        for (d = 0; d < D; d++) out[d] = 0.0f;
+        if (a->lse != NULL) a->lse[token * Hq + head] = -INFINITY;
+        return;
+    }
+    for (d = 0; d < D; d++) acc[d] = 0.0;
+    for (i = 0; i < num_partials; i++) {
+        const int64_t row = (first_partial + i) * Hq + head;
+        const float l = a->part_sum[row];
+        const float *part = a->part_acc + row * D;
+        /* Partitions without a positive sum add their sums at weight 0: zeros,
+         * or the NaN that 0 * inf gave where a weight-0 key has an inf V. */
+        const double w = l > 0.0f ? exp2((double)a->part_max[row] - max_score) : 0.0;
+        total += (double)l * w;
+        for (d = 0; d < D; d++) acc[d] += (double)part[d] * w;
+    }
+    for (d = 0; d < D; d++) out[d] = (float)(acc[d] / total);
+    if (a->lse != NULL)
+        a->lse[token * Hq + head] = (float)((max_score + log2(total)) * 0.6931471805599453);
+}
+
 /* ------------------------------------------------------------------ float16 */
 
 float pkv_half_to_float_portable(uint16_t h)

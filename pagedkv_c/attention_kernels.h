@@ -68,14 +68,27 @@ typedef struct {
                                       positions < sink_tokens, or NULL: q for all */
     float *out;                    /* [num_tokens, Hq, D] float32 output */
     float *lse;                    /* [num_tokens, Hq] natural-log LSE, or NULL */
+    /* Partition results of the items with partial >= 0 (split decode), else NULL: */
+    float *part_acc;               /* [num_partials, Hq, D] sum of 2**(s - m) * v */
+    float *part_max;               /* [num_partials, Hq] m, max score (log2 domain) */
+    float *part_sum;               /* [num_partials, Hq] l, sum of 2**(s - m), with the
+                                      kernel's states: NaN, -0.0 (admitted keys, all
+                                      scored -inf), +0.0 (no key admitted) */
 } pkv_attention_args;
 
 /* One work item: tokens first_token .. first_token + num_tokens - 1 of q, at
  * positions first_position + i, all query heads of KV heads kv_head ..
- * kv_head + num_kv_heads - 1, reading the pages of sequence seq. The KV heads
- * of an item are computed independently of each other (same arithmetic as
- * one head per item); grouping them only makes the item read each token's
- * K/V row as one contiguous run. */
+ * kv_head + num_kv_heads - 1, reading the listed pages first_page ..
+ * end_page - 1 of sequence seq (entries of indices, within indptr[seq] ..
+ * indptr[seq + 1]). The KV heads of an item are computed independently of
+ * each other (same arithmetic as one head per item); grouping them only
+ * makes the item read each token's K/V row as one contiguous run.
+ *
+ * Split decode (Flash-Decoding, Dao et al. 2023; vLLM's paged_attention_v2):
+ * an item with partial >= 0 reads one partition of a sequence's pages and
+ * writes its unnormalized result to row partial + i of part_acc, part_max and
+ * part_sum instead of out and lse; pkv_merge_partitions combines the
+ * partitions of a query row afterwards. */
 typedef struct {
     int64_t seq;
     int64_t kv_head;
@@ -83,6 +96,9 @@ typedef struct {
     int64_t first_token;
     int64_t num_tokens;
     int64_t first_position;
+    int64_t first_page;
+    int64_t end_page;
+    int64_t partial;   /* -1: final result to out and lse */
 } pkv_work_item;
 
 /* Computes one work item. next, if not NULL, is the item this thread will
@@ -96,6 +112,17 @@ typedef void (*pkv_item_kernel)(const pkv_attention_args *args, const pkv_work_i
  * needs (with room for the sink queries); rows = num_kv_heads * num_tokens *
  * group_size. */
 int64_t pkv_scratch_floats(int64_t max_rows, int64_t head_dim);
+
+/* Merge the num_partials partition results of query row head (0 <= head < Hq)
+ * of token: part rows first_partial .. first_partial + num_partials - 1, in
+ * that order, into out and lse (if not NULL) with the log-sum-exp rescaling,
+ * M = max m_i, L = sum l_i 2**(m_i - M), out = sum acc_i 2**(m_i - M) / L, in
+ * double. The result is what one pass over all the partitions' keys gives:
+ * NaN if a partition met a NaN or +inf score or if the admitted keys all
+ * score -inf, zeros and LSE -inf if no key is admitted; the inf and NaN that
+ * V rows brought into a partition's sums reach the output. */
+void pkv_merge_partitions(const pkv_attention_args *args, int64_t token, int64_t head,
+                          int64_t first_partial, int64_t num_partials);
 
 /* Best path this CPU and build support. */
 pkv_isa pkv_best_isa(void);

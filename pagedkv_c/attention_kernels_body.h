@@ -581,7 +581,7 @@ PKV_TARGET static void FN(process_heads)(const FN(pkv_state) *heads, int64_t num
 }
 
 /* Where the listing of an item's key rows stands: listed page j (of
- * indptr[seq] .. indptr[seq + 1]), next position pos. */
+ * first_page .. end_page), next position pos. */
 typedef struct {
     int64_t j, j_end, pos;
     int64_t last;      /* last position any query of the item may attend to */
@@ -595,8 +595,8 @@ PKV_TARGET static void FN(cursor_init)(FN(pkv_cursor) *c, const pkv_attention_ar
 {
     const int64_t pmax = item->first_position + item->num_tokens - 1;
     const int64_t seq_len = a->seq_lens[item->seq];
-    c->j = a->indptr[item->seq];
-    c->j_end = a->indptr[item->seq + 1];
+    c->j = item->first_page;
+    c->j_end = item->end_page;
     c->pos = 0;
     c->last = pmax < seq_len - 1 ? pmax : seq_len - 1;
     c->lo = a->window > 0 ? item->first_position - a->window + 1 : 0;
@@ -749,9 +749,17 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
         const int64_t kv_head = item->kv_head + hh;
         for (r = 0; r < rows; r++) {
             const int64_t i = r / G, g = r % G;
-            float *out = a->out + (item->first_token + i) * Hq * D + (kv_head * G + g) * D;
             const float *acc = st->acc + r * dim_pad;
             const float l = st->l[r];
+            if (item->partial >= 0) {
+                /* one partition of a split decode: its raw state, merged later */
+                const int64_t row = (item->partial + i) * Hq + kv_head * G + g;
+                memcpy(a->part_acc + row * D, acc, (size_t)D * sizeof(float));
+                a->part_max[row] = st->m[r];
+                a->part_sum[row] = l;
+                continue;
+            }
+            float *out = a->out + (item->first_token + i) * Hq * D + (kv_head * G + g) * D;
             float row_lse;
             if (l > 0.0f) {
                 const float inv = 1.0f / l;

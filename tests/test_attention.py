@@ -107,6 +107,16 @@ def kernel_path(isa):
         _attention._set_isa(previous)
 
 
+@contextlib.contextmanager
+def decode_partition(tokens):
+    """Split decode into as many partitions as ``tokens`` tokens (whole pages) fit (0: never split)."""
+    previous = _attention._set_decode_partition(tokens)
+    try:
+        yield
+    finally:
+        _attention._set_decode_partition(previous)
+
+
 def random_q(rng, n, num_qo_heads, dim):
     return rng.standard_normal((n, num_qo_heads, dim), dtype=np.float32)
 
@@ -345,6 +355,83 @@ def test_windowed_cost_skips_released_and_out_of_window_pages():
     check_decode(cache, ["long"], 4, rng)
 
 
+# ------------------------------------------------------------- split decode
+#
+# A batch of few (sequence, KV head) pairs splits each sequence's pages into
+# partitions, computed as items of their own and merged with the log-sum-exp
+# rescaling (Flash-Decoding). The partition length is set small here so that
+# short test sequences split: one page, two pages (from a length that is not a
+# multiple of the page size), three pages; sequences whose page count the
+# partitions do not divide get a shorter last partition.
+
+def split_partition_tokens(ps):
+    return [1, 2 * ps - 1, 3 * ps]
+
+
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("partition", [0, 1, 2])
+def test_split_decode_matches_reference_on_every_path(isa, dtype, shape, partition):
+    num_kv_heads, group, dim, ps, window, sinks = shape
+    rng = np.random.default_rng(41)
+    cache = FakeCache(2, num_kv_heads, dim, 200, ps, dtype, window, sinks, seed=42)
+    lengths = [1, ps, 3 * ps, 2 * ps + 1, 70, 129]
+    for i, n in enumerate(lengths):
+        # windowed sequences also hold up to 2 pages the window has left
+        hold_from = None if window is None else n - window - (i % 3) * ps
+        cache.add_sequence(i, n, hold_from=hold_from)
+    with kernel_path(isa), decode_partition(split_partition_tokens(ps)[partition]):
+        check_decode(cache, list(range(len(lengths))), num_kv_heads * group, rng, layer=1,
+                     threads=(1, 2, 3))
+
+
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("shape", SINK_SHAPES)
+@pytest.mark.parametrize("partition", [0, 2])
+def test_split_decode_with_sink_queries_matches_reference_on_every_path(isa, dtype, shape, partition):
+    num_kv_heads, group, dim, ps, window, sinks = shape
+    rng = np.random.default_rng(43)
+    cache = FakeCache(2, num_kv_heads, dim, 200, ps, dtype, window, sinks, seed=44)
+    lengths = [1, sinks, sinks + 1, ps, 3 * ps, 2 * ps + 1, 70, 129]
+    for i, n in enumerate(lengths):
+        cache.add_sequence(i, n, hold_from=n - window - (i % 3) * ps)
+    with kernel_path(isa), decode_partition(split_partition_tokens(ps)[partition]):
+        check_decode(cache, list(range(len(lengths))), num_kv_heads * group, rng, layer=1,
+                     threads=(1, 2, 3), sink_queries=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_long_sequence_splits_by_default_and_matches_reference(dtype):
+    # One sequence of 3,000 tokens, 3 KV heads of 3 query heads (SmolLM2's
+    # shape): partitions of the default length, the last one uneven.
+    rng = np.random.default_rng(45)
+    cache = FakeCache(1, 3, 64, 200, 16, dtype, seed=46)
+    cache.add_sequence("long", 2950)  # 185 pages: 47 x 3 + 44 (float32), 93 + 92 (float16)
+    cache.add_sequence("short", 30)
+    split = check_decode(cache, ["short", "long"], 9, rng, threads=(1, 2, 3, 4))
+    with decode_partition(0):
+        whole = check_decode(cache, ["short", "long"], 9, np.random.default_rng(45), threads=(1, 2, 3, 4))
+    # same queries; the merge rounds differently from one pass over the pages
+    np.testing.assert_array_equal(split[0], whole[0])  # "short" is one partition either way
+    assert not np.array_equal(split[1], whole[1])
+
+
+def test_split_decode_identical_for_any_thread_count():
+    rng = np.random.default_rng(47)
+    with decode_partition(40):
+        check_decode(windowed_batch(), list(range(6)), 8, rng, threads=(1, 2, 3, 7))
+        check_decode(windowed_batch(), list(range(6)), 8, rng, threads=(1, 2, 3, 7), sink_queries=True)
+
+
+def test_set_decode_partition_rejects_bad_values():
+    with pytest.raises(ValueError, match="Invalid value of tokens"):
+        _attention._set_decode_partition(-1)
+    with pytest.raises(TypeError):
+        _attention._set_decode_partition(1.5)
+
+
 def forked_cache(dtype):
     cache = FakeCache(1, 2, 32, 64, 3, dtype, window=None, seed=8)
     cache.add_sequence("parent", 20)
@@ -431,7 +518,7 @@ def nonfinite_cache(dtype, mode, window=None, sink_tokens=0, extra=()):
     already (poison_unread_slots).
     """
     cache = FakeCache(1, 2, 40, 96, 4, dtype, window, sink_tokens, seed=21)
-    qo_len = 1 if mode == "decode" else 12
+    qo_len = 12 if mode == "prefill" else 1
     specs = [("s", 70, qo_len), ("t", 37, qo_len), *extra]
     for seq_id, n, m in specs:
         hold_from = None if window is None else n - m - window + 1 - cache.page_size
@@ -479,8 +566,13 @@ def attend_and_compare(cache, seq_ids, qo_lens, q, threads=(1, 2)):
     return out, lse, ref_out, ref_lse
 
 
+def split_decode_for(mode):
+    """Partitions of one page for mode "split decode", the default split rule otherwise."""
+    return decode_partition(1) if mode == "split decode" else contextlib.nullcontext()
+
+
 NONFINITE_CASES = [(isa, dtype, mode) for isa in AVAILABLE_ISAS for dtype in (np.float32, np.float16)
-                   for mode in ("decode", "prefill")]
+                   for mode in ("decode", "split decode", "prefill")]
 
 
 @pytest.mark.parametrize("isa, dtype, mode", NONFINITE_CASES)
@@ -488,9 +580,9 @@ def test_nan_in_one_query_element_gives_exactly_that_row_nan(isa, dtype, mode):
     cache, seq_ids, qo_lens = nonfinite_cache(dtype, mode)
     rng = np.random.default_rng(22)
     q = random_q(rng, sum(qo_lens), 6, 40)
-    row = len(q) - 1 if mode == "decode" else 5
+    row = len(q) - 1 if mode != "prefill" else 5
     q[row, 4, 17] = np.nan
-    with kernel_path(isa):
+    with kernel_path(isa), split_decode_for(mode):
         out, lse, _, _ = attend_and_compare(cache, seq_ids, qo_lens, q)
     expected = np.zeros(lse.shape, bool)
     expected[row, 4] = True
@@ -511,7 +603,7 @@ def test_nan_score_among_minus_infinite_scores_gives_nan(isa, dtype, mode):
         set_kv(cache, "s", position, 0, 0, -np.inf)  # q > 0
     rng = np.random.default_rng(28)
     q = np.abs(random_q(rng, sum(qo_lens), 6, 40))
-    with kernel_path(isa):
+    with kernel_path(isa), split_decode_for(mode):
         out, lse, _, _ = attend_and_compare(cache, seq_ids, qo_lens, q)
     expected = np.zeros(lse.shape, bool)
     expected[:qo_lens[0], :3] = True
@@ -526,12 +618,12 @@ def test_nan_in_an_admitted_key_gives_its_query_group_nan(isa, dtype, mode):
     set_kv(cache, "s", 62, 0, 1, np.nan, dims=9)  # KV head 1 = query heads 3..5
     rng = np.random.default_rng(23)
     q = random_q(rng, sum(qo_lens), 6, 40)
-    with kernel_path(isa):
+    with kernel_path(isa), split_decode_for(mode):
         out, lse, _, _ = attend_and_compare(cache, seq_ids, qo_lens, q)
     # Rows of "s" at positions >= 62 (decode: position 69; prefill: 62..69 of
     # queries 58..69), heads 3..5; nothing else.
     expected = np.zeros(lse.shape, bool)
-    if mode == "decode":
+    if mode != "prefill":
         expected[0, 3:6] = True
     else:
         expected[62 - 58:12, 3:6] = True
@@ -553,9 +645,9 @@ def test_nonfinite_key_and_value_outside_the_mask_are_ignored(isa, dtype, mode):
         set_kv(cache, "s", position, 1, 1, np.inf, dims=6)
     rng = np.random.default_rng(24)
     q = random_q(rng, sum(qo_lens), 6, 40)
-    with kernel_path(isa):
+    with kernel_path(isa), split_decode_for(mode):
         out, lse, _, ref_lse = attend_and_compare(cache, seq_ids, qo_lens, q)
-    if mode == "decode":
+    if mode != "prefill":
         assert np.isnan(lse[0, :3]).all() and np.isfinite(lse[:, 3:]).all()  # 66 is admitted by 69
     else:
         positions = np.arange(58, 70)
@@ -571,10 +663,10 @@ def test_positive_infinite_score_gives_nan(isa, dtype, mode):
     set_kv(cache, "t", 30, 0, 0, np.inf, dims=11)  # q > 0: score +inf for heads 0..2
     rng = np.random.default_rng(25)
     q = np.abs(random_q(rng, sum(qo_lens), 6, 40))
-    with kernel_path(isa):
+    with kernel_path(isa), split_decode_for(mode):
         out, lse, _, _ = attend_and_compare(cache, seq_ids, qo_lens, q)
     # Rows of "t" at positions >= 30 (decode: 36; prefill: 30..36 of queries 25..36).
-    nan_rows = slice(1, 2) if mode == "decode" else slice(12 + 30 - 25, 24)
+    nan_rows = slice(1, 2) if mode != "prefill" else slice(12 + 30 - 25, 24)
     assert np.isnan(lse[nan_rows, :3]).all() and np.isnan(out[nan_rows, :3]).all()
     assert np.isfinite(lse[nan_rows, 3:]).all() and np.isfinite(out[nan_rows, 3:]).all()
     assert np.isfinite(out[:nan_rows.start]).all()
@@ -584,7 +676,7 @@ def test_positive_infinite_score_gives_nan(isa, dtype, mode):
 def test_negative_infinite_scores_weigh_zero(isa, dtype, mode):
     # "u": decode: one token, the only key of its query; prefill: 3 tokens, all
     # queries, the first of which sees only its own key.
-    u = ("u", 1, 1) if mode == "decode" else ("u", 3, 3)
+    u = ("u", 1, 1) if mode != "prefill" else ("u", 3, 3)
     cache, seq_ids, qo_lens = nonfinite_cache(dtype, mode, extra=[u])
     set_kv(cache, "u", 0, 0, 0, -np.inf)  # q > 0: score -inf for heads 0..2
     set_kv(cache, "s", 65, 0, 0, -np.inf)  # one -inf key among finite ones: weight 0
@@ -594,9 +686,9 @@ def test_negative_infinite_scores_weigh_zero(isa, dtype, mode):
         set_kv(cache, "s", position, 0, 0, -np.inf)
     rng = np.random.default_rng(26)
     q = np.abs(random_q(rng, sum(qo_lens), 6, 40))
-    with kernel_path(isa):
+    with kernel_path(isa), split_decode_for(mode):
         out, lse, ref_out, _ = attend_and_compare(cache, seq_ids, qo_lens, q)
-    s_last = 0 if mode == "decode" else 11
+    s_last = 0 if mode != "prefill" else 11
     u_first = len(q) - qo_lens[-1]
     assert np.isfinite(out[:s_last + 1, :3]).all()
     assert np.isnan(out[s_last, 3:, 2]).all() and np.isfinite(np.delete(out[s_last, 3:], 2, axis=-1)).all()
@@ -613,16 +705,34 @@ def test_nonfinite_values_of_admitted_tokens_reach_the_output(isa, dtype, mode):
     set_kv(cache, "t", 36, 1, 0, -np.inf, dims=39)  # the last element: the scalar tail
     rng = np.random.default_rng(27)
     q = random_q(rng, sum(qo_lens), 6, 40)
-    with kernel_path(isa):
+    with kernel_path(isa), split_decode_for(mode):
         out, lse, _, _ = attend_and_compare(cache, seq_ids, qo_lens, q)
     assert np.isfinite(lse).all()
-    s_last, t_last = (0, 1) if mode == "decode" else (11, 23)
+    s_last, t_last = (0, 1) if mode != "prefill" else (11, 23)
     assert np.isnan(out[s_last, 3:, 7]).all()
     assert np.isposinf(out[s_last, :3, 1]).all()
     assert np.isneginf(out[t_last, :3, 39]).all()
     if mode == "prefill":  # earlier queries of the same work items do not see them
         assert np.isfinite(out[:63 - 58]).all()
         assert np.isfinite(out[12:23]).all()
+
+
+def test_split_decode_partition_whose_scores_are_all_minus_infinite_passes_nonfinite_values():
+    # KV head 0 of "s": the keys of the first two pages score -inf (weight 0)
+    # and position 3 has an inf V element: 0 * inf is NaN in that column of
+    # query heads 0..2, as dense attention gives, while the partitions of one
+    # page hold a sum of -0.0 (admitted keys, no finite score) there.
+    for mode in ("decode", "split decode"):
+        cache, seq_ids, qo_lens = nonfinite_cache(np.float32, "decode")
+        for position in range(8):
+            set_kv(cache, "s", position, 0, 0, -np.inf)
+        set_kv(cache, "s", 3, 1, 0, np.inf, dims=5)
+        q = np.abs(random_q(np.random.default_rng(29), 2, 6, 40))
+        with split_decode_for(mode):
+            out, lse, _, _ = attend_and_compare(cache, seq_ids, qo_lens, q, threads=(1, 2, 3))
+        assert np.isnan(out[0, :3, 5]).all()
+        assert np.isfinite(np.delete(out[0, :3], 5, axis=-1)).all() and np.isfinite(lse).all()
+        assert np.isfinite(out[0, 3:]).all() and np.isfinite(out[1]).all()
 
 
 # ------------------------------------------------------------- hypothesis
@@ -673,6 +783,15 @@ def test_decode_hypothesis(problem):
     with kernel_path(isa):
         check_decode(cache, list(range(len(problem[8]))), num_qo_heads, np.random.default_rng(seed),
                      layer=seed % 2)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(prefill=False), st.sampled_from([1, 2, 3, 7, 16, 40]))
+def test_split_decode_hypothesis(problem, partition_tokens):
+    cache, num_qo_heads, isa, seed, _ = build(problem)
+    with kernel_path(isa), decode_partition(partition_tokens):
+        check_decode(cache, list(range(len(problem[8]))), num_qo_heads, np.random.default_rng(seed),
+                     layer=seed % 2, threads=(1, 2, 3))
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -70,6 +70,20 @@ also a tile of queries) that OpenMP threads take one at a time. Every output
 element comes from one item on one thread, in a fixed order, so the results
 are bit-identical for any ``num_threads``.
 
+Split decode: a sequence alone gives a decode call only as many items as it
+has KV heads, too few to spread evenly over the threads (SmolLM2's 3 KV heads
+on 2 threads: 2 against 1). So when the batch holds at most 64 (sequence, KV
+head) pairs, ``decode`` splits each sequence whose listed pages hold at least
+2 MiB of K/V (one layer) into 2 to 8 partitions of whole pages, as many as
+hold 1 MiB each, computes each partition as an item of its own
+(its running maximum, sum and weighted V), and merges the partitions of each
+query row with the log-sum-exp rescaling, in a fixed order and in float64:
+Flash-Decoding (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for
+long-context inference"), as vLLM's ``paged_attention_v2`` does on GPUs. The
+partitions follow from the batch and its page tables, never from the thread
+count, so results stay bit-identical for any ``num_threads``; they differ
+from an unsplit pass only by rounding.
+
 SIMD paths (x86-64 AVX-512F + VL, AVX2 + FMA + F16C, portable C) are chosen once at
 import from what the CPU supports; :func:`kernel_info` reports the choice.
 The environment variable ``PAGEDKV_ATTENTION_ISA`` (``scalar``, ``avx2``,
