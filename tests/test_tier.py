@@ -438,6 +438,32 @@ def test_a_resp3_client_reads_nulls_and_values(standalone):
     assert tier.stats()["misses"] == 1 and tier.stats()["hit_pages"] == 2
 
 
+def test_page_values_are_little_endian(standalone):
+    """The header's integers, the page hash and the token ids are little-endian bytes (the documented
+    format), whatever the machine's byte order."""
+    from pagedkv.tiers._format import FORMAT_VERSION, HEADER, MAGIC
+
+    ns = namespace()
+    prompt = worker.make_prompt(14, 40)
+    offload_prompt(standalone, ns, prompt)
+    tier = RedisTier(standalone, namespace=ns)
+    KVCache(num_pages=64, enable_prefix_caching=True, tier=tier, **worker.LAYOUT)
+    keys = _prompt_keys(tier, prompt)
+    pages = KVCache(0, 1, 1, 64, page_size=16, enable_prefix_caching=True)
+    pages.add_sequence(0, prompt)
+    pages.append([0], [len(prompt)])
+    client = tier._client()
+    for page, key in enumerate(keys):
+        value = client.get(key)
+        page_hash = pages.prefix_index.page_hash(int(pages.page_table([0]).indices[page]))
+        assert value[:8] == MAGIC
+        assert np.frombuffer(value, "<u2", 2, 8).tolist() == [FORMAT_VERSION, 1]
+        assert np.frombuffer(value, "<u4", 4, 12).tolist() == [3, 2, 8, 16]
+        assert value[32:48] == np.array([page_hash & (2**64 - 1), page_hash >> 64], "<u8").tobytes()
+        assert np.frombuffer(value, "<u8", 1, 56)[0] == 3 * 2 * 16 * 2 * 8 * 4
+        assert value[HEADER.size:HEADER.size + 64] == prompt[16 * page:16 * page + 16].astype("<i4").tobytes()
+
+
 def test_a_slot_moved_between_nodes_is_a_miss_until_the_map_is_read_again(cluster):
     """A slot holding one of the prompt's keys moves to another node (CLUSTER SETSLOT, MIGRATE) while
     the tier holds the old slot map: the old node answers MOVED, later (moving it back) ASK during

@@ -694,7 +694,10 @@ class RedisTier:
         layout = self.layout
         count = rows.shape[0]
         checksums = record_checksums(rows, body_offset, layout.num_layers, layout.page_bytes)  # C, no GIL
-        keyed = (rows[:, HEADER.size:body_offset].view(np.int32) != -1).any(axis=1)
+        token_bytes = rows[:, HEADER.size:body_offset]
+        native_tokens = token_bytes.view(np.int32).copy()  # as the cache copied them: the machine's byte order
+        token_bytes.view("<i4")[...] = native_tokens       # the format's: little-endian on every host
+        keyed = (native_tokens != -1).any(axis=1)
         raw_hashes = np.ascontiguousarray(page_hashes, dtype="<u8").tobytes()
         keys = page_keys(self._prefix, page_hashes)
         fields = layout.header_fields()
