@@ -1491,11 +1491,12 @@ cdef class KVCache:
         cdef int32_t[::1] page_view = pages
         self.pool.take(&page_view[0], r)
         body = <const uint8_t*>cnp.PyArray_DATA(records) + skip * row_bytes + body_offset
-        with nogil:
+        with nogil:  # non-temporal stores, as store's: no read of the destination lines, no eviction
             for i in range(r):
                 for layer in range(self.num_layers):
-                    memcpy(self._data + layer * self._layer_bytes + page_view[i] * self._page_bytes,
-                           body + i * row_bytes + layer * self._page_bytes, self._page_bytes)
+                    pkv_stream_copy(self._data + layer * self._layer_bytes + page_view[i] * self._page_bytes,
+                                    <const char*>body + i * row_bytes + layer * self._page_bytes, self._page_bytes)
+            pkv_stream_fence()
         for i in range(r):
             page_id = page_view[i]
             k = num_local + i

@@ -404,6 +404,27 @@ def test_bad_values_are_rejected_and_counted(cluster, damage, counter, caplog):
     assert worker.served_rows_are_right(again, 0, prompt)
 
 
+def test_fetched_pages_carry_their_checksum(standalone):
+    """With page_checksums=True, pages copied in from the tier are sealed with the checksum the
+    tier verified: a scrub (verify_pages, which recomputes it from the pool) finds every one intact,
+    and one changed byte of a fetched page in the pool is found."""
+    ns = namespace()
+    prompt = worker.make_prompt(16, 100)
+    offload_prompt(standalone, ns, prompt)
+    tier = RedisTier(standalone, namespace=ns)
+    cache = KVCache(num_pages=64, enable_prefix_caching=True, tier=tier, page_checksums=True, **worker.LAYOUT)
+    assert cache.add_sequence(9, prompt[:40]) == 32  # the first two pages, from the tier
+    worker.fill(cache, 9, prompt[:40], 32)
+    cache.remove_sequence(9)
+    assert cache.add_sequence(0, prompt) == 96  # two local pages, then four from the tier
+    assert cache.stats()["tier_hits"] == 32 + 64
+    report = cache.verify_pages([0])
+    assert report.num_pages_checked == 6 and not report.bad_pages
+    page = int(cache.page_table([0]).indices[4])
+    cache.kv[2, page, 1, 3, 1, 5] += 1  # last layer, V
+    assert [bad.page_id for bad in cache.verify_pages([0]).bad_pages] == [page]
+
+
 def test_values_read_through_the_clients_parser_are_checked_alike(standalone, monkeypatch):
     """The reader for connections without a socket of their own (the client's parser) serves the
     same pages and rejects the same values."""
