@@ -1487,6 +1487,7 @@ cdef class KVCache:
         self.pool.take(&page_view[0], r)
         for i in range(r):
             page_id = page_view[i]
+            self._unseal_page(page_id)  # a page still in the sealed-page log leaves it before it is written
             if body_bytes:
                 body = sources[i]
                 with nogil:
@@ -1910,7 +1911,13 @@ cdef class KVCache:
         if self._prefix is not None:
             self._ix = &self._prefix.ix
             self._index_tokens = &self._prefix.tokens[0, 0]
+        self._update_seal_on_take()
         return 0
+
+    @cython.final
+    cdef void _update_seal_on_take(self) noexcept:
+        """Let take clear seal flags itself while no checksum or log entry must go with them."""
+        self.pool.clear_seal_on_take = self._checksums == NULL and not self._log_enabled
 
     def __dealloc__(self):
         free(self._digest_scratch)
@@ -2015,6 +2022,7 @@ cdef class KVCache:
             with nogil:
                 for i in range(num_listed):
                     self._seal_page(self._seal_buffer[i])
+        cdef bint taken_unsealed = self.pool.clear_seal_on_take
         for b in range(len(tables)):
             if counts[b] <= 0:
                 continue
@@ -2022,6 +2030,12 @@ cdef class KVCache:
             n0 = table.length - counts[b]
             if n0 // ps > table.num_sealed:
                 table.num_sealed = n0 // ps
+            if taken_unsealed and table._window == INT64_MAX:  # no window
+                # Without a window every new page came from take, which cleared its
+                # seal; only a partial last page written again after a truncate is left.
+                if n0 % ps:
+                    self._unseal_page(table.page_at(n0 // ps))
+                continue
             # New pages (from the free queue or reused in place), a copy-on-write
             # destination, or a partial last page written again after a truncate.
             for k in range(n0 // ps, (table.length - 1) // ps + 1):
@@ -2212,6 +2226,7 @@ cdef class KVCache:
             elif not enabled and self._log_enabled:
                 pkv_sealed_log_free(&self._log)
                 self._log_enabled = False
+            self._update_seal_on_take()
         finally:
             self._lock.leave()
 
