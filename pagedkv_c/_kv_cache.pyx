@@ -1493,6 +1493,7 @@ cdef class KVCache:
         body = <const uint8_t*>cnp.PyArray_DATA(records) + skip * row_bytes + body_offset
         with nogil:  # non-temporal stores, as store's: no read of the destination lines, no eviction
             for i in range(r):
+                self._unseal_page(page_view[i])  # a page still in the sealed-page log leaves it before it is written
                 for layer in range(self.num_layers):
                     pkv_stream_copy(self._data + layer * self._layer_bytes + page_view[i] * self._page_bytes,
                                     <const char*>body + i * row_bytes + layer * self._page_bytes, self._page_bytes)
@@ -1914,7 +1915,13 @@ cdef class KVCache:
         if self._prefix is not None:
             self._ix = &self._prefix.ix
             self._index_tokens = &self._prefix.tokens[0, 0]
+        self._update_seal_on_take()
         return 0
+
+    @cython.final
+    cdef void _update_seal_on_take(self) noexcept:
+        """Let take clear seal flags itself while no checksum or log entry must go with them."""
+        self.pool.clear_seal_on_take = self._checksums == NULL and not self._log_enabled
 
     def __dealloc__(self):
         free(self._digest_scratch)
@@ -2019,6 +2026,7 @@ cdef class KVCache:
             with nogil:
                 for i in range(num_listed):
                     self._seal_page(self._seal_buffer[i])
+        cdef bint taken_unsealed = self.pool.clear_seal_on_take
         for b in range(len(tables)):
             if counts[b] <= 0:
                 continue
@@ -2026,6 +2034,12 @@ cdef class KVCache:
             n0 = table.length - counts[b]
             if n0 // ps > table.num_sealed:
                 table.num_sealed = n0 // ps
+            if taken_unsealed and table._window == INT64_MAX:  # no window
+                # Without a window every new page came from take, which cleared its
+                # seal; only a partial last page written again after a truncate is left.
+                if n0 % ps:
+                    self._unseal_page(table.page_at(n0 // ps))
+                continue
             # New pages (from the free queue or reused in place), a copy-on-write
             # destination, or a partial last page written again after a truncate.
             for k in range(n0 // ps, (table.length - 1) // ps + 1):
@@ -2216,6 +2230,7 @@ cdef class KVCache:
             elif not enabled and self._log_enabled:
                 pkv_sealed_log_free(&self._log)
                 self._log_enabled = False
+            self._update_seal_on_take()
         finally:
             self._lock.leave()
 

@@ -284,6 +284,30 @@ def test_fetch_takes_at_most_the_free_pages(standalone):
     cache.check_invariants()
 
 
+def test_a_fetch_withdraws_the_log_entries_of_the_pages_it_reuses(standalone):
+    """A cached free page still waiting in the sealed-page log, taken by a fetch, leaves the log:
+    the writer must never copy the fetched bytes out under the page's old hash."""
+    ns = namespace()
+    fetched = worker.make_prompt(4, 64)
+    offload_prompt(standalone, ns, fetched)
+    tier = RedisTier(standalone, namespace=ns)
+    cache = KVCache(num_pages=4, enable_prefix_caching=True, tier=tier, **worker.LAYOUT)
+    tier.close()  # no writer: the pages sealed below wait in the cache's log
+    own = worker.make_prompt(5, 64)
+    cache.add_sequence(0, own)
+    worker.fill(cache, 0, own, 0)
+    cache.remove_sequence(0)  # 4 pages sealed and logged, then cached free
+    assert cache.add_sequence(1, fetched) == 48  # 3 of them taken for the fetched pages
+    ids, hashes, tokens, _ = cache._take_sealed_pages()
+    index = cache.prefix_index
+    assert len(ids) == 1  # the one page the fetch left alone, still holding its own K/V
+    assert [int.from_bytes(h.tobytes(), "little") for h in hashes] == [index.page_hash(int(p)) for p in ids]
+    assert tokens.tolist() == index.token_table()[ids].tolist()
+    assert tokens[0].tolist() in [np.asarray(own[i:i + 16]).tolist() for i in range(0, 64, 16)]
+    assert worker.served_rows_are_right(cache, 1, fetched)
+    cache.check_invariants()
+
+
 def test_pages_are_written_with_the_ttl(standalone):
     """SET NX EX: each page is written with its expiry, as the protocol's SET would."""
     ns = namespace()
