@@ -92,7 +92,7 @@ def _calibrate(fn, min_seconds, setup=None):
         number *= 2 if elapsed <= 0 else max(2, min(10, int(1.2 * min_seconds / elapsed) + 1))
 
 
-def compare(candidates, *, repeats=7, min_seconds=0.02, number=None, clock=time.perf_counter, setups=None):
+def compare(candidates, *, repeats=7, min_seconds=0.02, number=None, clock=time.perf_counter):
     """Time several callables in interleaved rounds; return per-call statistics for each.
 
     Parameters
@@ -111,9 +111,6 @@ def compare(candidates, *, repeats=7, min_seconds=0.02, number=None, clock=time.
         Returns the time in seconds: ``time.perf_counter`` (wall time, the
         default) or ``time.thread_time`` (CPU time of this thread, which a
         busy neighbour on a shared machine does not inflate).
-    setups : dict of str -> callable, optional
-        For some candidates, a callable run before each of its repetitions,
-        outside the timed region (e.g. to remove the file a write replaces).
 
     Returns
     -------
@@ -130,8 +127,6 @@ def compare(candidates, *, repeats=7, min_seconds=0.02, number=None, clock=time.
         for _ in range(repeats):
             for name, fn in candidates.items():
                 count = numbers[name]
-                if setups and name in setups:
-                    setups[name]()
                 start = clock()
                 for _ in range(count):
                     fn()

@@ -13,10 +13,7 @@ directory:
   ``flush`` and ``os.fsync`` of that file (no temporary file, no rename, no
   directory fsync, no checksums: ``save`` does all four on top), with the
   default two threads (a helper hashes the next run of pages while one is
-  written) and with one (``num_threads=1``, as ``np.save``); before each
-  timed save both files are removed and ``os.sync`` called, untimed, so no
-  write replaces a file or waits for the disk to free the blocks of the
-  file an earlier write replaced (whichever write came next paid for that);
+  written) and with one (``num_threads=1``, as ``np.save``);
 * ``load`` (read every page, check every page checksum, rebuild the page
   tables) vs ``np.load`` of that file, with two threads and with one;
   both read files just written, from the page cache; ``np.load`` checks
@@ -99,20 +96,9 @@ def run(args, workdir):
             f.flush()
             os.fsync(f.fileno())
 
-    def settle():
-        """Before each timed save: no file to replace, and nothing left for the disk to do (untimed),
-        so no write pays for the blocks of a file the previous one freed."""
-        for path in (snap_path, npy_path):
-            if os.path.exists(path):
-                os.remove(path)
-        os.sync()
-
-    save_names = ("KVCache.save", "np.save + fsync", "save, 1 thread")
     save = compare({"KVCache.save": lambda: cache.save(snap_path), "np.save + fsync": np_save,
                     "save, 1 thread": lambda: snapshot.save_cache(cache, snap_path, num_threads=1)},
-                   repeats=args.repeats, number=1, setups={name: settle for name in save_names})
-    cache.save(snap_path)
-    np_save()
+                   repeats=args.repeats, number=1)
     load = compare({"KVCache.load": lambda: KVCache.load(snap_path), "np.load": lambda: np.load(npy_path),
                     "load, 1 thread": lambda: snapshot.load_cache(snap_path, num_threads=1),
                     "KVCache.load(mmap=True)": lambda: KVCache.load(snap_path, mmap=True)},
