@@ -1,7 +1,7 @@
 """Cost of observability on the Mooncake conversation replay with prefix caching.
 
 Replays the Mooncake conversation trace (``pagedkv.replay.replay``, page size 16) at a
-10M-token cache in four settings, each timed over the request loop:
+10M-token cache in five settings, each timed over the request loop:
 
 * ``(a) plain``: no metrics, no events (the baseline).
 * ``(b) collector``: a ``pagedkv.metrics.Collector`` registered for the cache and
@@ -13,6 +13,11 @@ Replays the Mooncake conversation trace (``pagedkv.replay.replay``, page size 16
   structs of vLLM's schema (straight from ZeroMQ's receive buffer, ``copy=False``); the timed span runs until the publisher thread has sent the
   last batch, and the run fails unless the subscriber received every batch (sequence
   numbers 0..n-1, gaps filled from the replay socket) and every event.
+* ``(e)``: as (d), but the subscriber only receives during the run (checking sequence
+  numbers as batches arrive) and decodes every batch, with the same structs and the same
+  checks, once the run has ended. On a machine with few cores the decoding subscriber of
+  (d) competes with the replay for the CPUs; (e) leaves that out, so (d) - (e) is what the
+  router's decoding on the same machine costs and (e) is what publishing costs.
 
 Runs interleave the settings (the order rotates every repeat); the table gives medians
 and each setting's ratio to (a) with the goal next to it, events per second and bytes on
@@ -45,7 +50,7 @@ from pagedkv.traces import load_trace
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRACE_NAME = "mooncake_conversation_trace.jsonl"
-GOALS = {"b": 1.01, "c": 1.10, "d": 1.25}
+GOALS = {"b": 1.01, "c": 1.10, "d": 1.25, "e": 1.25}
 
 # The subscriber process: vLLM-schema structs, SUB socket, replay of gaps over DEALER.
 SUBSCRIBER = textwrap.dedent('''
@@ -68,22 +73,29 @@ SUBSCRIBER = textwrap.dedent('''
         data_parallel_rank: int | None = None
 
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
-    endpoint, replay_endpoint = sys.argv[1], sys.argv[2]
+    endpoint, replay_endpoint, decode_after = sys.argv[1], sys.argv[2], sys.argv[3] == "after"
     context = zmq.Context()
     sub = context.socket(zmq.SUB); sub.setsockopt(zmq.SUBSCRIBE, b""); sub.setsockopt(zmq.RCVHWM, 0)
     sub.connect(endpoint)
     replay = context.socket(zmq.DEALER); replay.connect(replay_endpoint)
     print("ready", flush=True)
     seen, events, pages, wire, replayed = set(), 0, 0, 0, 0
+    held = []  # decode_after: the payloads, decoded once every batch is in
 
-    def take(seq, payload):
+    def decode(payload):
         global events, pages
-        if seq in seen:
-            return
         batch = decoder.decode(payload)
-        seen.add(seq)
         events += len(batch.events)
         pages += sum(len(e.block_hashes) for e in batch.events if not isinstance(e, AllBlocksCleared))
+
+    def take(seq, payload):
+        if seq in seen:
+            return
+        seen.add(seq)
+        if decode_after:
+            held.append(payload)
+        else:
+            decode(payload)
 
     expected = None
     poller = zmq.Poller(); poller.register(sub, zmq.POLLIN); poller.register(sys.stdin, zmq.POLLIN)
@@ -104,6 +116,8 @@ SUBSCRIBER = textwrap.dedent('''
                     break
                 replayed += int.from_bytes(seq, "big") not in seen
                 take(int.from_bytes(seq, "big"), payload)
+    for payload in held:
+        decode(payload)
     print(json.dumps({"batches": len(seen), "events": events, "pages": pages, "bytes": wire,
                       "replayed": replayed}), flush=True)
 ''')
@@ -171,11 +185,12 @@ def run_drained(trace, args):
     return seconds, totals
 
 
-def run_zmq(trace, args):
+def run_zmq(trace, args, decode_after=False):
     from pagedkv.events import ZmqEventPublisher
 
     endpoint, replay_endpoint = free_endpoint(), free_endpoint()
-    subscriber = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, endpoint, replay_endpoint],
+    subscriber = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, endpoint, replay_endpoint,
+                                   "after" if decode_after else "live"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     publishers = []
 
@@ -215,6 +230,7 @@ SETTINGS = {
     "b": ("(b) collector, scraped every 100 ms", run_collector),
     "c": ("(c) events drained every 256 requests", run_drained),
     "d": ("(d) events over ZeroMQ to a subscriber process", run_zmq),
+    "e": ("(e) as (d), the subscriber decodes after the run", lambda trace, args: run_zmq(trace, args, True)),
 }
 
 
@@ -234,9 +250,10 @@ def main():
         raise SystemExit(f"{TRACE_NAME} not found in {REPO_ROOT.parent / 'shared' / 'data'}; pass --trace")
     trace = load_trace(path, "mooncake", limit=args.limit)
 
-    keys = ["a", "b", "c", "d"]
+    keys = ["a", "b", "c", "d", "e"]
     skipped = {}
-    for key, module in (("b", "prometheus_client"), ("b", "pagedkv.metrics"), ("d", "zmq"), ("d", "msgspec")):
+    for key, module in (("b", "prometheus_client"), ("b", "pagedkv.metrics"), ("d", "zmq"), ("d", "msgspec"),
+                        ("e", "zmq"), ("e", "msgspec")):
         try:
             __import__(module)
         except ImportError as exc:
@@ -275,10 +292,11 @@ def main():
                      "goal": GOALS.get(key), "info": info}
     for key, reason in skipped.items():
         print(f"{SETTINGS[key][0]}: not run, {reason}")
-    if "d" in extra:
-        d = extra["d"]
-        print(f"(d): {d['batches']:,} batches, {d['events']:,} events ({d['pages']:,} page hashes) received in "
-              f"full by the subscriber process ({d['received']['replayed']} replayed)")
+    for key in ("d", "e"):
+        if key in extra:
+            d = extra[key]
+            print(f"({key}): {d['batches']:,} batches, {d['events']:,} events ({d['pages']:,} page hashes) received "
+                  f"in full by the subscriber process ({d['received']['replayed']} replayed)")
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after ({os.cpu_count()} CPUs, shared)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,10 @@ kernels both use it):
   a chat prompt, DynamicCache against PagedCache: tokens/s (new tokens of all beams per
   second) and the K/V bytes held at the end (DynamicCache: its tensors; PagedCache: the
   peak pages in use).
+* peak RSS (Linux; ``--skip-rss`` leaves it out): at the largest context, for each
+  candidate alone, the peak RSS that building it and 8 decode steps add on top of the
+  model and the kept prefill (the RSS high-water mark reset through
+  ``/proc/self/clear_refs`` before each candidate), beside the K/V bytes it holds.
 * chat second turn: time to first token of a second turn (``max_new_tokens=1``) after a
   first turn on the same PagedCache (prefix reuse: only the new tokens are computed),
   against a cold PagedCache and a cold DynamicCache.
@@ -88,33 +92,95 @@ def prefill_context(model, context):
     return _PREFILLS[context]
 
 
-def build_caches(model, context, steps):
-    """Copy the K/V of ``context`` prefilled tokens into one cache per candidate."""
+def build_cache(model, name, context, steps):
+    """Copy the K/V of ``context`` prefilled tokens into a new cache of candidate ``name``."""
     import torch
     from transformers import DynamicCache, StaticCache
 
     import pagedkv.transformers as pt
 
-    prefill, prefill_seconds = prefill_context(model, context)
-    static = StaticCache(config=model.config, max_cache_len=context + steps + 1)
-    paged = pt.PagedCache(model.config, max_tokens=context + steps + 1, dtype=torch.float32)
+    prefill, _ = prefill_context(model, context)
+    if name == "DynamicCache":
+        dynamic = DynamicCache(config=model.config)
+        for layer_idx, layer in enumerate(prefill.layers):
+            dynamic.update(layer.keys.clone(), layer.values.clone(), layer_idx)
+        return dynamic
+    if name == "StaticCache":
+        cache = StaticCache(config=model.config, max_cache_len=context + steps + 1)
+    else:
+        cache = pt.PagedCache(model.config, max_tokens=context + steps + 1, dtype=torch.float32)
     positions = torch.arange(context)[None, :]
-    model.config._attn_implementation = "pagedkv"  # update() returns the tagged inputs, no gather
+    model.config._attn_implementation = "pagedkv"  # PagedCache.update() stores and returns the inputs, no gather
     for layer_idx, layer in enumerate(prefill.layers):
-        static.update(layer.keys, layer.values, layer_idx)
-        paged.update(layer.keys, layer.values, layer_idx, kwargs={"position_ids": positions})
+        if name == "StaticCache":
+            cache.update(layer.keys, layer.values, layer_idx)
+        else:
+            cache.update(layer.keys, layer.values, layer_idx, kwargs={"position_ids": positions})
     model.set_attn_implementation("sdpa")
-    dynamic = DynamicCache(config=model.config)
-    for layer_idx, layer in enumerate(prefill.layers):
-        dynamic.update(layer.keys.clone(), layer.values.clone(), layer_idx)
-    return {"DynamicCache": dynamic, "StaticCache": static, "PagedCache": paged}, prefill_seconds
+    return cache
+
+
+def build_caches(model, context, steps):
+    """Copy the K/V of ``context`` prefilled tokens into one cache per candidate."""
+    prefill_seconds = prefill_context(model, context)[1]
+    return {name: build_cache(model, name, context, steps) for name in CANDIDATES}, prefill_seconds
+
+
+IMPLEMENTATION = {"DynamicCache": "sdpa", "StaticCache": "sdpa", "PagedCache": "pagedkv"}
+
+
+def _status_kib(field):
+    """A ``/proc/self/status`` field in KiB (Linux), e.g. ``VmRSS`` or ``VmHWM``."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def bench_peak_rss(model, context, steps, threads):
+    """Peak RSS each candidate adds at ``context`` tokens: its cache plus ``steps`` decode steps.
+
+    One candidate at a time, on Linux: free the previous one (``gc.collect`` and glibc's
+    ``malloc_trim``), read the RSS, reset the process's RSS high-water mark (writing 5 to
+    ``/proc/self/clear_refs``), build the candidate from the kept prefill, run the decode
+    steps, and read the high-water mark (``VmHWM``). The row is the high-water mark minus the
+    RSS before, in bytes: the memory this cache costs on top of the model and the prefill.
+    """
+    import ctypes
+    import gc
+
+    import torch
+
+    libc = ctypes.CDLL("libc.so.6")
+    token = torch.tensor([[42]])
+    rows = []
+    for name in CANDIDATES:
+        gc.collect()
+        libc.malloc_trim(0)
+        before = _status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        cache = build_cache(model, name, context, steps)
+        model.set_attn_implementation(IMPLEMENTATION[name])
+        for step in range(steps):
+            position = torch.tensor([[context + step]])
+            with torch.no_grad():
+                model(input_ids=token, cache=cache, position_ids=position, cache_position=position[0],
+                      use_cache=True)
+        model.set_attn_implementation("sdpa")
+        peak = _status_kib("VmHWM")
+        rows.append({"threads": threads, "context": context, "cache": name, "kv_bytes": cache_bytes(cache),
+                     "rss_before_bytes": before * 1024, "peak_rss_added_bytes": (peak - before) * 1024})
+        del cache
+    return rows
 
 
 def bench_decode(model, context, steps, threads):
     import torch
 
     caches, prefill_seconds = build_caches(model, context, steps)
-    implementation = {"DynamicCache": "sdpa", "StaticCache": "sdpa", "PagedCache": "pagedkv"}
+    implementation = IMPLEMENTATION
     times = {name: [] for name in CANDIDATES}
     token = torch.tensor([[42]])
     for step in range(steps + 1):
@@ -223,6 +289,8 @@ def main():
     parser.add_argument("--beam-tokens", type=int, default=48, help="new tokens per beam")
     parser.add_argument("--skip-beams", action="store_true")
     parser.add_argument("--skip-turn", action="store_true")
+    parser.add_argument("--skip-rss", action="store_true",
+                        help="skip the peak RSS each cache adds at the largest context (Linux only)")
     args = parser.parse_args()
 
     import torch
@@ -230,12 +298,14 @@ def main():
     start = time.perf_counter()
     model, tokenizer = load_model()
     print(f"model loaded in {time.perf_counter() - start:.1f} s")
-    decode_rows, beam_rows, turn_rows = [], [], []
+    decode_rows, beam_rows, turn_rows, rss_rows = [], [], [], []
     for threads in args.threads:
         torch.set_num_threads(threads)
         for context in args.context:
             decode_rows += bench_decode(model, context, args.steps, threads)
             print(f"threads {threads}, context {context}: done", flush=True)
+        if not args.skip_rss and not rss_rows and os.path.exists("/proc/self/clear_refs"):
+            rss_rows = bench_peak_rss(model, max(args.context), 8, threads)
         if not args.skip_beams:
             beam_rows += bench_beams(model, tokenizer, args.beams, args.beam_tokens, threads)
         if not args.skip_turn:
@@ -256,10 +326,15 @@ def main():
             ["threads", "second turn", "prompt tokens", "computed", "TTFT s"],
             [[r["threads"], r["cache"], r["prompt_tokens"], r["computed_tokens"], f"{r['ttft_s']:.2f}"]
              for r in turn_rows]))
+    if rss_rows:
+        print(format_table(
+            ["context", "cache", "K/V MiB", "peak RSS added MiB", "RSS before MiB"],
+            [[r["context"], r["cache"], f"{r['kv_bytes'] / 2**20:.0f}", f"{r['peak_rss_added_bytes'] / 2**20:.0f}",
+              f"{r['rss_before_bytes'] / 2**20:.0f}"] for r in rss_rows]))
     print(f"process peak RSS: {peak_rss / 2**20:.0f} MiB (all candidates and contexts of the run)")
     path = write_json("bench_transformers", {
         "machine": machine_info(), "args": vars(args), "decode": decode_rows, "beams": beam_rows,
-        "second_turn": turn_rows, "peak_rss_bytes": peak_rss,
+        "second_turn": turn_rows, "peak_rss": rss_rows, "peak_rss_bytes": peak_rss,
     })
     print(f"wrote {path}")
 

@@ -101,6 +101,7 @@ cdef class KVCache:
     cdef int64_t _log_drops_reported      # the log's num_dropped already returned by _take_sealed_copies
 
     cdef int _init_sealing(self, bint page_checksums) except -1
+    cdef void _update_seal_on_take(self) noexcept
     # final: called once per page in the append and removal loops (a direct, inlinable call, no vtable)
     @cython.final
     cdef bint _seal_page(self, page_id_t page_id) noexcept nogil

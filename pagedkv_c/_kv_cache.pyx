@@ -1444,55 +1444,62 @@ cdef class KVCache:
         hashes.hash_upto(index.algorithm, first + n)
         page_hashes = np.asarray(hashes.chain_array)[first:first + n].copy()
         token_rows = prompt[first * ps:(first + n) * ps].reshape(n, ps) if prompt is not None else None
-        bodies = self._tier._fetch(page_hashes, token_rows)
-        if not bodies:
+        fetched = self._tier._fetch(page_hashes, token_rows)
+        if fetched is None:
             return None
-        table.reserve(first + len(bodies))
-        return first, bodies
+        # What _tier_install hands to C: checked here, without the lock, so the install cannot fail.
+        records, count, body_offset, checksums = fetched
+        count = check_int(count, "count", 0, n)
+        body_offset = check_int(body_offset, "body_offset", 0, 2**40)
+        check_array(records, "records", np.uint8, (n, body_offset + self.num_layers * self._page_bytes))
+        check_array(checksums, "checksums", np.uint64, (n,))
+        if count == 0:
+            return None
+        table.reserve(first + count)
+        return first, records, count, body_offset, checksums
 
     cdef int64_t _tier_install(self, PageTable table, object fetched, int64_t num_local) except -1:
         """Put the fetched pages that follow the ``num_local`` local hits into new pages.
 
-        Each page's body is copied into every layer of a page taken from the
-        free queue, the page is indexed under its hash (and token ids) and
-        appended to the table. Takes at most the free pages; none when the
-        local hits no longer end where the fetch began (a gap). Returns the
-        tokens added.
+        ``fetched`` is what :meth:`_tier_lookup` returned: the first fetched
+        logical page, the tier's verified values (uint8 rows, checked there)
+        with each page's body at ``body_offset``, their count and their page
+        checksums. Each body is copied into every layer of a page taken from
+        the free queue (one C loop over pages and layers, without the GIL), the
+        page is indexed under its hash (and token ids) and appended to the
+        table. Takes at most the free pages; none when the local hits no longer
+        end where the fetch began (a gap). Returns the tokens added.
         """
         cdef int64_t first = fetched[0]
-        cdef list bodies = fetched[1]
+        cdef object records = fetched[1]
+        cdef Py_ssize_t count = fetched[2]
+        cdef Py_ssize_t body_offset = fetched[3]
+        cdef const uint64_t[::1] checksums = fetched[4]
         cdef SequenceHashes hashes = table.hashes
         cdef PrefixIndex index = self._prefix
         cdef int64_t ps = self.page_size, k
         cdef Py_ssize_t skip = num_local - first, r, i, t, layer
-        cdef Py_ssize_t body_bytes = self.num_layers * self._page_bytes
-        cdef const unsigned char[::1] body
+        cdef Py_ssize_t row_bytes = records.shape[1]
+        cdef const uint8_t* body
         cdef page_id_t page_id
         if skip < 0 or table.length != num_local * ps or table.num_held() != num_local:
             return 0
-        r = min(len(bodies) - skip, <Py_ssize_t>self.pool.q.num_free)
+        r = min(count - skip, <Py_ssize_t>self.pool.q.num_free)
         if r <= 0:
-            return 0
-        sources = []
-        for i in range(r):
-            body = bodies[skip + i]
-            if body.shape[0] != body_bytes:
-                break
-            sources.append(body)
-        r = len(sources)
-        if r == 0:
             return 0
         cdef object pages = np.empty(r, dtype=np.int32)
         cdef int32_t[::1] page_view = pages
         self.pool.take(&page_view[0], r)
+        body = <const uint8_t*>cnp.PyArray_DATA(records) + skip * row_bytes + body_offset
+        with nogil:  # non-temporal stores, as store's: no read of the destination lines, no eviction
+            for i in range(r):
+                self._unseal_page(page_view[i])  # a page still in the sealed-page log leaves it before it is written
+                for layer in range(self.num_layers):
+                    pkv_stream_copy(self._data + layer * self._layer_bytes + page_view[i] * self._page_bytes,
+                                    <const char*>body + i * row_bytes + layer * self._page_bytes, self._page_bytes)
+            pkv_stream_fence()
         for i in range(r):
             page_id = page_view[i]
-            if body_bytes:
-                body = sources[i]
-                with nogil:
-                    for layer in range(self.num_layers):
-                        memcpy(self._data + layer * self._layer_bytes + page_id * self._page_bytes,
-                               &body[0] + layer * self._page_bytes, self._page_bytes)
             k = num_local + i
             if pkv_index_insert(&index.ix, hashes.chain[k].lo, hashes.chain[k].hi, page_id) and not hashes.external:
                 for t in range(ps):
@@ -1502,10 +1509,8 @@ cdef class KVCache:
             # Complete in every layer: sealed now, and not logged (the tier holds it).
             pkv_rec(&self.pool.q, page_id).sealed = 1
             self._pages_sealed += 1
-            if self._checksums != NULL:
-                self._checksums[page_id] = pkv_page_checksum(
-                    <const uint8_t*>self._data, <size_t>self._layer_bytes, <size_t>self._page_bytes,
-                    self.num_layers, page_id, self._digest_scratch)
+            if self._checksums != NULL:  # the tier verified the body's checksum: the page's own
+                self._checksums[page_id] = checksums[skip + i]
         table.length += r * ps
         hashes.num_registered = num_local + r
         self._tier_hits += r * ps
@@ -1910,7 +1915,13 @@ cdef class KVCache:
         if self._prefix is not None:
             self._ix = &self._prefix.ix
             self._index_tokens = &self._prefix.tokens[0, 0]
+        self._update_seal_on_take()
         return 0
+
+    @cython.final
+    cdef void _update_seal_on_take(self) noexcept:
+        """Let take clear seal flags itself while no checksum or log entry must go with them."""
+        self.pool.clear_seal_on_take = self._checksums == NULL and not self._log_enabled
 
     def __dealloc__(self):
         free(self._digest_scratch)
@@ -2015,6 +2026,7 @@ cdef class KVCache:
             with nogil:
                 for i in range(num_listed):
                     self._seal_page(self._seal_buffer[i])
+        cdef bint taken_unsealed = self.pool.clear_seal_on_take
         for b in range(len(tables)):
             if counts[b] <= 0:
                 continue
@@ -2022,6 +2034,12 @@ cdef class KVCache:
             n0 = table.length - counts[b]
             if n0 // ps > table.num_sealed:
                 table.num_sealed = n0 // ps
+            if taken_unsealed and table._window == INT64_MAX:  # no window
+                # Without a window every new page came from take, which cleared its
+                # seal; only a partial last page written again after a truncate is left.
+                if n0 % ps:
+                    self._unseal_page(table.page_at(n0 // ps))
+                continue
             # New pages (from the free queue or reused in place), a copy-on-write
             # destination, or a partial last page written again after a truncate.
             for k in range(n0 // ps, (table.length - 1) // ps + 1):
@@ -2212,6 +2230,7 @@ cdef class KVCache:
             elif not enabled and self._log_enabled:
                 pkv_sealed_log_free(&self._log)
                 self._log_enabled = False
+            self._update_seal_on_take()
         finally:
             self._lock.leave()
 

@@ -52,6 +52,10 @@ cdef class PagePool:
     # was seen in the current call iff _seen_stamp[page] == _stamp.
     cdef uint32_t[::1] _seen_stamp    # shape (num_pages,)
     cdef uint32_t _stamp              # stamp of the current call, never 0
+    # Set by an owning KVCache whose seals have no consumer (no checksums, no
+    # sealed-page log): take clears a page's seal flag while its record is hot,
+    # so the append does not walk its new pages again to unseal them.
+    cdef bint clear_seal_on_take
 
     # C-level interface (single-page operations: the pkv_* functions on q above).
     # Callers check capacity and page validity first.

@@ -145,7 +145,8 @@ cdef class PagePool:
         Popped pages that still held a cached prefix are evicted from the
         prefix index in a second pass that prefetches the index slots of the
         pages a few places ahead (the index is larger than the CPU caches).
-        Popping prefetches the records of the pages it pops next.
+        Popping prefetches the records of the pages it pops next. With
+        ``clear_seal_on_take`` the popped pages' seal flags are cleared.
         """
         cdef Py_ssize_t i
         cdef page_id_t page_id
@@ -156,6 +157,8 @@ cdef class PagePool:
             pkv_queue_prefetch(&self.q, _POP_PREFETCH_DISTANCE)
             page_id = pkv_queue_pop(&self.q)
             pkv_set_ref(&self.q, page_id, 1)
+            if self.clear_seal_on_take:
+                pkv_rec(&self.q, page_id).sealed = 0
             out[i] = page_id
         if self.prefix is None:
             return

@@ -1,11 +1,12 @@
 # Type stub of the compiled module pagedkv_c._tier_io (see _tier_io.pyx for the documentation).
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import disjoint_base
 
-__all__ = ["body_checksums", "record_checksums"]
+__all__ = ["PageValueChecker", "body_checksums", "record_checksums"]
 
 def record_checksums(
     records: npt.NDArray[np.uint8], body_offset: int, num_layers: int, page_bytes: int
@@ -16,3 +17,22 @@ def body_checksums(
     num_layers: int,
     page_bytes: int,
 ) -> npt.NDArray[np.uint64]: ...
+
+@disjoint_base
+class PageValueChecker:
+    @property
+    def checksums(self) -> npt.NDArray[np.uint64]: ...
+    def __new__(
+        cls,
+        records: npt.NDArray[np.uint8],
+        expected_header: bytes,
+        hash_offset: int,
+        checksum_offset: int,
+        page_hashes: npt.NDArray[np.uint64],
+        token_ids: npt.NDArray[np.int32] | None,
+        num_layers: int,
+        page_bytes: int,
+    ) -> Self: ...
+    @property
+    def body_offset(self) -> int: ...
+    def check(self, row: int) -> bool: ...

@@ -180,3 +180,51 @@ def test_checksum_helpers_check_their_arguments():
         body_checksums([bytes(page_bytes)], [0, 0], 1, page_bytes)
     with pytest.raises(TypeError):
         body_checksums([object()], [0], 1, page_bytes)
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=st.integers(0, 3), num_pages=st.integers(1, 4), with_tokens=st.booleans(),
+       damage=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2**20), st.integers(1, 255)), max_size=3),
+       seed=st.integers(0, 2**32 - 1))
+def test_page_value_checker_agrees_with_the_reference(layers, num_pages, with_tokens, damage, seed):
+    """PageValueChecker accepts a row exactly when the format's reference check (check_value) passes
+    and the stated checksum is the pool's page checksum, whichever byte of a row is damaged (header,
+    hash, token ids, any layer of the body)."""
+    from pagedkv.tiers._format import CHECKSUM_OFFSET, HASH_OFFSET, PageLayout, check_value, encode_header, \
+        expected_header
+    from pagedkv_c._tier_io import PageValueChecker
+
+    rng = np.random.default_rng(seed)
+    layout = PageLayout.of_cache(layers, HEADS, DIM, PS, np.float16, "xxh3_128")
+    pool = rng.standard_normal((layers, num_pages, 2, PS, HEADS, DIM)).astype(np.float16)
+    sums = page_checksums(pool, np.arange(num_pages))
+    hashes = rng.integers(0, 2**63, size=(num_pages, 2), dtype=np.int64).astype(np.uint64)
+    tokens = rng.integers(0, 50000, size=(num_pages, PS)).astype(np.int32) if with_tokens else None
+    values = [encode_header(layout, hashes[p], None if tokens is None else tokens[p], sums[p])
+              + np.ascontiguousarray(pool[:, p]).tobytes() for p in range(num_pages)]
+    records = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(num_pages, -1).copy()
+    for row, at, flip in damage:
+        if row < num_pages:
+            records[row, at % records.shape[1]] ^= flip
+    checker = PageValueChecker(records, expected_header(layout, with_tokens), HASH_OFFSET, CHECKSUM_OFFSET,
+                               hashes, tokens, layers, layout.page_bytes)
+    assert checker.body_offset == len(values[0]) - layout.body_bytes
+    for p in range(num_pages):
+        kind, offset, stated = check_value(records[p].tobytes(), layout, hashes[p],
+                                           None if tokens is None else tokens[p])
+        body = np.ascontiguousarray(records[p, checker.body_offset:]).view(np.float16)
+        actual = page_checksums(body.reshape(layers, 1, 2, PS, HEADS, DIM), [0])[0]
+        want = kind is None and stated == actual
+        assert checker.check(p) == want
+        if want:
+            assert checker.checksums[p] == actual
+    if not damage:
+        assert all(checker.check(p) for p in range(num_pages)) and np.array_equal(checker.checksums, sums)
+    with pytest.raises(ValueError, match="row"):
+        checker.check(num_pages)
+    with pytest.raises(ValueError, match="records"):
+        PageValueChecker(records[:, 1:].copy(), expected_header(layout, with_tokens), HASH_OFFSET, CHECKSUM_OFFSET,
+                         hashes, tokens, layers, layout.page_bytes)
+    with pytest.raises(ValueError, match="page_hashes"):
+        PageValueChecker(records, expected_header(layout, with_tokens), HASH_OFFSET, CHECKSUM_OFFSET,
+                         hashes[:0], tokens, layers, layout.page_bytes)

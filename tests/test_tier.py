@@ -284,6 +284,30 @@ def test_fetch_takes_at_most_the_free_pages(standalone):
     cache.check_invariants()
 
 
+def test_a_fetch_withdraws_the_log_entries_of_the_pages_it_reuses(standalone):
+    """A cached free page still waiting in the sealed-page log, taken by a fetch, leaves the log:
+    the writer must never copy the fetched bytes out under the page's old hash."""
+    ns = namespace()
+    fetched = worker.make_prompt(4, 64)
+    offload_prompt(standalone, ns, fetched)
+    tier = RedisTier(standalone, namespace=ns)
+    cache = KVCache(num_pages=4, enable_prefix_caching=True, tier=tier, **worker.LAYOUT)
+    tier.close()  # no writer: the pages sealed below wait in the cache's log
+    own = worker.make_prompt(5, 64)
+    cache.add_sequence(0, own)
+    worker.fill(cache, 0, own, 0)
+    cache.remove_sequence(0)  # 4 pages sealed and logged, then cached free
+    assert cache.add_sequence(1, fetched) == 48  # 3 of them taken for the fetched pages
+    ids, hashes, tokens, _ = cache._take_sealed_pages()
+    index = cache.prefix_index
+    assert len(ids) == 1  # the one page the fetch left alone, still holding its own K/V
+    assert [int.from_bytes(h.tobytes(), "little") for h in hashes] == [index.page_hash(int(p)) for p in ids]
+    assert tokens.tolist() == index.token_table()[ids].tolist()
+    assert tokens[0].tolist() in [np.asarray(own[i:i + 16]).tolist() for i in range(0, 64, 16)]
+    assert worker.served_rows_are_right(cache, 1, fetched)
+    cache.check_invariants()
+
+
 def test_pages_are_written_with_the_ttl(standalone):
     """SET NX EX: each page is written with its expiry, as the protocol's SET would."""
     ns = namespace()
@@ -342,12 +366,15 @@ def _prompt_keys(tier, prompt):
 
 
 @pytest.mark.parametrize("damage, counter", [
-    ("flip", "checksum_failures"), ("truncate", "rejected_truncated"), ("forge", "rejected_tokens"),
-    ("moved", "rejected_hash"), ("layout", "rejected_layout")])
+    ("flip", "checksum_failures"), ("flip_layer_1", "checksum_failures"), ("flip_hash", "rejected_hash"),
+    ("truncate", "rejected_truncated"), ("truncate_header", "rejected_truncated"), ("empty", "rejected_truncated"),
+    ("extend", "rejected_truncated"), ("forge", "rejected_tokens"), ("moved", "rejected_hash"),
+    ("layout", "rejected_layout"), ("wrong_type", "fetch_errors")])
 def test_bad_values_are_rejected_and_counted(cluster, damage, counter, caplog):
     """A damaged third page: the first two are served, the rest computed; nothing wrong is read.
-    Each kind of fault is logged once however often it happens."""
-    from pagedkv.tiers._format import HEADER
+    Each kind of fault is logged once however often it happens, and the connections stay in step
+    with their replies (the values after the bad one are read and left unused)."""
+    from pagedkv.tiers._format import HASH_OFFSET, HEADER
 
     ns = namespace()
     prompt = worker.make_prompt(6, 100)
@@ -356,18 +383,35 @@ def test_bad_values_are_rejected_and_counted(cluster, damage, counter, caplog):
     client = tier._client()
     keys = _prompt_keys(tier, prompt)
     assert all(client.exists(key) for key in keys)
-    value = bytearray(client.get(keys[2]))
+    original = client.get(keys[2])
+    value = bytearray(original)
+    body = HEADER.size + 4 * 16
+    page_bytes = 2 * 16 * 2 * 8 * 4  # one layer of the page, K and V, float32
     if damage == "flip":  # one bit of the last layer's V
         value[-5] ^= 0x10
+    elif damage == "flip_layer_1":  # one bit of the second layer's K: the first layer is intact
+        value[body + page_bytes + 3] ^= 0x01
+    elif damage == "flip_hash":
+        value[HASH_OFFSET + 15] ^= 0x80
     elif damage == "truncate":
         value = value[:-100]
+    elif damage == "truncate_header":
+        value = value[:HEADER.size - 1]
+    elif damage == "empty":
+        value = b""
+    elif damage == "extend":
+        value += b"\x00" * 8
     elif damage == "forge":  # the right hash over other token ids: a collision
         value[HEADER.size] ^= 0x01
     elif damage == "moved":  # another page's value under this key
         value = bytearray(client.get(keys[3]))
     elif damage == "layout":  # the page_size field
         value[8 + 2 + 2 + 12] ^= 0x01
-    client.set(keys[2], bytes(value))
+    if damage == "wrong_type":  # the server answers this GET with an error (WRONGTYPE)
+        client.delete(keys[2])
+        client.rpush(keys[2], b"x")
+    else:
+        client.set(keys[2], bytes(value))
     assert cache.add_sequence(0, prompt) == 32
     assert worker.served_rows_are_right(cache, 0, prompt)
     stats = cache.stats()
@@ -376,8 +420,141 @@ def test_bad_values_are_rejected_and_counted(cluster, damage, counter, caplog):
     assert cache.add_sequence(1, prompt) == 32  # two local pages, then the same bad value
     assert cache.stats()[f"tier_{counter}"] == 2
     assert len([r for r in caplog.records if r.name == "pagedkv.tiers"]) == 1
+    # Repaired, the value is served through the same tier and its connections.
+    client.delete(keys[2])
+    client.set(keys[2], original)
+    again = KVCache(num_pages=64, enable_prefix_caching=True, tier=tier, **worker.LAYOUT)
+    assert again.add_sequence(0, prompt) == 96
+    assert worker.served_rows_are_right(again, 0, prompt)
 
 
+def test_fetched_pages_carry_their_checksum(standalone):
+    """With page_checksums=True, pages copied in from the tier are sealed with the checksum the
+    tier verified: a scrub (verify_pages, which recomputes it from the pool) finds every one intact,
+    and one changed byte of a fetched page in the pool is found."""
+    ns = namespace()
+    prompt = worker.make_prompt(16, 100)
+    offload_prompt(standalone, ns, prompt)
+    tier = RedisTier(standalone, namespace=ns)
+    cache = KVCache(num_pages=64, enable_prefix_caching=True, tier=tier, page_checksums=True, **worker.LAYOUT)
+    assert cache.add_sequence(9, prompt[:40]) == 32  # the first two pages, from the tier
+    worker.fill(cache, 9, prompt[:40], 32)
+    cache.remove_sequence(9)
+    assert cache.add_sequence(0, prompt) == 96  # two local pages, then four from the tier
+    assert cache.stats()["tier_hits"] == 32 + 64
+    report = cache.verify_pages([0])
+    assert report.num_pages_checked == 6 and not report.bad_pages
+    page = int(cache.page_table([0]).indices[4])
+    cache.kv[2, page, 1, 3, 1, 5] += 1  # last layer, V
+    assert [bad.page_id for bad in cache.verify_pages([0]).bad_pages] == [page]
+
+
+def test_values_read_through_the_clients_parser_are_checked_alike(standalone, monkeypatch):
+    """The reader for connections without a socket of their own (the client's parser) serves the
+    same pages and rejects the same values."""
+    import pagedkv.tiers.redis as redis_tier
+
+    monkeypatch.setattr(redis_tier, "_read_values", redis_tier._read_values_parsed)
+    ns = namespace()
+    prompt = worker.make_prompt(12, 100)
+    offload_prompt(standalone, ns, prompt)
+    cache, tier = fresh_cache(standalone, ns)
+    assert cache.add_sequence(0, prompt) == 96 and worker.served_rows_are_right(cache, 0, prompt)
+    client = tier._client()
+    keys = _prompt_keys(tier, prompt)
+    good = client.get(keys[3])
+    for damaged, counter in ((good[:-1], "rejected_truncated"),
+                             (good[:-1] + bytes([good[-1] ^ 1]), "checksum_failures")):
+        client.set(keys[3], damaged)
+        other, _ = fresh_cache(standalone, ns)
+        assert other.add_sequence(0, prompt) == 48 and worker.served_rows_are_right(other, 0, prompt)
+        assert other.stats()[f"tier_{counter}"] == 1
+        client.set(keys[3], good)
+
+
+def test_a_resp3_client_reads_nulls_and_values(standalone):
+    """A ready client speaking RESP3 (``protocol=3``): values are served, an absent key is a miss."""
+    ns = namespace()
+    offload_prompt(standalone, ns, worker.make_prompt(13, 40))  # two full pages in the tier
+    prompt = worker.make_prompt(13, 100)  # the same two pages, then four the tier lacks
+    tier = RedisTier(redis.Redis.from_url(standalone, protocol=3), namespace=ns)
+    cache = KVCache(num_pages=64, enable_prefix_caching=True, tier=tier, **worker.LAYOUT)
+    assert cache.add_sequence(0, prompt) == 32 and worker.served_rows_are_right(cache, 0, prompt)
+    assert tier.stats()["misses"] == 1 and tier.stats()["hit_pages"] == 2
+
+
+def test_page_values_are_little_endian(standalone):
+    """The header's integers, the page hash and the token ids are little-endian bytes (the documented
+    format), whatever the machine's byte order."""
+    from pagedkv.tiers._format import FORMAT_VERSION, HEADER, MAGIC
+
+    ns = namespace()
+    prompt = worker.make_prompt(14, 40)
+    offload_prompt(standalone, ns, prompt)
+    tier = RedisTier(standalone, namespace=ns)
+    KVCache(num_pages=64, enable_prefix_caching=True, tier=tier, **worker.LAYOUT)
+    keys = _prompt_keys(tier, prompt)
+    pages = KVCache(0, 1, 1, 64, page_size=16, enable_prefix_caching=True)
+    pages.add_sequence(0, prompt)
+    pages.append([0], [len(prompt)])
+    client = tier._client()
+    for page, key in enumerate(keys):
+        value = client.get(key)
+        page_hash = pages.prefix_index.page_hash(int(pages.page_table([0]).indices[page]))
+        assert value[:8] == MAGIC
+        assert np.frombuffer(value, "<u2", 2, 8).tolist() == [FORMAT_VERSION, 1]
+        assert np.frombuffer(value, "<u4", 4, 12).tolist() == [3, 2, 8, 16]
+        assert value[32:48] == np.array([page_hash & (2**64 - 1), page_hash >> 64], "<u8").tobytes()
+        assert np.frombuffer(value, "<u8", 1, 56)[0] == 3 * 2 * 16 * 2 * 8 * 4
+        assert value[HEADER.size:HEADER.size + 64] == prompt[16 * page:16 * page + 16].astype("<i4").tobytes()
+
+
+def test_a_slot_moved_between_nodes_is_a_miss_until_the_map_is_read_again(cluster):
+    """A slot holding one of the prompt's keys moves to another node (CLUSTER SETSLOT, MIGRATE) while
+    the tier holds the old slot map: the old node answers MOVED, later (moving it back) ASK during
+    the migration; each is a miss that ends the run (nothing wrong is read), and the next fetch
+    reads the map again and finds the page where it went."""
+    ns = namespace()
+    prompt = worker.make_prompt(15, 100)
+    offload_prompt(cluster.url, ns, prompt)
+    cache, tier = fresh_cache(cluster.url, ns)
+    client = tier._client()  # reads the slot map now
+    keys = _prompt_keys(tier, prompt)
+    slot = client.keyslot(keys[2])
+    primaries = client.get_primaries()
+    nodes = {node.name: redis.Redis(host=node.host, port=node.port) for node in primaries}
+    ids = {name: node.execute_command("CLUSTER", "MYID").decode() for name, node in nodes.items()}
+    home = client.get_node_from_key(keys[2])
+    away = next(node for node in primaries if node.name != home.name)
+
+    def migrate(source, target, finish):
+        nodes[target.name].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source.name])
+        nodes[source.name].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target.name])
+        moving = nodes[source.name].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+        assert keys[2] in moving
+        nodes[source.name].execute_command("MIGRATE", target.host, target.port, "", 0, 5000, "KEYS", *moving)
+        if finish:
+            for node in nodes.values():
+                node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target.name])
+
+    migrate(home, away, finish=True)
+    assert cache.add_sequence(0, prompt) == 32  # MOVED for the third page
+    assert worker.served_rows_are_right(cache, 0, prompt)
+    assert cache.stats()["tier_fetch_errors"] == 1
+    assert cache.add_sequence(1, prompt) == 96  # two local pages, then the rest from the new node
+    assert worker.served_rows_are_right(cache, 1, prompt)
+
+    again = KVCache(num_pages=64, enable_prefix_caching=True, tier=tier, **worker.LAYOUT)
+    migrate(away, home, finish=False)
+    assert again.add_sequence(0, prompt) == 32  # ASK for the third page while its slot moves back
+    assert worker.served_rows_are_right(again, 0, prompt)
+    assert tier.stats()["fetch_errors"] == 2
+    for node in nodes.values():
+        node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[home.name])
+    assert again.add_sequence(1, prompt) == 96
+    assert worker.served_rows_are_right(again, 1, prompt)
+    cache.check_invariants()
+    again.check_invariants()
 # ------------------------------------------------------------------ back-pressure and faults
 def test_a_full_write_queue_drops_and_counts(standalone):
     ns = namespace()

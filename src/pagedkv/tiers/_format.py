@@ -54,6 +54,9 @@ FLAG_TOKENS = 1
 # magic, version, flags, layers, kv heads, head dim, page size, dtype, hash, reserved,
 # page hash, checksum, body length.
 HEADER = struct.Struct("<8sHHIIIIBBH16sQQ")
+# Byte offsets of the page hash and the checksum in a header.
+HASH_OFFSET = struct.calcsize("<8sHHIIIIBBH")
+CHECKSUM_OFFSET = HASH_OFFSET + 16
 _DTYPE_CODES = {np.dtype(np.float16): 1, np.dtype(np.float32): 2}
 _HASH_CODES = {"xxh3_128": 0, "sha256": 1}
 
@@ -152,6 +155,22 @@ def encode_header(layout: PageLayout, page_hash, token_ids, checksum: int) -> by
     if token_ids is None:
         return head
     return head + np.ascontiguousarray(token_ids, dtype="<i4").tobytes()
+
+
+def expected_header(layout: PageLayout, with_tokens: bool) -> bytes:
+    """The header every value of ``layout`` carries, with zero page hash and checksum fields.
+
+    A reader compares a value's header with it outside those two fields
+    (``HASH_OFFSET``, ``CHECKSUM_OFFSET``), which hold each page's own.
+
+    Parameters
+    ----------
+    with_tokens : bool
+        Token-keyed pages (the flag bit and the token ids after the header)
+        or block-keyed ones.
+    """
+    return HEADER.pack(MAGIC, FORMAT_VERSION, FLAG_TOKENS if with_tokens else 0, *layout.header_fields(), 0,
+                       bytes(16), 0, layout.body_bytes)
 
 
 def check_value(value, layout: PageLayout, page_hash, token_ids):

@@ -18,16 +18,19 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
 from pagedkv.tiers._format import (
+    CHECKSUM_OFFSET,
     FLAG_TOKENS,
     FORMAT_VERSION,
+    HASH_OFFSET,
     HEADER,
     MAGIC,
     REJECT_KINDS,
     PageLayout,
     check_value,
+    expected_header,
     page_keys,
 )
-from pagedkv_c._tier_io import body_checksums, record_checksums
+from pagedkv_c._tier_io import PageValueChecker, record_checksums
 
 __all__ = ["RedisTier"]
 
@@ -56,6 +59,118 @@ def _packed_set(key, value, ttl_seconds):
     head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (4 if ttl_seconds is None else 6, len(key), key,
                                                                len(value))
     return [head, value, b"\r\n$2\r\nNX\r\n" + expiry]
+
+
+# Server errors that redis-py's parser turns into their own exception classes (the text after the code
+# is the exception's argument); MOVED and ASK tell the tier to read the cluster's slot map again.
+_ERROR_CLASSES = {"MOVED": redis.exceptions.MovedError, "ASK": redis.exceptions.AskError,
+                  "TRYAGAIN": redis.exceptions.TryAgainError, "CLUSTERDOWN": redis.exceptions.ClusterDownError}
+# The longest reply line (a bulk length, a null or an error) read while looking for its end, in bytes.
+_MAX_LINE = 4096
+
+
+def _read_values(conn, indices, records, checker):
+    """Read the replies of the pipelined ``GET`` of each page in ``indices`` from ``conn``.
+
+    A value of the expected length goes from the socket straight into its row
+    of ``records`` (``recv_into``: one copy, no bytes object) and is verified at
+    once by ``checker`` while its bytes are in the CPU caches.
+
+    Returns, per index: True (its row holds a value that passed every check),
+    False (its row holds a value that failed one), None (no such key), bytes (a
+    value of another length) or a ``redis.exceptions.ResponseError`` (the server
+    refused that ``GET``: MOVED, ASK, ...). Raises for a connection fault or a
+    reply of another kind (the caller then drops the connection: replies may be
+    left unread). A connection without a socket of its own is read through its
+    client's parser instead.
+    """
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        return _read_values_parsed(conn, indices, records, checker)
+    value_bytes = records.shape[1]
+    pending = bytearray()  # bytes received but not used yet: reply lines and what came after them
+    out = []
+    for i in indices:
+        line = _read_line(sock, pending)
+        kind = line[:1]
+        if kind == b"$":
+            length = int(line[1:])
+            if length < 0:
+                out.append(None)
+                continue
+            if length == value_bytes:
+                _read_into(sock, pending, memoryview(records[i]))
+                outcome = checker.check(i)
+            else:  # of another length: kept as it is, to tell what is wrong with it
+                value = bytearray(length)
+                _read_into(sock, pending, memoryview(value))
+                outcome = bytes(value)
+            if _read_line(sock, pending) != b"":
+                raise redis.exceptions.InvalidResponse("a bulk reply of GET does not end where its length says")
+            out.append(outcome)
+        elif kind == b"_":  # RESP3 null
+            out.append(None)
+        elif kind == b"-":
+            code, _, message = line[1:].decode("utf-8", "replace").partition(" ")
+            error_class = _ERROR_CLASSES.get(code)
+            out.append(error_class(message) if error_class else redis.exceptions.ResponseError(f"{code} {message}"))
+        else:
+            raise redis.exceptions.InvalidResponse(f"unexpected reply to GET: {bytes(line[:32])!r}")
+    if pending:  # the connection would be out of step with its commands
+        raise redis.exceptions.InvalidResponse(f"{len(pending)} bytes after the replies to the GETs")
+    return out
+
+
+def _read_line(sock, pending):
+    """The next reply line (without its CRLF), from ``pending`` and then the socket."""
+    start = 0
+    while True:
+        end = pending.find(b"\r\n", start)
+        if end >= 0:
+            line = bytes(pending[:end])
+            del pending[:end + 2]
+            return line
+        if len(pending) > _MAX_LINE:
+            raise redis.exceptions.InvalidResponse(f"a reply line longer than {_MAX_LINE} bytes")
+        start = max(len(pending) - 1, 0)
+        chunk = sock.recv(256)  # a reply line is short; what follows it is copied from here once
+        if not chunk:
+            raise redis.exceptions.ConnectionError("the server closed the connection")
+        pending += chunk
+
+
+def _read_into(sock, pending, view):
+    """Fill ``view`` with the next ``len(view)`` bytes: first from ``pending``, then from the socket."""
+    have = min(len(pending), len(view))
+    if have:
+        view[:have] = pending[:have]
+        del pending[:have]
+    size = len(view)
+    while have < size:
+        got = sock.recv_into(view[have:])
+        if not got:
+            raise redis.exceptions.ConnectionError("the server closed the connection")
+        have += got
+
+
+def _read_values_parsed(conn, indices, records, checker):
+    """:func:`_read_values` through the client's parser (``conn.read_response``)."""
+    value_bytes = records.shape[1]
+    out = []
+    for i in indices:
+        try:
+            value = conn.read_response()
+        except redis.exceptions.ResponseError as exc:  # this command only; the rest follow
+            out.append(exc)
+            continue
+        if value is None:
+            out.append(None)
+        elif len(value) == value_bytes:
+            records[i] = np.frombuffer(value, dtype=np.uint8)
+            out.append(checker.check(i))
+        else:
+            out.append(bytes(value))
+    return out
 
 
 def _connect(url_or_client, timeout_seconds):
@@ -164,6 +279,11 @@ class RedisTier:
     of the keys: one round trip to a standalone server, one per node of a
     cluster. A node that is down (or times out) costs only its own keys: the
     prompt's pages before its first key still count, the run stops there.
+    The replies are read from the connection's socket by the tier itself: each
+    value lands in its row of one buffer (no bytes object per value) and is
+    verified at once, in C, while its bytes are in the CPU caches. A node that
+    answers MOVED or ASK (a slot moving between nodes) makes that key a miss;
+    the tier reads the cluster's slot map again before the next request.
 
     *One layout.* A tier serves caches of one layout, fixed by the first
     cache it is given to; a cache of another layout raises ValueError.
@@ -314,30 +434,48 @@ class RedisTier:
 
         Returns
         -------
-        list of memoryview
-            The bodies (``layout.body_bytes`` each) of pages ``0 .. k-1``, where
-            page ``k`` is the first one missing, rejected or on a node that
-            failed. Never raises for a fault of the store or a bad value.
+        (numpy.ndarray, int, int, numpy.ndarray) or None
+            ``(records, count, body_offset, checksums)``: ``records`` (uint8,
+            shape ``[n, value_bytes]``) holds in rows ``0 .. count-1`` the
+            verified values of pages ``0 .. count-1``, each page's body
+            (``layout.body_bytes``) at ``body_offset``, and ``checksums``
+            (uint64, shape ``[n]``) their page checksums; page ``count`` is the
+            first one missing, rejected or on a node that failed. None when
+            ``count`` is 0. Never raises for a fault of the store or a bad value.
 
         Notes
         -----
         One pipeline per node holding some of the keys (one round trip each),
         so that a node that is down costs only its own keys: the pages before
-        its first key still count.
+        its first key still count. Each value is read from the socket straight
+        into its row and verified right away, while its bytes are still in the
+        CPU caches (:class:`pagedkv_c._tier_io.PageValueChecker`, in C): no
+        bytes object per value, no second pass over the bytes before the
+        cache copies them into its pool.
         """
         n = len(page_hashes)
         with self._lock:
             self._counts["lookups"] += 1
             self._counts["pages_requested"] += n
         if n == 0:
-            return []
+            return None
         keys = page_keys(self._prefix, page_hashes)
         groups = self._by_node(keys, "fetch_errors")
         if groups is None or groups is _SKIPPED:
-            return []
-        values = [None] * n
+            return None
+        layout = self.layout
+        with_tokens = token_ids is not None
+        value_bytes = HEADER.size + (4 * layout.page_size if with_tokens else 0) + layout.body_bytes
+        records = np.empty((n, value_bytes), dtype=np.uint8)
+        checker = PageValueChecker(records, expected_header(layout, with_tokens), HASH_OFFSET, CHECKSUM_OFFSET,
+                                   page_hashes, token_ids, layout.num_layers, layout.page_bytes)
+
+        def read(conn, indices):
+            return _read_values(conn, indices, records, checker)
+
+        outcomes = [None] * n
         end = n  # pages from `end` on are lost to a fault: the run stops there
-        for (node, _, indices), replies in zip(groups, self._per_node(groups, lambda i: ("GET", keys[i]))):
+        for (node, _, indices), replies in zip(groups, self._per_node(groups, lambda i: ("GET", keys[i]), read=read)):
             if replies is _SKIPPED:
                 end = min(end, indices[0])
                 continue
@@ -345,34 +483,34 @@ class RedisTier:
                 self._fault("fetch_errors", replies, node)
                 end = min(end, indices[0])
                 continue
-            for i, value in zip(indices, replies):
-                if isinstance(value, Exception):
-                    self._fault("fetch_errors", value, node)
+            for i, outcome in zip(indices, replies):
+                if isinstance(outcome, Exception):
+                    self._fault("fetch_errors", outcome, node)
                     end = min(end, i)
                     break
-                values[i] = value
+                outcomes[i] = outcome
             else:
                 self._node_up(node)
-        return self._verified(values[:end], page_hashes, token_ids, keys)
+        good = self._count_verified(outcomes[:end], records, page_hashes, token_ids, keys)
+        if good == 0:
+            return None
+        return records, good, checker.body_offset, checker.checksums
 
-    def _verified(self, values, page_hashes, token_ids, keys):
-        """The bodies of the leading values that pass every check; counts the rest."""
-        layout = self.layout
-        offsets, stated, num_read, kind = [], [], 0, None
-        for i, value in enumerate(values):
-            kind, offset, checksum = check_value(value, layout, page_hashes[i], None if token_ids is None else token_ids[i])
-            if kind is not None:
-                break
-            offsets.append(offset)
-            stated.append(checksum)
-            num_read += len(value)
-        good = len(offsets)
-        if good:  # one call for every checksum, in C without the GIL
-            actual = body_checksums(values[:good], offsets, layout.num_layers, layout.page_bytes)
-            bad = np.flatnonzero(np.array(stated, dtype=np.uint64) != actual)
-            if bad.size:
-                good, kind = int(bad[0]), "checksum"
-                num_read = sum(len(v) for v in values[:good])
+    def _count_verified(self, outcomes, records, page_hashes, token_ids, keys):
+        """Pages of the leading run of values that passed every check; counts the hits and the first failure."""
+        good = 0
+        while good < len(outcomes) and outcomes[good] is True:
+            good += 1
+        kind = None
+        if good < len(outcomes):
+            outcome = outcomes[good]
+            if outcome is None:
+                kind = "missing"
+            else:  # which check failed: a rare path, one value
+                value = bytes(records[good]) if outcome is False else outcome
+                kind = check_value(value, self.layout, page_hashes[good],
+                                   None if token_ids is None else token_ids[good])[0]
+                kind = kind or ("checksum" if outcome is False else "truncated")
         if kind == "missing":
             with self._lock:
                 self._counts["misses"] += 1
@@ -383,8 +521,8 @@ class RedisTier:
                            "counted as a miss", kind, keys[good])
         with self._lock:
             self._counts["hit_pages"] += good
-            self._counts["bytes_read"] += num_read
-        return [memoryview(values[i])[offsets[i]:] for i in range(good)]
+            self._counts["bytes_read"] += good * records.shape[1]
+        return good
 
     # ---------------------------------------------------------------- internals
     def _client(self):
@@ -428,12 +566,15 @@ class RedisTier:
             return None
         return list(groups.values())
 
-    def _per_node(self, groups, command, packed=False):
+    def _per_node(self, groups, command, packed=False, read=None):
         """Run ``command(i)`` for every index of every group: send to each node, then read each node.
 
         ``command(i)`` gives the command's arguments, or with ``packed`` the
         command already in the protocol, as a list of bytes-like chunks (sent
         as they are: a page value is never copied by the client).
+        ``read(connection, indices)``, if given, reads a group's replies (a
+        list, an exception object for a command the server refused) instead
+        of the client's parser.
 
         All nodes work at once (as redis-py's cluster pipeline does), but a node
         that fails costs only its own commands. Returns, per group in order, the
@@ -467,11 +608,14 @@ class RedisTier:
         for g, pool, conn in sent:
             replies = []
             try:
-                for _ in groups[g][2]:
-                    try:
-                        replies.append(conn.read_response())
-                    except redis.exceptions.ResponseError as exc:  # this command only; the rest follow
-                        replies.append(exc)
+                if read is not None:
+                    replies = read(conn, groups[g][2])
+                else:
+                    for _ in groups[g][2]:
+                        try:
+                            replies.append(conn.read_response())
+                        except redis.exceptions.ResponseError as exc:  # this command only; the rest follow
+                            replies.append(exc)
                 out[g] = replies
             except Exception as exc:
                 conn.disconnect()  # replies may be left unread: never reuse this connection
@@ -550,7 +694,10 @@ class RedisTier:
         layout = self.layout
         count = rows.shape[0]
         checksums = record_checksums(rows, body_offset, layout.num_layers, layout.page_bytes)  # C, no GIL
-        keyed = (rows[:, HEADER.size:body_offset].view(np.int32) != -1).any(axis=1)
+        token_bytes = rows[:, HEADER.size:body_offset]
+        native_tokens = token_bytes.view(np.int32).copy()  # as the cache copied them: the machine's byte order
+        token_bytes.view("<i4")[...] = native_tokens       # the format's: little-endian on every host
+        keyed = (native_tokens != -1).any(axis=1)
         raw_hashes = np.ascontiguousarray(page_hashes, dtype="<u8").tobytes()
         keys = page_keys(self._prefix, page_hashes)
         fields = layout.header_fields()
