@@ -569,9 +569,9 @@ def save_cache(cache, path, *, num_threads: int | None = None) -> None:
     The pool is written in runs of about 4 MiB of one layer's pages; each run
     is hashed (XXH3-128 per page and layer, in C without the GIL) just before
     it is written, while its bytes are in the CPU's cache, so the pool is read
-    from memory once. After each run the kernel is asked to start writing it
-    to the disk (Linux), so the disk works while the next runs are copied and
-    the final fsync waits for little. Pages sealed with a recorded checksum
+    from memory once. Each time another 32 MiB are written the kernel is
+    asked to start writing them to the disk (Linux), so the disk works while
+    the next runs are copied and the final fsync waits for little. Pages sealed with a recorded checksum
     (a cache made with ``page_checksums=True``) are not hashed again: the file
     carries the checksum recorded at the seal, so a page whose bytes changed
     in memory since is refused by :func:`load_cache`.
@@ -754,11 +754,12 @@ def _positional_reader(f):
 def _positional_writer(f):
     """``write_at(view, offset)``: write ``view`` at byte ``offset`` of the file; callable from two threads.
 
-    ``os.pwrite`` where the platform has it, else a seek and writes under a
-    lock. After each write the kernel is asked to start writing that range
-    to the disk (:func:`pagedkv_c._file_io.start_writeback`, Linux only), so
-    the disk works while later runs are written and the final fsync has
-    little left to wait for.
+    One write at a time (a lock): ``os.pwrite`` where the platform has it,
+    else a seek and writes. Each time ``_WRITEBACK_BYTES`` more are written
+    the kernel is asked to start writing them to the disk
+    (:func:`pagedkv_c._file_io.start_writeback`, Linux only), so the disk
+    works while later runs are written and the final fsync has little left
+    to wait for.
     """
     fd = f.fileno()
     pwrite = getattr(os, "pwrite", None)
