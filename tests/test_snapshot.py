@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 
@@ -799,3 +800,103 @@ def test_threads_and_runs_give_the_same_file(tmp_path, num_threads, monkeypatch)
         snap.load_cache(path, num_threads=num_threads)
     with pytest.raises(ValueError, match="num_threads"):
         snap.save_cache(cache, path, num_threads=3)
+
+
+def _runs_cache() -> KVCache:
+    """3 layers of 40 pages (64 bytes a page and layer), three sequences, one forked: many runs of pages."""
+    cache = KVCache(3, 1, 4, 40, page_size=2, dtype=np.float32)
+    for seq_id, tokens in ((1, 21), (2, 9), (3, 30)):
+        cache.add_sequence(seq_id)
+        _filled(cache, [seq_id], [tokens], seed=seq_id)
+    cache.fork(2, 4)
+    _filled(cache, [4], [3], seed=4)
+    return cache
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_damage_in_a_later_run_is_named(tmp_path, num_threads, monkeypatch):
+    """Runs of 3 pages (14 runs a layer, the last one shorter): a flipped bit in one of the last runs of
+    the last layer, and one more in the first run, are both found; the message names the lower page id."""
+    monkeypatch.setattr(snap, "_RUN_BYTES", 3 * 64)
+    cache = _runs_cache()
+    path = tmp_path / "runs.pkv"
+    snap.save_cache(cache, path, num_threads=num_threads)
+    _, start, length = _layout(path)
+    page_bytes = length // (cache.num_layers * cache.num_pages)
+    assert page_bytes == 64
+    data = bytearray(path.read_bytes())
+    late = int(cache.page_table([3]).indices[-1])  # the last page of sequence 3
+    assert late // 3 >= 10  # in the 11th run of a layer or later
+    at = start + (2 * cache.num_pages + late) * page_bytes + 5
+    data[at] ^= 0x04
+    damaged = tmp_path / "late.pkv"
+    damaged.write_bytes(data)
+    with pytest.raises(SnapshotError, match=rf"checksum mismatch in page {late} \(held by sequences \[3\]\)$"):
+        snap.load_cache(damaged, num_threads=num_threads)
+    early = int(cache.page_table([1]).indices[0])
+    data[start + early * page_bytes] ^= 0x80
+    damaged.write_bytes(data)
+    with pytest.raises(SnapshotError, match=rf"page {early} \(held by sequences \[1\]\) and 1 more pages"):
+        snap.load_cache(damaged, num_threads=num_threads)
+    _assert_same(cache, snap.load_cache(path, num_threads=num_threads))
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_file_cut_while_its_pages_are_read(tmp_path, num_threads, monkeypatch):
+    """A file that shrinks after its sections were checked (cut in the middle of a run of pages):
+    the page read comes up short and the load raises SnapshotError, leaving no thread behind."""
+    monkeypatch.setattr(snap, "_RUN_BYTES", 4 * 64)
+    cache = _runs_cache()
+    path = tmp_path / "cut.pkv"
+    cache.save(path)
+    _, start, length = _layout(path)
+    checked = snap._check_before_build
+
+    def check_then_cut(state, parsed, size):
+        checked(state, parsed, size)
+        os.truncate(path, start + length // 2 + 2 * 64 + 7)  # past the middle, inside a run
+
+    monkeypatch.setattr(snap, "_check_before_build", check_then_cut)
+    threads_before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(SnapshotError, match=r"section 'pages': the file ended early"):
+        snap.load_cache(path, num_threads=num_threads)
+    assert {t.ident for t in threading.enumerate()} == threads_before
+
+
+def test_without_positional_io_the_same_file_and_checks(tmp_path, monkeypatch):
+    """Where os has no preadv and pwrite (Windows), two threads take turns on the file under a lock:
+    the same bytes are written, read back and checked."""
+    monkeypatch.setattr(snap, "_RUN_BYTES", 5 * 64)
+    cache = _runs_cache()
+    reference = tmp_path / "reference.pkv"
+    snap.save_cache(cache, reference, num_threads=2)
+    monkeypatch.delattr(os, "preadv", raising=False)
+    monkeypatch.delattr(os, "pwrite", raising=False)
+    path = tmp_path / "locked.pkv"
+    snap.save_cache(cache, path, num_threads=2)
+    assert path.read_bytes() == reference.read_bytes()
+    _assert_same(cache, snap.load_cache(path, num_threads=2))
+    _, start, length = _layout(path)
+    data = bytearray(path.read_bytes())
+    page = int(cache.page_table([2]).indices[-1])
+    data[start + (cache.num_pages + page) * 64 + 1] ^= 0x01
+    path.write_bytes(data)
+    with pytest.raises(SnapshotError, match=rf"checksum mismatch in page {page} \(held by sequences \[2"):
+        snap.load_cache(path, num_threads=2)
+
+
+def test_start_writeback_is_a_checked_hint(tmp_path):
+    from pagedkv_c._file_io import start_writeback
+
+    path = tmp_path / "hint.bin"
+    with open(path, "wb", buffering=0) as f:
+        f.write(b"x" * 10000)
+        assert start_writeback(f.fileno(), 0, 10000) in (True, False)
+        os.fsync(f.fileno())
+    assert path.read_bytes() == b"x" * 10000
+    with pytest.raises(ValueError, match="Invalid value of offset"):
+        start_writeback(0, -1, 10)
+    with pytest.raises(ValueError, match="Invalid value of fd"):
+        start_writeback(-1, 0, 10)
+    with pytest.raises(TypeError, match="nbytes"):
+        start_writeback(0, 0, 1.5)

@@ -57,11 +57,13 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+import threading
 from typing import Any
 
 import numpy as np
 
 from pagedkv_c._checksum import combine_digests, layer_digests, page_checksums
+from pagedkv_c._file_io import start_writeback
 from pagedkv_c._prefix import xxh3_128_intdigest
 
 __all__ = ["FORMAT_VERSION", "SnapshotError", "export_sequence", "import_sequence", "load_cache",
@@ -526,22 +528,18 @@ def _holders(tables: list[tuple[int, dict]], page_id: int) -> list[int]:
 
 def _read_and_check_pages(f, offset: int, kv: np.ndarray, expected: np.ndarray, tables: list[tuple[int, dict]],
                           threads: int) -> None:
-    """Read the pages section at ``offset`` straight into ``kv``, hashing each run after it is read,
+    """Read the pages section at ``offset`` straight into ``kv``, hashing each run right after it is read,
     then compare every page checksum with ``expected`` (naming the first pages that differ)."""
-    f.seek(offset)
     digests = np.zeros((kv.shape[1], kv.shape[0], 16), dtype=np.uint8)
+    read_at = _positional_reader(f)
 
-    def read(run) -> None:
-        """Fill one run's view of the pool from the file, in order."""
-        view, done = run[3], 0
-        while done < len(view):
-            n = f.readinto(view[done:])
-            if not n:
-                raise SnapshotError("section 'pages': the file ended early while reading pages")
-            done += n
+    def load_run(run) -> None:
+        """Read one run from the file into the pool, then hash it while its bytes are in the CPU's cache."""
+        layer, first, stop, view, start = run
+        read_at(view, offset + start)
+        layer_digests(kv, layer, first, stop, digests)
 
-    _pipeline(_page_runs(kv), lambda run: layer_digests(kv, run[0], run[1], run[2], digests), read, threads,
-              hash_first=False)
+    _each_run(_page_runs(kv), load_run, threads)
     actual = np.zeros(kv.shape[1], dtype=np.uint64)
     combine_digests(digests, actual)
     _report_bad_pages(actual, expected, tables, "")
@@ -571,10 +569,12 @@ def save_cache(cache, path, *, num_threads: int | None = None) -> None:
     The pool is written in runs of about 4 MiB of one layer's pages; each run
     is hashed (XXH3-128 per page and layer, in C without the GIL) just before
     it is written, while its bytes are in the CPU's cache, so the pool is read
-    from memory once. Pages sealed with a recorded checksum (a cache made with
-    ``page_checksums=True``) are not hashed again: the file carries the
-    checksum recorded at the seal, so a page whose bytes changed in memory
-    since is refused by :func:`load_cache`.
+    from memory once. Each time another 32 MiB are written the kernel is
+    asked to start writing them to the disk (Linux), so the disk works while
+    the next runs are copied and the final fsync waits for little. Pages sealed with a recorded checksum
+    (a cache made with ``page_checksums=True``) are not hashed again: the file
+    carries the checksum recorded at the seal, so a page whose bytes changed
+    in memory since is refused by :func:`load_cache`.
 
     Parameters
     ----------
@@ -583,8 +583,10 @@ def save_cache(cache, path, *, num_threads: int | None = None) -> None:
     path : str or os.PathLike
         Target file; replaced atomically if it exists.
     num_threads : int, optional
-        1: hash and write in the calling thread. 2 (the default, None):
-        hash the next run in a helper thread while this one is written.
+        1: hash and write in the calling thread. 2 (the default, None): the
+        calling thread and a helper thread each take the next run, hash it
+        and write it at its place in the file (one write at a time), so one
+        thread hashes while the other writes.
 
     Raises
     ------
@@ -613,8 +615,16 @@ def save_cache(cache, path, *, num_threads: int | None = None) -> None:
 
     def write_pages(f) -> None:
         """Write the pages section to ``f``, hashing each run of pages just before it is written."""
-        _pipeline(_page_runs(kv), lambda run: layer_digests(kv, run[0], run[1], run[2], digests, skip),
-                  lambda run: _write_all(f.write, run[3]), threads, hash_first=True)
+        write_at = _positional_writer(f)
+        offset = len(placeholder)  # the pages section follows the placeholder
+
+        def save_run(run) -> None:
+            """Hash one run of the pool, then write it while its bytes are in the CPU's cache."""
+            layer, first, stop, view, start = run
+            layer_digests(kv, layer, first, stop, digests, skip)
+            write_at(view, offset + start)
+
+        _each_run(_page_runs(kv), save_run, threads)
 
     def finish(fd: int) -> None:
         """Overwrite the placeholder at the start of ``fd`` with the real header and page checksums."""
@@ -635,6 +645,8 @@ def save_cache(cache, path, *, num_threads: int | None = None) -> None:
 #: Bytes of one layer's pages hashed and written (or read and hashed) together:
 #: small enough to stay in the CPU's cache between the two.
 _RUN_BYTES = 4 << 20
+#: Bytes written between two requests to start their write-back to the disk.
+_WRITEBACK_BYTES = 32 << 20
 
 
 def _checked_threads(num_threads) -> int:
@@ -645,8 +657,9 @@ def _checked_threads(num_threads) -> int:
     return int(num_threads)
 
 
-def _page_runs(kv: np.ndarray) -> list[tuple[int, int, int, memoryview]]:
-    """``(layer, first, stop, bytes)`` runs of about ``_RUN_BYTES`` of one layer's pages, in file order."""
+def _page_runs(kv: np.ndarray) -> list[tuple[int, int, int, memoryview, int]]:
+    """``(layer, first, stop, bytes, start)`` runs of about ``_RUN_BYTES`` of one layer's pages, in file
+    order; ``start`` is the run's byte offset in the pool (and in the ``pages`` section)."""
     num_layers, num_pages = kv.shape[0], kv.shape[1]
     if not kv.size:
         return []
@@ -658,50 +671,119 @@ def _page_runs(kv: np.ndarray) -> list[tuple[int, int, int, memoryview]]:
         for first in range(0, num_pages, per_run):
             stop = min(num_pages, first + per_run)
             start = (layer * num_pages + first) * page_bytes
-            runs.append((layer, first, stop, flat[start:start + (stop - first) * page_bytes]))
+            runs.append((layer, first, stop, flat[start:start + (stop - first) * page_bytes], start))
     return runs
 
 
-def _pipeline(runs: list, hash_run, io_run, threads: int, hash_first: bool) -> None:
-    """Hash and do I/O on each run, in order, the two steps of a run back to back.
+def _each_run(runs: list, work, threads: int) -> None:
+    """Call ``work(run)`` once for every run, the runs taken in file order.
 
-    ``hash_first``: hash a run, then write it (save); otherwise read a run,
-    then hash it (load). With two threads a helper thread hashes while the
-    calling thread does the I/O of the neighbouring run; at most one run is
-    hashed ahead of (or behind) the I/O.
+    With two threads the calling thread and a helper thread each take the
+    next run from a shared queue and do all of its work (read and hash, or
+    hash and write), so neither hands a run to the other or waits for it
+    between runs; the first error stops both and is raised here once the
+    helper has finished.
     """
-    if threads == 1:
+    if threads == 1 or len(runs) < 2:
         for run in runs:
-            if hash_first:
-                hash_run(run)
-                io_run(run)
-            else:
-                io_run(run)
-                hash_run(run)
+            work(run)
         return
-    from concurrent.futures import ThreadPoolExecutor
+    queue = iter(runs)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    stop = [False]  # set when the calling thread leaves (also on an interrupt while it waits)
 
-    with ThreadPoolExecutor(1, thread_name_prefix="pagedkv-snapshot-hash") as helper:
-        pending = None
-        try:
-            if hash_first:
-                pending = helper.submit(hash_run, runs[0]) if runs else None
-                for k, run in enumerate(runs):
-                    pending.result()
-                    pending = helper.submit(hash_run, runs[k + 1]) if k + 1 < len(runs) else None
-                    io_run(run)
+    def worker() -> None:
+        """Do runs until the queue is empty, a thread failed or the calling thread left."""
+        while True:
+            with lock:
+                run = None if errors or stop[0] else next(queue, None)
+            if run is None:
+                return
+            try:
+                work(run)
+            except BaseException as exc:  # re-raised in the calling thread
+                with lock:
+                    errors.append(exc)
+                return
+
+    helper = threading.Thread(target=worker, name="pagedkv-snapshot", daemon=True)
+    helper.start()
+    try:
+        worker()
+    finally:
+        stop[0] = True
+        helper.join()
+    if errors:
+        raise errors[0]
+
+
+def _positional_reader(f):
+    """``read_at(view, offset)``: fill ``view`` with the file's bytes from ``offset``; callable from two threads.
+
+    ``os.preadv`` where the platform has it (the threads read at once, the
+    file position untouched); elsewhere a seek and reads under a lock. A file
+    that ends early raises SnapshotError.
+    """
+    fd = f.fileno()
+    preadv = getattr(os, "preadv", None)
+    lock = threading.Lock()
+
+    def fill(view: memoryview, offset: int, read) -> None:
+        """Fill ``view`` by calls of ``read(rest_of_view, file_offset)``, each returning the bytes read."""
+        done = 0
+        while done < len(view):
+            n = read(view[done:], offset + done)
+            if not n:
+                raise SnapshotError(f"section 'pages': the file ended early while reading pages (at byte "
+                                    f"{offset + done})")
+            done += n
+
+    def read_at(view: memoryview, offset: int) -> None:
+        """Fill ``view`` from byte ``offset`` of the file."""
+        if preadv is not None:
+            fill(view, offset, lambda rest, at: preadv(fd, [rest], at))
+            return
+        with lock:
+            f.seek(offset)
+            fill(view, offset, lambda rest, at: f.readinto(rest))
+
+    return read_at
+
+
+def _positional_writer(f):
+    """``write_at(view, offset)``: write ``view`` at byte ``offset`` of the file; callable from two threads.
+
+    One write at a time (a lock): ``os.pwrite`` where the platform has it,
+    else a seek and writes. Each time ``_WRITEBACK_BYTES`` more are written
+    the kernel is asked to start writing them to the disk
+    (:func:`pagedkv_c._file_io.start_writeback`, Linux only), so the disk
+    works while later runs are written and the final fsync has little left
+    to wait for.
+    """
+    fd = f.fileno()
+    pwrite = getattr(os, "pwrite", None)
+    lock = threading.Lock()
+    unflushed = [None]  # first byte written since the last write-back request
+
+    def write_at(view: memoryview, offset: int) -> None:
+        """Write all of ``view`` from byte ``offset`` of the file."""
+        with lock:
+            if pwrite is None:
+                f.seek(offset)
+                _write_all(f.write, view)
             else:
-                for run in runs:
-                    io_run(run)
-                    if pending is not None:
-                        pending.result()
-                    pending = helper.submit(hash_run, run)
-                if pending is not None:
-                    pending.result()
-                pending = None
-        finally:
-            if pending is not None:  # an I/O error: let the helper finish before the buffers go
-                pending.cancel() or pending.exception()
+                done = 0
+                while done < len(view):
+                    done += pwrite(fd, view[done:], offset + done)
+            end = offset + len(view)
+            if unflushed[0] is None:
+                unflushed[0] = offset
+            if end - unflushed[0] >= _WRITEBACK_BYTES:
+                start_writeback(fd, unflushed[0], end - unflushed[0])
+                unflushed[0] = end
+
+    return write_at
 
 
 def _sealed_section(state: dict) -> bytes:
@@ -729,10 +811,13 @@ def load_cache(path, *, mmap: bool = False, num_threads: int | None = None):
         page bytes are not read, so call :func:`verify` on the file (any
         time, e.g. from a background thread) to check them.
     num_threads : int, optional
-        For a full load: 1 reads the pool straight into the new cache's pool
-        in runs of about 4 MiB of one layer's pages and hashes each run right
-        after reading it, in the calling thread; 2 (the default, None)
-        hashes each run in a helper thread while the next one is read.
+        For a full load, the pool is read straight into the new cache's pool
+        in runs of about 4 MiB of one layer's pages, each hashed right after
+        it is read, while its bytes are in the CPU's cache. 1: in the calling
+        thread. 2 (the default, None): the calling thread and a helper thread
+        each take the next run and read and hash it, at once (positional
+        reads; where the platform has none, such as Windows, the reads take
+        turns under a lock and only the hashing overlaps).
 
     Returns
     -------

@@ -1,0 +1,5 @@
+# Type stub of the compiled module pagedkv_c._file_io (see _file_io.pyx for the documentation).
+
+__all__ = ["start_writeback"]
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> bool: ...
