@@ -7,7 +7,7 @@ The checksum is the project's page checksum (``page_checksum.h``, the one
 computes): for each layer XXH3-128 of its bytes as a 16-byte canonical digest, then
 the low 64 bits of XXH3-128 over the digests. The checksums run in C without the
 GIL, so the tier's writer and fetch threads do not hold up the thread that decodes:
-``record_checksums`` and ``body_checksums`` for many pages in one call,
+``record_checksums`` for many pages in one call (the writer),
 ``PageValueChecker`` for one fetched value at a time (its header, page hash, token
 ids and checksum), right after the value arrived from the socket.
 """
@@ -18,12 +18,12 @@ from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp
 
-from pagedkv_c._checks cimport as_int_array, check_array, check_int, invalid
+from pagedkv_c._checks cimport check_array, check_int, invalid
 from pagedkv_c._checksum cimport pkv_page_checksum
 
 cnp.import_array()
 
-__all__ = ["PageValueChecker", "body_checksums", "record_checksums"]
+__all__ = ["PageValueChecker", "record_checksums"]
 
 
 def record_checksums(records, body_offset, num_layers, page_bytes):
@@ -76,70 +76,6 @@ def record_checksums(records, body_offset, num_layers, page_bytes):
             sums[i] = pkv_page_checksum(base + i * row_bytes + offset, <size_t>layer_bytes, <size_t>layer_bytes,
                                         layers, 0, scratch)
     free(scratch)
-    return out
-
-
-def body_checksums(values, offsets, num_layers, page_bytes):
-    """Page checksum of the body of each value, read where the value lies (no copy).
-
-    Parameters
-    ----------
-    values : sequence of bytes-like
-        ``[n]`` objects with a contiguous buffer (bytes, bytearray,
-        memoryview), each exactly ``offsets[i] + num_layers * page_bytes``
-        bytes long.
-    offsets : sequence of int, shape ``[n]``
-        Byte offset of each body in its value, ``>= 0``.
-    num_layers, page_bytes : int
-        As for :func:`record_checksums`.
-
-    Returns
-    -------
-    numpy.ndarray
-        uint64, shape ``[n]``.
-
-    Raises
-    ------
-    TypeError
-        A value without a contiguous byte buffer; arguments of the wrong type.
-    ValueError
-        ``offsets`` of another length than ``values``, negative, or a value
-        of another length than its offset plus the body.
-    """
-    cdef int64_t layers = check_int(num_layers, "num_layers", 0, 2**31 - 1)
-    cdef int64_t layer_bytes = check_int(page_bytes, "page_bytes", 0, 2**40)
-    cdef object starts = as_int_array(offsets, "offsets", np.int64)
-    cdef int64_t n = len(values), i
-    if starts.shape[0] != n:
-        raise ValueError(f"{invalid('length', 'offsets')}: expected {n} (one per value), got {starts.shape[0]}")
-    cdef const int64_t* start_data = <const int64_t*>cnp.PyArray_DATA(starts)
-    cdef int64_t body = layers * layer_bytes
-    cdef const unsigned char[::1] view
-    cdef uint64_t* sums
-    cdef uint8_t* scratch
-    views = []
-    cdef const uint8_t** bodies = <const uint8_t**>malloc(max(n, 1) * sizeof(uint8_t*))
-    if bodies == NULL:
-        raise MemoryError()
-    try:
-        for i in range(n):
-            view = memoryview(values[i]).cast("B")
-            if start_data[i] < 0 or view.shape[0] != start_data[i] + body:
-                raise ValueError(f"{invalid('value', 'values')}: expected value {i} to hold its body of {body} "
-                                 f"bytes at offset {start_data[i]} exactly, got {view.shape[0]} bytes")
-            views.append(view)  # keeps the buffer alive while C reads it
-            bodies[i] = &view[0] + start_data[i] if view.shape[0] else NULL
-        out = np.empty(n, dtype=np.uint64)
-        sums = <uint64_t*>cnp.PyArray_DATA(out)
-        scratch = <uint8_t*>malloc(16 * max(layers, 1))
-        if scratch == NULL:
-            raise MemoryError()
-        with nogil:
-            for i in range(n):
-                sums[i] = pkv_page_checksum(bodies[i], <size_t>layer_bytes, <size_t>layer_bytes, layers, 0, scratch)
-        free(scratch)
-    finally:
-        free(bodies)
     return out
 
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from pagedkv import KVCache
 from pagedkv_c._checksum import page_checksums
-from pagedkv_c._tier_io import body_checksums, record_checksums
+from pagedkv_c._tier_io import record_checksums
 
 LAYERS, HEADS, DIM, PS = 3, 2, 8, 4
 
@@ -162,8 +162,6 @@ def test_value_checksums_equal_the_pool_checksum(layers, num_pages, seed):
     for p, body in enumerate(bodies):
         records[p, offset:offset + body.size] = body
     assert np.array_equal(record_checksums(records, offset, layers, page_bytes), want)
-    values = [bytes(offset) + body.tobytes() for body in bodies]
-    assert np.array_equal(body_checksums(values, [offset] * num_pages, layers, page_bytes), want)
 
 
 def test_checksum_helpers_check_their_arguments():
@@ -174,12 +172,6 @@ def test_checksum_helpers_check_their_arguments():
         record_checksums(np.zeros((2, page_bytes - 1), dtype=np.uint8), 0, 1, page_bytes)
     with pytest.raises(TypeError, match="records"):
         record_checksums(np.zeros((2, page_bytes), dtype=np.int16), 0, 1, page_bytes)
-    with pytest.raises(ValueError, match="values"):
-        body_checksums([bytes(page_bytes - 1)], [0], 1, page_bytes)
-    with pytest.raises(ValueError, match="offsets"):
-        body_checksums([bytes(page_bytes)], [0, 0], 1, page_bytes)
-    with pytest.raises(TypeError):
-        body_checksums([object()], [0], 1, page_bytes)
 
 
 @settings(max_examples=40, deadline=None)
