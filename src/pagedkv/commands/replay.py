@@ -211,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
 
         def attach_publisher(cache):
+            """Publish ``cache``'s KV events on ``--kv-events``; returns the publisher's ``publish``."""
             publishers.append(ZmqEventPublisher(cache, args.kv_events, replay_endpoint=args.kv_events_replay))
             return publishers[-1].publish
     try:

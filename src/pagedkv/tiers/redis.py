@@ -153,17 +153,25 @@ def _read_into(sock, pending, view):
         have += got
 
 
+def _parsed_replies(conn, count):
+    """The next ``count`` replies through the client's parser; a command the server refused gives its error."""
+    replies = []
+    for _ in range(count):
+        try:
+            replies.append(conn.read_response())
+        except redis.exceptions.ResponseError as exc:  # this command only; the rest follow
+            replies.append(exc)
+    return replies
+
+
 def _read_values_parsed(conn, indices, records, checker):
     """:func:`_read_values` through the client's parser (``conn.read_response``)."""
     value_bytes = records.shape[1]
     out = []
-    for i in indices:
-        try:
-            value = conn.read_response()
-        except redis.exceptions.ResponseError as exc:  # this command only; the rest follow
-            out.append(exc)
-            continue
-        if value is None:
+    for i, value in zip(indices, _parsed_replies(conn, len(indices))):
+        if isinstance(value, Exception):
+            out.append(value)
+        elif value is None:
             out.append(None)
         elif len(value) == value_bytes:
             records[i] = np.frombuffer(value, dtype=np.uint8)
@@ -471,6 +479,7 @@ class RedisTier:
                                    page_hashes, token_ids, layout.num_layers, layout.page_bytes)
 
         def read(conn, indices):
+            """One node's GET replies, read into ``records`` and verified (see :func:`_read_values`)."""
             return _read_values(conn, indices, records, checker)
 
         outcomes = [None] * n
@@ -606,17 +615,9 @@ class RedisTier:
                     pool.release(conn)
                 out[g] = exc
         for g, pool, conn in sent:
-            replies = []
             try:
-                if read is not None:
-                    replies = read(conn, groups[g][2])
-                else:
-                    for _ in groups[g][2]:
-                        try:
-                            replies.append(conn.read_response())
-                        except redis.exceptions.ResponseError as exc:  # this command only; the rest follow
-                            replies.append(exc)
-                out[g] = replies
+                out[g] = (read(conn, groups[g][2]) if read is not None
+                          else _parsed_replies(conn, len(groups[g][2])))
             except Exception as exc:
                 conn.disconnect()  # replies may be left unread: never reuse this connection
                 out[g] = exc
@@ -718,6 +719,7 @@ class RedisTier:
             groups = []
 
         def set_command(i):
+            """The ``SET key value NX [EX ttl]`` of page ``i``, as protocol chunks (the value not copied)."""
             return _packed_set(keys[i], values[i], self.ttl_seconds)
 
         for (node, _, indices), results in zip(groups, self._per_node(groups, set_command, packed=True)):
