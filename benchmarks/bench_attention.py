@@ -292,6 +292,11 @@ def single_sequence_case(context, repeats, thread_counts):
     return row
 
 
+def _ratio_cell(row, key):
+    """``row[key]`` as a table cell ``1.23x``, or ``n/a`` when the row has no such ratio (torch absent)."""
+    return f"{row[key]:.2f}x" if key in row else "n/a"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="contexts 512 and 4096 only, 5 rounds")
@@ -319,8 +324,8 @@ def main():
     print(header)
     print("|" + "|".join(["---"] * 12) + "|")
     for r in rows:
-        torch1 = f"{r['torch_over_pagedkv_1t']:.2f}x" if "torch_over_pagedkv_1t" in r else "n/a"
-        torch2 = f"{r['torch_over_pagedkv_2t']:.2f}x" if "torch_over_pagedkv_2t" in r else "n/a"
+        torch1 = _ratio_cell(r, "torch_over_pagedkv_1t")
+        torch2 = _ratio_cell(r, "torch_over_pagedkv_2t")
         print(f"| {r['dtype']} | {r['context']} | {r['us_1t']:.0f} | {r['us_2t']:.0f} "
               f"| {r['gbs_1t']:.1f} | {r['probe_gbs']:.1f} | {100 * r['frac_probe_1t']:.0f}% "
               f"| {r['us_1t'] / r['us_2t']:.2f}x | {r['numpy_ref_ms']:.1f} "
@@ -342,8 +347,8 @@ def main():
           "| split 1T | split speedup 1T | unsplit 2T | split 2T | split speedup 2T | torch/split 1T | torch/split 2T |")
     print("|" + "|".join(["---"] * 9) + "|")
     for r in single:
-        torch1 = f"{r['torch_over_split_1t']:.2f}x" if "torch_over_split_1t" in r else "n/a"
-        torch2 = f"{r['torch_over_split_2t']:.2f}x" if "torch_over_split_2t" in r else "n/a"
+        torch1 = _ratio_cell(r, "torch_over_split_1t")
+        torch2 = _ratio_cell(r, "torch_over_split_2t")
         print(f"| context {r['context']} | {r['us_unsplit_1t']:.0f} us | {r['us_split_1t']:.0f} us "
               f"| {r['split_speedup_1t']:.2f}x | {r['us_unsplit_2t']:.0f} us | {r['us_split_2t']:.0f} us "
               f"| {r['split_speedup_2t']:.2f}x | {torch1} | {torch2} |")

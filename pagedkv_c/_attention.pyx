@@ -316,7 +316,7 @@ cdef int paged_decode(
     cdef int64_t b, parts, part_pages, num_seq_parts = 0, num_partials = 0, num_split = 0
     for b in range(batch_size):
         part_pages = _partition_pages(indptr[b + 1] - indptr[b], min_pages, max_parts)
-        parts = 1 if part_pages == 0 else (indptr[b + 1] - indptr[b] + part_pages - 1) // part_pages
+        parts = _partition_count(indptr[b + 1] - indptr[b], part_pages)
         num_seq_parts += parts
         if parts > 1:
             num_partials += parts
@@ -358,7 +358,7 @@ cdef int paged_decode(
     cdef int64_t part, block, first_head, first_page, end_page, next_partial = 0, split = 0
     for b in range(batch_size):
         part_pages = _partition_pages(indptr[b + 1] - indptr[b], min_pages, max_parts)
-        parts = 1 if part_pages == 0 else (indptr[b + 1] - indptr[b] + part_pages - 1) // part_pages
+        parts = _partition_count(indptr[b + 1] - indptr[b], part_pages)
         if parts > 1:
             split_seqs[3 * split] = b
             split_seqs[3 * split + 1] = next_partial
@@ -407,6 +407,11 @@ cdef inline int64_t _partition_pages(int64_t num_pages, int64_t min_pages, int64
     if parts < 2:
         return 0
     return (num_pages + parts - 1) // parts
+
+
+cdef inline int64_t _partition_count(int64_t num_pages, int64_t part_pages) noexcept nogil:
+    """Partitions of a sequence of num_pages pages cut every part_pages pages (0: one, no split)."""
+    return 1 if part_pages == 0 else (num_pages + part_pages - 1) // part_pages
 
 
 cdef int _merge_split_rows(const pkv_attention_args* args, const int64_t* split_seqs,

@@ -99,22 +99,23 @@ def assert_close(got, want, dtype):
 
 
 @contextlib.contextmanager
-def kernel_path(isa):
-    previous = _attention._set_isa(isa)
+def _kernel_setting(setter, value):
+    """Apply a private kernel setting (``setter`` returns the previous one) inside the block, then restore it."""
+    previous = setter(value)
     try:
         yield
     finally:
-        _attention._set_isa(previous)
+        setter(previous)
 
 
-@contextlib.contextmanager
+def kernel_path(isa):
+    """Run the kernels on the SIMD path ``isa`` inside the block."""
+    return _kernel_setting(_attention._set_isa, isa)
+
+
 def decode_partition(tokens):
     """Split decode into as many partitions as ``tokens`` tokens (whole pages) fit (0: never split)."""
-    previous = _attention._set_decode_partition(tokens)
-    try:
-        yield
-    finally:
-        _attention._set_decode_partition(previous)
+    return _kernel_setting(_attention._set_decode_partition, tokens)
 
 
 def random_q(rng, n, num_qo_heads, dim):
