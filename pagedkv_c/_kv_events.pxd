@@ -54,6 +54,14 @@ cdef class KVEventLog:
     cdef object take(self)
 
 
+cdef class _EncodeOptions:      # checked options of an encoding
+    cdef bytes medium_utf8
+    cdef const char* medium_chars
+    cdef size_t medium_len
+    cdef int64_t rank, window_tokens
+    cdef int as_bytes
+
+
 cdef class KVEvents:
     cdef pkv_kv_unit* units              # (num_units,) owned: given back to the log (or freed) with the object
     cdef int32_t* tokens                 # (num_tokens,) token ids of stored pages, owned likewise
@@ -66,3 +74,7 @@ cdef class KVEvents:
     cdef readonly int64_t num_pages_stored   # pages that entered the prefix cache
     cdef readonly int64_t num_pages_removed  # cached pages that left it
     cdef int64_t num_events              # events as vLLM counts them (len())
+
+    cdef size_t _encode_bound(self, _EncodeOptions options) noexcept
+    cdef size_t _encode_into(self, double ts, _EncodeOptions options, uint8_t* out) noexcept
+

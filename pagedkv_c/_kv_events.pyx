@@ -24,7 +24,14 @@ cdef extern from "kv_events_msgpack.h":
                                 const char* medium, size_t medium_len, int64_t window, int hash_bytes,
                                 uint8_t* out) noexcept nogil
 
+cdef extern from "populate.h":
+    void* pkv_page_alloc(size_t n) noexcept nogil
+    void pkv_page_free(void* p) noexcept nogil
+    int pkv_populate_write(void* p, size_t n) noexcept nogil
+
 cdef extern from "Python.h":
+    int PyBuffer_FillInfo(Py_buffer* view, object exporter, void* buf, Py_ssize_t length, int readonly,
+                          int flags) except -1
     # Raw forms: the payload is encoded into a new bytes object and shrunk in place.
     PyObject* _bytes_new "PyBytes_FromStringAndSize"(const char* data, Py_ssize_t size) except NULL
     char* _bytes_data "PyBytes_AS_STRING"(PyObject* b) noexcept
@@ -228,6 +235,35 @@ cdef class KVEvents:
         TypeError
             ``medium`` is not a str.
         """
+        cdef _EncodeOptions options = _EncodeOptions(data_parallel_rank, window, medium, hash_format)
+        cdef size_t bound = self._encode_bound(options)
+        # Encoded straight into a new bytes object, which nothing else sees
+        # until it is returned, then shrunk to length in place.
+        cdef PyObject* raw = _bytes_new(NULL, <Py_ssize_t>bound)
+        cdef size_t length = self._encode_into(ts, options, <uint8_t*>_bytes_data(raw))
+        _PyBytes_Resize(&raw, <Py_ssize_t>length)  # on failure it frees raw and raises MemoryError
+        payload = <object>raw  # a second reference; the one _bytes_new made is dropped next
+        Py_DECREF(payload)
+        return payload
+
+    cdef size_t _encode_bound(self, _EncodeOptions options) noexcept:
+        """Most bytes :meth:`_encode_into` writes."""
+        return pkv_kv_events_encode_bound(self.num_units, self.num_events, self.num_tokens, options.medium_len)
+
+    cdef size_t _encode_into(self, double ts, _EncodeOptions options, uint8_t* out) noexcept:
+        """Encode into ``out`` (``_encode_bound`` bytes) without the GIL; returns the bytes written."""
+        cdef size_t length
+        with nogil:
+            length = pkv_kv_events_encode(self.units, self.num_units, self.num_events, self.tokens, self.page_size,
+                                          ts, options.rank, options.medium_chars, options.medium_len,
+                                          options.window_tokens, options.as_bytes, out)
+        return length
+
+
+cdef class _EncodeOptions:
+    """The checked options of an encoding (see :meth:`KVEvents.encode`)."""
+
+    def __cinit__(self, data_parallel_rank, window, medium, hash_format):
         if hash_format not in HASH_FORMATS:
             raise ValueError(f"Invalid value of hash_format: expected one of {HASH_FORMATS}, got {hash_format!r}")
         if not isinstance(medium, str):
@@ -235,22 +271,184 @@ cdef class KVEvents:
         for name, value in (("data_parallel_rank", data_parallel_rank), ("window", window)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63):
                 raise ValueError(f"Invalid value of {name}: expected an int in [0, 2**63), got {value!r}")
-        cdef bytes medium_utf8 = medium.encode("utf-8")
-        cdef const char* medium_chars = medium_utf8
-        cdef size_t medium_len = len(medium_utf8)
-        cdef int64_t rank = data_parallel_rank
-        cdef int64_t window_tokens = -1 if window is None else window
-        cdef int as_bytes = hash_format == "bytes"
-        cdef size_t bound = pkv_kv_events_encode_bound(self.num_units, self.num_events, self.num_tokens, medium_len)
-        cdef size_t length
-        # Encoded straight into a new bytes object, which nothing else sees
-        # until it is returned, then shrunk to length in place.
-        cdef PyObject* raw = _bytes_new(NULL, <Py_ssize_t>bound)
-        cdef uint8_t* out = <uint8_t*>_bytes_data(raw)
-        with nogil:
-            length = pkv_kv_events_encode(self.units, self.num_units, self.num_events, self.tokens, self.page_size,
-                                          ts, rank, medium_chars, medium_len, window_tokens, as_bytes, out)
-        _PyBytes_Resize(&raw, <Py_ssize_t>length)  # on failure it frees raw and raises MemoryError
-        payload = <object>raw  # a second reference; the one _bytes_new made is dropped next
-        Py_DECREF(payload)
+        self.medium_utf8 = medium.encode("utf-8")
+        self.medium_chars = self.medium_utf8
+        self.medium_len = len(self.medium_utf8)
+        self.rank = data_parallel_rank
+        self.window_tokens = -1 if window is None else window
+        self.as_bytes = hash_format == "bytes"
+
+
+cdef class _ArenaChunk:
+    """One allocation of a :class:`PayloadArena`, freed with the last payload that points into it."""
+    cdef uint8_t* data
+    cdef size_t size, used        # bytes allocated, bytes handed out (from the start)
+    cdef Py_ssize_t live          # payloads pointing into it
+
+    def __dealloc__(self):
+        pkv_page_free(self.data)
+
+
+cdef class EncodedBatch:
+    """An encoded ``KVEventBatch`` that a :class:`PayloadArena` holds: a read-only bytes-like object.
+
+    Supports the buffer protocol (``memoryview``, ``bytes(batch)``, ZeroMQ
+    sends without a copy) and ``len``. Cannot be created directly.
+    """
+    cdef _ArenaChunk chunk
+    cdef size_t offset, length
+
+    def __init__(self):
+        raise TypeError("EncodedBatch cannot be created directly: PayloadArena.encode makes them")
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        if self.chunk is None:  # made by EncodedBatch.__new__, bypassing __init__
+            raise BufferError("this EncodedBatch holds no payload")
+        PyBuffer_FillInfo(view, self, self.chunk.data + self.offset, <Py_ssize_t>self.length, 1, flags)
+
+    def __releasebuffer__(self, Py_buffer* view):
+        pass
+
+    def __len__(self):
+        return self.length
+
+    def __dealloc__(self):
+        if self.chunk is not None:
+            self.chunk.live -= 1
+            if self.chunk.live == 0:
+                self.chunk.used = 0  # nothing points into it: the next payloads reuse its (warm) memory
+
+
+cdef size_t _PAGE_BYTES = 4096
+cdef size_t _MIN_CHUNK_BYTES = 2 << 20
+cdef size_t _MAX_CHUNK_BYTES = 64 << 20
+cdef size_t _BATCHES_PER_CHUNK = 8
+
+
+cdef _ArenaChunk _new_chunk(size_t size):
+    """A page-aligned chunk of ``size`` bytes, not yet faulted in."""
+    cdef _ArenaChunk chunk = _ArenaChunk.__new__(_ArenaChunk)
+    chunk.data = <uint8_t*>pkv_page_alloc(size)
+    if chunk.data == NULL:
+        raise MemoryError(f"cannot allocate {size} bytes for encoded KV events")
+    chunk.size = size
+    return chunk
+
+
+cdef class PayloadArena:
+    """Memory for encoded KV event batches that are kept a while (for replays), handed out in order.
+
+    Payloads are carved one after another out of large chunks, and a chunk
+    whose payloads are all gone is written again from its start. A chunk is
+    freed with the last payload in it. Keeping payloads needs new memory,
+    and new memory costs a page fault per page on first write: an otherwise
+    idle thread can take those faults ahead of the writer with
+    :meth:`populate`, which faults in the rest of the current chunk and a
+    spare one, 2 MiB at a time (short holds of the kernel's memory map
+    lock, which the writer's own allocations may need). Huge pages are not
+    asked for: the kernel's compaction for one can stall a thread for tens
+    of milliseconds, and the faults are off the writer's path anyway. Chunks hold about 8 of the largest batches seen, from 2 MiB
+    to 64 MiB (a larger batch gets a chunk of its own).
+
+    Not thread-safe by itself, except that :meth:`populate` may run in
+    another thread than :meth:`encode` (both hold the GIL where they touch
+    the arena's state).
+    """
+    cdef _ArenaChunk current, spare
+    cdef size_t chunk_bytes       # size of the next chunk
+    cdef size_t populated         # bytes of `current` known to be faulted in (from its start)
+
+    def __cinit__(self):
+        self.chunk_bytes = _MIN_CHUNK_BYTES
+
+    def encode(self, KVEvents events not None, double ts, *, data_parallel_rank=0, window=None, medium="CPU",
+               hash_format="int"):
+        """Encode ``events`` as :meth:`KVEvents.encode` does, into this arena.
+
+        Returns
+        -------
+        EncodedBatch
+            The payload, bytes-like; its memory stays valid while it lives.
+
+        Raises
+        ------
+        ValueError, TypeError
+            As :meth:`KVEvents.encode`.
+        MemoryError
+            No memory for a new chunk.
+        """
+        cdef _EncodeOptions options = _EncodeOptions(data_parallel_rank, window, medium, hash_format)
+        cdef size_t bound = events._encode_bound(options)
+        self.chunk_bytes = min(_MAX_CHUNK_BYTES, max(self.chunk_bytes, _BATCHES_PER_CHUNK * bound))
+        cdef _ArenaChunk chunk = self.current
+        if chunk is None or chunk.size - chunk.used < bound:
+            if self.spare is not None and self.spare.size >= bound:
+                chunk, self.spare = self.spare, None
+                self.populated = chunk.size
+            else:
+                chunk = _new_chunk(max(self.chunk_bytes, bound))
+                self.populated = 0
+            self.current = chunk
+        cdef EncodedBatch payload = EncodedBatch.__new__(EncodedBatch)
+        payload.offset = chunk.used
+        payload.length = events._encode_into(ts, options, chunk.data + chunk.used)
+        payload.chunk = chunk
+        chunk.live += 1
+        chunk.used += (payload.length + 63) & ~(<size_t>63)  # the next payload starts on a cache line
         return payload
+
+    @property
+    def needs_populate(self):
+        """True when :meth:`populate` has work: no spare chunk, or part of the current one not faulted in."""
+        return self.current is not None and (self.spare is None or self.populated < self.current.size)
+
+    def populate(self):
+        """Fault in the rest of the current chunk and a spare chunk, mostly without the GIL.
+
+        Meant for a thread that is otherwise idle, while another one calls
+        :meth:`encode`: the writes of later payloads then take no page fault.
+        Bytes already written are not changed (``MADV_POPULATE_WRITE``);
+        where the kernel lacks it, only the spare chunk is faulted in, by
+        writing to it before anyone else can see it.
+
+        Raises
+        ------
+        MemoryError
+            No memory for the spare chunk.
+        """
+        cdef _ArenaChunk chunk = self.current
+        cdef size_t start, i
+        cdef uint8_t* data
+        cdef size_t size
+        if chunk is not None and self.populated < chunk.size:
+            start = (chunk.used + _PAGE_BYTES - 1) & ~(_PAGE_BYTES - 1)  # pages being written are left alone
+            data = chunk.data
+            size = chunk.size
+            with nogil:
+                _populate(data, start, size)
+            if self.current is chunk:
+                self.populated = size
+        if self.spare is not None or self.current is None:
+            return
+        chunk = _new_chunk(self.chunk_bytes)
+        data = chunk.data
+        size = chunk.size
+        with nogil:
+            if _populate(data, 0, size) != 0:
+                i = 0
+                while i < size:  # nobody else sees this chunk yet
+                    data[i] = 0
+                    i += _PAGE_BYTES
+        if self.spare is None:
+            self.spare = chunk
+
+
+cdef int _populate(uint8_t* data, size_t start, size_t end) noexcept nogil:
+    """Fault in ``data[start:end]`` (page-aligned ``start``) 2 MiB at a time; -1 if the kernel cannot."""
+    cdef size_t step
+    while start < end:
+        step = min(end - start, <size_t>(2 << 20))
+        if pkv_populate_write(data + start, step) != 0:
+            return -1
+        start += step
+    return 0

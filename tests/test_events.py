@@ -323,7 +323,7 @@ def test_stream_rebuilds_cached_hashes_after_a_long_random_run(hash_format):
         for seq in live:
             cache.remove_sequence(seq)
         batches += publisher.publish() > 0
-        assert batches == publisher.num_queued
+        assert batches == publisher.num_batches
         wait_sent(publisher, batches)
         subscriber.complete(batches)  # the first batches may precede the subscription: replayed
         assert rebuild(subscriber.batches, hash_format) == cache_hashes(cache, hash_format)
@@ -355,7 +355,7 @@ def test_stream_rebuilds_cached_hashes_after_a_mooncake_replay():
         result = replay(trace, 400_000, kv_events=attach, keep_cache=True)
         publisher = publishers[0]
         publisher.publish()
-        num_batches = publisher.num_queued
+        num_batches = publisher.num_batches
         wait_sent(publisher, num_batches)
         subscriber.complete(num_batches)
         assert result.prefix_evictions > 0

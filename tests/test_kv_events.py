@@ -5,11 +5,14 @@ hashes that the prefix index reports, and every stored hash must be the XXH3-128
 parent, the salt and its token ids (the chain of pagedkv_c._prefix), computed here with the
 ``xxhash`` package from bytes written by the test.
 """
+import threading
+
 import numpy as np
 import pytest
 import xxhash
 
 from pagedkv import KVCache
+from pagedkv_c._kv_events import EncodedBatch, PayloadArena
 from pagedkv_c._pool import OutOfPagesError
 
 
@@ -336,3 +339,99 @@ def test_pending_records_count_as_recorded_before_the_drain():
     events, _ = cache.take_kv_events()
     assert cache.stats()["kv_events_recorded"] == 2 and events.num_records == 2
     assert cache.take_kv_events()[0].num_records == 0 and cache.stats()["kv_events_recorded"] == 2
+
+
+def event_batches(seed, num_batches, tokens_per_batch=40_000):
+    """Drained KVEvents of a cache of 1-token pages, each of about ``tokens_per_batch`` stored pages."""
+    rng = np.random.default_rng(seed)
+    cache = KVCache(0, 1, 1, 2 * tokens_per_batch, page_size=1, enable_prefix_caching=True, enable_kv_events=True)
+    for step in range(num_batches):
+        length = int(rng.integers(tokens_per_batch // 2, tokens_per_batch))
+        tokens = rng.integers(0, 2**31 - 1, size=length).tolist()
+        cache.add_sequence(step, tokens)
+        cache.append([step], [length], token_ids=tokens)
+        cache.remove_sequence(step)
+        events, dropped = cache.take_kv_events()
+        assert dropped == 0
+        yield events
+
+
+def test_payload_arena_payloads_equal_encode_and_survive_later_payloads():
+    arena = PayloadArena()
+    kept = []
+    rng = np.random.default_rng(1)
+    for i, events in enumerate(event_batches(0, 30)):
+        options = dict(data_parallel_rank=i % 3, window=None if i % 2 else 64, medium="GPU" if i % 4 else "CPU",
+                       hash_format="bytes" if i % 5 == 0 else "int")
+        payload = arena.encode(events, 100.0 + i, **options)
+        expected = events.encode(100.0 + i, **options)
+        assert len(payload) == len(expected) and bytes(payload) == expected
+        view = memoryview(payload)
+        assert view.readonly and view.nbytes == len(expected)
+        view.release()
+        kept.append((payload, expected))
+        if rng.random() < 0.3:
+            arena.populate()  # faults in memory ahead without touching what was written
+        if rng.random() < 0.4:
+            del kept[int(rng.integers(len(kept)))]  # a chunk whose payloads are all gone is written again
+    assert len(kept) > 10
+    for payload, expected in kept:
+        assert bytes(payload) == expected
+
+
+def test_payload_arena_reuses_a_chunk_once_its_payloads_are_gone():
+    arena = PayloadArena()
+    batches = list(event_batches(2, 3))
+    first = arena.encode(batches[0], 1.0)
+    start = np.frombuffer(first, dtype=np.uint8).__array_interface__["data"][0]
+    del first
+    second = arena.encode(batches[1], 2.0)
+    assert np.frombuffer(second, dtype=np.uint8).__array_interface__["data"][0] == start
+    assert bytes(second) == batches[1].encode(2.0)
+    third = arena.encode(batches[2], 3.0)  # second is alive: third goes after it
+    assert np.frombuffer(third, dtype=np.uint8).__array_interface__["data"][0] >= start + len(second)
+    assert bytes(second) == batches[1].encode(2.0) and bytes(third) == batches[2].encode(3.0)
+
+
+def test_payload_arena_populate_in_another_thread_leaves_payloads_intact():
+    arena = PayloadArena()
+    stop = threading.Event()
+    errors = []
+
+    def populate():
+        try:
+            while not stop.is_set():
+                arena.populate()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=populate)
+    thread.start()
+    kept = []
+    try:
+        for i, events in enumerate(event_batches(3, 40, tokens_per_batch=20_000)):
+            kept.append((arena.encode(events, float(i)), events.encode(float(i))))
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors
+    for payload, expected in kept:
+        assert bytes(payload) == expected
+
+
+def test_payload_arena_checks_its_options_before_allocating():
+    arena = PayloadArena()
+    (events,) = event_batches(4, 1, tokens_per_batch=100)
+    with pytest.raises(ValueError, match="hash_format"):
+        arena.encode(events, 0.0, hash_format="hex")
+    with pytest.raises(ValueError, match="data_parallel_rank"):
+        arena.encode(events, 0.0, data_parallel_rank=-1)
+    with pytest.raises(TypeError, match="medium"):
+        arena.encode(events, 0.0, medium=b"CPU")
+    with pytest.raises(TypeError):
+        arena.encode(None, 0.0)
+    assert not arena.needs_populate  # nothing was allocated
+    with pytest.raises(TypeError, match="PayloadArena.encode"):
+        EncodedBatch()
+    with pytest.raises(BufferError):
+        memoryview(EncodedBatch.__new__(EncodedBatch))
