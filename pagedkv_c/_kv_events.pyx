@@ -326,8 +326,11 @@ cdef size_t _BATCHES_PER_CHUNK = 8
 
 
 cdef _ArenaChunk _new_chunk(size_t size):
-    """A page-aligned chunk of ``size`` bytes, not yet faulted in."""
+    """A page-aligned chunk of ``size`` bytes rounded up to whole pages, not yet faulted in.
+
+    Whole pages keep ``used`` (a multiple of 64) at most ``size`` after any payload."""
     cdef _ArenaChunk chunk = _ArenaChunk.__new__(_ArenaChunk)
+    size = (size + _PAGE_BYTES - 1) & ~(_PAGE_BYTES - 1)
     chunk.data = <uint8_t*>pkv_page_alloc(size)
     if chunk.data == NULL:
         raise MemoryError(f"cannot allocate {size} bytes for encoded KV events")
