@@ -350,8 +350,9 @@ cdef class PayloadArena:
     spare one, 2 MiB at a time (short holds of the kernel's memory map
     lock, which the writer's own allocations may need). Huge pages are not
     asked for: the kernel's compaction for one can stall a thread for tens
-    of milliseconds, and the faults are off the writer's path anyway. Chunks hold about 8 of the largest batches seen, from 2 MiB
-    to 64 MiB (a larger batch gets a chunk of its own).
+    of milliseconds, and the faults are off the writer's path anyway.
+    Chunks hold about 8 of the largest batches seen, from 2 MiB to 64 MiB
+    (a larger batch gets a chunk of its own).
 
     Not thread-safe by itself, except that :meth:`populate` may run in
     another thread than :meth:`encode` (both hold the GIL where they touch
@@ -389,6 +390,7 @@ cdef class PayloadArena:
                 chunk, self.spare = self.spare, None
                 self.populated = chunk.size
             else:
+                self.spare = None  # too small for batches this large: populate() makes a new one
                 chunk = _new_chunk(max(self.chunk_bytes, bound))
                 self.populated = 0
             self.current = chunk
