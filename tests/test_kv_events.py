@@ -5,7 +5,9 @@ hashes that the prefix index reports, and every stored hash must be the XXH3-128
 parent, the salt and its token ids (the chain of pagedkv_c._prefix), computed here with the
 ``xxhash`` package from bytes written by the test.
 """
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -435,3 +437,35 @@ def test_payload_arena_checks_its_options_before_allocating():
         EncodedBatch()
     with pytest.raises(BufferError):
         memoryview(EncodedBatch.__new__(EncodedBatch))
+
+
+def test_payload_arena_a_payload_dropped_by_another_thread_during_an_encode_frees_no_bytes_in_use():
+    """The encoding runs without the GIL: another thread may drop the last payload of the
+    chunk meanwhile (a ZeroMQ send finishing, a replay's list going away). The payload being
+    written must still count as one of the chunk's, so later payloads go after it."""
+
+    def address(payload):
+        return np.frombuffer(payload, dtype=np.uint8).__array_interface__["data"][0]
+
+    switch_interval = sys.getswitchinterval()
+    for attempt in range(8):
+        arena = PayloadArena()
+        first, second, third = event_batches(40 + attempt, 3, tokens_per_batch=40_000)
+        holder = [arena.encode(first, 0.0)]  # the only payload of the current chunk
+        go = threading.Event()
+        dropper = threading.Thread(target=lambda: (go.wait(), holder.clear()))
+        dropper.start()
+        sys.setswitchinterval(30.0)  # the GIL changes hands only where a thread lets it go
+        try:
+            go.set()
+            start = time.perf_counter()
+            while time.perf_counter() - start < 0.02:  # keeps the GIL: the dropper wakes and waits for it
+                pass
+            kept = arena.encode(second, 1.0)  # the dropper runs while this encodes
+        finally:
+            sys.setswitchinterval(switch_interval)
+        dropper.join()
+        later = arena.encode(third, 2.0)
+        assert not holder
+        assert address(later) >= address(kept) + len(kept) or address(later) + len(later) <= address(kept)
+        assert bytes(kept) == second.encode(1.0) and bytes(later) == third.encode(2.0)
