@@ -396,10 +396,14 @@ cdef class PayloadArena:
             self.current = chunk
         cdef EncodedBatch payload = EncodedBatch.__new__(EncodedBatch)
         payload.offset = chunk.used
-        payload.length = events._encode_into(ts, options, chunk.data + chunk.used)
+        # Counted and reserved before the encoding lets go of the GIL: a thread that drops the
+        # chunk's last other payload meanwhile must not mark it empty, and populate() leaves
+        # the pages being written alone.
         payload.chunk = chunk
         chunk.live += 1
-        chunk.used += (payload.length + 63) & ~(<size_t>63)  # the next payload starts on a cache line
+        chunk.used += (bound + 63) & ~(<size_t>63)
+        payload.length = events._encode_into(ts, options, chunk.data + payload.offset)
+        chunk.used = payload.offset + ((payload.length + 63) & ~(<size_t>63))  # the next payload starts on a cache line
         return payload
 
     @property
