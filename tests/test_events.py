@@ -516,3 +516,47 @@ def test_cli_replay_publishes_kv_events(capsys):
     assert main(["replay", str(path), "--limit", "5", "--capacity-tokens", "200000",
                  "--kv-events", "nonsense", "--no-progress"]) == 2
     assert "--kv-events: cannot bind the KV event endpoint 'nonsense'" in capsys.readouterr().err
+
+
+def test_a_publish_that_waits_for_close_is_refused_and_leaves_the_events_in_the_cache(monkeypatch):
+    """A publish() that passed its closed check while close() held the lock they share must not
+    send on the sockets close() shuts, nor take events out of the cache that no one will send."""
+    endpoint, _ = endpoints()
+    cache = KVCache(0, 1, 1, 16, page_size=2, enable_prefix_caching=True, enable_kv_events=True)
+    publisher = ZmqEventPublisher(cache, endpoint)
+    lock = publisher._take_lock
+    waiting = threading.Event()
+
+    class WatchedLock:
+        """The publisher's lock, telling when the publishing thread starts to wait for it."""
+
+        def __enter__(self):
+            if threading.current_thread() is thread:
+                waiting.set()
+            return lock.__enter__()
+
+        def __exit__(self, *exc_info):
+            return lock.__exit__(*exc_info)
+
+    monkeypatch.setattr(publisher, "_take_lock", WatchedLock())
+    outcome = []
+
+    def publish():
+        try:
+            outcome.append(publisher.publish())
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=publish)
+    with lock:
+        thread.start()
+        assert waiting.wait(10)
+        publisher.close()  # the publishing thread waits for the lock throughout
+        cache.add_sequence(0, [1, 2, 3])
+        cache.append([0], [3], token_ids=[1, 2, 3])
+    thread.join()
+    (result,) = outcome
+    assert isinstance(result, RuntimeError) and "closed" in str(result)
+    assert publisher.num_batches == 0
+    events, _ = cache.take_kv_events()
+    assert len(events) == 1  # still there for a new publisher
