@@ -321,14 +321,14 @@ class ZmqEventPublisher:
         RuntimeError
             The publisher is closed.
         """
-        if self._closed:
-            raise RuntimeError("this ZmqEventPublisher is closed: create a new one to publish")
         return self._drain()
 
     def _drain(self, from_thread: bool = False) -> int:
         with self._take_lock:
-            if from_thread and self._closed:
-                return 0  # close() took the last batch
+            if self._closed:  # checked under the lock: close() may have run while this call waited for it
+                if from_thread:
+                    return 0  # close() took the last batch
+                raise RuntimeError("this ZmqEventPublisher is closed: create a new one to publish")
             events, dropped = self._cache.take_kv_events()
             if dropped:
                 self.num_dropped += dropped
@@ -372,6 +372,8 @@ class ZmqEventPublisher:
         if self._closed:
             return
         with self._take_lock:
+            if self._closed:
+                return  # another thread closed it meanwhile
             self._drain()
             self._closed = True
             self._wake_out.send(_STOP)
