@@ -5,6 +5,7 @@ hashes that the prefix index reports, and every stored hash must be the XXH3-128
 parent, the salt and its token ids (the chain of pagedkv_c._prefix), computed here with the
 ``xxhash`` package from bytes written by the test.
 """
+import gc
 import sys
 import threading
 import time
@@ -469,3 +470,20 @@ def test_payload_arena_a_payload_dropped_by_another_thread_during_an_encode_free
         assert not holder
         assert address(later) >= address(kept) + len(kept) or address(later) + len(later) <= address(kept)
         assert bytes(kept) == second.encode(1.0) and bytes(later) == third.encode(2.0)
+
+
+def test_payload_arena_a_payload_freed_by_the_cycle_collector_gives_back_its_place():
+    """A payload referenced only from a reference cycle goes with the cycle collector; the
+    chunk must count it gone as when its last reference is dropped, and be written again
+    from its start."""
+    arena = PayloadArena()
+    first_events, second_events = event_batches(5, 2, tokens_per_batch=1000)
+    first = arena.encode(first_events, 0.0)
+    start = np.frombuffer(first, dtype=np.uint8).__array_interface__["data"][0]
+    cycle = [first]
+    cycle.append(cycle)
+    del first, cycle
+    gc.collect()
+    second = arena.encode(second_events, 1.0)
+    assert np.frombuffer(second, dtype=np.uint8).__array_interface__["data"][0] == start
+    assert bytes(second) == second_events.encode(1.0)
