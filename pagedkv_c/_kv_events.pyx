@@ -11,6 +11,7 @@ them, without the GIL, as vLLM's ``KVEventBatch`` (``kv_events_msgpack.h``;
 :mod:`pagedkv.events` documents the wire format). The event kinds and fields
 are those of vLLM's KV events (``vllm/distributed/kv_events.py``).
 """
+cimport cython
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF
 from libc.stdlib cimport free
@@ -289,6 +290,9 @@ cdef class _ArenaChunk:
         pkv_page_free(self.data)
 
 
+# Never in a reference cycle (it refers only to its chunk): untracked by the cycle collector,
+# whose clearing would drop the chunk before __dealloc__ could count the payload gone.
+@cython.no_gc
 cdef class EncodedBatch:
     """An encoded ``KVEventBatch`` that a :class:`PayloadArena` holds: a read-only bytes-like object.
 
