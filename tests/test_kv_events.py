@@ -5,7 +5,9 @@ hashes that the prefix index reports, and every stored hash must be the XXH3-128
 parent, the salt and its token ids (the chain of pagedkv_c._prefix), computed here with the
 ``xxhash`` package from bytes written by the test.
 """
+import copy
 import gc
+import pickle
 import sys
 import threading
 import time
@@ -487,3 +489,18 @@ def test_payload_arena_a_payload_freed_by_the_cycle_collector_gives_back_its_pla
     second = arena.encode(second_events, 1.0)
     assert np.frombuffer(second, dtype=np.uint8).__array_interface__["data"][0] == start
     assert bytes(second) == second_events.encode(1.0)
+
+
+def test_payload_arena_and_its_payloads_refuse_copy_and_pickle():
+    """A shallow copy of a payload shares its chunk without being counted in it (the chunk
+    is then written again while the original's neighbours live); a pickle carries the
+    chunk's address as a string, and the copy it loads frees memory it never allocated."""
+    arena = PayloadArena()
+    (events,) = event_batches(6, 1, tokens_per_batch=100)
+    payload = arena.encode(events, 0.0)
+    for obj in (arena, payload):
+        with pytest.raises(TypeError):
+            copy.copy(obj)
+        with pytest.raises(TypeError):
+            pickle.dumps(obj)
+    assert bytes(payload) == events.encode(0.0)
