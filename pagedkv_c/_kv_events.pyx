@@ -261,6 +261,7 @@ cdef class KVEvents:
         return length
 
 
+@cython.auto_pickle(False)  # a pickle would forge medium_chars, a pointer into medium_utf8
 cdef class _EncodeOptions:
     """The checked options of an encoding (see :meth:`KVEvents.encode`)."""
 
@@ -280,6 +281,7 @@ cdef class _EncodeOptions:
         self.as_bytes = hash_format == "bytes"
 
 
+@cython.auto_pickle(False)  # a pickle would forge the address of the memory it frees
 cdef class _ArenaChunk:
     """One allocation of a :class:`PayloadArena`, freed with the last payload that points into it."""
     cdef uint8_t* data
@@ -293,6 +295,7 @@ cdef class _ArenaChunk:
 # Never in a reference cycle (it refers only to its chunk): untracked by the cycle collector,
 # whose clearing would drop the chunk before __dealloc__ could count the payload gone.
 @cython.no_gc
+@cython.auto_pickle(False)  # a copy would point into the chunk without being counted in it
 cdef class EncodedBatch:
     """An encoded ``KVEventBatch`` that a :class:`PayloadArena` holds: a read-only bytes-like object.
 
@@ -342,6 +345,7 @@ cdef _ArenaChunk _new_chunk(size_t size):
     return chunk
 
 
+@cython.auto_pickle(False)  # a copy would carve payloads out of the same chunks
 cdef class PayloadArena:
     """Memory for encoded KV event batches that are kept a while (for replays), handed out in order.
 
