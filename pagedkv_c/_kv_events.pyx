@@ -350,8 +350,8 @@ cdef class PayloadArena:
     """Memory for encoded KV event batches that are kept a while (for replays), handed out in order.
 
     Payloads are carved one after another out of large chunks, and a chunk
-    whose payloads are all gone is written again from its start. A chunk is
-    freed with the last payload in it. Keeping payloads needs new memory,
+    whose payloads are all gone is written again from its start. A chunk
+    other than the current one is freed with the last payload in it. Keeping payloads needs new memory,
     and new memory costs a page fault per page on first write: an otherwise
     idle thread can take those faults ahead of the writer with
     :meth:`populate`, which faults in the rest of the current chunk and a

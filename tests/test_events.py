@@ -494,6 +494,33 @@ def test_concurrent_publishers_interval_drains_and_large_batches_keep_the_stream
         subscriber.close()
 
 
+def test_a_failed_interval_drain_is_logged_and_the_thread_goes_on(caplog):
+    endpoint, replay_endpoint = endpoints()
+    cache = KVCache(0, 1, 1, 8, page_size=2, enable_prefix_caching=True, enable_kv_events=True)
+
+    class FailsOnce:
+        """The cache, except that its first drain raises."""
+        failed = False
+
+        def take_kv_events(self):
+            if not self.failed:
+                self.failed = True
+                raise MemoryError("no memory for the drain")
+            return cache.take_kv_events()
+
+    with ZmqEventPublisher(cache, endpoint, replay_endpoint=replay_endpoint, interval=0.01) as publisher:
+        publisher._cache = FailsOnce()
+        cache.add_sequence(0, [1, 2, 3])
+        cache.append([0], [3], token_ids=[1, 2, 3])
+        wait_sent(publisher, 1)  # a later interval drain sent the events
+        late = Subscriber(endpoint, replay_endpoint)
+        try:
+            assert late.request_replay(0) == [0]  # the thread still answers replays
+        finally:
+            late.close()
+    assert "draining KV events in the publisher thread failed" in caplog.text
+
+
 def test_cli_replay_publishes_kv_events(capsys):
     from pagedkv.cli import main
 
