@@ -521,6 +521,48 @@ def test_a_failed_interval_drain_is_logged_and_the_thread_goes_on(caplog):
     assert "draining KV events in the publisher thread failed" in caplog.text
 
 
+def test_a_batch_that_could_not_be_encoded_is_sent_first_by_the_next_publish():
+    endpoint, _ = endpoints()
+    cache = KVCache(0, 1, 1, 16, page_size=2, enable_prefix_caching=True, enable_kv_events=True)
+    subscriber = Subscriber(endpoint)
+    try:
+        with ZmqEventPublisher(cache, endpoint) as publisher:
+            time.sleep(0.3)  # the subscription reaches the PUB socket
+            arena = publisher._arena
+
+            class NoMemoryOnce:
+                """The publisher's arena, except that its first encode finds no memory."""
+                failed = False
+
+                def encode(self, *args, **kwargs):
+                    if not self.failed:
+                        self.failed = True
+                        raise MemoryError("no memory for the payload")
+                    return arena.encode(*args, **kwargs)
+
+                def __getattr__(self, name):
+                    return getattr(arena, name)
+
+            publisher._arena = NoMemoryOnce()
+            cache.add_sequence(0, [1, 2, 3, 4])
+            cache.append([0], [4], token_ids=[1, 2, 3, 4])
+            with pytest.raises(MemoryError):
+                publisher.publish()
+            assert publisher.num_batches == 0
+            cache.remove_sequence(0)
+            cache.add_sequence(1, [5, 6, 7])
+            cache.append([1], [3], token_ids=[5, 6, 7])
+            assert publisher.publish() == 1  # the new events; the kept batch went first
+            assert publisher.num_batches == 2
+            subscriber.receive()
+        assert sorted(subscriber.batches) == [0, 1]
+        assert [e.token_ids for e in subscriber.batches[0].events] == [[1, 2, 3, 4]]
+        assert [e.token_ids for e in subscriber.batches[1].events] == [[5, 6]]
+        assert rebuild(subscriber.batches) == cache_hashes(cache)
+    finally:
+        subscriber.close()
+
+
 def test_cli_replay_publishes_kv_events(capsys):
     from pagedkv.cli import main
 

@@ -246,6 +246,7 @@ class ZmqEventPublisher:
         self._buffer: deque[tuple[int, EncodedBatch]] = deque(maxlen=buffer_steps)
         self._arena = PayloadArena()  # kept payloads; the thread faults its memory in ahead
         self._populate_pending = False
+        self._unsent = None  # events a drain took but could not encode (no memory)
         self._take_lock = threading.RLock()  # a take and its send are one step: batches keep their order
         self._closed = False
         self.num_batches = 0
@@ -320,6 +321,10 @@ class ZmqEventPublisher:
         ------
         RuntimeError
             The publisher is closed.
+        MemoryError
+            No memory for the payload. The events taken are kept, and the
+            next :meth:`publish` (or :meth:`close`) sends them first, as
+            their own batch: none is lost.
         """
         return self._drain()
 
@@ -329,6 +334,9 @@ class ZmqEventPublisher:
                 if from_thread:
                     return 0  # close() took the last batch
                 raise RuntimeError("this ZmqEventPublisher is closed: create a new one to publish")
+            if self._unsent is not None:  # a batch taken by an earlier drain that could not be encoded
+                unsent, self._unsent = self._unsent, None
+                self._send(unsent)
             events, dropped = self._cache.take_kv_events()
             if dropped:
                 self.num_dropped += dropped
@@ -346,8 +354,12 @@ class ZmqEventPublisher:
         would wait for the caller's GIL).
         """
         sequence = self.num_batches
-        payload = self._arena.encode(events, time.time(), data_parallel_rank=self._rank, window=self._window,
-                                     medium=self._medium, hash_format=self._hash_format)
+        try:
+            payload = self._arena.encode(events, time.time(), data_parallel_rank=self._rank, window=self._window,
+                                         medium=self._medium, hash_format=self._hash_format)
+        except Exception:
+            self._unsent = events  # taken from the cache: the next drain sends it first
+            raise
         try:
             # PUB sends never block (at the high-water mark a subscriber misses the message
             # and sees a gap). copy=False: ZeroMQ sends from the payload itself.
