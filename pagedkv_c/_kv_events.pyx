@@ -26,6 +26,7 @@ cdef extern from "kv_events_msgpack.h":
                                 uint8_t* out) noexcept nogil
 
 cdef extern from "populate.h":
+    size_t PKV_OS_PAGE
     void* pkv_page_alloc(size_t n) noexcept nogil
     void pkv_page_free(void* p) noexcept nogil
     int pkv_populate_write(void* p, size_t n) noexcept nogil
@@ -326,7 +327,6 @@ cdef class EncodedBatch:
                 self.chunk.used = 0  # nothing points into it: the next payloads reuse its (warm) memory
 
 
-cdef size_t _PAGE_BYTES = 4096
 cdef size_t _MIN_CHUNK_BYTES = 2 << 20
 cdef size_t _MAX_CHUNK_BYTES = 64 << 20
 cdef size_t _BATCHES_PER_CHUNK = 8
@@ -337,7 +337,7 @@ cdef _ArenaChunk _new_chunk(size_t size):
 
     Whole pages keep ``used`` (a multiple of 64) at most ``size`` after any payload."""
     cdef _ArenaChunk chunk = _ArenaChunk.__new__(_ArenaChunk)
-    size = (size + _PAGE_BYTES - 1) & ~(_PAGE_BYTES - 1)
+    size = (size + PKV_OS_PAGE - 1) & ~(PKV_OS_PAGE - 1)
     chunk.data = <uint8_t*>pkv_page_alloc(size)
     if chunk.data == NULL:
         raise MemoryError(f"cannot allocate {size} bytes for encoded KV events")
@@ -438,7 +438,7 @@ cdef class PayloadArena:
         cdef uint8_t* data
         cdef size_t size
         if chunk is not None and self.populated < chunk.size:
-            start = (chunk.used + _PAGE_BYTES - 1) & ~(_PAGE_BYTES - 1)  # pages being written are left alone
+            start = (chunk.used + PKV_OS_PAGE - 1) & ~(PKV_OS_PAGE - 1)  # pages being written are left alone
             data = chunk.data
             size = chunk.size
             with nogil:
@@ -455,7 +455,7 @@ cdef class PayloadArena:
                 i = 0
                 while i < size:  # nobody else sees this chunk yet
                     data[i] = 0
-                    i += _PAGE_BYTES
+                    i += PKV_OS_PAGE
         if self.spare is None:
             self.spare = chunk
 

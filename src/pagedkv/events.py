@@ -61,7 +61,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised without the extra
     raise ImportError("pagedkv.events needs pyzmq: pip install \"pagedkv[events]\"") from exc
 
-from pagedkv_c._kv_events import EncodedBatch, KVEvents, PayloadArena
+from pagedkv_c._kv_events import EncodedBatch, KVEvents, PayloadArena, _EncodeOptions
 
 __all__ = ["VLLM_SCHEMA_VERSION", "END_SEQ", "encode_events", "ZmqEventPublisher", "KVEvents"]
 
@@ -73,17 +73,7 @@ VLLM_SCHEMA_VERSION = "0.26"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """Sequence-number frame that ends a replay (vLLM's ``ZmqEventPublisher.END_SEQ``), sent with an empty payload."""
 
-_HASH_FORMATS = ("int", "bytes")
 _POPULATE, _STOP = b"p", b"s"  # messages to the publisher thread
-
-
-def _check_options(medium: object, hash_format: object, data_parallel_rank: object) -> None:
-    if not isinstance(medium, str):
-        raise TypeError(f"Invalid type of medium: expected str, got {type(medium).__name__}")
-    if hash_format not in _HASH_FORMATS:
-        raise ValueError(f"Invalid value of hash_format: expected one of {_HASH_FORMATS}, got {hash_format!r}")
-    if isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int) or data_parallel_rank < 0:
-        raise ValueError(f"Invalid value of data_parallel_rank: expected an int >= 0, got {data_parallel_rank!r}")
 
 
 def encode_events(events, *, ts: float | None = None, data_parallel_rank: int = 0, window: int | None = None,
@@ -124,7 +114,6 @@ def encode_events(events, *, ts: float | None = None, data_parallel_rank: int = 
     if not isinstance(events, KVEvents):
         raise TypeError(f"Invalid type of events: expected the KVEvents of KVCache.take_kv_events, "
                         f"got {type(events).__name__}")
-    _check_options(medium, hash_format, data_parallel_rank)
     return events.encode(time.time() if ts is None else float(ts), data_parallel_rank=data_parallel_rank,
                          window=window, medium=medium, hash_format=hash_format)
 
@@ -233,7 +222,7 @@ class ZmqEventPublisher:
             raise ValueError(f"Invalid value of interval: expected None or seconds > 0, got {interval!r}")
         if not (isinstance(linger, (int, float)) and linger >= 0):
             raise ValueError(f"Invalid value of linger: expected seconds >= 0, got {linger!r}")
-        _check_options(medium, hash_format, data_parallel_rank)
+        _EncodeOptions(data_parallel_rank, None, medium, hash_format)  # checked now, not at the first batch
 
         self._cache = cache
         self._window = cache.window
@@ -420,7 +409,7 @@ class ZmqEventPublisher:
                 try:
                     self._arena.populate()
                 except MemoryError:
-                    logger.warning("no memory to fault in ahead the memory of KV event payloads")
+                    logger.warning("no memory to fault in the memory of later KV event payloads ahead of time")
             if self._replay is not None and self._replay in ready:
                 try:
                     self._serve_replay()
