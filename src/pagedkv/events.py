@@ -63,7 +63,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
 
 from pagedkv_c._kv_events import EncodedBatch, KVEvents, PayloadArena, _EncodeOptions
 
-__all__ = ["VLLM_SCHEMA_VERSION", "END_SEQ", "encode_events", "ZmqEventPublisher", "KVEvents"]
+__all__ = ["VLLM_SCHEMA_VERSION", "END_SEQ", "REPLAY_STOPPED_SEQ", "encode_events", "ZmqEventPublisher", "KVEvents"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,20 @@ VLLM_SCHEMA_VERSION = "0.26"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """Sequence-number frame that ends a replay (vLLM's ``ZmqEventPublisher.END_SEQ``), sent with an empty payload."""
 
+REPLAY_STOPPED_SEQ = (-2).to_bytes(8, "big", signed=True)
+"""Sequence-number frame that ends a replay cut short (pagedkv's; vLLM has none).
+
+Its payload is the 8-byte big-endian sequence number of the first batch not
+sent: the consumer re-requests from there. It is not ``END_SEQ`` and its
+payload is not empty, so a consumer that knows only vLLM's end marker (vLLM's
+example subscriber ends a replay on an empty payload) never takes it for a
+complete replay; decoded as a ``KVEventBatch`` it fails.
+"""
+
 _POPULATE, _STOP = b"p", b"s"  # messages to the publisher thread
+_REPLAY_BURST = 256  # messages sent to one replay peer before the thread looks at its other work
+_REPLAY_RETRY_MS = (1, 16)  # wait before retrying peers whose pipes are full: first, longest (doubling)
+_REPLAY_QUEUED = 16  # requests a peer may queue behind its replay in progress; more are ignored
 
 
 def encode_events(events, *, ts: float | None = None, data_parallel_rank: int = 0, window: int | None = None,
@@ -147,11 +160,28 @@ class ZmqEventPublisher:
         Address to bind a ROUTER socket for replays, or None (no replay). A
         client sends a sequence number (8 bytes, big-endian); the publisher
         answers with one message ``(sequence number, payload)`` per buffered
-        batch from that number on, then ``(END_SEQ, b"")``. Use a DEALER
-        socket (send ``(b"", seq)``, receive ``(b"", seq, payload)``): a REQ
-        socket accepts only the first message of an answer.
+        batch from that number (or from the oldest batch still buffered, if
+        that is later: the consumer sees history it can no longer replay as
+        a first number above its request) up to the last batch published
+        when the request arrived, then ``(END_SEQ, b"")``. ``END_SEQ`` comes
+        only after all of them: a peer whose pipe is full is waited for (it
+        never loses a message of the answer), and a replay that cannot go on
+        ends with ``(REPLAY_STOPPED_SEQ, first sequence number not sent)``
+        instead, or with no marker when the peer does not take even that
+        within ``replay_timeout``. Use a DEALER socket (send ``(b"", seq)``,
+        receive ``(b"", seq, payload)``): a REQ socket accepts only the first
+        message of an answer. docs/kv_events.md shows a consumer that checks
+        the numbers.
     buffer_steps : int
         Batches kept for replay, ``>= 1`` (default 10000, vLLM's).
+    replay_timeout : float
+        Seconds a replay peer may take no message (its pipe stays full)
+        before its replay stops, ``> 0`` (default 5). A replay also stops
+        when a batch it still has to send leaves the buffer (more than
+        ``buffer_steps`` batches published while the peer read) and when the
+        peer disconnects. The thread serves replays a few hundred messages
+        at a time, in turn with the other peers' replays and the
+        ``interval`` drains: a slow peer delays neither.
     interval : float or None
         When set, the background thread also drains the cache every
         ``interval`` seconds (``> 0``), so a caller need not call
@@ -182,6 +212,11 @@ class ZmqEventPublisher:
     num_dropped : int
         Events the cache's log dropped (it was full) before a drain; each
         drop is logged as a warning.
+    num_replays : int
+        Replays answered completely (ended with ``END_SEQ``).
+    num_replays_stopped : int
+        Replays that ended before ``END_SEQ`` (see ``replay_endpoint``);
+        each is logged as a warning.
 
     Raises
     ------
@@ -195,12 +230,15 @@ class ZmqEventPublisher:
     Notes
     -----
     Source: vLLM's ``vllm/distributed/kv_events.py`` (``ZmqEventPublisher``:
-    PUB frames, sequence numbers, ROUTER replay and ``END_SEQ``).
+    PUB frames, sequence numbers, ROUTER replay and ``END_SEQ``). vLLM's
+    ROUTER drops what does not fit in a peer's pipe and sends ``END_SEQ``
+    all the same; this one sets ``ZMQ_ROUTER_MANDATORY`` and waits, bounded
+    by ``replay_timeout``, and ``REPLAY_STOPPED_SEQ`` is its own.
     """
 
     def __init__(self, cache, endpoint: str = "tcp://*:5557", *, topic: str = "",
                  replay_endpoint: str | None = None, buffer_steps: int = 10000,
-                 interval: float | None = None, data_parallel_rank: int = 0, medium: str = "CPU",
+                 replay_timeout: float = 5.0, interval: float | None = None, data_parallel_rank: int = 0, medium: str = "CPU",
                  hash_format: str = "int", connect: bool = False, hwm: int = 100_000,
                  linger: float = 1.0) -> None:
         from pagedkv import KVCache
@@ -220,6 +258,8 @@ class ZmqEventPublisher:
                 raise ValueError(f"Invalid value of {name}: expected an int >= 1, got {value!r}")
         if interval is not None and not (isinstance(interval, (int, float)) and interval > 0):
             raise ValueError(f"Invalid value of interval: expected None or seconds > 0, got {interval!r}")
+        if isinstance(replay_timeout, bool) or not (isinstance(replay_timeout, (int, float)) and replay_timeout > 0):
+            raise ValueError(f"Invalid value of replay_timeout: expected seconds > 0, got {replay_timeout!r}")
         if not (isinstance(linger, (int, float)) and linger >= 0):
             raise ValueError(f"Invalid value of linger: expected seconds >= 0, got {linger!r}")
         _EncodeOptions(data_parallel_rank, None, medium, hash_format)  # checked now, not at the first batch
@@ -233,6 +273,9 @@ class ZmqEventPublisher:
         self._hash_format = hash_format
         self._linger_ms = int(linger * 1000)
         self._buffer: deque[tuple[int, EncodedBatch]] = deque(maxlen=buffer_steps)
+        self._replay_timeout = float(replay_timeout)
+        self._replays: dict[bytes, _Replay] = {}  # peer identity -> its replay in progress (the thread's)
+        self._retry_ms = _REPLAY_RETRY_MS[0]
         self._arena = PayloadArena()  # kept payloads; the thread faults its memory in ahead
         self._populate_pending = False
         self._unsent = None  # events a drain took but could not encode (no memory)
@@ -242,6 +285,8 @@ class ZmqEventPublisher:
         self.num_events = 0
         self.num_bytes = 0
         self.num_dropped = 0
+        self.num_replays = 0
+        self.num_replays_stopped = 0
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
 
@@ -253,6 +298,9 @@ class ZmqEventPublisher:
             self._open(self._pub, endpoint, "endpoint", connect)
             if replay_endpoint is not None:
                 self._replay = self._context.socket(zmq.ROUTER)
+                # A full peer pipe raises zmq.Again instead of dropping the message (and a
+                # peer gone raises EHOSTUNREACH): a replay never loses a batch silently.
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self._open(self._replay, replay_endpoint, "replay_endpoint", False)
             # The thread sleeps in a poll (without the GIL) until a replay request, the next
             # interval drain, or a message on this pair (sent under _take_lock): fault in
@@ -399,20 +447,26 @@ class ZmqEventPublisher:
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         next_drain = time.monotonic() + self._interval if self._interval is not None else None
+        replay_wait = None  # ms until the replays in progress can go on (0: now)
         while True:
             timeout = None if next_drain is None else max(0.0, next_drain - time.monotonic()) * 1000
+            if replay_wait is not None:
+                timeout = replay_wait if timeout is None else min(timeout, replay_wait)
             ready = dict(poller.poll(timeout))
             if self._wake_in in ready:
                 if self._wake_in.recv() == _STOP:
+                    self._stop_replays()
                     return  # close() drained and sent the last batch
                 self._populate_pending = False
                 try:
                     self._arena.populate()
                 except MemoryError:
                     logger.warning("no memory to fault in the memory of later KV event payloads ahead of time")
-            if self._replay is not None and self._replay in ready:
+            if self._replay is not None:
                 try:
-                    self._serve_replay()
+                    if self._replay in ready:
+                        self._take_requests()
+                    replay_wait = self._serve_replays() if self._replays else None
                 except zmq.ZMQError:
                     logger.exception("replay request failed")
             if next_drain is not None and time.monotonic() >= next_drain:
@@ -422,23 +476,167 @@ class ZmqEventPublisher:
                     logger.exception("draining KV events in the publisher thread failed")
                 next_drain = time.monotonic() + self._interval
 
-    def _serve_replay(self) -> None:
-        """Answer one replay request: the buffered batches from its sequence number on, then END_SEQ."""
-        frames = self._replay.recv_multipart()
-        # REQ clients send (identity, b"", seq); DEALER clients may leave out the empty delimiter.
-        if len(frames) == 3 and frames[1] == b"":
-            envelope, request = frames[:2], frames[2]
-        elif len(frames) == 2:
-            envelope, request = frames[:1], frames[1]
-        else:
-            logger.warning("ignored a replay request of %d frames", len(frames))
-            return
-        if len(request) != 8:
-            logger.warning("ignored a replay request whose sequence number is %d bytes, not 8", len(request))
-            self._replay.send_multipart((*envelope, END_SEQ, b""))
-            return
-        start = int.from_bytes(request, "big")
-        for sequence, payload in list(self._buffer):
-            if sequence >= start:
-                self._replay.send_multipart((*envelope, sequence.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((*envelope, END_SEQ, b""))
+    def _take_requests(self) -> None:
+        """Read the replay requests waiting (a bounded number): each starts or queues a peer's replay."""
+        for _ in range(_REPLAY_QUEUED):
+            try:
+                frames = self._replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # REQ clients send (identity, b"", seq); DEALER clients may leave out the empty delimiter.
+            if len(frames) == 3 and frames[1] == b"":
+                envelope, request = tuple(frames[:2]), frames[2]
+            elif len(frames) == 2:
+                envelope, request = tuple(frames[:1]), frames[1]
+            else:
+                logger.warning("ignored a replay request of %d frames", len(frames))
+                continue
+            if len(request) != 8:
+                logger.warning("ignored a replay request whose sequence number is %d bytes, not 8", len(request))
+                try:
+                    self._replay.send_multipart((*envelope, END_SEQ, b""), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # the peer's pipe is full or the peer is gone: nothing to answer
+                continue
+            start = int.from_bytes(request, "big")
+            replay = self._replays.get(envelope[0])
+            if replay is None:
+                self._replays[envelope[0]] = self._new_replay(envelope, start)
+            elif len(replay.queued) < _REPLAY_QUEUED:
+                replay.queued.append((envelope, start))  # answered after the one in progress
+            else:
+                logger.warning("ignored a replay request from %d: %d of that peer's are waiting already",
+                               start, _REPLAY_QUEUED)
+
+    def _new_replay(self, envelope: tuple[bytes, ...], start: int) -> _Replay:
+        """A replay of the batches buffered from ``start`` to the last one published now."""
+        buffer = self._buffer
+        try:  # batches only ever leave the buffer as others come in: never empty again once filled
+            first, end = buffer[0][0], buffer[-1][0] + 1
+        except IndexError:
+            first = end = start
+        if start < first:
+            logger.info("a replay from batch %d starts at %d, the oldest one buffered", start, first)
+        return _Replay(envelope, max(start, first), end, time.monotonic() + self._replay_timeout)
+
+    def _buffered(self, sequence: int) -> EncodedBatch | None:
+        """The payload of batch ``sequence`` if it is still buffered; None if it left the buffer.
+
+        Reads the deque without the lock publishers append under: an append
+        that evicts the oldest batch between the two reads shifts the index,
+        which the sequence check sees, and the lookup runs again.
+        """
+        buffer = self._buffer
+        while True:
+            try:
+                first = buffer[0][0]
+                if sequence < first:
+                    return None
+                found, payload = buffer[sequence - first]
+            except IndexError:
+                return None
+            if found == sequence:
+                return payload
+
+    def _serve_replays(self) -> float:
+        """Send each replay in progress its next messages, in turn; return ms until the next round."""
+        now = time.monotonic()
+        more = progress = False
+        for identity, replay in list(self._replays.items()):
+            sent, state = self._advance(replay, now)
+            progress |= sent > 0
+            if state == "more":
+                more = True
+            elif state == "done" and replay.queued:
+                envelope, start = replay.queued.popleft()
+                self._replays[identity] = self._new_replay(envelope, start)
+                self._replays[identity].queued = replay.queued
+                more = True
+            elif state != "blocked":
+                del self._replays[identity]
+        if more:
+            self._retry_ms = _REPLAY_RETRY_MS[0]
+            return 0.0
+        # Every peer in a replay has a full pipe: wait, longer each time nothing moves. (POLLOUT
+        # of a ROUTER only says that some peer has room, an idle one as well: no use here.)
+        self._retry_ms = _REPLAY_RETRY_MS[0] if progress else min(2 * self._retry_ms, _REPLAY_RETRY_MS[1])
+        return float(self._retry_ms)
+
+    def _advance(self, replay: _Replay, now: float) -> tuple[int, str]:
+        """Send one replay up to ``_REPLAY_BURST`` messages; return (messages sent, state).
+
+        State: ``"more"`` (more to send now), ``"blocked"`` (the peer's pipe
+        is full), ``"done"`` (the replay ended, with its marker) or
+        ``"gone"`` (dropped: the peer left, or took not even the stop marker).
+        """
+        sent = 0
+        while sent < _REPLAY_BURST:
+            last = True
+            if replay.stopped:
+                frames = (*replay.envelope, REPLAY_STOPPED_SEQ, replay.next.to_bytes(8, "big"))
+            elif replay.next >= replay.end:
+                frames = (*replay.envelope, END_SEQ, b"")
+            else:
+                payload = self._buffered(replay.next)
+                if payload is None:  # it left the buffer while the peer read slowly: a gap
+                    self._stop(replay, f"batch {replay.next} left the buffer (buffer_steps) before the peer took it")
+                    continue
+                frames = (*replay.envelope, replay.next.to_bytes(8, "big"), payload)
+                last = False
+            try:
+                self._replay.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:  # the peer's pipe is full: try again later, up to the deadline
+                if now < replay.deadline:
+                    return sent, "blocked"
+                if replay.stopped:
+                    logger.warning("a replay peer did not take even the stop marker of its replay in %.3g s: "
+                                   "dropped without a marker", self._replay_timeout)
+                    return sent, "gone"
+                self._stop(replay, f"the peer took no message for {self._replay_timeout:.3g} s")
+                replay.deadline = now + self._replay_timeout  # to take the stop marker
+                continue
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer disconnected
+                if not replay.stopped:
+                    self._stop(replay, "the peer disconnected" if exc.errno == zmq.EHOSTUNREACH else f"send failed: {exc}")
+                return sent, "gone"
+            sent += 1
+            replay.deadline = now + self._replay_timeout
+            if last:
+                if not replay.stopped:
+                    self.num_replays += 1
+                return sent, "done"
+            replay.next += 1
+        return sent, "more"
+
+    def _stop(self, replay: _Replay, why: str) -> None:
+        """Mark a replay as stopped early: it sends REPLAY_STOPPED_SEQ next, never END_SEQ."""
+        replay.stopped = True
+        self.num_replays_stopped += 1
+        logger.warning("a replay stopped at batch %d of %d..%d: %s", replay.next, replay.first, replay.end - 1, why)
+
+    def _stop_replays(self) -> None:
+        """On close: end every replay in progress with its stop marker if the peer's pipe takes it now."""
+        for replay in self._replays.values():
+            if not replay.stopped:
+                self._stop(replay, "the publisher was closed")
+            try:
+                self._replay.send_multipart((*replay.envelope, REPLAY_STOPPED_SEQ, replay.next.to_bytes(8, "big")),
+                                            zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # full or gone: the peer sees no end marker at all
+        self._replays.clear()
+
+
+class _Replay:
+    """One peer's replay in progress: batches ``next .. end - 1`` still to send, then a marker."""
+
+    __slots__ = ("envelope", "first", "next", "end", "deadline", "stopped", "queued")
+
+    def __init__(self, envelope: tuple[bytes, ...], first: int, end: int, deadline: float) -> None:
+        self.envelope = envelope
+        self.first = first
+        self.next = first
+        self.end = max(end, first)
+        self.deadline = deadline  # monotonic time by which the peer must take its next message
+        self.stopped = False  # it ends with REPLAY_STOPPED_SEQ
+        self.queued: deque[tuple[tuple[bytes, ...], int]] = deque()  # the peer's later requests
