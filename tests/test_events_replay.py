@@ -20,14 +20,24 @@ from pagedkv.events import REPLAY_STOPPED_SEQ, ZmqEventPublisher  # noqa: E402
 NUM_BATCHES = 6000
 
 
-def fill(publisher, cache, num_batches, first=0):
-    """Publish ``num_batches`` batches of one BlockStored each (16 tokens in pages of 4)."""
-    for i in range(first, first + num_batches):
-        tokens = [i, i + 1, i + 2, i + 3] * 4
+def fill(publisher, cache, num_steps, first=0, small=False):
+    """Publish ``num_steps`` batches of about 2.6 KB (64 pages of 4 tokens stored, as many evicted),
+    or with ``small`` of about 220 bytes (4 pages of small token ids).
+
+    6,000 of them (12 MB) are more than a loopback connection's buffers hold (4 MB for the
+    sender here, the peer's receive buffer made small) with the ROUTER's 1000-message pipe:
+    a peer that does not read leaves a replay of them stuck. With ``interval`` set, the
+    thread drains some steps too, and a batch may hold several steps' events.
+    """
+    for i in range(first, first + num_steps):
+        if small:
+            tokens = [i, i + 1, i + 2, i + 3] * 4
+        else:
+            tokens = list(range(2**30 + 256 * i, 2**30 + 256 * (i + 1)))  # 5 bytes each on the wire
         cache.add_sequence(i, tokens)
         cache.append([i], [len(tokens)], token_ids=tokens)
         cache.remove_sequence(i)
-        assert publisher.publish() >= 1
+        publisher.publish()
 
 
 def slow_dealer(context, replay_endpoint):
@@ -60,7 +70,7 @@ def read_answer(dealer, timeout_ms=10_000, pause_every=0, pause=0.0):
 def check_answer(got, end, stopped_at, start):
     """The contract: contiguous from the first number on; END_SEQ only after a complete run."""
     assert got == list(range(got[0], got[0] + len(got))) if got else True, \
-        f"a gap in the replayed sequence numbers: {missing(got)}"
+        f"a gap in the replayed sequence numbers: {missing(got)}, then {end!r}"
     if end == "end":
         assert not got or got[0] >= start
     elif end == "stopped":
@@ -75,15 +85,17 @@ def missing(got):
     return f"{len(gaps)} missing, {gaps[0]}..{gaps[-1]}" if gaps else "none"
 
 
-def test_a_slow_reader_gets_every_batch_or_is_told_the_replay_stopped():
+@pytest.mark.parametrize("small", [True, False])
+def test_a_slow_reader_gets_every_batch_or_is_told_the_replay_stopped(small):
     """6,000 batches buffered; a DEALER with small buffers asks for all of them and reads only
-    after a pause, then slowly. The ROUTER used to drop what did not fit in the peer's pipe and
-    still send END_SEQ (e.g. 1000..5999 missing): the consumer took a hole for a history."""
+    after a pause, then slowly. The ROUTER used to drop what did not fit in the peer's pipe:
+    with batches of 220 bytes it still sent END_SEQ after the hole (1000..1202 missing), so the
+    consumer took a hole for a history; with batches of 2.6 KB the tail and END_SEQ vanished."""
     endpoint, replay_endpoint = endpoints()
-    cache = KVCache(0, 1, 1, 256, page_size=4, enable_prefix_caching=True, enable_kv_events=True)
+    cache = KVCache(0, 1, 1, 128, page_size=4, enable_prefix_caching=True, enable_kv_events=True)
     with ZmqEventPublisher(cache, endpoint, replay_endpoint=replay_endpoint, buffer_steps=NUM_BATCHES) as publisher:
-        fill(publisher, cache, NUM_BATCHES)
-        wait_sent(publisher, NUM_BATCHES)
+        fill(publisher, cache, NUM_BATCHES, small=small)
+        assert publisher.num_batches == NUM_BATCHES
         context = zmq.Context()
         dealer = slow_dealer(context, replay_endpoint)
         try:
@@ -97,3 +109,127 @@ def test_a_slow_reader_gets_every_batch_or_is_told_the_replay_stopped():
         # A peer that reads within replay_timeout gets the whole history.
         assert (end, got) == ("end", list(range(NUM_BATCHES)))
         assert publisher.num_replays_stopped == 0
+
+
+def wait_for(predicate, what, seconds=20):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.01)
+
+
+def test_a_peer_that_never_reads_delays_no_one_and_its_replay_ends_with_the_stop_marker(caplog):
+    """While one peer's replay is stuck on its full pipe, another peer's replay completes and the
+    thread goes on draining every interval; after replay_timeout the stuck replay stops, and when the
+    peer reads at last it finds a contiguous run from its start and REPLAY_STOPPED_SEQ naming the
+    first batch it did not get: never END_SEQ."""
+    endpoint, replay_endpoint = endpoints()
+    cache = KVCache(0, 1, 1, 128, page_size=4, enable_prefix_caching=True, enable_kv_events=True)
+    publisher = ZmqEventPublisher(cache, endpoint, replay_endpoint=replay_endpoint, buffer_steps=10_000,
+                                  replay_timeout=1.0, interval=0.02)
+    context = zmq.Context()
+    stuck = slow_dealer(context, replay_endpoint)
+    other = context.socket(zmq.DEALER)
+    other.connect(replay_endpoint)
+    try:
+        fill(publisher, cache, NUM_BATCHES)
+        publisher.publish()
+        num = publisher.num_batches  # the thread drained some steps: fewer batches than steps
+        assert num > 1500
+        stuck.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(0.2)  # the stuck peer's pipe is full by now
+        other.send_multipart([b"", (num - 50).to_bytes(8, "big")])
+        assert read_answer(other) == (list(range(num - 50, num)), "end", None)
+        cache.add_sequence(-1, list(range(10_000, 10_008)))  # the interval drain publishes it
+        cache.append([-1], [8], token_ids=list(range(10_000, 10_008)))
+        wait_sent(publisher, num + 1)
+        assert publisher.num_replays_stopped == 0  # the stuck peer is still within replay_timeout
+        wait_for(lambda: publisher.num_replays_stopped == 1, "the stuck replay stops")
+        got, end, stopped_at = read_answer(stuck, timeout_ms=3000)
+        check_answer(got, end, stopped_at, 0)
+        assert end == "stopped" and got[0] == 0 and 0 < stopped_at < num
+        assert publisher.num_replays == 1 and "the peer took no message for 1 s" in caplog.text
+        # The same peer, reading now, gets the rest.
+        stuck.send_multipart([b"", stopped_at.to_bytes(8, "big")])
+        rest, end, _ = read_answer(stuck)
+        assert end == "end" and rest == list(range(stopped_at, num + 1))
+    finally:
+        stuck.close(linger=0)
+        other.close(linger=0)
+        context.term()
+        publisher.close()
+
+
+def test_close_is_prompt_while_a_peer_never_reads_and_that_peer_gets_no_end_marker():
+    endpoint, replay_endpoint = endpoints()
+    cache = KVCache(0, 1, 1, 128, page_size=4, enable_prefix_caching=True, enable_kv_events=True)
+    publisher = ZmqEventPublisher(cache, endpoint, replay_endpoint=replay_endpoint, buffer_steps=NUM_BATCHES,
+                                  replay_timeout=60.0, linger=0.1)
+    context = zmq.Context()
+    stuck = slow_dealer(context, replay_endpoint)
+    try:
+        fill(publisher, cache, NUM_BATCHES)
+        wait_sent(publisher, NUM_BATCHES)
+        stuck.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(0.3)
+        closing = threading.Thread(target=publisher.close)
+        closing.start()
+        closing.join(30)  # a hang detector, far above the 0.1 s linger
+        assert not closing.is_alive(), "close() waited for a peer that does not read"
+        assert publisher.num_replays_stopped == 1
+        got, end, stopped_at = read_answer(stuck, timeout_ms=1000)
+        check_answer(got, end, stopped_at, 0)
+        assert end in ("stopped", "silent") and got[0] == 0 and len(got) < NUM_BATCHES
+    finally:
+        stuck.close(linger=0)
+        context.term()
+        publisher.close()
+
+
+def test_batches_that_leave_the_buffer_during_a_slow_replay_stop_it_instead_of_leaving_a_gap():
+    endpoint, replay_endpoint = endpoints()
+    cache = KVCache(0, 1, 1, 128, page_size=4, enable_prefix_caching=True, enable_kv_events=True)
+    num = NUM_BATCHES
+    with ZmqEventPublisher(cache, endpoint, replay_endpoint=replay_endpoint, buffer_steps=num,
+                           replay_timeout=30.0) as publisher:
+        fill(publisher, cache, num)
+        wait_sent(publisher, num)
+        context = zmq.Context()
+        dealer = slow_dealer(context, replay_endpoint)
+        try:
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            time.sleep(0.3)  # the peer's pipe fills; the rest of the replay waits
+            fill(publisher, cache, num, first=num)  # the batches it waits for leave the buffer
+            got, end, stopped_at = read_answer(dealer)
+        finally:
+            dealer.close(linger=0)
+            context.term()
+        check_answer(got, end, stopped_at, 0)
+        assert end == "stopped" and got[0] == 0 and stopped_at < num
+        assert publisher.num_replays_stopped == 1 and publisher.num_replays == 0
+
+
+def test_a_peer_that_disconnects_mid_replay_is_dropped_and_the_others_are_served(caplog):
+    endpoint, replay_endpoint = endpoints()
+    cache = KVCache(0, 1, 1, 128, page_size=4, enable_prefix_caching=True, enable_kv_events=True)
+    with ZmqEventPublisher(cache, endpoint, replay_endpoint=replay_endpoint, buffer_steps=NUM_BATCHES,
+                           replay_timeout=60.0) as publisher:
+        fill(publisher, cache, NUM_BATCHES)
+        wait_sent(publisher, NUM_BATCHES)
+        context = zmq.Context()
+        try:
+            leaving = slow_dealer(context, replay_endpoint)
+            leaving.send_multipart([b"", (0).to_bytes(8, "big")])
+            assert leaving.poll(5000)
+            leaving.recv_multipart()
+            leaving.close(linger=0)  # mid-replay: thousands of batches still to send
+            wait_for(lambda: publisher.num_replays_stopped == 1, "the replay of the peer that left stops")
+            assert "the peer disconnected" in caplog.text
+            staying = context.socket(zmq.DEALER)
+            staying.connect(replay_endpoint)
+            staying.send_multipart([b"", (0).to_bytes(8, "big")])
+            assert read_answer(staying) == (list(range(NUM_BATCHES)), "end", None)
+            staying.close(linger=0)
+        finally:
+            context.term()
+        assert publisher.num_replays == 1
