@@ -5,8 +5,10 @@ buffered, which the consumer sees as a first sequence number above its request) 
 END_SEQ, or it ends without END_SEQ: with REPLAY_STOPPED_SEQ naming the first batch not
 sent, or with nothing. Never a gap followed by END_SEQ.
 """
+import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +17,7 @@ from test_events import DECODER, END_SEQ, cache_hashes, endpoints, wait_sent  # 
 import zmq  # noqa: E402  (after the skip above)
 
 from pagedkv import KVCache  # noqa: E402
-from pagedkv.events import REPLAY_STOPPED_SEQ, ZmqEventPublisher  # noqa: E402
+from pagedkv.events import REPLAY_STOPPED_SEQ, ZmqEventPublisher, encode_events  # noqa: E402
 
 NUM_BATCHES = 6000
 
@@ -233,3 +235,119 @@ def test_a_peer_that_disconnects_mid_replay_is_dropped_and_the_others_are_served
         finally:
             context.term()
         assert publisher.num_replays == 1
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "kv_events.md"
+
+
+def documented_consumer():
+    """The consumer of docs/kv_events.md, run as written: the namespace of its python block."""
+    if not DOCS.is_file():
+        pytest.skip("docs/kv_events.md is not beside the tests (installed-wheel run)")
+    (code,) = [block for block in re.findall(r"```python\n(.*?)```", DOCS.read_text(encoding="utf-8"), flags=re.S)
+               if "class InstanceView" in block]
+    namespace = {}
+    exec(compile(code, "docs/kv_events.md consumer", "exec"), namespace)
+    assert namespace["STOPPED_SEQ"] == REPLAY_STOPPED_SEQ and namespace["END_SEQ"] == END_SEQ
+
+    class RecordingView(namespace["InstanceView"]):
+        """The documented consumer, recording the sequence numbers it applies."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.applied = []
+
+        def apply(self, seq, payload):
+            self.applied.append(seq)
+            super().apply(seq, payload)
+
+    return RecordingView
+
+
+def steps(publisher, cache, first, num):
+    """``num`` batches that store and evict pages (a 32-page cache, 12 tokens a step in pages of 2)."""
+    for i in range(first, first + num):
+        tokens = [3 * i, 3 * i + 1, 3 * i + 2] * 4
+        cache.add_sequence(i, tokens)
+        cache.append([i], [len(tokens)], token_ids=tokens)
+        cache.remove_sequence(i)
+        assert publisher.publish() >= 1
+
+
+def consume(view):
+    while view.sub.poll(500):
+        _, seq, payload = view.sub.recv_multipart()
+        view.on_message(seq, payload)
+
+
+@pytest.mark.parametrize("buffer_steps", [1000, 10])
+def test_the_documented_consumer_replays_a_late_start_or_resyncs_when_history_is_gone(buffer_steps):
+    InstanceView = documented_consumer()
+    endpoint, replay_endpoint = endpoints()
+    cache = KVCache(0, 1, 1, 32, page_size=2, enable_prefix_caching=True, enable_kv_events=True)
+    context = zmq.Context()
+    with ZmqEventPublisher(cache, endpoint, replay_endpoint=replay_endpoint, buffer_steps=buffer_steps) as publisher:
+        steps(publisher, cache, 0, 30)  # before the consumer exists
+        view = InstanceView(context, endpoint, replay_endpoint, timeout_ms=5000)
+        try:
+            time.sleep(0.3)  # the subscription reaches the PUB socket
+            steps(publisher, cache, 30, 5)
+            consume(view)
+        finally:
+            view.sub.close(linger=0)
+    context.term()
+    assert view.expected == publisher.num_batches == 35
+    truth = cache_hashes(cache)
+    if buffer_steps == 1000:  # the replay from 0 brought the whole history
+        assert view.resyncs == 0 and view.cached == truth and view.applied == list(range(35))
+    else:  # batches 0..24 left the buffer: the view starts over from the live stream
+        assert view.resyncs == 1 and view.cached < truth  # misses pages, never invents one
+        assert view.applied == list(range(view.applied[0], 35)) and view.applied[0] >= 30
+
+
+def test_the_documented_consumer_asks_again_after_a_stopped_or_gapped_replay():
+    """A replay server written for the test answers: 0, 1, then REPLAY_STOPPED_SEQ; then 2 and
+    4 with 3 missing, then END_SEQ (what vLLM's ROUTER sends when it drops a message); then 3,
+    4, END_SEQ. The consumer applies each batch once, in order, and never takes the answer
+    with a hole for a complete one."""
+    InstanceView = documented_consumer()
+    cache = KVCache(0, 1, 1, 32, page_size=2, enable_prefix_caching=True, enable_kv_events=True)
+    payloads = []
+    for i in range(6):
+        tokens = [3 * i, 3 * i + 1, 3 * i + 2] * 4
+        cache.add_sequence(i, tokens)
+        cache.append([i], [len(tokens)], token_ids=tokens)
+        cache.remove_sequence(i)
+        payloads.append(encode_events(cache.take_kv_events()[0]))
+    seq = [s.to_bytes(8, "big") for s in range(6)]
+    script = [(0, [(seq[0], payloads[0]), (seq[1], payloads[1]), (REPLAY_STOPPED_SEQ, seq[2])]),
+              (2, [(seq[2], payloads[2]), (seq[4], payloads[4]), (END_SEQ, b"")]),
+              (3, [(seq[3], payloads[3]), (seq[4], payloads[4]), (END_SEQ, b"")])]
+    endpoint, replay_endpoint = endpoints()
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind(replay_endpoint)
+    requests = []
+
+    def serve():
+        for start, answer in script:
+            if not router.poll(10_000):
+                return
+            identity, empty, request = router.recv_multipart()
+            requests.append(int.from_bytes(request, "big"))
+            for frames in answer:
+                router.send_multipart([identity, empty, *frames])
+
+    server = threading.Thread(target=serve)
+    server.start()
+    view = InstanceView(context, endpoint, replay_endpoint, timeout_ms=5000)
+    try:
+        view.on_message(seq[5], payloads[5])  # the live stream's first message: 0..4 missed
+    finally:
+        server.join()
+        view.sub.close(linger=0)
+        router.close(linger=0)
+        context.term()
+    assert requests == [start for start, _ in script]
+    assert view.expected == 6 and view.resyncs == 0 and view.applied == [0, 1, 2, 3, 4, 5]
+    assert view.cached == cache_hashes(cache)
