@@ -113,6 +113,49 @@ def test_a_slow_reader_gets_every_batch_or_is_told_the_replay_stopped(small):
         assert publisher.num_replays_stopped == 0
 
 
+def test_peers_replaying_at_once_each_get_their_whole_answer_while_the_thread_drains():
+    """Three peers ask at once (one of them twice, the second request queued behind the first)
+    while the thread drains every 10 ms: the thread serves them in turn, and each answer is
+    complete, in order, and ends with END_SEQ."""
+    endpoint, replay_endpoint = endpoints()
+    cache = KVCache(0, 1, 1, 128, page_size=4, enable_prefix_caching=True, enable_kv_events=True)
+    with ZmqEventPublisher(cache, endpoint, replay_endpoint=replay_endpoint, buffer_steps=NUM_BATCHES,
+                           interval=0.01) as publisher:
+        fill(publisher, cache, 2000)
+        publisher.publish()
+        num = publisher.num_batches
+        context = zmq.Context()
+        dealers = [slow_dealer(context, replay_endpoint) for _ in range(3)]
+        answers = {}
+
+        def read(index, starts):
+            answers[index] = []
+            for start in starts:
+                answers[index].append(read_answer(dealers[index], pause_every=300, pause=0.02))
+
+        requests = {0: [0], 1: [10, num - 5], 2: [num // 2]}
+        try:
+            for index, starts in requests.items():
+                for start in starts:
+                    dealers[index].send_multipart([b"", start.to_bytes(8, "big")])
+            readers = [threading.Thread(target=read, args=item) for item in requests.items()]
+            for reader in readers:
+                reader.start()
+            cache.add_sequence(-1, list(range(10_000, 10_008)))  # an interval drain publishes it meanwhile
+            cache.append([-1], [8], token_ids=list(range(10_000, 10_008)))
+            for reader in readers:
+                reader.join(60)
+        finally:
+            for dealer in dealers:
+                dealer.close(linger=0)
+            context.term()
+        for index, starts in requests.items():
+            assert len(answers[index]) == len(starts)
+            for start, (got, end, _) in zip(starts, answers[index]):
+                assert end == "end" and got == list(range(start, got[-1] + 1)) and got[-1] >= num - 1
+        assert publisher.num_replays == 4 and publisher.num_replays_stopped == 0
+
+
 def wait_for(predicate, what, seconds=20):
     deadline = time.monotonic() + seconds
     while not predicate():

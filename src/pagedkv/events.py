@@ -84,7 +84,8 @@ complete replay; decoded as a ``KVEventBatch`` it fails.
 """
 
 _POPULATE, _STOP = b"p", b"s"  # messages to the publisher thread
-_REPLAY_BURST = 256  # messages sent to one replay peer before the thread looks at its other work
+_REPLAY_BURST = 256  # messages sent to one replay peer before the next peer's turn
+_REPLAY_ROUND = 1024  # messages sent to all replay peers before the thread looks at its other work
 _REPLAY_RETRY_MS = (1, 16)  # wait before retrying peers whose pipes are full: first, longest (doubling)
 _REPLAY_QUEUED = 16  # requests a peer may queue behind its replay in progress; more are ignored
 
@@ -276,6 +277,7 @@ class ZmqEventPublisher:
         self._replay_timeout = float(replay_timeout)
         self._replays: dict[bytes, _Replay] = {}  # peer identity -> its replay in progress (the thread's)
         self._retry_ms = _REPLAY_RETRY_MS[0]
+        self._use_pollout = True  # False while POLLOUT reports room that no replay peer has
         self._arena = PayloadArena()  # kept payloads; the thread faults its memory in ahead
         self._populate_pending = False
         self._unsent = None  # events a drain took but could not encode (no memory)
@@ -448,10 +450,18 @@ class ZmqEventPublisher:
             poller.register(self._replay, zmq.POLLIN)
         next_drain = time.monotonic() + self._interval if self._interval is not None else None
         replay_wait = None  # ms until the replays in progress can go on (0: now)
+        replay_events = zmq.POLLIN
         while True:
             timeout = None if next_drain is None else max(0.0, next_drain - time.monotonic()) * 1000
             if replay_wait is not None:
                 timeout = replay_wait if timeout is None else min(timeout, replay_wait)
+            if self._replay is not None:
+                # Every replay peer's pipe is full: wake when a pipe has room (POLLOUT of a ROUTER
+                # with ROUTER_MANDATORY: some peer's pipe, maybe an idle peer's, then of no use).
+                wanted = zmq.POLLIN | zmq.POLLOUT if replay_wait and self._use_pollout else zmq.POLLIN
+                if wanted != replay_events:
+                    poller.modify(self._replay, wanted)
+                    replay_events = wanted
             ready = dict(poller.poll(timeout))
             if self._wake_in in ready:
                 if self._wake_in.recv() == _STOP:
@@ -464,9 +474,10 @@ class ZmqEventPublisher:
                     logger.warning("no memory to fault in the memory of later KV event payloads ahead of time")
             if self._replay is not None:
                 try:
-                    if self._replay in ready:
+                    if ready.get(self._replay, 0) & zmq.POLLIN:
                         self._take_requests()
-                    replay_wait = self._serve_replays() if self._replays else None
+                    woken = bool(ready.get(self._replay, 0) & zmq.POLLOUT)
+                    replay_wait = self._serve_replays(woken) if self._replays else None
                 except zmq.ZMQError:
                     logger.exception("replay request failed")
             if next_drain is not None and time.monotonic() >= next_drain:
@@ -538,39 +549,52 @@ class ZmqEventPublisher:
             if found == sequence:
                 return payload
 
-    def _serve_replays(self) -> float:
-        """Send each replay in progress its next messages, in turn; return ms until the next round."""
+    def _serve_replays(self, woken: bool = False) -> float:
+        """Send each replay in progress its next messages, in turn; return ms until the next round.
+
+        ``woken``: the poll reported POLLOUT. If no replay moves after it, the
+        room is another peer's, and until a replay moves again the thread
+        waits on the timer alone (POLLOUT would wake it at once every time).
+        """
         now = time.monotonic()
         more = progress = False
-        for identity, replay in list(self._replays.items()):
-            sent, state = self._advance(replay, now)
+        budget = _REPLAY_ROUND
+        for identity in list(self._replays):
+            if budget <= 0:  # the peers not served yet come first in the next round
+                more = True
+                break
+            replay = self._replays.pop(identity)
+            sent, state = self._advance(replay, now, min(_REPLAY_BURST, budget))
+            budget -= sent
             progress |= sent > 0
-            if state == "more":
-                more = True
-            elif state == "done" and replay.queued:
-                envelope, start = replay.queued.popleft()
-                self._replays[identity] = self._new_replay(envelope, start)
-                self._replays[identity].queued = replay.queued
-                more = True
-            elif state != "blocked":
-                del self._replays[identity]
+            if state == "done" and replay.queued:  # the peer's next request
+                following = self._new_replay(*replay.queued.popleft())
+                following.queued = replay.queued
+                replay, state = following, "more"
+            if state in ("more", "blocked"):
+                self._replays[identity] = replay  # the end of the turn
+                more |= state == "more"
+        if progress:
+            self._use_pollout = True
+        elif woken:
+            self._use_pollout = False
         if more:
             self._retry_ms = _REPLAY_RETRY_MS[0]
             return 0.0
-        # Every peer in a replay has a full pipe: wait, longer each time nothing moves. (POLLOUT
-        # of a ROUTER only says that some peer has room, an idle one as well: no use here.)
+        # Every peer in a replay has a full pipe: wait for POLLOUT, or for a timer that checks the
+        # deadlines, longer each time nothing moves.
         self._retry_ms = _REPLAY_RETRY_MS[0] if progress else min(2 * self._retry_ms, _REPLAY_RETRY_MS[1])
         return float(self._retry_ms)
 
-    def _advance(self, replay: _Replay, now: float) -> tuple[int, str]:
-        """Send one replay up to ``_REPLAY_BURST`` messages; return (messages sent, state).
+    def _advance(self, replay: _Replay, now: float, limit: int) -> tuple[int, str]:
+        """Send one replay up to ``limit`` messages; return (messages sent, state).
 
         State: ``"more"`` (more to send now), ``"blocked"`` (the peer's pipe
         is full), ``"done"`` (the replay ended, with its marker) or
         ``"gone"`` (dropped: the peer left, or took not even the stop marker).
         """
         sent = 0
-        while sent < _REPLAY_BURST:
+        while sent < limit:
             last = True
             if replay.stopped:
                 frames = (*replay.envelope, REPLAY_STOPPED_SEQ, replay.next.to_bytes(8, "big"))
