@@ -52,6 +52,7 @@ others). docs/kv_events.md shows a consumer.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -239,8 +240,8 @@ class ZmqEventPublisher:
 
     def __init__(self, cache, endpoint: str = "tcp://*:5557", *, topic: str = "",
                  replay_endpoint: str | None = None, buffer_steps: int = 10000,
-                 replay_timeout: float = 5.0, interval: float | None = None, data_parallel_rank: int = 0, medium: str = "CPU",
-                 hash_format: str = "int", connect: bool = False, hwm: int = 100_000,
+                 replay_timeout: float = 5.0, interval: float | None = None, data_parallel_rank: int = 0,
+                 medium: str = "CPU", hash_format: str = "int", connect: bool = False, hwm: int = 100_000,
                  linger: float = 1.0) -> None:
         from pagedkv import KVCache
 
@@ -259,8 +260,9 @@ class ZmqEventPublisher:
                 raise ValueError(f"Invalid value of {name}: expected an int >= 1, got {value!r}")
         if interval is not None and not (isinstance(interval, (int, float)) and interval > 0):
             raise ValueError(f"Invalid value of interval: expected None or seconds > 0, got {interval!r}")
-        if isinstance(replay_timeout, bool) or not (isinstance(replay_timeout, (int, float)) and replay_timeout > 0):
-            raise ValueError(f"Invalid value of replay_timeout: expected seconds > 0, got {replay_timeout!r}")
+        if (isinstance(replay_timeout, bool) or not isinstance(replay_timeout, (int, float))
+                or not 0 < replay_timeout < math.inf):
+            raise ValueError(f"Invalid value of replay_timeout: expected finite seconds > 0, got {replay_timeout!r}")
         if not (isinstance(linger, (int, float)) and linger >= 0):
             raise ValueError(f"Invalid value of linger: expected seconds >= 0, got {linger!r}")
         _EncodeOptions(data_parallel_rank, None, medium, hash_format)  # checked now, not at the first batch
@@ -621,7 +623,8 @@ class ZmqEventPublisher:
                 continue
             except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer disconnected
                 if not replay.stopped:
-                    self._stop(replay, "the peer disconnected" if exc.errno == zmq.EHOSTUNREACH else f"send failed: {exc}")
+                    why = "the peer disconnected" if exc.errno == zmq.EHOSTUNREACH else f"send failed: {exc}"
+                    self._stop(replay, why)
                 return sent, "gone"
             sent += 1
             replay.deadline = now + self._replay_timeout
