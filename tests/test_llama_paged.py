@@ -26,7 +26,7 @@ from pagedkv.models.paged_backend import (
     max_pages_per_sequence,
 )
 
-from _llama_support import shared_data_dir, tiny_llama_path
+from _llama_support import data_file_or_skip, tiny_llama_path
 
 
 def paged(model, lengths, *, dtype=np.float32, window=None, sink_tokens=0, max_append_tokens=None,
@@ -141,7 +141,7 @@ def test_perplexity_command_matches_llamacpp(smollm2, reference, tmp_path, capsy
 def test_text_input_tokenizes_to_the_reference_ids(smollm2, reference):
     """The command's text path (prefixes of the file) gives llama.cpp's ids of tinyshakespeare."""
     _, tokenizer = smollm2
-    ids = load_token_ids(str(shared_data_dir() / "tinyshakespeare.txt"), tokenizer, 1024, json_ids=False)
+    ids = load_token_ids(str(data_file_or_skip("tinyshakespeare.txt")), tokenizer, 1024, json_ids=False)
     assert ids.tolist() == reference["perplexity"]["token_ids"]
 
 

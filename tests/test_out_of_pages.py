@@ -10,7 +10,7 @@ counts of each scenario.
 import re
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedkv import KVCache, OutOfPagesError, PagePool
