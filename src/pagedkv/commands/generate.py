@@ -347,8 +347,13 @@ def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int)
         """Print one line of the report to stderr."""
         print(text, file=sys.stderr)
 
-    line(f"prefill: {result.num_prompt_tokens} tokens in {result.prefill_seconds:.2f} s "
-         f"({result.prefill_tokens_per_second:.1f} tokens/s)")
+    if result.num_cached_tokens:  # a rate over reused tokens would flatter the prefill
+        line(f"prefill: {result.num_prompt_tokens} prompt tokens in {result.prefill_seconds:.2f} s: "
+             f"{result.num_computed_tokens} computed ({result.computed_tokens_per_second:.1f} tokens/s), "
+             f"{result.num_cached_tokens} reused")
+    else:
+        line(f"prefill: {result.num_prompt_tokens} tokens in {result.prefill_seconds:.2f} s "
+             f"({result.prefill_tokens_per_second:.1f} tokens/s)")
     if backend.prefix_caching:
         tier_hits = stats.get("tier_hits", 0)
         line(f"prefix cache: {result.num_cached_tokens} of {result.num_prompt_tokens} prompt tokens reused "
