@@ -202,8 +202,10 @@ def test_generate_command_batch_with_window_prints_each_completion(smollm2, tmp_
         alone = generate_greedy(model, DenseBackend.for_config(model.config, window=8, sink_tokens=2),
                                 [tokenizer.encode(text)], max_new_tokens=6, stop_token_ids=tokenizer.stop_token_ids)
         expected = tokenizer.decode(alone.token_ids[0], skip_special_tokens=True)
-        body = "\n".join("  " + line for line in expected.strip("\n").split("\n"))
+        # Indented by two spaces, not three: the first token's own leading space is dropped.
+        body = "\n".join("  " + line for line in expected.strip("\n").lstrip(" ").split("\n"))
         assert f"(line {(1, 3, 4)[i]}): {text}\n{body}\n\n" in captured.out
+        assert f"{text}\n   " not in captured.out
 
 
 def test_completion_blocks_indent_multi_line_answers():
@@ -211,6 +213,9 @@ def test_completion_blocks_indent_multi_line_answers():
 
     block = format_completion(0, 3, "List two colors", "\n1. red\n2. blue\n")
     assert block == "--- prompt 1 (line 3): List two colors\n  1. red\n  2. blue\n"
+    assert format_completion(1, None, "The capital of France is", " Paris.") == (
+        "--- prompt 2: The capital of France is\n  Paris.\n")
+    assert format_completion(0, 1, "Hi", "\n \n") == "--- prompt 1 (line 1): Hi\n  (no text)\n"
 
 
 def test_generate_rejects_an_empty_prompt_before_loading(capsys, no_model_load):

@@ -174,10 +174,13 @@ def format_completion(index: int, line_number: int | None, prompt: str, completi
 
     A header line ``--- prompt {index + 1} (line {line_number}): {prompt}``, then every
     line of ``completion`` indented by two spaces (so that a multi-line answer stays
-    visibly under its prompt), then an empty line.
+    visibly under its prompt), then an empty line. Leading blank lines and the space a
+    first token usually starts with are dropped (the indent takes their place); a
+    completion of whitespace only prints as ``(no text)``.
     """
     where = f" (line {line_number})" if line_number else ""
-    body = "\n".join("  " + line for line in completion.strip("\n").split("\n"))
+    text = completion.strip("\n").lstrip(" ")
+    body = "\n".join("  " + line for line in text.split("\n")) if text.strip() else "  (no text)"
     return f"--- prompt {index + 1}{where}: {prompt}\n{body}\n"
 
 
