@@ -726,6 +726,8 @@ def test_a_second_generate_process_starts_from_the_first_ones_pages(standalone):
     fetched = int(second.split("(")[1].split(" fetched")[0])
     prompt_tokens = int(second.split(" of ")[1].split(" prompt")[0])
     assert fetched == (prompt_tokens - 1) // 16 * 16 > 0, second
+    # Each run says at start where its pages go.
+    assert f"tier: {standalone}, namespace {fingerprint} (pagedkv tier info" in runs[0].stderr
     # The prefill rate counts the tokens it computed, not those it fetched.
     prefill = [line for line in runs[1].stderr.splitlines() if line.startswith("prefill:")][0]
     assert f"{prompt_tokens - fetched} computed (" in prefill and f"), {fetched} reused" in prefill, prefill

@@ -340,9 +340,13 @@ def _make_tier(args: argparse.Namespace):
         except OSError as exc:
             raise CommandError(f"cannot read {str(path)!r} for --model-fingerprint auto: {exc.strerror or exc}") from exc
     try:
-        return RedisTier(args.tier, namespace=fingerprint)
+        tier = RedisTier(args.tier, namespace=fingerprint)
     except (TypeError, ValueError) as exc:
         raise CommandError(f"argument --tier: {exc}") from exc
+    # Say where pages go: a mistyped URL that reaches another server would otherwise pass unseen.
+    print(f"tier: {args.tier}, namespace {fingerprint} (pagedkv tier info {args.tier} --namespace "
+          f"{fingerprint} shows what it holds)", file=sys.stderr)
+    return tier
 
 
 def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int) -> None:
