@@ -35,3 +35,29 @@ myst_heading_anchors = 3
 html_theme = "alabaster"
 html_static_path: list[str] = []
 intersphinx_mapping: dict[str, tuple[str, None]] = {}
+
+# The Markdown build (docs/reference/api.md, scripts/api_markdown.sh) keeps numpydoc's
+# parameter types: sphinx-markdown-builder drops definition-list classifiers otherwise.
+exclude_patterns.append("reference")
+
+
+def setup(app):
+    """Render ``name : type`` in the Markdown builder (when it is installed)."""
+    try:
+        from sphinx_markdown_builder.translator import MarkdownTranslator
+    except ImportError:
+        return
+
+    def visit_classifier(self, node):
+        self.add(" : ")
+
+    def depart_classifier(self, node):
+        pass
+
+    def keep_text(self, node):
+        """Abbreviations (``*args``) print as their text."""
+
+    MarkdownTranslator.visit_classifier = visit_classifier
+    MarkdownTranslator.depart_classifier = depart_classifier
+    MarkdownTranslator.visit_abbreviation = keep_text
+    MarkdownTranslator.depart_abbreviation = keep_text

@@ -16,7 +16,7 @@ from pagedkv_c._types cimport (page_id_t, pos_t, slot_t, int32_t, int64_t, PAD_S
 from pagedkv_c._pool cimport PagePool, pkv_incref, pkv_queue_remove, pkv_rec, pkv_ref, pkv_set_ref
 from pagedkv_c._pool import OutOfPagesError
 from pagedkv_c._prefix import ALGORITHMS as _PREFIX_HASHES
-from pagedkv_c._page_table cimport PageTable, append_batch, owner_key
+from pagedkv_c._page_table cimport PageTable, append_batch, owner_key, pages_needed_for
 from pagedkv_c._checks cimport check_int, check_index, check_float_array, check_pool_dtype, as_int_array, check_array
 from pagedkv_c._checks import check_sink_window
 from pagedkv_c._lock cimport CacheLock
@@ -45,6 +45,7 @@ cdef Py_ssize_t _PREFETCH_DISTANCE = 32
 cdef Py_ssize_t _HASH_BATCH = 8
 # Largest sequence length, window and sink length, in tokens (as PageTable and attention).
 cdef int64_t MAX_POSITION = 2**62
+MAX_NUM_PAGES = 2**31 - 2  # page ids are int32 (see PagePool)
 # Largest number of pages one page_table call can list: indptr is int32 (CSR).
 _MAX_CSR_PAGES = 2**31 - 1
 # Largest ref count of a page (int32).
@@ -922,7 +923,7 @@ cdef class KVCache:
             if count_view[i] < 0:
                 raise ValueError(f"Invalid value of num_tokens: expected counts >= 0, got {count_view[i]}")
             if count_view[i] > most - total:
-                text = _over_pool_text(self, counts)  # ValueError first for a negative count
+                text = _over_pool_text(self, seq_ids, counts)  # ValueError first for a negative count
                 self._num_out_of_pages += 1
                 raise OutOfPagesError(text)
             total += count_view[i]
@@ -2598,20 +2599,45 @@ cdef inline int _look_ahead(PrefixIndex index, SequenceHashes hashes, int64_t k,
     return 0
 
 
-cdef str _over_pool_text(KVCache cache, object counts):
-    """Message of append's OutOfPagesError for a call larger than the whole pool."""
+cdef str _over_pool_text(KVCache cache, object seq_ids, object counts):
+    """Message of append's OutOfPagesError for a call larger than the whole pool.
+
+    The pages it names are what the append would take (as ``append_batch`` plans
+    it: new pages, copy-on-write copies, less what the window releases), so a cache
+    created with the ``num_pages`` it suggests holds the append."""
     negative = np.flatnonzero(counts < 0)
     if negative.size:  # the count error comes first, as it would without the overflow
         raise ValueError(f"Invalid value of num_tokens: expected counts >= 0, got {counts[negative[0]]}")
     cdef object num_asked = sum(counts.tolist())  # Python int: cannot overflow
     cdef Py_ssize_t num_seqs = np.count_nonzero(counts)
     cdef int64_t ps = cache.page_size
-    # Each sequence's last page may have up to page_size - 1 free slots.
-    cdef object least = -(-(num_asked - num_seqs * (ps - 1)) // ps)
+    cdef list tables
+    cdef object needed, available, lengths
+    cache._lock.acquire()
+    try:
+        tables = cache._tables_for(seq_ids)
+        if len(tables) != counts.shape[0]:
+            raise ValueError(f"Invalid shape of num_tokens: expected ({len(tables)},) to match seq_ids, "
+                             f"got ({counts.shape[0]},)")
+        lengths = [(<PageTable>t).length for t in tables]
+        if all(c <= MAX_POSITION - n for c, n in zip(counts.tolist(), lengths)):
+            needed, available = pages_needed_for(cache.pool, tables,
+                                                  <const int64_t*>cnp.PyArray_DATA(counts))
+        else:  # past the length limit: only the new logical pages count (Python ints)
+            needed = sum(-(-(n + c) // ps) - -(-n // ps) for c, n in zip(counts.tolist(), lengths))
+            available = cache.pool.q.num_free
+        num_pages, num_free = cache.pool.num_pages, cache.pool.q.num_free
+    finally:
+        cache._lock.leave()
     text = (f"Cannot append {num_asked} token{'s' if num_asked != 1 else ''} to {num_seqs} "
-            f"sequence{'s' if num_seqs != 1 else ''}: they need at least {least} new pages of "
-            f"{ps} tokens, more than the whole pool holds ({cache.pool.num_pages} pages, "
-            f"{cache.pool.q.num_free} of them free). Nothing was changed. ")
+            f"sequence{'s' if num_seqs != 1 else ''}: they need {needed} new page{'s' if needed != 1 else ''} "
+            f"of {ps} tokens, more than the whole pool holds ({num_pages} pages, "
+            f"{num_free} of them free). Nothing was changed. ")
+    cdef object least = num_pages + needed - available
+    if least > MAX_NUM_PAGES:
+        return text + (f"No cache holds that: num_pages is at most {MAX_NUM_PAGES}. "
+                       + ("Append in smaller chunks." if cache._window is not None
+                          else "Create the cache with a sliding window (window=W) and append in smaller chunks."))
     if cache._window is None:
         return text + (f"Create the cache with num_pages >= {least}, or with a sliding window "
                        f"(window=W) and append in smaller chunks.")

@@ -81,6 +81,8 @@ cdef class PageTable:
 cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
                       slot_t* slots_out, page_id_t* cow_src, page_id_t* cow_dst,
                       Py_ssize_t* num_cow, Py_ssize_t* num_released) except -1
+# (pages needed, pages available) of such an append, changing nothing.
+cdef tuple pages_needed_for(PagePool pool, list tables, const int64_t* num_tokens)
 
 
 # Key that the owner of a pool (KVCache) passes as PageTable(..., _owner_key=...)

@@ -533,39 +533,9 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
         table.reserve(table.ring_count - r + new_pages - into_sinks)
     cdef _Scratch scratch = _Scratch(num_tables, total_released)
 
-    # ---- 1. plan on ref counts: releases of all tables, then per table
-    # copy-on-write and new pages, in the order execution will follow.
-    cdef int32_t[:] refs = pool._ref_count
-    cdef int32_t[::1] pending = pool._pending
-    cdef int64_t available = pool.q.num_free
-    cdef int64_t needed = 0
-    for b in range(num_tables):
-        table = <PageTable>tables[b]
-        for i in range(table.num_to_release(num_tokens[b])):
-            page_id = table.ring_page(i)
-            pending[page_id] += 1
-            if refs[page_id] == pending[page_id]:
-                available += 1
-    for b in range(num_tables):
-        table = <PageTable>tables[b]
-        scratch.copy[b] = False
-        scratch.need[b] = 0
-        if num_tokens[b] == 0:
-            continue
-        if table.last_page_is_partial():
-            page_id = table.page_at(table.num_logical() - 1)
-            if refs[page_id] - pending[page_id] > 1:
-                scratch.copy[b] = True
-                scratch.need[b] += 1
-                pending[page_id] += 1
-        scratch.need[b] += table.pages_needed(num_tokens[b])
-        needed += scratch.need[b]
-    for b in range(num_tables):  # clear the scratch counts, same walk
-        table = <PageTable>tables[b]
-        for i in range(table.num_to_release(num_tokens[b])):
-            pending[table.ring_page(i)] = 0
-        if scratch.copy[b]:
-            pending[table.page_at(table.num_logical() - 1)] = 0
+    # ---- 1. plan on ref counts (see _plan_pages).
+    cdef int64_t available = 0
+    cdef int64_t needed = _plan_pages(pool, tables, num_tokens, scratch, &available)
     if needed > available:
         raise OutOfPagesError(_out_of_pages_text(pool, tables, num_tokens, scratch, needed, available))
     scratch.ensure_taken(needed)
@@ -630,6 +600,60 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
         slot_offset += num_tokens[b]
     num_cow[0] = pairs
     return 0
+
+
+cdef int64_t _plan_pages(PagePool pool, list tables, const int64_t* num_tokens, _Scratch scratch,
+                         int64_t* available_out) except -1:
+    """Plan an append on ref counts, changing nothing: the releases of all tables, then per table
+    copy-on-write and new pages, in the order execution follows. Fills ``scratch.copy`` and
+    ``scratch.need``; returns the pages needed and sets ``available_out`` to the free pages
+    plus those the releases free. Counts must keep every length within MAX_POSITION."""
+    cdef Py_ssize_t num_tables = len(tables)
+    cdef Py_ssize_t b, i
+    cdef PageTable table
+    cdef page_id_t page_id
+    cdef int32_t[:] refs = pool._ref_count
+    cdef int32_t[::1] pending = pool._pending
+    cdef int64_t available = pool.q.num_free
+    cdef int64_t needed = 0
+    for b in range(num_tables):
+        table = <PageTable>tables[b]
+        for i in range(table.num_to_release(num_tokens[b])):
+            page_id = table.ring_page(i)
+            pending[page_id] += 1
+            if refs[page_id] == pending[page_id]:
+                available += 1
+    for b in range(num_tables):
+        table = <PageTable>tables[b]
+        scratch.copy[b] = False
+        scratch.need[b] = 0
+        if num_tokens[b] == 0:
+            continue
+        if table.last_page_is_partial():
+            page_id = table.page_at(table.num_logical() - 1)
+            if refs[page_id] - pending[page_id] > 1:
+                scratch.copy[b] = True
+                scratch.need[b] += 1
+                pending[page_id] += 1
+        scratch.need[b] += table.pages_needed(num_tokens[b])
+        needed += scratch.need[b]
+    for b in range(num_tables):  # clear the scratch counts, same walk
+        table = <PageTable>tables[b]
+        for i in range(table.num_to_release(num_tokens[b])):
+            pending[table.ring_page(i)] = 0
+        if scratch.copy[b]:
+            pending[table.page_at(table.num_logical() - 1)] = 0
+    available_out[0] = available
+    return needed
+
+
+cdef tuple pages_needed_for(PagePool pool, list tables, const int64_t* num_tokens):
+    """``(needed, available)`` of an append of ``num_tokens`` to ``tables``, as append_batch
+    plans it, changing nothing (for messages; lengths must stay within MAX_POSITION)."""
+    cdef _Scratch scratch = _Scratch(len(tables), 0)
+    cdef int64_t available = 0
+    cdef int64_t needed = _plan_pages(pool, tables, num_tokens, scratch, &available)
+    return needed, available
 
 
 cdef str _plural(int64_t count, str noun, str nouns=None):

@@ -13,4 +13,4 @@ redis-server --version
 pip install -r <(python scripts/extra_requirements.py redis)
 
 export PAGEDKV_REQUIRE_REDIS=1
-pytest -q tests/test_tier.py
+pytest -q tests/test_tier.py tests/test_tier_cli.py

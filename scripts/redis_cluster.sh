@@ -13,8 +13,9 @@
 #
 # Nodes keep nothing on disk (no RDB, no AOF): restarting one (redis-server DIR/PORT/redis.conf)
 # brings it back empty into the same cluster. cluster-require-full-coverage is off, so the other
-# nodes keep serving their slots while one is down, as a cache wants. start prints the node
-# addresses, comma-separated, for redis+cluster://HOST:PORT,... URLs.
+# nodes keep serving their slots while one is down, as a cache wants. start prints the URL that
+# --tier and RedisTier take, redis+cluster://HOST:PORT,HOST:PORT,... (the node addresses are
+# also in DIR/nodes, comma-separated).
 set -euo pipefail
 
 DIR=${REDIS_CLUSTER_DIR:-${TMPDIR:-/tmp}/pagedkv-redis-cluster}
@@ -69,7 +70,7 @@ EOF
     done
     addresses=$(IFS=,; echo "${nodes[*]}")
     echo "$addresses" > "$DIR/nodes"
-    echo "$addresses"
+    echo "redis+cluster://$addresses"
 }
 
 stop() {

@@ -9,12 +9,40 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def shared_data_dir():
-    """``<repo root>/../shared/data``, else the nearest ancestor's ``shared/data``."""
+    """``<repo root>/../shared/data``, else the nearest ancestor's ``shared/data``, holding the reference."""
     for base in [REPO_ROOT.parent, *REPO_ROOT.parent.parents]:
         candidate = base / "shared" / "data"
         if (candidate / REFERENCE_NAME).is_file():
             return candidate
     return None
+
+
+def find_data_file(filename):
+    """Where the tests read a data file: ``<repo root>/../shared/data`` or the nearest ancestor's
+    ``shared/data``, else the directory ``pagedkv data fetch`` writes to (``pagedkv.data.data_dir()``,
+    ``$PAGEDKV_DATA_DIR`` if set); None if neither has it."""
+    for base in [REPO_ROOT.parent, *REPO_ROOT.parent.parents]:
+        candidate = base / "shared" / "data" / filename
+        if candidate.is_file():
+            return candidate
+    from pagedkv import data
+
+    candidate = data.data_dir() / filename
+    return candidate if candidate.is_file() else None
+
+
+def data_file_or_skip(filename):
+    """:func:`find_data_file`, or a skip that names where it looked and how to get the file."""
+    path = find_data_file(filename)
+    if path is not None:
+        return path
+    from pagedkv import data
+
+    names = [d.name for d in data.DATASETS.values() if d.filename == filename]
+    how = (f"get it with `pagedkv data fetch {names[0]}`" if names else
+           "it is not published: it comes with the project's shared data directory")
+    pytest.skip(f"{filename} not found in {REPO_ROOT.parent / 'shared' / 'data'}, any ancestor's shared/data, "
+                f"or {data.data_dir()} (the data directory, ${data.DATA_DIR_ENV} if set); {how}")
 
 
 def _converter_permute(weight, num_heads):

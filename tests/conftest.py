@@ -11,7 +11,7 @@ import time
 import pytest
 from hypothesis import settings
 
-from _llama_support import REFERENCE_NAME, REPO_ROOT, shared_data_dir
+from _llama_support import REFERENCE_NAME, data_file_or_skip
 
 # Property tests check results, not speed: on a loaded 2-core machine (CI, sanitizer builds)
 # one example can take longer than hypothesis' default 200 ms deadline.
@@ -22,11 +22,7 @@ settings.load_profile("pagedkv")
 @pytest.fixture(scope="session")
 def reference():
     """The llama.cpp reference outputs of SmolLM2-135M-Instruct (../shared/data)."""
-    data_dir = shared_data_dir()
-    if data_dir is None:
-        pytest.skip(f"{REFERENCE_NAME} not found in {REPO_ROOT.parent / 'shared' / 'data'} "
-                    "or any ancestor's shared/data")
-    return json.loads((data_dir / REFERENCE_NAME).read_text())
+    return json.loads(data_file_or_skip(REFERENCE_NAME).read_text())
 
 
 @pytest.fixture(scope="session")

@@ -8,18 +8,10 @@ import socket
 
 import pytest
 
-from _llama_support import REPO_ROOT
+from _llama_support import data_file_or_skip
 
 from pagedkv import data
 from pagedkv.cli import main
-
-
-def shared_file(name):
-    """``<repo root>/../shared/data/<name>``, else the nearest ancestor's ``shared/data/<name>``."""
-    for base in [REPO_ROOT.parent, *REPO_ROOT.parent.parents]:
-        if (base / "shared" / "data" / name).is_file():
-            return base / "shared" / "data" / name
-    pytest.skip(f"{name} not found in {REPO_ROOT.parent / 'shared' / 'data'} or any ancestor's shared/data")
 
 
 @pytest.fixture
@@ -65,7 +57,7 @@ def test_registry_records_a_sha256_and_a_pinned_https_url_per_dataset():
                                             ("azure-conversation", "AzureLLMInferenceTrace_conv.csv")])
 def test_recorded_digest_matches_the_shared_copy(name, filename):
     """The digests in the package are those of the published files kept beside the checkout."""
-    path = shared_file(filename)
+    path = data_file_or_skip(filename)
     dataset = data.get_dataset(name)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == dataset.sha256
     assert path.stat().st_size == dataset.num_bytes
@@ -203,3 +195,24 @@ def test_replay_of_a_file_of_unknown_extension_says_what_to_do(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "Invalid value of path" not in err
     assert "cannot tell the format of" in err and "'.md'" in err and "--format mooncake" in err
+
+
+def test_tests_find_data_where_data_fetch_puts_it(tmp_path, monkeypatch):
+    """Without a shared/data directory, the tests read what `pagedkv data fetch` wrote; their
+    skip message names the data directory and the command that fills it."""
+    import _llama_support
+
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    monkeypatch.setattr(_llama_support, "REPO_ROOT", checkout)
+    monkeypatch.setenv(data.DATA_DIR_ENV, str(tmp_path / "fetched"))
+    assert _llama_support.find_data_file("AzureLLMInferenceTrace_conv.csv") is None
+    with pytest.raises(pytest.skip.Exception, match=r"get it with `pagedkv data fetch azure-conversation`") as info:
+        _llama_support.data_file_or_skip("AzureLLMInferenceTrace_conv.csv")
+    assert str(tmp_path / "fetched") in str(info.value) and data.DATA_DIR_ENV in str(info.value)
+    (tmp_path / "fetched").mkdir()
+    (tmp_path / "fetched" / "AzureLLMInferenceTrace_conv.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    assert _llama_support.data_file_or_skip("AzureLLMInferenceTrace_conv.csv") == (
+        tmp_path / "fetched" / "AzureLLMInferenceTrace_conv.csv")
+    with pytest.raises(pytest.skip.Exception, match="not published"):
+        _llama_support.data_file_or_skip(_llama_support.REFERENCE_NAME)

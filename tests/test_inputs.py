@@ -350,5 +350,5 @@ def test_sinks_without_a_window_are_refused_everywhere_with_one_message(capsys):
         cli.main(["generate", "hi", "--sinks", "4"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert ("Invalid value of --sinks: expected 0 without a sliding window (attention sinks only exist "
+    assert ("argument --sinks: expected 0 without a sliding window (attention sinks only exist "
             "with one: add --window W), got 4") in err

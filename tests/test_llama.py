@@ -28,7 +28,7 @@ from pagedkv.models import (
     score_tokens,
 )
 
-from _llama_support import shared_data_dir, tiny_llama_path, write_tiny_llama
+from _llama_support import data_file_or_skip, tiny_llama_path, write_tiny_llama
 
 def dense(model, **kwargs):
     return DenseBackend.for_config(model.config, **kwargs)
@@ -48,7 +48,7 @@ def test_encoding_matches_llamacpp_prompt_ids(smollm2, reference, prompt):
 def test_encoding_of_shakespeare_matches_llamacpp_ids(smollm2, reference):
     _, tokenizer = smollm2
     ppl = reference["perplexity"]
-    text = (shared_data_dir() / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    text = (data_file_or_skip("tinyshakespeare.txt")).read_text(encoding="utf-8")
     assert ppl["text_source"] == "tinyshakespeare.txt characters 0..6000"
     ids = tokenizer.encode(text[:6000])
     assert ids[: ppl["num_tokens"]] == ppl["token_ids"]

@@ -26,7 +26,7 @@ from pagedkv.models.paged_backend import (
     max_pages_per_sequence,
 )
 
-from _llama_support import shared_data_dir, tiny_llama_path
+from _llama_support import data_file_or_skip, tiny_llama_path
 
 
 def paged(model, lengths, *, dtype=np.float32, window=None, sink_tokens=0, max_append_tokens=None,
@@ -141,7 +141,7 @@ def test_perplexity_command_matches_llamacpp(smollm2, reference, tmp_path, capsy
 def test_text_input_tokenizes_to_the_reference_ids(smollm2, reference):
     """The command's text path (prefixes of the file) gives llama.cpp's ids of tinyshakespeare."""
     _, tokenizer = smollm2
-    ids = load_token_ids(str(shared_data_dir() / "tinyshakespeare.txt"), tokenizer, 1024, json_ids=False)
+    ids = load_token_ids(str(data_file_or_skip("tinyshakespeare.txt")), tokenizer, 1024, json_ids=False)
     assert ids.tolist() == reference["perplexity"]["token_ids"]
 
 
@@ -202,8 +202,10 @@ def test_generate_command_batch_with_window_prints_each_completion(smollm2, tmp_
         alone = generate_greedy(model, DenseBackend.for_config(model.config, window=8, sink_tokens=2),
                                 [tokenizer.encode(text)], max_new_tokens=6, stop_token_ids=tokenizer.stop_token_ids)
         expected = tokenizer.decode(alone.token_ids[0], skip_special_tokens=True)
-        body = "\n".join("  " + line for line in expected.strip("\n").split("\n"))
+        # Indented by two spaces, not three: the first token's own leading space is dropped.
+        body = "\n".join("  " + line for line in expected.strip("\n").lstrip(" ").split("\n"))
         assert f"(line {(1, 3, 4)[i]}): {text}\n{body}\n\n" in captured.out
+        assert f"{text}\n   " not in captured.out
 
 
 def test_completion_blocks_indent_multi_line_answers():
@@ -211,6 +213,9 @@ def test_completion_blocks_indent_multi_line_answers():
 
     block = format_completion(0, 3, "List two colors", "\n1. red\n2. blue\n")
     assert block == "--- prompt 1 (line 3): List two colors\n  1. red\n  2. blue\n"
+    assert format_completion(1, None, "The capital of France is", " Paris.") == (
+        "--- prompt 2: The capital of France is\n  Paris.\n")
+    assert format_completion(0, 1, "Hi", "\n \n") == "--- prompt 1 (line 1): Hi\n  (no text)\n"
 
 
 def test_generate_rejects_an_empty_prompt_before_loading(capsys, no_model_load):

@@ -26,12 +26,12 @@ import subprocess
 import sys
 import textwrap
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from _llama_support import data_file_or_skip
 from pagedkv import KVCache, OutOfPagesError, PagedKVCache
 from pagedkv.replay import replay
 from pagedkv.traces import Trace
@@ -39,7 +39,6 @@ from reference_cache import OutOfPages, RefCache, RefClassicCache
 from reference_replayer import ReferenceReplayer
 
 REQUIRED = os.environ.get("PAGEDKV_REQUIRE_METRICS") == "1"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 INSTALL = 'pip install "pagedkv[metrics]"'
 
 try:
@@ -290,20 +289,12 @@ def test_prefix_counters_over_http_equal_the_reference_replayer(seed, num_pages)
     result.cache.check_invariants()
 
 
-def shared_data_file(name):
-    for base in [REPO_ROOT.parent, *REPO_ROOT.parent.parents]:
-        candidate = base / "shared" / "data" / name
-        if candidate.is_file():
-            return candidate
-    pytest.skip(f"{name} not found in {REPO_ROOT.parent / 'shared' / 'data'} or any ancestor's shared/data")
-
-
 @needs_prometheus
 def test_mooncake_replay_scraped_while_running_ends_equal_to_the_reference(serve):
     """Real traffic: the first 400 conversation requests under eviction pressure, scraped every 50."""
     from pagedkv.traces import load_trace
 
-    trace = load_trace(shared_data_file("mooncake_conversation_trace.jsonl"), limit=400)
+    trace = load_trace(data_file_or_skip("mooncake_conversation_trace.jsonl"), limit=400)
     page_size, num_pages = 16, 200_000 // 16
     reference = ReferenceReplayer(num_pages, page_size, trace.block_tokens)
     for prompt, output, blocks in zip(trace.input_lengths.tolist(), trace.output_lengths.tolist(),

@@ -1,7 +1,7 @@
 """OutOfPagesError messages: what was asked, what is free, what to do; nothing changed.
 
 Every site that raises OutOfPagesError is driven into it here: KVCache.append
-over the whole pool (refused before any page table is read), KVCache.append
+over the whole pool (refused before any slot is reserved), KVCache.append
 short of free pages (new pages, copy-on-write copies after fork, window
 releases, free pages that hold cached prefixes) and PagePool.allocate. The
 expected figures are worked out by hand from the release rule and the page
@@ -10,6 +10,8 @@ counts of each scenario.
 import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagedkv import KVCache, OutOfPagesError, PagePool
 
@@ -38,7 +40,7 @@ def test_append_larger_than_the_whole_pool_names_the_tokens_asked():
     cache.add_sequence(0)
     message = out_of_pages(cache, [0], [1000])
     # 1000 tokens need ceil(1000 / 4) = 250 pages; the pool has 4 (16 tokens).
-    assert re.match(r"^Cannot append 1000 tokens to 1 sequence: they need at least 250 new pages of 4 tokens, "
+    assert re.match(r"^Cannot append 1000 tokens to 1 sequence: they need 250 new pages of 4 tokens, "
                     r"more than the whole pool holds \(4 pages, 4 of them free\)\. Nothing was changed\.", message)
     assert "num_pages >= 250" in message
     assert "20 tokens" not in message
@@ -51,11 +53,12 @@ def test_append_larger_than_the_pool_with_a_window_suggests_smaller_chunks():
     cache.add_sequence(1)
     cache.append([1], [5])  # 2 pages in use
     message = out_of_pages(cache, [0, 1], [30, 20])
-    # 50 tokens over 2 sequences whose last pages have at most 3 free slots each:
-    # at least ceil((50 - 6) / 4) = 11 new pages.
-    assert message.startswith("Cannot append 50 tokens to 2 sequences: they need at least 11 new pages of 4 tokens, "
+    # Sequence 0 (empty) needs ceil(30 / 4) = 8 pages; sequence 1 (5 tokens, 2 pages,
+    # nothing out of the window yet) needs ceil(25 / 4) - 2 = 5: 13 new pages, 2 free,
+    # so a pool of 4 + 13 - 2 = 15 pages holds the append.
+    assert message.startswith("Cannot append 50 tokens to 2 sequences: they need 13 new pages of 4 tokens, "
                               "more than the whole pool holds (4 pages, 2 of them free)."), message
-    assert "Append in smaller chunks" in message and "num_pages >= 11" in message
+    assert "Append in smaller chunks" in message and "num_pages >= 15" in message
 
 
 def test_append_short_of_free_pages_without_a_window():
@@ -156,3 +159,78 @@ def test_the_suggested_pool_size_is_enough():
     run(suggested).check_invariants()
     with pytest.raises(OutOfPagesError):
         run(suggested - 1)
+
+
+@pytest.mark.parametrize("num_tokens", [81, 97, 100, 1000])
+def test_the_suggested_pool_size_is_enough_over_the_whole_pool(num_tokens):
+    """An append larger than the whole pool suggests a num_pages that holds it, and no fewer."""
+    def run(num_pages):
+        cache = KVCache(2, 2, 64, num_pages=num_pages, page_size=16)
+        cache.add_sequence(0)
+        cache.append([0], [num_tokens])
+        return cache
+
+    with pytest.raises(OutOfPagesError) as info:
+        run(4)
+    suggested = int(re.search(r"num_pages >= (\d+)", str(info.value)).group(1))
+    assert suggested == -(-num_tokens // 16)
+    run(suggested).check_invariants()
+    with pytest.raises(OutOfPagesError):
+        run(suggested - 1)
+
+
+def test_an_append_past_any_pool_says_no_pool_holds_it():
+    cache = KVCache(1, 1, 4, num_pages=4, page_size=4)
+    cache.add_sequence(0)
+    message = out_of_pages(cache, [0], [2**40])
+    assert "they need 274877906944 new pages" in message
+    assert "num_pages is at most 2147483646" in message and "num_pages >=" not in message
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_suggested_pool_size_is_exactly_enough(data):
+    """Random calls (window, sinks, forks, prefix caching) replayed on ever larger pools: each
+    time a call runs out of pages, a pool of the num_pages its message suggests gets past that
+    call, and a pool of one page fewer fails at the same call."""
+    page_size = data.draw(st.sampled_from([1, 2, 4]), label="page_size")
+    window = data.draw(st.one_of(st.none(), st.integers(1, 12)), label="window")
+    sinks = data.draw(st.integers(0, 5), label="sink_tokens") if window is not None else 0
+    prefix = data.draw(st.booleans(), label="prefix caching")
+    calls = data.draw(st.lists(st.tuples(st.sampled_from(["append", "append", "fork", "remove"]),
+                                         st.lists(st.integers(0, 40), min_size=1, max_size=3)),
+                               min_size=1, max_size=10), label="calls")
+
+    def run(num_pages):
+        """Replay the calls on a pool of ``num_pages``: (index of the call that ran out, its message)."""
+        cache = KVCache(1, 1, 2, num_pages=num_pages, page_size=page_size, window=window,
+                        sink_tokens=sinks, enable_prefix_caching=prefix)
+        cache.add_sequence(0)
+        next_id = 1
+        for index, (op, numbers) in enumerate(calls):
+            ids = cache.seq_ids()
+            try:
+                if op == "append":
+                    chosen = sorted({ids[n % len(ids)] for n in numbers})
+                    counts = numbers[:len(chosen)]
+                    cache.append(chosen, counts, token_ids=list(range(sum(counts))) if prefix else None)
+                elif op == "fork":
+                    cache.fork(ids[numbers[0] % len(ids)], next_id)
+                    next_id += 1
+                elif len(ids) > 1:
+                    cache.remove_sequence(ids[numbers[0] % len(ids)])
+            except OutOfPagesError as exc:
+                return index, str(exc)
+        cache.check_invariants()
+        return None, None
+
+    num_pages = 1
+    failed_at, message = run(num_pages)
+    while failed_at is not None:
+        suggested = int(re.search(r"num_pages >= (\d+)", message).group(1))
+        assert suggested > num_pages, message
+        assert run(suggested - 1)[0] == failed_at, message
+        num_pages = suggested
+        now_failed_at, message = run(num_pages)
+        assert now_failed_at is None or now_failed_at > failed_at, message
+        failed_at = now_failed_at

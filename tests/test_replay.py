@@ -14,7 +14,6 @@ ancestor's ``shared/data``); the tests that need it are skipped without it.
 """
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,24 +23,15 @@ from pagedkv.cli import main
 from pagedkv.replay import capacity_pages, replay
 from pagedkv.traces import Trace, load_trace
 from reference_replayer import ReferenceReplayer
+from _llama_support import data_file_or_skip
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 MOONCAKE = "mooncake_conversation_trace.jsonl"
 AZURE = "AzureLLMInferenceTrace_conv.csv"
 
 
-def shared_data_file(name):
-    """``<repo root>/../shared/data/<name>``, else the nearest ancestor's ``shared/data/<name>``."""
-    for base in [REPO_ROOT.parent, *REPO_ROOT.parent.parents]:
-        candidate = base / "shared" / "data" / name
-        if candidate.is_file():
-            return candidate
-    pytest.skip(f"{name} not found in {REPO_ROOT.parent / 'shared' / 'data'} or any ancestor's shared/data")
-
-
 @pytest.fixture(scope="module")
 def mooncake_path():
-    return shared_data_file(MOONCAKE)
+    return data_file_or_skip(MOONCAKE)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +151,7 @@ def test_rejected_request_leaves_the_cache_unchanged(first_1000):
 
 
 def test_azure_trace_replays_without_prefix_caching():
-    trace = load_trace(shared_data_file(AZURE), limit=2000)
+    trace = load_trace(data_file_or_skip(AZURE), limit=2000)
     page_size = 16
     result = replay(trace, 1_000_000, page_size=page_size)
     pages = (trace.input_lengths + trace.output_lengths + page_size - 1) // page_size
@@ -254,7 +244,7 @@ def test_cli_replays_a_mooncake_prefix_and_plots(mooncake_path, tmp_path, capsys
 
 
 def test_cli_replays_an_azure_prefix_with_progress():
-    path = shared_data_file(AZURE)
+    path = data_file_or_skip(AZURE)
     # -P: a checkout's pagedkv_c/ source directory in the working directory must not shadow the package.
     done = subprocess.run([sys.executable, "-P", "-m", "pagedkv", "replay", str(path), "--limit", "100",
                            "--capacity-tokens", "50000"], capture_output=True, text=True, check=True)
@@ -278,11 +268,11 @@ def test_cli_reports_bad_input(tmp_path, capsys):
     assert main(["replay", str(azure), "--plot", str(tmp_path / "x.png"), "--no-progress"]) == 2
     assert "--plot needs a trace with block ids" in capsys.readouterr().err
     assert main(["replay", str(azure), "--capacity-tokens", "1000", "8", "--no-progress"]) == 2
-    assert "Invalid value of --capacity-tokens: expected 16 <= N <=" in capsys.readouterr().err
+    assert "argument --capacity-tokens: expected 16 <= N <=" in capsys.readouterr().err
     mooncake = tmp_path / "trace.jsonl"
     mooncake.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
     assert main(["replay", str(mooncake), "--page-size", "24", "--no-progress"]) == 2
-    assert "Invalid value of --page-size" in capsys.readouterr().err
+    assert "argument --page-size: expected a divisor" in capsys.readouterr().err
 
 
 def test_cli_reports_unreadable_traces_without_a_traceback(tmp_path, capsys):

@@ -109,8 +109,9 @@ class Cluster:
         self.env = dict(os.environ, REDIS_CLUSTER_DIR=str(self.dir), REDIS_CLUSTER_PORT=str(self.base))
         out = subprocess.run([str(SCRIPT), "start", str(n)], env=self.env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
-        self.nodes = out.stdout.strip().split(",")
-        self.url = "redis+cluster://" + ",".join(self.nodes)
+        self.url = out.stdout.strip()  # the URL to paste, as the script prints it
+        assert self.url.startswith("redis+cluster://"), self.url
+        self.nodes = self.url.removeprefix("redis+cluster://").split(",")
 
     def pid(self, i):
         return int((self.dir / str(self.base + i) / "redis.pid").read_text())
@@ -725,6 +726,11 @@ def test_a_second_generate_process_starts_from_the_first_ones_pages(standalone):
     fetched = int(second.split("(")[1].split(" fetched")[0])
     prompt_tokens = int(second.split(" of ")[1].split(" prompt")[0])
     assert fetched == (prompt_tokens - 1) // 16 * 16 > 0, second
+    # Each run says at start where its pages go.
+    assert f"tier: {standalone}, namespace {fingerprint} (pagedkv tier info" in runs[0].stderr
+    # The prefill rate counts the tokens it computed, not those it fetched.
+    prefill = [line for line in runs[1].stderr.splitlines() if line.startswith("prefill:")][0]
+    assert f"{prompt_tokens - fetched} computed (" in prefill and f"), {fetched} reused" in prefill, prefill
     assert runs[1].stdout == runs[0].stdout and runs[0].stdout.strip()
 
 

@@ -1,27 +1,17 @@
 """Trace loaders (``pagedkv.traces``): known facts of the real traces, and malformed files."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from _llama_support import data_file_or_skip
 from pagedkv.traces import TraceFormatError, infer_format, load_azure, load_mooncake, load_trace
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def shared_data_file(name):
-    """``<repo root>/../shared/data/<name>``, else the nearest ancestor's ``shared/data/<name>``."""
-    for base in [REPO_ROOT.parent, *REPO_ROOT.parent.parents]:
-        candidate = base / "shared" / "data" / name
-        if candidate.is_file():
-            return candidate
-    pytest.skip(f"{name} not found in {REPO_ROOT.parent / 'shared' / 'data'} or any ancestor's shared/data")
 
 
 # ---------------------------------------------------------------- real data
 def test_mooncake_conversation_trace_matches_its_published_facts():
-    path = shared_data_file("mooncake_conversation_trace.jsonl")
+    path = data_file_or_skip("mooncake_conversation_trace.jsonl")
     trace = load_trace(path)
     # Facts from the data README: 12,031 requests, mean input 12,035 and
     # output 343 tokens, 182,790 distinct block ids, every request starting
@@ -43,7 +33,7 @@ def test_mooncake_conversation_trace_matches_its_published_facts():
 
 
 def test_azure_conversation_trace_matches_its_published_facts():
-    path = shared_data_file("AzureLLMInferenceTrace_conv.csv")
+    path = data_file_or_skip("AzureLLMInferenceTrace_conv.csv")
     trace = load_trace(path)
     assert trace.format == "azure" and len(trace) == 19366
     assert not trace.has_block_ids
@@ -57,7 +47,7 @@ def test_azure_conversation_trace_matches_its_published_facts():
 
 
 def test_limit_reads_a_prefix():
-    path = shared_data_file("mooncake_conversation_trace.jsonl")
+    path = data_file_or_skip("mooncake_conversation_trace.jsonl")
     full, head = load_trace(path), load_trace(path, limit=10)
     assert len(head) == 10
     np.testing.assert_array_equal(head.input_lengths, full.input_lengths[:10])

@@ -687,3 +687,27 @@ def _edit_both(op, data, paged, dense, lengths):
         dense.crop(-n)
         return lengths - n
     return lengths
+
+
+def test_readme_transformers_example_prints_the_greedy_answer(hf_smollm2, capsys):
+    """The README's transformers example runs as written and prints the answer that transformers'
+    own DynamicCache gives for the same chat prompt."""
+    from pathlib import Path
+
+    if CACHE_KWARG != "cache":
+        pytest.skip(f"the README example passes cache=, which transformers {transformers.__version__} names "
+                    f"{CACHE_KWARG}=")
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    if not readme.is_file():
+        pytest.skip("README.md is not beside the tests (installed-wheel run)")
+    text = readme.read_text(encoding="utf-8")
+    start = text.index("import torch, pagedkv.transformers\n")
+    end = text.index("```", start)
+    exec(compile(text[start:end], "README.md transformers example", "exec"), {})
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    model, tokenizer = hf_smollm2
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)
+    expected = greedy(model, ids["input_ids"], DynamicCache(config=model.config), max_new_tokens=32)
+    assert printed == tokenizer.decode(expected[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert printed.strip()

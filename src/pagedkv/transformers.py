@@ -18,8 +18,8 @@ Example::
 
 Supported versions and models
 -----------------------------
-transformers 5.0 to 5.24 (the newest release when this was written), with torch 2.13.0
-(CPU build); the tests run on 5.0.0 and 5.24.0. What changed across 5.x and how the cache
+transformers 5.0 and later 5.x releases, with torch 2.13.0 (CPU build); the tests run on
+5.0.0 and on the newest release (5.25.0 on 2026-12-04). What changed across 5.x and how the cache
 meets it: 5.24 renamed the ``past_key_values`` argument of ``generate`` and ``forward``
 to ``cache`` (the old name warns until its removal, announced for 5.40), so pass the cache
 under the name your release expects; 5.24 passes the attention layer's keyword arguments,

@@ -98,8 +98,8 @@ def check_window_arguments(parser: argparse.ArgumentParser, args: argparse.Names
 
     try:
         check_sink_window(args.window, args.sinks, "--sinks", "--window W")
-    except ValueError as exc:  # the wording KVCache and PagedBackend use
-        parser.error(str(exc))
+    except ValueError as exc:  # the wording KVCache and PagedBackend use, in argparse's form
+        parser.error(str(exc).replace("Invalid value of --sinks: ", "argument --sinks: ", 1))
     if args.positions == "cache" and (args.window is None or args.sinks < 1):
         parser.error(f"argument --positions: 'cache' needs --window W and --sinks S >= 1 "
                      f"({CACHE_POSITIONS_WHY}); got --window {args.window}, --sinks {args.sinks}")

@@ -174,10 +174,13 @@ def format_completion(index: int, line_number: int | None, prompt: str, completi
 
     A header line ``--- prompt {index + 1} (line {line_number}): {prompt}``, then every
     line of ``completion`` indented by two spaces (so that a multi-line answer stays
-    visibly under its prompt), then an empty line.
+    visibly under its prompt), then an empty line. Leading blank lines and the space a
+    first token usually starts with are dropped (the indent takes their place); a
+    completion of whitespace only prints as ``(no text)``.
     """
     where = f" (line {line_number})" if line_number else ""
-    body = "\n".join("  " + line for line in completion.strip("\n").split("\n"))
+    text = completion.strip("\n").lstrip(" ")
+    body = "\n".join("  " + line for line in text.split("\n")) if text.strip() else "  (no text)"
     return f"--- prompt {index + 1}{where}: {prompt}\n{body}\n"
 
 
@@ -337,9 +340,13 @@ def _make_tier(args: argparse.Namespace):
         except OSError as exc:
             raise CommandError(f"cannot read {str(path)!r} for --model-fingerprint auto: {exc.strerror or exc}") from exc
     try:
-        return RedisTier(args.tier, namespace=fingerprint)
+        tier = RedisTier(args.tier, namespace=fingerprint)
     except (TypeError, ValueError) as exc:
         raise CommandError(f"argument --tier: {exc}") from exc
+    # Say where pages go: a mistyped URL that reaches another server would otherwise pass unseen.
+    print(f"tier: {args.tier}, namespace {fingerprint} (pagedkv tier info {args.tier} --namespace "
+          f"{fingerprint} shows what it holds)", file=sys.stderr)
+    return tier
 
 
 def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int) -> None:
@@ -347,8 +354,13 @@ def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int)
         """Print one line of the report to stderr."""
         print(text, file=sys.stderr)
 
-    line(f"prefill: {result.num_prompt_tokens} tokens in {result.prefill_seconds:.2f} s "
-         f"({result.prefill_tokens_per_second:.1f} tokens/s)")
+    if result.num_cached_tokens:  # a rate over reused tokens would flatter the prefill
+        line(f"prefill: {result.num_prompt_tokens} prompt tokens in {result.prefill_seconds:.2f} s: "
+             f"{result.num_computed_tokens} computed ({result.computed_tokens_per_second:.1f} tokens/s), "
+             f"{result.num_cached_tokens} reused")
+    else:
+        line(f"prefill: {result.num_prompt_tokens} tokens in {result.prefill_seconds:.2f} s "
+             f"({result.prefill_tokens_per_second:.1f} tokens/s)")
     if backend.prefix_caching:
         tier_hits = stats.get("tier_hits", 0)
         line(f"prefix cache: {result.num_cached_tokens} of {result.num_prompt_tokens} prompt tokens reused "

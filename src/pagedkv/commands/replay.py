@@ -169,12 +169,12 @@ def run(args: argparse.Namespace) -> int:
             except ValueError:
                 # capacity_pages names its own parameter; name the option instead.
                 raise ValueError(
-                    f"Invalid value of --capacity-tokens: expected {args.page_size} <= N <= "
+                    f"argument --capacity-tokens: expected {args.page_size} <= N <= "
                     f"{max_pages * args.page_size} (1 to {max_pages:,} pages of --page-size {args.page_size} "
                     f"tokens), got {capacity}"
                 ) from None
         if trace.has_block_ids and trace.block_tokens % args.page_size:
-            raise ValueError(f"Invalid value of --page-size: expected a divisor of the trace's block size "
+            raise ValueError(f"argument --page-size: expected a divisor of the trace's block size "
                              f"{trace.block_tokens}, got {args.page_size}")
     except ValueError as exc:
         print(f"pagedkv replay: {exc}", file=sys.stderr)

@@ -43,9 +43,19 @@ class GenerationResult:
     num_cached_tokens: int = 0
 
     @property
+    def num_computed_tokens(self) -> int:
+        """Prompt tokens the prefill computed: ``num_prompt_tokens - num_cached_tokens``."""
+        return self.num_prompt_tokens - self.num_cached_tokens
+
+    @property
     def prefill_tokens_per_second(self) -> float:
-        """Prompt tokens per second of prefill wall time."""
+        """Prompt tokens (computed and reused) per second of prefill wall time."""
         return self.num_prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
+
+    @property
+    def computed_tokens_per_second(self) -> float:
+        """Computed prompt tokens (those the prefix cache did not serve) per second of prefill wall time."""
+        return self.num_computed_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
 
     @property
     def decode_tokens_per_second(self) -> float:

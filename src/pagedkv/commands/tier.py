@@ -1,0 +1,157 @@
+"""``pagedkv tier``: see what a shared prefix tier (Redis, Valkey) holds."""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+
+DESCRIPTION = """\
+Look at what a shared prefix tier holds before trusting it: `info` scans the server (every
+node of a cluster) for pagedkv's page keys (pagedkv:<namespace digest>:<page hash>) and
+prints, per namespace digest, the number of pages, their bytes and the cache layout read
+from one page's header. A namespace digest covers a model fingerprint and a cache layout
+(see docs/tier.md); with --namespace NS the digest that NS gives for that layout is marked,
+so a wrong URL or namespace shows as pages missing from the line you expected.
+
+    pagedkv tier info redis://127.0.0.1:6379/0 --namespace smollm2-135m-instruct
+    pagedkv tier info redis+cluster://127.0.0.1:30001,127.0.0.1:30002,127.0.0.1:30003
+
+`pagedkv generate --tier URL` prints its URL and namespace at start.
+"""
+
+#: Keys fetched per round trip (SCAN COUNT, and STRLEN / GETRANGE pipelines).
+_BATCH = 1000
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``tier`` subcommand (with ``info``) to ``subparsers`` and return its parser."""
+    parser = subparsers.add_parser(
+        "tier",
+        help="show what a shared prefix tier (Redis, Valkey) holds, per namespace",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = parser.add_subparsers(dest="tier_command", required=True, metavar="ACTION")
+    info = actions.add_parser(
+        "info", help="count the pages and bytes of each namespace on a tier",
+        description="Scan URL for pagedkv page keys; print pages, bytes and layout per namespace digest.")
+    info.add_argument("url", metavar="URL",
+                      help="redis://HOST:PORT/DB, rediss://..., or redis+cluster://HOST:PORT[,HOST:PORT...]")
+    info.add_argument("--namespace", action="append", default=[], metavar="NS",
+                      help="mark the digest of this namespace (a model fingerprint; repeatable)")
+    info.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                      help="connect and read timeout per command, in seconds (default 5)")
+    info.set_defaults(info_parser=info)
+    return parser
+
+
+def _layout_of(header: bytes):
+    """The PageLayout a value header states, or None if it is not a page value header."""
+    import numpy as np
+
+    from pagedkv.tiers import _format
+
+    if len(header) < _format.HEADER.size:
+        return None
+    (magic, version, _flags, layers, heads, dim, page_size, dtype_code, hash_code, *_rest) = \
+        _format.HEADER.unpack_from(header)
+    dtypes = {code: dtype for dtype, code in _format._DTYPE_CODES.items()}
+    hashes = {code: name for name, code in _format._HASH_CODES.items()}
+    if magic != _format.MAGIC or version != _format.FORMAT_VERSION or dtype_code not in dtypes \
+            or hash_code not in hashes:
+        return None
+    return _format.PageLayout(layers, heads, dim, page_size, np.dtype(dtypes[dtype_code]), hashes[hash_code])
+
+
+def _nodes(client, is_cluster: bool) -> list:
+    """One plain client per primary of a cluster, or the client itself."""
+    if not is_cluster:
+        return [client]
+    return [client.get_redis_connection(node) for node in client.get_primaries()]
+
+
+def tier_info(url: str, namespaces: list[str], timeout: float, out=None) -> int:
+    """Print the namespaces that ``url`` holds pages of; return the number of pages found.
+
+    Raises
+    ------
+    ValueError
+        ``url`` is not a Redis URL.
+    redis.exceptions.RedisError
+        The server cannot be reached or answers with an error.
+    """
+    from pagedkv.tiers.redis import _connect
+
+    out = sys.stdout if out is None else out
+    client, is_cluster = _connect(url, timeout)
+    if callable(client) and is_cluster:
+        client = client()
+    pages: Counter = Counter()
+    value_bytes: Counter = Counter()
+    first_key: dict = {}
+    for node in _nodes(client, is_cluster):
+        for keys in _scan(node):
+            with node.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.strlen(key)
+                sizes = pipe.execute()
+            for key, size in zip(keys, sizes):
+                digest = key.split(b":")[1]
+                pages[digest] += 1
+                value_bytes[digest] += int(size)
+                first_key.setdefault(digest, (node, key))
+    print(f"tier {url}: {sum(pages.values())} pages in {len(pages)} namespace"
+          f"{'' if len(pages) == 1 else 's'}", file=out)
+    marked = set()
+    for digest in sorted(pages, key=lambda d: -pages[d]):
+        node, key = first_key[digest]
+        layout = _layout_of(node.getrange(key, 0, 127) or b"")
+        described = layout.describe() if layout is not None else "unknown layout (not a page value header)"
+        mine = [ns for ns in namespaces
+                if layout is not None and layout.key_prefix(ns) == b"pagedkv:" + digest + b":"]
+        marked.update(mine)
+        note = "".join(f"  <- namespace {ns!r}" for ns in mine)
+        print(f"  pagedkv:{digest.decode()}:  {pages[digest]} pages, {_format_bytes(value_bytes[digest])}, "
+              f"{described}{note}", file=out)
+    for ns in namespaces:
+        if ns not in marked:
+            print(f"  namespace {ns!r}: no pages here (for any layout found on this tier)", file=out)
+    return sum(pages.values())
+
+
+def _scan(node):
+    """The page keys of one node, in batches."""
+    cursor = 0
+    while True:
+        cursor, keys = node.scan(cursor=cursor, match=b"pagedkv:*", count=_BATCH)
+        keys = [key for key in keys if key.count(b":") == 2]
+        if keys:
+            yield keys
+        if cursor == 0:
+            return
+
+
+def _format_bytes(count: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} bytes"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``pagedkv tier info``; return the exit status (0, or 2 on an error)."""
+    try:
+        import redis
+    except ModuleNotFoundError as exc:
+        print(f"pagedkv tier: {exc.name} is not installed: pip install 'pagedkv[redis]'", file=sys.stderr)
+        return 2
+    if not args.timeout > 0:
+        args.info_parser.error(f"argument --timeout: expected a number > 0, got {args.timeout}")
+    try:
+        tier_info(args.url, args.namespace, args.timeout)
+    except ValueError as exc:
+        args.info_parser.error(f"argument URL: {exc}")
+    except redis.exceptions.RedisError as exc:
+        print(f"pagedkv tier: cannot read {args.url}: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,57 @@
+"""`pagedkv tier info` and the tier line of `pagedkv generate --tier`, against real servers
+(the standalone redis-server and the 3-node cluster of tests/test_tier.py)."""
+import uuid
+
+import numpy as np
+import pytest
+
+from test_tier import cluster, standalone  # noqa: F401  (fixtures: real servers on loopback)
+
+from pagedkv import KVCache
+from pagedkv.cli import main
+from pagedkv.tiers import RedisTier
+
+
+def _write_pages(url, namespace, num_pages, page_size=4):
+    """Seal ``num_pages`` full pages of one prompt into the tier under ``namespace``; return the layout text."""
+    tier = RedisTier(url, namespace=namespace)
+    cache = KVCache(2, 1, 8, num_pages=64, page_size=page_size, enable_prefix_caching=True, tier=tier)
+    tokens = list(range(num_pages * page_size + 1))
+    cache.add_sequence(0, tokens)
+    slots = cache.append([0], [len(tokens)], token_ids=tokens)
+    rng = np.random.default_rng(0)
+    for layer in range(2):
+        k = rng.standard_normal((len(tokens), 1, 8)).astype(np.float16)
+        cache.store(layer, slots, k, k)
+    cache.append([0], [1], token_ids=[7])  # seals the full pages: they are written to the tier
+    assert tier.flush(timeout=10)
+    tier.close()
+    return "L2-H1-D8-P4-float16-xxh3_128"
+
+
+@pytest.mark.parametrize("kind", ["standalone", "cluster"])
+def test_tier_info_counts_each_namespace_and_marks_the_one_asked(kind, request, capsys):
+    url = request.getfixturevalue("standalone") if kind == "standalone" else request.getfixturevalue("cluster").url
+    mine, other = f"mine-{uuid.uuid4().hex}", f"other-{uuid.uuid4().hex}"
+    layout = _write_pages(url, mine, 5)
+    _write_pages(url, other, 3)
+    assert main(["tier", "info", url, "--namespace", mine, "--namespace", "nobody"]) == 0
+    out = capsys.readouterr().out
+    line = [text for text in out.splitlines() if f"<- namespace {mine!r}" in text]
+    assert len(line) == 1, out
+    assert "5 pages" in line[0] and layout in line[0], out
+    # Each page value: a header, 4 token ids and 2 layers x K,V x 4 tokens x 8 float16 values.
+    assert any("3 pages" in text and "<-" not in text for text in out.splitlines()), out
+    assert "namespace 'nobody': no pages here" in out
+
+
+def test_tier_info_names_a_server_it_cannot_reach(capsys):
+    assert main(["tier", "info", "redis://127.0.0.1:1/0", "--timeout", "0.5"]) == 2
+    assert "pagedkv tier: cannot read redis://127.0.0.1:1/0" in capsys.readouterr().err
+
+
+def test_tier_info_refuses_a_url_that_is_not_redis(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["tier", "info", "http://127.0.0.1:6379"])
+    assert exc.value.code == 2
+    assert "argument URL: Invalid value of url_or_client" in capsys.readouterr().err
