@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import socket
 import threading
 import time
@@ -82,6 +83,9 @@ _MAX_LINE = 4096
 # takes about as long as opening a new connection (a few round trips) on a 1 Gb/s network; a value
 # of another length is never written by a tier, only by a fault or by someone else.
 _DISCARD_MAX = 64 * 1024
+# How far past its deadline a read may end, in seconds: the socket's timeout (a system call to set)
+# is set again only when it is older than this, not before every read.
+_DEADLINE_SLACK = 0.005
 # What a reader gives for a value of another length than a page value's (its bytes are not kept).
 _WRONG_LENGTH = object()
 
@@ -115,27 +119,33 @@ def _send(sock, chunks, deadline):
 class _SocketReader:
     """Replies read from a connection's socket by the tier itself, every read bounded by one deadline.
 
-    ``deadline`` is a ``time.monotonic()`` time: each ``recv`` waits at most until
-    then (the socket's timeout is set to the time left), so a server that sends
-    a byte at a time holds the reader no longer than a silent one.
+    ``deadline`` is a ``time.monotonic()`` time: no ``recv`` waits past it by
+    more than ``_DEADLINE_SLACK`` (the socket's timeout is the time left, set
+    again when it is older than that), so a server that sends a byte at a
+    time holds the reader no longer than a silent one.
     """
 
-    __slots__ = ("_scratch", "deadline", "pending", "sock")
+    __slots__ = ("_reset_after", "_scratch", "deadline", "pending", "sock")
 
     def __init__(self, sock, deadline):
         self.sock = sock
         self.pending = bytearray()  # bytes received but not used yet: reply lines and what came after them
         self.deadline = deadline
         self._scratch = None
+        self._reset_after = -math.inf  # when the socket's timeout must be set again
 
-    def _wait(self, what):
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise _deadline_error(what)
-        self.sock.settimeout(left)
+    def _wait(self):
+        """Before a ``recv``: raise when the deadline passed; keep the socket's timeout within the slack of it."""
+        now = time.monotonic()
+        if now >= self._reset_after:  # a recv started now could wait past the deadline by more than the slack
+            left = self.deadline - now
+            if left <= 0:
+                raise _deadline_error("the replies were read")
+            self.sock.settimeout(left)
+            self._reset_after = now + _DEADLINE_SLACK
 
     def _recv(self, size):
-        self._wait("the replies were read")
+        self._wait()
         try:
             chunk = self.sock.recv(size)
         except TimeoutError:
@@ -168,7 +178,7 @@ class _SocketReader:
             del pending[:have]
         size = len(view)
         while have < size:
-            self._wait("the replies were read")
+            self._wait()
             try:
                 got = self.sock.recv_into(view[have:])
             except TimeoutError:
