@@ -693,8 +693,9 @@ class RedisTier:
             verified values of pages ``0 .. count-1``, each page's body
             (``layout.body_bytes``) at ``body_offset``, and ``checksums``
             (uint64, shape ``[n]``) their page checksums; page ``count`` is the
-            first one missing, rejected or on a node that failed. None when
-            ``count`` is 0. Never raises for a fault of the store or a bad value.
+            first one missing, rejected, not read by the deadline or on a node
+            that failed. None when ``count`` is 0. Never raises for a fault of
+            the store or a bad value.
 
         Notes
         -----
@@ -704,7 +705,9 @@ class RedisTier:
         into its row and verified right away, while its bytes are still in the
         CPU caches (:class:`pagedkv_c._tier_io.PageValueChecker`, in C): no
         bytes object per value, no second pass over the bytes before the
-        cache copies them into its pool.
+        cache copies them into its pool. The whole fetch ends by
+        ``timeout_seconds`` after it began, and allocates ``records`` (and at
+        most 64 KiB more) whatever the replies announce.
         """
         n = len(page_hashes)
         deadline = time.monotonic() + self.timeout_seconds
