@@ -14,11 +14,14 @@ import tracemalloc
 
 import _tier_worker as worker
 import pytest
-import redis
+
+# test_tier skips (or, with PAGEDKV_REQUIRE_REDIS=1, fails) when redis-py or redis-server is missing.
 from test_tier import _prompt_keys, fresh_cache, namespace, offload_prompt, standalone  # noqa: F401
 
 from pagedkv import KVCache
 from pagedkv.tiers import RedisTier
+
+redis = pytest.importorskip("redis")
 
 # Bytes of one page value of worker.LAYOUT (header, 16 token ids, 3 layers of K and V in float32).
 VALUE_BYTES = 64 + 4 * 16 + 3 * 2 * 16 * 2 * 8 * 4
