@@ -203,7 +203,10 @@ def test_bad_urls_raise_before_connecting(url, error):
 
 @pytest.mark.parametrize("kwargs, name", [
     ({"namespace": ""}, "namespace"), ({"namespace": "m", "ttl_seconds": 0}, "ttl_seconds"),
-    ({"namespace": "m", "max_inflight_bytes": 0}, "max_inflight_bytes")])
+    ({"namespace": "m", "max_inflight_bytes": 0}, "max_inflight_bytes"),
+    ({"namespace": "m", "timeout_seconds": 0}, "timeout_seconds"),
+    ({"namespace": "m", "timeout_seconds": float("inf")}, "timeout_seconds"),
+    ({"namespace": "m", "timeout_seconds": float("nan")}, "timeout_seconds")])
 def test_bad_arguments_name_themselves(kwargs, name):
     with pytest.raises((TypeError, ValueError), match=name):
         RedisTier("redis://127.0.0.1:1/0", **kwargs)
@@ -455,7 +458,7 @@ def test_values_read_through_the_clients_parser_are_checked_alike(standalone, mo
     same pages and rejects the same values."""
     import pagedkv.tiers.redis as redis_tier
 
-    monkeypatch.setattr(redis_tier, "_read_values", redis_tier._read_values_parsed)
+    monkeypatch.setattr(redis_tier, "_raw_socket", lambda conn: None)
     ns = namespace()
     prompt = worker.make_prompt(12, 100)
     offload_prompt(standalone, ns, prompt)

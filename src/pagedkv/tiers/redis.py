@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
+import socket
 import threading
 import time
 import urllib.parse
@@ -38,12 +40,20 @@ log = logging.getLogger("pagedkv.tiers")
 
 # _per_node's answer for a node taken as down.
 _SKIPPED = object()
+
+
+class _NotAsked(redis.exceptions.TimeoutError):
+    """The deadline passed before a node was asked (other nodes took the time): not that node's fault."""
+
+
 # Errors after which the store is taken as unreachable for a while (fetches are misses at once).
 _UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                 redis.exceptions.ClusterDownError, redis.exceptions.RedisClusterException, OSError)
 # Pages and bytes the writer thread sends in one pipeline.
 _WRITE_BATCH_PAGES = 64
 _WRITE_BATCH_BYTES = 16 * 2**20
+# The longest timeout_seconds, in seconds (a day): a socket timeout must fit the platform's time type.
+_MAX_TIMEOUT = 86400
 # Wait before the first retry after the store was unreachable, and the longest wait, in seconds.
 _BACKOFF_FIRST = 0.25
 _BACKOFF_MAX = 4.0
@@ -67,118 +77,318 @@ _ERROR_CLASSES = {"MOVED": redis.exceptions.MovedError, "ASK": redis.exceptions.
                   "TRYAGAIN": redis.exceptions.TryAgainError, "CLUSTERDOWN": redis.exceptions.ClusterDownError}
 # The longest reply line (a bulk length, a null or an error) read while looking for its end, in bytes.
 _MAX_LINE = 4096
+# A GET reply announcing another length than a page value's is a miss, and its bytes are not kept:
+# up to this many are read and thrown away in one reused buffer (the connection stays in step with
+# its commands); for a longer one the tier closes the connection instead of reading on. Reading 64 KiB
+# takes about as long as opening a new connection (a few round trips) on a 1 Gb/s network; a value
+# of another length is never written by a tier, only by a fault or by someone else.
+_DISCARD_MAX = 64 * 1024
+# How far past its deadline a read may end, in seconds: the socket's timeout (a system call to set)
+# is set again only when it is older than this, not before every read.
+_DEADLINE_SLACK = 0.005
+# What a reader gives for a value of another length than a page value's (its bytes are not kept).
+_WRONG_LENGTH = object()
 
 
-def _read_values(conn, indices, records, checker):
-    """Read the replies of the pipelined ``GET`` of each page in ``indices`` from ``conn``.
+def _raw_socket(conn):
+    """The socket of a redis-py connection, or None for a connection without one of its own
+    (a wrapper such as client-side caching's, whose replies only its parser can read)."""
+    sock = getattr(conn, "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def _deadline_error(what):
+    return redis.exceptions.TimeoutError(f"timeout_seconds passed before {what}")
+
+
+def _send(sock, chunks, deadline):
+    """Send protocol chunks (bytes-like, sent as they are) on ``sock``, all by ``deadline`` (``time.monotonic()``)."""
+    try:
+        for chunk in chunks:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _deadline_error("the commands were sent")
+            sock.settimeout(left)
+            sock.sendall(chunk)
+    except TimeoutError:
+        raise _deadline_error("the commands were sent") from None
+    except OSError as exc:
+        raise redis.exceptions.ConnectionError(f"error while sending to the server: {exc}") from exc
+
+
+class _SocketReader:
+    """Replies read from a connection's socket by the tier itself, every read bounded by one deadline.
+
+    ``deadline`` is a ``time.monotonic()`` time: no ``recv`` waits past it by
+    more than ``_DEADLINE_SLACK`` (the socket's timeout is the time left, set
+    again when it is older than that), so a server that sends a byte at a
+    time holds the reader no longer than a silent one.
+    """
+
+    __slots__ = ("_reset_after", "_scratch", "deadline", "pending", "sock")
+
+    def __init__(self, sock, deadline):
+        self.sock = sock
+        self.pending = bytearray()  # bytes received but not used yet: reply lines and what came after them
+        self.deadline = deadline
+        self._scratch = None
+        self._reset_after = -math.inf  # when the socket's timeout must be set again
+
+    def _wait(self):
+        """Before a ``recv``: raise when the deadline passed; keep the socket's timeout within the slack of it."""
+        now = time.monotonic()
+        if now >= self._reset_after:  # a recv started now could wait past the deadline by more than the slack
+            left = self.deadline - now
+            if left <= 0:
+                raise _deadline_error("the replies were read")
+            self.sock.settimeout(left)
+            self._reset_after = now + _DEADLINE_SLACK
+
+    def _recv(self, size):
+        self._wait()
+        try:
+            chunk = self.sock.recv(size)
+        except TimeoutError:
+            raise _deadline_error("the replies were read") from None
+        if not chunk:
+            raise redis.exceptions.ConnectionError("the server closed the connection")
+        return chunk
+
+    def line(self):
+        """The next reply line (without its CRLF), from ``pending`` and then the socket."""
+        pending = self.pending
+        start = 0
+        while True:
+            end = pending.find(b"\r\n", start)
+            if end >= 0:
+                line = bytes(pending[:end])
+                del pending[:end + 2]
+                return line
+            if len(pending) > _MAX_LINE:
+                raise redis.exceptions.InvalidResponse(f"a reply line longer than {_MAX_LINE} bytes")
+            start = max(len(pending) - 1, 0)
+            pending += self._recv(256)  # a reply line is short; what follows it is copied from here once
+
+    def read_into(self, view):
+        """Fill ``view`` with the next ``len(view)`` bytes: first from ``pending``, then from the socket."""
+        pending = self.pending
+        have = min(len(pending), len(view))
+        if have:
+            view[:have] = pending[:have]
+            del pending[:have]
+        size = len(view)
+        while have < size:
+            self._wait()
+            try:
+                got = self.sock.recv_into(view[have:])
+            except TimeoutError:
+                raise _deadline_error("the replies were read") from None
+            if not got:
+                raise redis.exceptions.ConnectionError("the server closed the connection")
+            have += got
+
+    def skip(self, size):
+        """Read the next ``size`` bytes (at most ``_DISCARD_MAX``) and throw them away."""
+        if self._scratch is None or len(self._scratch) < size:
+            self._scratch = bytearray(size)
+        self.read_into(memoryview(self._scratch)[:size])
+
+    def bulk_length(self, line):
+        """The length a bulk reply line (``$<n>``) announces, -1 for a null."""
+        digits = line[1:]
+        if not (digits.isdigit() or digits == b"-1"):
+            raise redis.exceptions.InvalidResponse(f"a bulk length that is not a number: {line[:32]!r}")
+        return int(digits)
+
+    def end_of_bulk(self):
+        if self.line() != b"":
+            raise redis.exceptions.InvalidResponse("a bulk reply does not end where its length says")
+
+    def finish(self):
+        """Check that nothing came after the replies (the connection would be out of step with its commands)."""
+        if self.pending:
+            raise redis.exceptions.InvalidResponse(f"{len(self.pending)} bytes after the replies")
+
+
+def _error_reply(line):
+    """The exception object of an error reply line (``-CODE message``)."""
+    code, _, message = line[1:].decode("utf-8", "replace").partition(" ")
+    error_class = _ERROR_CLASSES.get(code)
+    return error_class(message) if error_class else redis.exceptions.ResponseError(f"{code} {message}")
+
+
+def _read_values(conn, sock, indices, records, checker, deadline):
+    """Read the replies of the pipelined ``GET`` of each page in ``indices`` from the socket ``sock``.
 
     A value of the expected length goes from the socket straight into its row
     of ``records`` (``recv_into``: one copy, no bytes object) and is verified at
-    once by ``checker`` while its bytes are in the CPU caches.
+    once by ``checker`` while its bytes are in the CPU caches. A reply that
+    announces another length is not kept: up to ``_DISCARD_MAX`` bytes are read
+    and thrown away, a longer one ends the reading (the connection is closed).
+    Every socket read ends by ``deadline`` (``time.monotonic()``): memory and
+    time do not depend on what the server announces or how slowly it sends.
 
-    Returns, per index: True (its row holds a value that passed every check),
-    False (its row holds a value that failed one), None (no such key), bytes (a
-    value of another length) or a ``redis.exceptions.ResponseError`` (the server
-    refused that ``GET``: MOVED, ASK, ...). Raises for a connection fault or a
-    reply of another kind (the caller then drops the connection: replies may be
-    left unread). A connection without a socket of its own is read through its
-    client's parser instead.
+    Returns ``(outcomes, reusable, error)``: per index read, in order, True
+    (its row holds a value that passed every check), False (its row holds a
+    value that failed one), None (no such key), ``_WRONG_LENGTH`` or a
+    ``redis.exceptions.ResponseError`` (the server refused that ``GET``: MOVED,
+    ASK, ...); whether the connection is in step with its commands (False: it
+    must be closed); and the exception that ended the reading early (the
+    deadline, a connection fault, a reply of another kind), or None. The
+    outcomes of the values read before a fault are kept.
     """
-    sock = getattr(conn, "_sock", None)
-    if sock is None:
-        return _read_values_parsed(conn, indices, records, checker)
     value_bytes = records.shape[1]
-    pending = bytearray()  # bytes received but not used yet: reply lines and what came after them
+    reader = _SocketReader(sock, deadline)
     out = []
-    for i in indices:
-        line = _read_line(sock, pending)
-        kind = line[:1]
-        if kind == b"$":
-            length = int(line[1:])
-            if length < 0:
+    try:
+        for i in indices:
+            line = reader.line()
+            kind = line[:1]
+            if kind == b"$":
+                length = reader.bulk_length(line)
+                if length < 0:
+                    out.append(None)
+                    continue
+                if length == value_bytes:
+                    reader.read_into(memoryview(records[i]))
+                    outcome = checker.check(i)
+                elif length <= _DISCARD_MAX:
+                    reader.skip(length)
+                    outcome = _WRONG_LENGTH
+                else:  # not read: the replies after it cannot be reached on this connection
+                    out.append(_WRONG_LENGTH)
+                    return out, False, None
+                reader.end_of_bulk()
+                out.append(outcome)
+            elif kind == b"_":  # RESP3 null
                 out.append(None)
-                continue
-            if length == value_bytes:
-                _read_into(sock, pending, memoryview(records[i]))
-                outcome = checker.check(i)
-            else:  # of another length: kept as it is, to tell what is wrong with it
-                value = bytearray(length)
-                _read_into(sock, pending, memoryview(value))
-                outcome = bytes(value)
-            if _read_line(sock, pending) != b"":
-                raise redis.exceptions.InvalidResponse("a bulk reply of GET does not end where its length says")
-            out.append(outcome)
-        elif kind == b"_":  # RESP3 null
-            out.append(None)
-        elif kind == b"-":
-            code, _, message = line[1:].decode("utf-8", "replace").partition(" ")
-            error_class = _ERROR_CLASSES.get(code)
-            out.append(error_class(message) if error_class else redis.exceptions.ResponseError(f"{code} {message}"))
-        else:
-            raise redis.exceptions.InvalidResponse(f"unexpected reply to GET: {bytes(line[:32])!r}")
-    if pending:  # the connection would be out of step with its commands
-        raise redis.exceptions.InvalidResponse(f"{len(pending)} bytes after the replies to the GETs")
-    return out
+            elif kind == b"-":
+                out.append(_error_reply(line))
+            else:
+                raise redis.exceptions.InvalidResponse(f"unexpected reply to GET: {line[:32]!r}")
+        reader.finish()
+    except Exception as exc:  # the replies not read yet are lost; the connection is out of step
+        return out, False, exc
+    return out, True, None
 
 
-def _read_line(sock, pending):
-    """The next reply line (without its CRLF), from ``pending`` and then the socket."""
-    start = 0
-    while True:
-        end = pending.find(b"\r\n", start)
-        if end >= 0:
-            line = bytes(pending[:end])
-            del pending[:end + 2]
-            return line
-        if len(pending) > _MAX_LINE:
-            raise redis.exceptions.InvalidResponse(f"a reply line longer than {_MAX_LINE} bytes")
-        start = max(len(pending) - 1, 0)
-        chunk = sock.recv(256)  # a reply line is short; what follows it is copied from here once
-        if not chunk:
-            raise redis.exceptions.ConnectionError("the server closed the connection")
-        pending += chunk
+def _read_set_replies(conn, sock, indices, deadline):
+    """Read the replies of the pipelined ``SET ... NX`` of ``indices`` from the socket ``sock``.
 
-
-def _read_into(sock, pending, view):
-    """Fill ``view`` with the next ``len(view)`` bytes: first from ``pending``, then from the socket."""
-    have = min(len(pending), len(view))
-    if have:
-        view[:have] = pending[:have]
-        del pending[:have]
-    size = len(view)
-    while have < size:
-        got = sock.recv_into(view[have:])
-        if not got:
-            raise redis.exceptions.ConnectionError("the server closed the connection")
-        have += got
-
-
-def _parsed_replies(conn, count):
-    """The next ``count`` replies through the client's parser; a command the server refused gives its error."""
-    replies = []
-    for _ in range(count):
-        try:
-            replies.append(conn.read_response())
-        except redis.exceptions.ResponseError as exc:  # this command only; the rest follow
-            replies.append(exc)
-    return replies
-
-
-def _read_values_parsed(conn, indices, records, checker):
-    """:func:`_read_values` through the client's parser (``conn.read_response``)."""
-    value_bytes = records.shape[1]
+    Returns ``(replies, reusable, error)`` as :func:`_read_values` does; a reply is
+    True (written), None (the key existed) or the server's error as an exception object.
+    """
+    reader = _SocketReader(sock, deadline)
     out = []
-    for i, value in zip(indices, _parsed_replies(conn, len(indices))):
+    try:
+        for _ in indices:
+            line = reader.line()
+            kind = line[:1]
+            if kind == b"+":
+                out.append(True)
+            elif kind == b"_" or line == b"$-1":
+                out.append(None)
+            elif kind == b"-":
+                out.append(_error_reply(line))
+            else:
+                raise redis.exceptions.InvalidResponse(f"unexpected reply to SET: {line[:32]!r}")
+        reader.finish()
+    except Exception as exc:
+        return out, False, exc
+    return out, True, None
+
+
+class _Watchdog:
+    """Shuts a connection's socket down at a deadline, unless stopped first.
+
+    A client's parser reads a reply in as many socket reads as it takes, each
+    with the connection's own timeout: only taking the socket away from under
+    it ends its wait at the deadline. Its next read then finds the connection
+    closed (a ConnectionError), and the caller closes the connection.
+    """
+
+    def __init__(self, conn, deadline):
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.fired = False
+        self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self):
+        with self._lock:
+            if self._stopped:
+                return
+            self.fired = True
+            conn = self._conn
+            for _ in range(4):  # a wrapper (client-side caching) holds the connection that holds the socket
+                sock = getattr(conn, "_sock", None)
+                if isinstance(sock, socket.socket):
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    return
+                conn = getattr(conn, "_conn", None)
+                if conn is None:
+                    return
+
+    def stop(self):
+        """Stop the watchdog; True when it fired (the connection must not be used again)."""
+        with self._lock:
+            self._stopped = True
+        self._timer.cancel()
+        return self.fired
+
+
+def _parsed_replies(conn, count, deadline):
+    """The next ``count`` replies through the client's parser, all by ``deadline`` (``time.monotonic()``).
+
+    Returns ``(replies, reusable, error)`` as :func:`_read_values` does; a
+    command the server refused gives its error as an exception object.
+    """
+    replies = []
+    watchdog = _Watchdog(conn, deadline)
+    error = None
+    try:
+        for _ in range(count):
+            if time.monotonic() >= deadline:
+                raise _deadline_error("the replies were read")
+            try:
+                replies.append(conn.read_response())
+            except redis.exceptions.ResponseError as exc:  # this command only; the rest follow
+                replies.append(exc)
+    except Exception as exc:
+        error = exc
+    if watchdog.stop():
+        return replies, False, _deadline_error("the replies were read")
+    return replies, error is None, error
+
+
+def _read_values_parsed(conn, indices, records, checker, deadline):
+    """:func:`_read_values` through the client's parser (``conn.read_response``), for replies to
+    ``GETRANGE key 0 <page value bytes>``.
+
+    A parser reads a whole reply before it returns it, so the command bounds
+    what the server sends: at most one byte more than a page value (a longer
+    value is told by its length). An empty reply (no such key, or an empty
+    value) is a miss. The deadline is kept by a :class:`_Watchdog`.
+    """
+    value_bytes = records.shape[1]
+    replies, reusable, error = _parsed_replies(conn, len(indices), deadline)
+    out = []
+    for i, value in zip(indices, replies):
         if isinstance(value, Exception):
             out.append(value)
-        elif value is None:
+        elif not value:
             out.append(None)
         elif len(value) == value_bytes:
             records[i] = np.frombuffer(value, dtype=np.uint8)
             out.append(checker.check(i))
         else:
-            out.append(bytes(value))
-    return out
+            out.append(_WRONG_LENGTH)
+    return out, reusable, error
 
 
 def _connect(url_or_client, timeout_seconds):
@@ -245,7 +455,12 @@ class RedisTier:
         sealed while its cache's log is full is not written and is counted
         (``dropped_writes``): the cache never waits on the network.
     timeout_seconds : float
-        Connect and read timeout of URL clients, in seconds (default 2.0).
+        The longest a fetch or a write batch may take, in seconds, ``> 0`` and
+        ``<= 86400`` (default 2.0): one deadline for the whole round trip
+        (sending the commands and reading every reply, all nodes together),
+        whatever client is given; the pages not read by then are misses and
+        the connections still reading are closed. Also the connect timeout of
+        URL clients and the timeout of each of their socket operations.
 
     Attributes
     ----------
@@ -267,13 +482,31 @@ class RedisTier:
     Notes
     -----
     *Faults.* A server that is down, a timeout, a reset connection, an evicted
-    key, a value that is corrupt, truncated, of another layout or whose token
-    ids differ from the prompt's is a miss: it is counted (:meth:`stats`),
-    logged once per kind on the ``pagedkv.tiers`` logger, and never raised
-    out of the cache's calls. After a connection failure the tier takes that
-    node (or the whole store) as down for a short while (0.25 s, doubling up
-    to 4 s while it stays down): its keys are misses at once and its writes
-    are counted as failed; then it tries again: it reconnects by itself.
+    key, a value that is corrupt, of another length, of another layout or
+    whose token ids differ from the prompt's is a miss: it is counted
+    (:meth:`stats`), logged once per kind on the ``pagedkv.tiers`` logger,
+    and never raised out of the cache's calls. After a connection failure or
+    a timeout the tier takes that node (or the whole store) as down for a
+    short while (0.25 s, doubling up to 4 s while it stays down): its keys are
+    misses at once and its writes are counted as failed; then it tries again:
+    it reconnects by itself.
+
+    *Untrusted replies.* Anything with network access to the store can write
+    there, and a faulty server or proxy can answer anything: no reply sets
+    what the tier allocates or how long it waits. A fetch allocates the page
+    values it asks for (one buffer, ``n`` rows of a page value) and nothing
+    in proportion to what a reply announces: a value of another length than
+    a page value's is a miss (``rejected_truncated``) that is not kept; up to
+    64 KiB of it are read and thrown away in one small buffer, so that the
+    connection stays in step, and for a longer one the connection is closed
+    instead (``connections_closed``). ``timeout_seconds`` bounds the whole
+    fetch, however slowly a server sends (``fetch_timeouts``), and a write
+    batch likewise. A connection that a fault, a timeout or an unread reply
+    left out of step with its commands is closed, never reused: the next
+    request opens a new one. The setup of a new connection (TCP connect,
+    redis-py's handshake) and a cluster client's reading of the slot map
+    are bounded by the client's own timeouts (for URL clients
+    ``timeout_seconds`` per socket operation).
 
     *Offload.* The cache's thread only tells the writer thread that a call
     sealed pages. The writer takes them from the cache's sealed-page log and
@@ -289,7 +522,13 @@ class RedisTier:
     prompt's pages before its first key still count, the run stops there.
     The replies are read from the connection's socket by the tier itself: each
     value lands in its row of one buffer (no bytes object per value) and is
-    verified at once, in C, while its bytes are in the CPU caches. A node that
+    verified at once, in C, while its bytes are in the CPU caches. A
+    connection without a socket of its own (a wrapper, as for client-side
+    caching) is read through the client's parser instead, which reads each
+    reply whole: the tier then sends ``GETRANGE key 0 <page value bytes>``,
+    so that a server never sends more than one byte beyond a page value
+    (an empty reply is a miss), and a timer takes the socket away from the
+    parser at the deadline. A node that
     answers MOVED or ASK (a slot moving between nodes) makes that key a miss;
     the tier reads the cluster's slot map again before the next request.
 
@@ -309,9 +548,12 @@ class RedisTier:
                 raise ValueError(f"Invalid value of ttl_seconds: expected None or an int >= 1, got {ttl_seconds!r}")
         if isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 1:
             raise ValueError(f"Invalid value of max_inflight_bytes: expected an int >= 1, got {max_inflight_bytes!r}")
-        if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) or not timeout_seconds > 0:
-            raise ValueError(f"Invalid value of timeout_seconds: expected a number > 0, got {timeout_seconds!r}")
+        if (isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float))
+                or not 0 < timeout_seconds <= _MAX_TIMEOUT):
+            raise ValueError(f"Invalid value of timeout_seconds: expected a number > 0 and <= {_MAX_TIMEOUT}, "
+                             f"got {timeout_seconds!r}")
         client, self.is_cluster = _connect(url_or_client, float(timeout_seconds))
+        self.timeout_seconds = float(timeout_seconds)
         self._client_or_factory = client
         self._client_lock = threading.Lock()
         self.namespace = namespace
@@ -344,11 +586,14 @@ class RedisTier:
             ``pages_written``, ``bytes_written``, ``pages_existing`` (already in the
             store: ``SET NX`` did nothing), ``dropped_writes`` (sealed pages not written:
             their cache's log was full, see ``max_inflight_bytes``), ``write_errors`` (pages whose write
-            failed, a node down included); ``fetch_errors`` (fetches or values lost to a server or network
-            fault), ``unreachable_skips`` (fetches, or parts of one, answered as misses
-            and write batches not sent while a node or the store was taken as down); ``rejected_<kind>`` for each kind of bad
-            value (``truncated``, ``format``, ``layout``, ``hash``, ``tokens``,
-            ``checksum``) and ``checksum_failures`` (= ``rejected_checksum``);
+            failed, a node down or a timeout included); ``fetch_errors`` (fetches or values lost to a
+            server or network fault, a timeout included), ``fetch_timeouts`` (fetches cut short by
+            ``timeout_seconds``: the pages not read by then were misses), ``unreachable_skips`` (fetches,
+            or parts of one, answered as misses and write batches not sent while a node or the store was
+            taken as down), ``connections_closed`` (connections the tier closed instead of reusing them:
+            after a fault, a timeout, or a value too long to read through); ``rejected_<kind>`` for each
+            kind of bad value (``truncated``: a value of another length than a page value's, ``format``,
+            ``layout``, ``hash``, ``tokens``, ``checksum``) and ``checksum_failures`` (= ``rejected_checksum``);
             ``inflight_bytes`` (page values being written now).
         """
         with self._lock:
@@ -357,7 +602,7 @@ class RedisTier:
         out = {name: counts.get(name, 0) for name in (
             "lookups", "pages_requested", "hit_pages", "misses", "bytes_read", "pages_written",
             "bytes_written", "pages_existing", "dropped_writes", "write_errors", "fetch_errors",
-            "unreachable_skips")}
+            "fetch_timeouts", "unreachable_skips", "connections_closed")}
         out["hit_tokens"] = out["hit_pages"] * (self.layout.page_size if self.layout else 0)
         for kind in REJECT_KINDS[1:]:
             out[f"rejected_{kind}"] = counts.get(f"rejected_{kind}", 0)
@@ -448,8 +693,9 @@ class RedisTier:
             verified values of pages ``0 .. count-1``, each page's body
             (``layout.body_bytes``) at ``body_offset``, and ``checksums``
             (uint64, shape ``[n]``) their page checksums; page ``count`` is the
-            first one missing, rejected or on a node that failed. None when
-            ``count`` is 0. Never raises for a fault of the store or a bad value.
+            first one missing, rejected, not read by the deadline or on a node
+            that failed. None when ``count`` is 0. Never raises for a fault of
+            the store or a bad value.
 
         Notes
         -----
@@ -459,9 +705,12 @@ class RedisTier:
         into its row and verified right away, while its bytes are still in the
         CPU caches (:class:`pagedkv_c._tier_io.PageValueChecker`, in C): no
         bytes object per value, no second pass over the bytes before the
-        cache copies them into its pool.
+        cache copies them into its pool. The whole fetch ends by
+        ``timeout_seconds`` after it began, and allocates ``records`` (and at
+        most 64 KiB more) whatever the replies announce.
         """
         n = len(page_hashes)
+        deadline = time.monotonic() + self.timeout_seconds
         with self._lock:
             self._counts["lookups"] += 1
             self._counts["pages_requested"] += n
@@ -478,20 +727,26 @@ class RedisTier:
         checker = PageValueChecker(records, expected_header(layout, with_tokens), HASH_OFFSET, CHECKSUM_OFFSET,
                                    page_hashes, token_ids, layout.num_layers, layout.page_bytes)
 
-        def read(conn, indices):
-            """One node's GET replies, read into ``records`` and verified (see :func:`_read_values`)."""
-            return _read_values(conn, indices, records, checker)
+        def command(i, raw):
+            """GET of page ``i``; through a parser, which reads a whole reply, a GETRANGE that bounds it."""
+            return ("GET", keys[i]) if raw else ("GETRANGE", keys[i], 0, value_bytes)
+
+        def read(conn, sock, indices):
+            """One node's replies, read into ``records`` and verified (see :func:`_read_values`)."""
+            if sock is None:
+                return _read_values_parsed(conn, indices, records, checker, deadline)
+            return _read_values(conn, sock, indices, records, checker, deadline)
 
         outcomes = [None] * n
         end = n  # pages from `end` on are lost to a fault: the run stops there
-        for (node, _, indices), replies in zip(groups, self._per_node(groups, lambda i: ("GET", keys[i]), read=read)):
-            if replies is _SKIPPED:
+        timed_out = False
+        for (node, _, indices), result in zip(groups, self._per_node(groups, command, deadline, read)):
+            if result is _SKIPPED:
                 end = min(end, indices[0])
                 continue
-            if isinstance(replies, Exception):
-                self._fault("fetch_errors", replies, node)
-                end = min(end, indices[0])
-                continue
+            replies, error = result
+            if len(replies) < len(indices):  # the rest was not read
+                end = min(end, indices[len(replies)])
             for i, outcome in zip(indices, replies):
                 if isinstance(outcome, Exception):
                     self._fault("fetch_errors", outcome, node)
@@ -499,7 +754,14 @@ class RedisTier:
                     break
                 outcomes[i] = outcome
             else:
-                self._node_up(node)
+                if error is None:
+                    self._node_up(node)
+            if error is not None:
+                self._fault("fetch_errors", error, node)
+                timed_out = timed_out or isinstance(error, redis.exceptions.TimeoutError)
+        if timed_out:
+            with self._lock:
+                self._counts["fetch_timeouts"] += 1
         good = self._count_verified(outcomes[:end], records, page_hashes, token_ids, keys)
         if good == 0:
             return None
@@ -515,11 +777,11 @@ class RedisTier:
             outcome = outcomes[good]
             if outcome is None:
                 kind = "missing"
+            elif outcome is _WRONG_LENGTH:  # not read: its length alone rules it out
+                kind = "truncated"
             else:  # which check failed: a rare path, one value
-                value = bytes(records[good]) if outcome is False else outcome
-                kind = check_value(value, self.layout, page_hashes[good],
-                                   None if token_ids is None else token_ids[good])[0]
-                kind = kind or ("checksum" if outcome is False else "truncated")
+                kind = check_value(bytes(records[good]), self.layout, page_hashes[good],
+                                   None if token_ids is None else token_ids[good])[0] or "checksum"
         if kind == "missing":
             with self._lock:
                 self._counts["misses"] += 1
@@ -575,21 +837,26 @@ class RedisTier:
             return None
         return list(groups.values())
 
-    def _per_node(self, groups, command, packed=False, read=None):
-        """Run ``command(i)`` for every index of every group: send to each node, then read each node.
+    def _per_node(self, groups, command, deadline, read, packed=False):
+        """Run ``command(i, raw)`` for every index of every group: send to each node, then read each node.
 
-        ``command(i)`` gives the command's arguments, or with ``packed`` the
-        command already in the protocol, as a list of bytes-like chunks (sent
-        as they are: a page value is never copied by the client).
-        ``read(connection, indices)``, if given, reads a group's replies (a
-        list, an exception object for a command the server refused) instead
-        of the client's parser.
+        ``command(i, raw)`` gives the command's arguments, or with ``packed``
+        the command already in the protocol, as a list of bytes-like chunks
+        (sent as they are: a page value is never copied by the client); ``raw``
+        says whether the replies will be read from the connection's socket
+        (else through the client's parser). ``read(connection, socket,
+        indices)`` reads a group's replies (``socket`` None: through the
+        parser) and returns ``(replies, reusable, error)`` (see
+        :func:`_read_values`). Sending and reading end by ``deadline``
+        (``time.monotonic()``), a node not yet asked by then is not asked.
 
         All nodes work at once (as redis-py's cluster pipeline does), but a node
-        that fails costs only its own commands. Returns, per group in order, the
-        list of replies (an exception object for a command the server refused),
-        the exception that lost the whole group, or ``_SKIPPED`` for a node
-        taken as down (counted in ``unreachable_skips``).
+        that fails costs only its own commands. Returns, per group in order,
+        ``(replies, error)``: the replies read, in order (fewer than the group's
+        commands when ``error``, the exception that lost the rest, is not None),
+        or ``_SKIPPED`` for a node taken as down (counted in ``unreachable_skips``).
+        A connection that is not in step with its commands (a fault, a timeout,
+        replies left unread) is closed, never reused.
         """
         out = [None] * len(groups)
         sent = []
@@ -599,31 +866,54 @@ class RedisTier:
                     self._counts["unreachable_skips"] += 1
                 out[g] = _SKIPPED
                 continue
+            if time.monotonic() >= deadline:
+                out[g] = ([], _NotAsked("timeout_seconds passed before this node was asked"))
+                continue
             pool = client.connection_pool
             conn = None
             try:
                 conn = pool.get_connection()
+                sock = _raw_socket(conn)
                 if packed:
-                    chunks = [chunk for i in indices for chunk in command(i)]
+                    chunks = [chunk for i in indices for chunk in command(i, sock is not None)]
                 else:
-                    chunks = conn.pack_commands([command(i) for i in indices])
-                conn.send_packed_command(chunks)
-                sent.append((g, pool, conn))
+                    chunks = conn.pack_commands([command(i, sock is not None) for i in indices])
+                if sock is not None:
+                    _send(sock, chunks, deadline)
+                else:
+                    watchdog = _Watchdog(conn, deadline)
+                    try:
+                        conn.send_packed_command(chunks)
+                    finally:
+                        if watchdog.stop():
+                            raise _deadline_error("the commands were sent")
+                sent.append((g, pool, conn, sock))
             except Exception as exc:  # any failure of the store or the client loses this node's part
                 if conn is not None:
-                    conn.disconnect()
-                    pool.release(conn)
-                out[g] = exc
-        for g, pool, conn in sent:
+                    self._close(pool, conn)
+                out[g] = ([], exc)
+        for g, pool, conn, sock in sent:
             try:
-                out[g] = (read(conn, groups[g][2]) if read is not None
-                          else _parsed_replies(conn, len(groups[g][2])))
-            except Exception as exc:
-                conn.disconnect()  # replies may be left unread: never reuse this connection
-                out[g] = exc
-            finally:
+                replies, reusable, error = read(conn, sock, groups[g][2])
+                if reusable and sock is not None:
+                    sock.settimeout(getattr(conn, "socket_timeout", None))  # as the client set it
+            except Exception as exc:  # a reader's own failure: nothing it read can be trusted
+                replies, reusable, error = [], False, exc
+            if reusable:
                 pool.release(conn)
+            else:
+                self._close(pool, conn)
+            out[g] = (replies, error)
         return out
+
+    def _close(self, pool, conn):
+        """Close a connection that must not be used again (replies may be left unread) and give it back."""
+        try:
+            conn.disconnect()
+        finally:
+            pool.release(conn)
+            with self._lock:
+                self._counts["connections_closed"] += 1
 
     def _is_down(self, node):
         """True while a node (None: the whole store) is taken as unreachable after a connection fault."""
@@ -642,7 +932,7 @@ class RedisTier:
             self._counts[counter] += 1
             if isinstance(exc, (redis.exceptions.MovedError, redis.exceptions.AskError)):
                 self._stale_map = True
-            if isinstance(exc, _UNREACHABLE):
+            if isinstance(exc, _UNREACHABLE) and not isinstance(exc, _NotAsked):
                 backoff = self._down[node][1] if node in self._down else _BACKOFF_FIRST
                 self._down[node] = (time.monotonic() + backoff, min(2 * backoff, _BACKOFF_MAX))
         self._log_once(f"{counter}:{type(exc).__name__}", "%s from %r: %s (%s; counted as a miss)",
@@ -713,23 +1003,31 @@ class RedisTier:
             values.append(memoryview(rows[i])[at:])
         written = existing = failed = num_bytes = 0
         error = None
+        deadline = time.monotonic() + self.timeout_seconds
         groups = self._by_node(keys, "write_errors")
         if groups is None or groups is _SKIPPED:
             failed = count - 1 if groups is None else count  # a fault was counted once; a skip was not
             groups = []
 
-        def set_command(i):
+        def set_command(i, raw):
             """The ``SET key value NX [EX ttl]`` of page ``i``, as protocol chunks (the value not copied)."""
             return _packed_set(keys[i], values[i], self.ttl_seconds)
 
-        for (node, _, indices), results in zip(groups, self._per_node(groups, set_command, packed=True)):
-            if results is _SKIPPED:
+        def read(conn, sock, indices):
+            """One node's replies to its SETs (see :func:`_read_set_replies`)."""
+            if sock is None:
+                return _parsed_replies(conn, len(indices), deadline)
+            return _read_set_replies(conn, sock, indices, deadline)
+
+        for (node, _, indices), outcome in zip(groups, self._per_node(groups, set_command, deadline, read,
+                                                                      packed=True)):
+            if outcome is _SKIPPED:
                 failed += len(indices)
                 continue
-            if isinstance(results, Exception):
-                self._fault("write_errors", results, node)
-                failed += len(indices) - 1  # _fault counted one
-                continue
+            results, exc = outcome
+            if exc is not None:
+                self._fault("write_errors", exc, node)
+                failed += len(indices) - len(results) - 1  # _fault counted one
             for i, result in zip(indices, results):
                 if isinstance(result, Exception):
                     failed += 1
