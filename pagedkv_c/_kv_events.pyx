@@ -64,14 +64,10 @@ cdef class KVEventLog:
     A full log drops new events and counts them; recording never blocks.
     """
 
-    def __cinit__(self, int64_t capacity, int64_t page_size):
-        if not 1 <= capacity <= 2**31:
-            raise ValueError(f"Invalid value of kv_events_capacity: expected 1 <= kv_events_capacity <= 2**31, "
-                             f"got {capacity}")
-        if page_size < 1:
-            raise ValueError(f"Invalid value of page_size: expected >= 1, got {page_size}")
-        self.log.capacity = capacity
-        self.log.page_size = page_size
+    def __cinit__(self, capacity, page_size):
+        # Named as KVCache names them: the log is made by the cache.
+        self.log.capacity = check_int(capacity, "kv_events_capacity", 1, 2**31)
+        self.log.page_size = check_int(page_size, "page_size", 1, 2**31 - 1)
         pkv_kv_events_reset(&self.log)  # no open event
 
     def __dealloc__(self):
