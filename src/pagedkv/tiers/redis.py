@@ -377,13 +377,22 @@ class RedisTier:
         Parameters
         ----------
         timeout : float or None
-            Longest wait in seconds; None waits as long as it takes.
+            Longest wait in seconds, ``0 <= timeout <= 2147483.647``; None
+            waits as long as it takes.
 
         Returns
         -------
         bool
             True when no cache waits for the writer and nothing is being written.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``timeout`` is not a number of seconds (a bool or a string), or is
+            NaN, infinite or out of range.
         """
+        if timeout is not None:
+            timeout = checked_seconds(timeout, "timeout", low_inclusive=True)
         with self._lock:
             return self._lock.wait_for(lambda: not self._queue and not self._writing, timeout)
 
@@ -391,8 +400,11 @@ class RedisTier:
         """Write what is queued (waiting at most ``timeout`` seconds), stop the writer thread.
 
         Pages sealed later are not written (they wait in their cache's log
-        until it is full); fetches still work.
+        until it is full); fetches still work. ``timeout`` is as in
+        :meth:`flush` (None waits as long as it takes).
         """
+        if timeout is not None:
+            timeout = checked_seconds(timeout, "timeout", low_inclusive=True)
         with self._lock:
             self._closed = True
             self._lock.notify_all()
