@@ -32,8 +32,10 @@ import pytest
 from pagedkv import KVCache, PagedKVCache, PagePool, attention, snapshot
 from pagedkv import replay as replay_module
 from pagedkv import traces
+from pagedkv_c._kv_events import KVEventLog
 from pagedkv_c._page_map import PageMap
 from pagedkv_c._page_table import PageTable
+from pagedkv_c._prefix import PrefixIndex, block_page_input, token_page_input
 
 HEADS, DIM, QO_HEADS = 2, 4, 4
 BEYOND_INT64 = (2**64, -(2**64), 2**63)  # out of every range: never an OverflowError
@@ -405,6 +407,25 @@ ROWS = [
       lambda m, v: (m.assign(5, v), _map_state(m)), _map_state, bad=(-1, 2**31, 2**62)),
     A("PageMap.discard logical_page", "logical_page", lambda: _page_map(),
       lambda m, v: (m.discard(v), _map_state(m)), _map_state, bad=(-1,)),
+    A("PrefixIndex num_pages", "num_pages", lambda: None, lambda _, v: PrefixIndex(v, 4).cached_pages().tolist(),
+      nothing, valid=4, bad=(0, -1, 2**30 + 1, 2**31, 2**62)),
+    A("PrefixIndex page_size", "page_size", lambda: None, lambda _, v: PrefixIndex(4, v).token_table().shape,
+      nothing, valid=4, bad=(0, -1, 2**31, 2**62)),
+    A("KVEventLog capacity", "kv_events_capacity", lambda: None, lambda _, v: KVEventLog(v, 4).capacity, nothing,
+      valid=8, bad=(0, -1, 2**31 + 1, 2**62)),
+    A("KVEventLog page_size", "page_size", lambda: None, lambda _, v: KVEventLog(8, v).capacity, nothing,
+      valid=4, bad=(0, -1, 2**31, 2**62)),
+    A("_prefix.token_page_input parent", "parent", lambda: None, lambda _, v: token_page_input(v, 2, [1, 2]),
+      nothing, bad=(-1, 2**128), extra={"beyond": (-(2**64),)}),
+    A("_prefix.token_page_input salt", "salt", lambda: None, lambda _, v: token_page_input(2, v, [1, 2]),
+      nothing, bad=(-1, 2**128), extra={"beyond": (-(2**64),)}),
+    A("_prefix.block_page_input block_id", "block_id", lambda: None,
+      lambda _, v: block_page_input(2, 3, v, 0, 2), nothing, valid=7, bad=(-(2**63) - 1, 2**64),
+      extra={"beyond": (-(2**64),)}),
+    A("_prefix.block_page_input index_in_block", "index_in_block", lambda: None,
+      lambda _, v: block_page_input(2, 3, 7, v, 2), nothing, bad=(-1, 2**31, 2**62)),
+    A("_prefix.block_page_input pages_per_block", "pages_per_block", lambda: None,
+      lambda _, v: block_page_input(2, 3, 7, 0, v), nothing, valid=2, bad=(0, -1, 2**31, 2**62)),
 ]
 
 
@@ -434,7 +455,8 @@ def _refusal_cases():
 
 def _range_cases():
     for row in ROWS:
-        for value in BEYOND_INT64 + row.bad:
+        beyond = row.extra.get("beyond", BEYOND_INT64)
+        for value in beyond + row.bad:
             yield pytest.param(row, value, id=f"{row.name}-{value}")
 
 
@@ -554,8 +576,18 @@ def test_flags_take_bools_only(name, arg, setup, call, state):
         assert state(target) == before
 
 
+def tier_wait(method, timeout):
+    pytest.importorskip("redis")
+    from pagedkv.tiers import RedisTier
+
+    t = RedisTier("redis://127.0.0.1:1/0", namespace="scalars")  # no writer yet: nothing to wait for
+    return getattr(t, method)(timeout)
+
+
 SECONDS = [
     ("tiers.RedisTier timeout_seconds", "timeout_seconds", lambda v: tier(timeout_seconds=v)),
+    ("tiers.RedisTier.flush timeout", "timeout", lambda v: tier_wait("flush", v)),
+    ("tiers.RedisTier.close timeout", "timeout", lambda v: tier_wait("close", v)),
     ("events.ZmqEventPublisher linger", "linger", lambda v: publisher(linger=v)),
     ("events.ZmqEventPublisher interval", "interval", lambda v: publisher(interval=v)),
 ]
