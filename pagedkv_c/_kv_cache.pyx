@@ -249,6 +249,13 @@ cdef class KVCache:
     target dtype and a C-contiguous layout are read in place, others are
     copied first.
 
+    *Scalar arguments.* The same rule for one integer (a sequence id, a
+    size, a length, a layer, a count): a Python int or a NumPy integer; a
+    float (even ``1.0``), a bool or a string raises TypeError naming the
+    argument, an integer outside its range ValueError (IndexError for
+    ``layer``), never OverflowError. Sequence ids are int64. Flags
+    (``return_slot_mapping``, ``metrics``) take True, False or a NumPy bool.
+
     *Limits.* Slots (``page_id * page_size + offset``) stay below ``2**51``;
     a sequence is at most ``2**62`` tokens long (positions, window bounds and
     ``page_positions + page_size`` then fit int64, the limit that
@@ -1612,6 +1619,8 @@ cdef class KVCache:
             The file is damaged, truncated, of an unknown or newer format
             version, or inconsistent; the message names the section, and for
             a page its id and the sequences holding it.
+        TypeError
+            ``mmap`` is not a bool.
         """
         from pagedkv.snapshot import load_cache
         return load_cache(path, mmap=mmap)
