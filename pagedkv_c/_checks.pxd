@@ -4,6 +4,7 @@
 from libc.stdint cimport int64_t
 
 cdef int64_t check_int(object value, str name, int64_t low, int64_t high) except? -1
+cdef bint check_bool(object value, str name) except -1
 cdef int64_t check_index(object value, str name, int64_t size) except? -1
 cdef object check_array(object arr, str name, object dtype, tuple shape)
 cdef object as_int_array(object values, str name, object dtype)

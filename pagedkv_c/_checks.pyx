@@ -3,6 +3,7 @@
 Every check runs before any state changes and raises an error whose message
 reads ``Invalid <what> of <name>: expected ..., got ...``.
 """
+import math
 import numbers
 import operator
 
@@ -58,6 +59,73 @@ cdef int64_t check_index(object value, str name, int64_t size) except? -1:
         return check_int(value, name, 0, size - 1)
     except ValueError:  # check_int's only ValueError: out of range
         raise IndexError(f"{invalid('value', name)}: expected 0 <= {name} < {size}, got {value}") from None
+
+
+cdef bint check_bool(object value, str name) except -1:
+    """Return ``value`` as a C flag: True, False or a NumPy bool; TypeError for anything else (1, 1.0, None)."""
+    if value is True:
+        return True
+    if value is False:
+        return False
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise TypeError(f"{invalid('type', name)}: expected a bool, got {type(value).__name__}")
+
+
+def checked_int(value, str name, low=None, high=None):
+    """Return ``value`` as a Python int in ``[low, high]`` (None: no bound on that side).
+
+    The rule of every scalar integer argument, for the Python modules of
+    the package: a Python int or a NumPy integer is accepted; a bool, a
+    float (even a whole one), a string, None or any other object raises
+    TypeError (``Invalid type of <name>: expected an integer, got
+    <type>``); an integer outside the range raises ValueError (``Invalid
+    value of <name>: expected ..., got <value>``), never OverflowError.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{invalid('type', name)}: expected an integer, got {type(value).__name__}")
+    v = operator.index(value)
+    if (low is not None and v < low) or (high is not None and v > high):
+        if high is None:
+            expected = f"{name} >= {low}"
+        elif low is None:
+            expected = f"{name} <= {high}"
+        else:
+            expected = f"{low} <= {name} <= {high}"
+        raise ValueError(f"{invalid('value', name)}: expected {expected}, got {v}")
+    return v
+
+
+def checked_flag(value, str name):
+    """Return ``value`` as a Python bool: True, False or a NumPy bool; TypeError for anything else."""
+    return True if check_bool(value, name) else False
+
+
+# Longest duration argument, in seconds: 2**31 - 1 ms, the largest int32 of
+# milliseconds (ZeroMQ's linger, poll and socket timeouts are int milliseconds).
+MAX_SECONDS = (2**31 - 1) / 1000
+
+
+def checked_seconds(value, str name, double low=0.0, bint low_inclusive=False, double high=MAX_SECONDS):
+    """Return a duration argument as a float number of seconds in ``(low, high]`` (``[low, high]``
+    when ``low_inclusive``).
+
+    A real number (Python or NumPy int or float) is accepted; a bool, a
+    string, a complex number or None raises TypeError; NaN, an infinity or
+    a value out of range raises ValueError, never OverflowError.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{invalid('type', name)}: expected a number of seconds, got {type(value).__name__}")
+    try:
+        v = float(value)
+    except OverflowError:  # an int past the float range
+        v = math.inf if value > 0 else -math.inf
+    if not (v >= low if low_inclusive else v > low) or not v <= high:
+        raise ValueError(
+            f"{invalid('value', name)}: expected a finite number of seconds with "
+            f"{low:g} {'<=' if low_inclusive else '<'} {name} <= {high!r}, got {value!r}"
+        )
+    return v
 
 
 cdef str _shape_text(tuple shape):

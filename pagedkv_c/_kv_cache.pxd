@@ -67,7 +67,7 @@ cdef class KVCache:
     cdef int64_t _prefix_hits             # prompt tokens served from cached pages, in tokens
     cdef KVEventLog _kv_events            # prefix-cache KV event log, or None when disabled
 
-    cdef object _table(self, object seq_id)
+    cdef object _table(self, object seq_id, str name=*)
     cdef list _tables_for(self, object seq_ids)
     cdef void _copy_page(self, int32_t src, int32_t dst) noexcept nogil
     cdef void _note_usage(self) noexcept nogil

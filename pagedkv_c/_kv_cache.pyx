@@ -17,7 +17,7 @@ from pagedkv_c._pool cimport PagePool, pkv_incref, pkv_queue_remove, pkv_rec, pk
 from pagedkv_c._pool import OutOfPagesError
 from pagedkv_c._prefix import ALGORITHMS as _PREFIX_HASHES
 from pagedkv_c._page_table cimport PageTable, append_batch, owner_key, pages_needed_for
-from pagedkv_c._checks cimport check_int, check_index, check_float_array, check_pool_dtype, as_int_array, check_array
+from pagedkv_c._checks cimport check_bool, check_int, check_index, check_float_array, check_pool_dtype, as_int_array, check_array
 from pagedkv_c._checks import check_sink_window
 from pagedkv_c._lock cimport CacheLock
 from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash_salt,
@@ -250,6 +250,13 @@ cdef class KVCache:
     target dtype and a C-contiguous layout are read in place, others are
     copied first.
 
+    *Scalar arguments.* The same rule for one integer (a sequence id, a
+    size, a length, a layer, a count): a Python int or a NumPy integer; a
+    float (even ``1.0``), a bool or a string raises TypeError naming the
+    argument, an integer outside its range ValueError (IndexError for
+    ``layer``), never OverflowError. Sequence ids are int64. Flags
+    (``return_slot_mapping``, ``metrics``) take True, False or a NumPy bool.
+
     *Limits.* Slots (``page_id * page_size + offset``) stay below ``2**51``;
     a sequence is at most ``2**62`` tokens long (positions, window bounds and
     ``page_positions + page_size`` then fit int64, the limit that
@@ -289,7 +296,7 @@ cdef class KVCache:
         self.num_kv_heads = <int32_t>check_int(num_kv_heads, "num_kv_heads", 1, 2**16)
         self.head_dim = <int32_t>check_int(head_dim, "head_dim", 1, 2**16)
         self.page_size = <int32_t>check_int(page_size, "page_size", 1, 2**20)
-        check_int(num_pages, "num_pages", 1, 2**31 - 2)
+        num_pages = check_int(num_pages, "num_pages", 1, 2**31 - 2)  # a Python int: no NumPy scalar arithmetic below
         np_dtype = check_pool_dtype(dtype, "dtype", _SUPPORTED_DTYPES)
         if window is not None:
             check_int(window, "window", 1, MAX_POSITION)
@@ -374,9 +381,16 @@ cdef class KVCache:
             self._prefix.ix.events = &self._kv_events.log
 
     # ------------------------------------------------------------ internals
-    cdef object _table(self, object seq_id):
-        """The table of a known sequence id (an integer: bools and floats are refused, not matched by value)."""
-        cdef object key = _seq_key(seq_id)
+    cdef object _table(self, object seq_id, str name="seq_id"):
+        """The table of a known sequence id (an integer: bools and floats are refused, not matched by value).
+
+        Raises TypeError or ValueError (outside int64) naming ``name``, KeyError for an unknown id.
+        """
+        if type(seq_id) is int:  # the common case: a known id needs no other check
+            table = self._tables.get(seq_id)
+            if table is not None:
+                return table
+        cdef object key = _seq_key(seq_id, name)
         try:
             return self._tables[key]
         except KeyError:
@@ -768,17 +782,17 @@ cdef class KVCache:
         KeyError
             Unknown ``parent_id``.
         ValueError
-            ``child_id`` already exists, or a page of the parent already has
-            ``2**31 - 1`` references (the int32 ref count limit); nothing
-            changes.
+            ``child_id`` already exists, ``parent_id`` or ``child_id`` is
+            outside int64, or a page of the parent already has ``2**31 - 1``
+            references (the int32 ref count limit); nothing changes.
         TypeError
-            ``child_id`` is not an integer.
+            ``parent_id`` or ``child_id`` is not an integer.
         """
         cdef int64_t key = check_int(child_id, "child_id", INT64_MIN, INT64_MAX)
         cdef PageTable parent, child
         self._lock.acquire()
         try:
-            parent = self._table(parent_id)
+            parent = self._table(parent_id, "parent_id")
             if key in self._tables:
                 raise ValueError(f"Invalid value of child_id: sequence {key} already exists")
             child = PageTable(self.pool, self.page_size, self._window, self.sink_tokens,
@@ -853,7 +867,7 @@ cdef class KVCache:
             self._lock.leave()
 
     # ---------------------------------------------------------------- paging
-    def append(self, seq_ids, num_tokens, token_ids=None, *, bint return_slot_mapping=True):
+    def append(self, seq_ids, num_tokens, token_ids=None, *, return_slot_mapping=True):
         """Reserve slots for the next tokens of each sequence.
 
         For each sequence in order: pages that left the window are released
@@ -893,6 +907,9 @@ cdef class KVCache:
             Duplicate sequence id, negative count, a length past ``2**62``,
             length mismatch, or ``token_ids`` not of length
             ``sum(num_tokens)`` or outside int32.
+        TypeError
+            Non-integer ids, counts or token ids, or a ``return_slot_mapping``
+            that is not a bool (True, False or a NumPy bool).
         OutOfPagesError
             The pool cannot supply the pages the whole batch needs (new pages
             and copy-on-write copies), counting the pages this call's own
@@ -908,6 +925,7 @@ cdef class KVCache:
         full pages (see :meth:`seal`): store every layer of a step before
         the next append. Pages it hands out slots in lose their seal.
         """
+        cdef bint want_slots = check_bool(return_slot_mapping, "return_slot_mapping")
         counts = as_int_array(num_tokens, "num_tokens", np.int64)
         cdef Py_ssize_t batch = counts.shape[0]
         # as_int_array returns a C-contiguous int64 array: read it in place.
@@ -957,7 +975,7 @@ cdef class KVCache:
                     table = <PageTable>tables[i]
                     if table.hashes is not None and not table.hashes.external:
                         table.hashes.reserve_tokens(table.length + count_view[i])
-            slots = np.empty(total, dtype=np.int64) if return_slot_mapping else None
+            slots = np.empty(total, dtype=np.int64) if want_slots else None
             cow = <int32_t*>malloc(2 * (batch + 1) * sizeof(int32_t))
             if cow == NULL:
                 raise MemoryError()
@@ -965,7 +983,7 @@ cdef class KVCache:
             num_seals = self._list_seals(tables, count_view)  # the seal moment: see seal()
             try:
                 append_batch(self.pool, tables, count_view if batch else NULL,
-                             <slot_t*>cnp.PyArray_DATA(slots) if return_slot_mapping else NULL,
+                             <slot_t*>cnp.PyArray_DATA(slots) if want_slots else NULL,
                              cow, cow + batch + 1, &num_cow, &num_released)
                 self._after_append_seals(tables, count_view, num_seals)  # before copies overwrite pages
                 with nogil:
@@ -1165,7 +1183,7 @@ cdef class KVCache:
         return view
 
     # ------------------------------------------------------------ reporting
-    def stats(self, *, bint metrics=False):
+    def stats(self, *, metrics=False):
         """Usage counters.
 
         Parameters
@@ -1219,7 +1237,13 @@ cdef class KVCache:
             With ``enable_kv_events=True`` also ``kv_events_recorded`` and
             ``kv_events_dropped`` (page events kept in, and dropped from,
             the KV event log since construction; see :meth:`take_kv_events`).
+
+        Raises
+        ------
+        TypeError
+            ``metrics`` is not a bool (True, False or a NumPy bool).
         """
+        cdef bint with_metrics = check_bool(metrics, "metrics")
         self._lock.acquire()
         try:
             in_use = self.pool.num_pages - self.pool.q.num_free
@@ -1235,7 +1259,7 @@ cdef class KVCache:
                     "prefix_cached_free_pages": self.pool.q.num_cached_free,
                     "prefix_lookups": sum(hit_counts),
                 }
-                if metrics:
+                if with_metrics:
                     extra["prefix_hit_histogram"] = hit_counts
             if self._tier is not None:
                 extra["tier_hits"] = self._tier_hits
@@ -1257,7 +1281,7 @@ cdef class KVCache:
                 "pages_allocated": self.pool.num_taken,
                 "ring_reuses": self.pool.num_reused_in_place,
                 "sequences_added": self._sequences_added,
-            } | extra | ({"out_of_pages_errors": self._num_out_of_pages} if metrics else {})
+            } | extra | ({"out_of_pages_errors": self._num_out_of_pages} if with_metrics else {})
         finally:
             self._lock.leave()
 
@@ -1596,6 +1620,8 @@ cdef class KVCache:
             The file is damaged, truncated, of an unknown or newer format
             version, or inconsistent; the message names the section, and for
             a page its id and the sequences holding it.
+        TypeError
+            ``mmap`` is not a bool.
         """
         from pagedkv.snapshot import load_cache
         return load_cache(path, mmap=mmap)
@@ -2532,13 +2558,13 @@ def _remove_deferred(tuple cache_and_key):
         del cache._tables[cache_and_key[1]]
 
 
-cdef object _seq_key(object seq_id):
-    """A sequence id as the Python int keying the tables; TypeError for anything but an integer."""
-    if type(seq_id) is int:
-        return seq_id
-    if isinstance(seq_id, (bool, np.bool_)) or not isinstance(seq_id, (int, np.integer)):
-        raise TypeError(f"Invalid type of seq_id: expected an integer, got {type(seq_id).__name__}")
-    return int(seq_id)
+cdef object _seq_key(object seq_id, str name="seq_id"):
+    """A sequence id as the Python int keying the tables.
+
+    TypeError for anything but an integer, ValueError for one outside int64
+    (no sequence can have it), both naming ``name``.
+    """
+    return check_int(seq_id, name, INT64_MIN, INT64_MAX)
 
 
 cdef int _record_tokens(list tables, list first_positions, const int64_t* counts, object ids,

@@ -15,7 +15,8 @@ cimport cython
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF
 from libc.stdlib cimport free
-from libc.stdint cimport uint8_t
+from libc.stdint cimport INT64_MAX, uint8_t
+from pagedkv_c._checks cimport check_int
 
 cdef extern from "kv_events_msgpack.h":
     size_t pkv_kv_events_encode_bound(int64_t num_units, int64_t num_events, int64_t num_tokens,
@@ -63,14 +64,10 @@ cdef class KVEventLog:
     A full log drops new events and counts them; recording never blocks.
     """
 
-    def __cinit__(self, int64_t capacity, int64_t page_size):
-        if not 1 <= capacity <= 2**31:
-            raise ValueError(f"Invalid value of kv_events_capacity: expected 1 <= kv_events_capacity <= 2**31, "
-                             f"got {capacity}")
-        if page_size < 1:
-            raise ValueError(f"Invalid value of page_size: expected >= 1, got {page_size}")
-        self.log.capacity = capacity
-        self.log.page_size = page_size
+    def __cinit__(self, capacity, page_size):
+        # Named as KVCache names them: the log is made by the cache.
+        self.log.capacity = check_int(capacity, "kv_events_capacity", 1, 2**31)
+        self.log.page_size = check_int(page_size, "page_size", 1, 2**31 - 1)
         pkv_kv_events_reset(&self.log)  # no open event
 
     def __dealloc__(self):
@@ -235,7 +232,8 @@ cdef class KVEvents:
         ValueError
             An argument out of range or an unknown ``hash_format``.
         TypeError
-            ``medium`` is not a str.
+            ``medium`` is not a str, or ``data_parallel_rank`` or ``window``
+            is not an integer (a bool or a float is refused).
         """
         cdef _EncodeOptions options = _EncodeOptions(data_parallel_rank, window, medium, hash_format)
         cdef size_t bound = self._encode_bound(options)
@@ -271,14 +269,11 @@ cdef class _EncodeOptions:
             raise ValueError(f"Invalid value of hash_format: expected one of {HASH_FORMATS}, got {hash_format!r}")
         if not isinstance(medium, str):
             raise TypeError(f"Invalid type of medium: expected str, got {type(medium).__name__}")
-        for name, value in (("data_parallel_rank", data_parallel_rank), ("window", window)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63):
-                raise ValueError(f"Invalid value of {name}: expected an int in [0, 2**63), got {value!r}")
+        self.rank = check_int(data_parallel_rank, "data_parallel_rank", 0, INT64_MAX)
+        self.window_tokens = -1 if window is None else check_int(window, "window", 0, INT64_MAX)
         self.medium_utf8 = medium.encode("utf-8")
         self.medium_chars = self.medium_utf8
         self.medium_len = len(self.medium_utf8)
-        self.rank = data_parallel_rank
-        self.window_tokens = -1 if window is None else window
         self.as_bytes = hash_format == "bytes"
 
 

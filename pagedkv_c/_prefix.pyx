@@ -66,6 +66,8 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memset
 from pagedkv_c._types cimport page_id_t, int32_t, int64_t, NO_PAGE
+from pagedkv_c._checks cimport check_int
+from pagedkv_c._checks import checked_int
 
 cnp.import_array()
 
@@ -248,8 +250,10 @@ cdef inline void _write_block_content(char* buffer, int64_t block_id, uint32_t j
 
 
 cdef bytes _head_bytes(object parent, object salt):
-    return (int(parent) & _MASK64).to_bytes(8, "little") + (int(parent) >> 64).to_bytes(8, "little") + \
-        (int(salt) & _MASK64).to_bytes(8, "little") + (int(salt) >> 64).to_bytes(8, "little")
+    parent = checked_int(parent, "parent", 0, 2**128 - 1)
+    salt = checked_int(salt, "salt", 0, 2**128 - 1)
+    return (parent & _MASK64).to_bytes(8, "little") + (parent >> 64).to_bytes(8, "little") + \
+        (salt & _MASK64).to_bytes(8, "little") + (salt >> 64).to_bytes(8, "little")
 
 
 def token_page_input(parent, salt, token_ids):
@@ -302,18 +306,13 @@ def block_page_input(parent, salt, block_id, index_in_block, pages_per_block):
         49 bytes, laid out as in the module notes.
     """
     cdef char buffer[56]
-    value = int(block_id)
-    if not -2**63 <= value < 2**64:
-        raise ValueError(f"Invalid value of block_id: expected an int64 or uint64 id, got {value}")
-    if not 0 <= index_in_block < 2**31:
-        raise ValueError(f"Invalid value of index_in_block: expected 0 <= index_in_block < 2**31, got {index_in_block}")
+    value = checked_int(block_id, "block_id", -2**63, 2**64 - 1)  # an int64 or uint64 id
+    cdef uint32_t j = <uint32_t>check_int(index_in_block, "index_in_block", 0, 2**31 - 1)
     cdef int64_t block = value - 2**64 if value >= 2**63 else value
-    if not 1 <= pages_per_block < 2**31:
-        raise ValueError(f"Invalid value of pages_per_block: expected 1 <= pages_per_block < 2**31, got {pages_per_block}")
-    cdef uint32_t j = <uint32_t>index_in_block
+    cdef uint32_t per_block = <uint32_t>check_int(pages_per_block, "pages_per_block", 1, 2**31 - 1)
     head = _head_bytes(parent, salt)
     memcpy(buffer, <const char*>head, 32)
-    _write_block_content(buffer, block, j, <uint32_t>pages_per_block)
+    _write_block_content(buffer, block, j, per_block)
     return buffer[:BLOCK_INPUT_BYTES]
 
 
@@ -377,13 +376,10 @@ cdef class PrefixIndex:
         The table cannot be allocated.
     """
 
-    def __cinit__(self, int32_t num_pages, int32_t page_size, str algorithm="xxh3_128"):
+    def __cinit__(self, num_pages, page_size, str algorithm="xxh3_128"):
         self.ix.slots = NULL
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(
-                f"Invalid value of {'num_pages' if num_pages < 1 else 'page_size'}: expected >= 1, "
-                f"got {num_pages if num_pages < 1 else page_size}"
-            )
+        num_pages = <int32_t>check_int(num_pages, "num_pages", 1, 2**31 - 1)
+        page_size = <int32_t>check_int(page_size, "page_size", 1, 2**31 - 1)
         if algorithm not in ALGORITHMS:
             raise ValueError(
                 f"Invalid value of prefix_hash: expected one of {sorted(ALGORITHMS)}, got {algorithm!r}"

@@ -387,7 +387,7 @@ ERROR_CASES = [
     ("remove float id", lambda c: c.remove_sequence(1.0), TypeError, "seq_id"),
     ("remove bool id", lambda c: c.remove_sequence(True), TypeError, "seq_id"),
     ("remove numpy float id", lambda c: c.remove_sequence(np.float64(1)), TypeError, "seq_id"),
-    ("fork float parent", lambda c: c.fork(1.0, 7), TypeError, "seq_id"),
+    ("fork float parent", lambda c: c.fork(1.0, 7), TypeError, "parent_id"),
     ("truncate float id", lambda c: c.truncate(1.0, 1), TypeError, "seq_id"),
     ("gather float id", lambda c: c.gather(0, 1.0), TypeError, "seq_id"),
     ("seq_len float id", lambda c: c.seq_len(np.float64(1)), TypeError, "seq_id"),

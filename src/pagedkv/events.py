@@ -62,6 +62,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised without the extra
     raise ImportError("pagedkv.events needs pyzmq: pip install \"pagedkv[events]\"") from exc
 
+from pagedkv_c._checks import checked_flag, checked_int, checked_seconds
 from pagedkv_c._kv_events import EncodedBatch, KVEvents, PayloadArena, _EncodeOptions
 
 __all__ = ["VLLM_SCHEMA_VERSION", "END_SEQ", "REPLAY_STOPPED_SEQ", "encode_events", "ZmqEventPublisher", "KVEvents"]
@@ -122,9 +123,12 @@ def encode_events(events, *, ts: float | None = None, data_parallel_rank: int = 
     Raises
     ------
     TypeError
-        ``events`` is not a drained ``KVEvents``, or ``medium`` is not a str.
+        ``events`` is not a drained ``KVEvents``, ``medium`` is not a str, or
+        ``data_parallel_rank`` or ``window`` is not an integer (a float or a
+        bool is refused).
     ValueError
-        An unknown ``hash_format`` or a negative ``data_parallel_rank``.
+        An unknown ``hash_format``, or a ``data_parallel_rank`` or
+        ``window`` outside ``[0, 2**63 - 1]``.
     """
     if not isinstance(events, KVEvents):
         raise TypeError(f"Invalid type of events: expected the KVEvents of KVCache.take_kv_events, "
@@ -175,10 +179,12 @@ class ZmqEventPublisher:
         message of an answer. docs/kv_events.md shows a consumer that checks
         the numbers.
     buffer_steps : int
-        Batches kept for replay, ``>= 1`` (default 10000, vLLM's).
+        Batches kept for replay, ``1 <= buffer_steps <= 2**63 - 1`` (default
+        10000, vLLM's).
     replay_timeout : float
         Seconds a replay peer may take no message (its pipe stays full)
-        before its replay stops, ``> 0`` (default 5). A replay also stops
+        before its replay stops, ``0 < replay_timeout <= 2147483.647``
+        (default 5). A replay also stops
         when a batch it still has to send leaves the buffer (more than
         ``buffer_steps`` batches published while the peer read) and when the
         peer disconnects. The thread serves replays a few hundred messages
@@ -186,7 +192,8 @@ class ZmqEventPublisher:
         ``interval`` drains: a slow peer delays neither.
     interval : float or None
         When set, the background thread also drains the cache every
-        ``interval`` seconds (``> 0``), so a caller need not call
+        ``interval`` seconds (``0 < interval <= 2147483.647``, ZeroMQ's
+        int milliseconds), so a caller need not call
         :meth:`publish`; None (default): only :meth:`publish` drains.
     data_parallel_rank : int
         Rank written in every batch (default 0).
@@ -199,9 +206,11 @@ class ZmqEventPublisher:
         subscriber that binds). vLLM decides by the address (it binds
         addresses with ``*``); here it is explicit.
     hwm : int
-        High-water mark of the PUB socket in messages (default 100000, vLLM's).
+        High-water mark of the PUB socket in messages, ``1 <= hwm <= 2**31 -
+        1`` (default 100000, vLLM's).
     linger : float
-        Seconds :meth:`close` waits for queued messages to leave (default 1).
+        Seconds :meth:`close` waits for queued messages to leave, ``0 <=
+        linger <= 2147483.647`` (default 1).
 
     Attributes
     ----------
@@ -223,9 +232,12 @@ class ZmqEventPublisher:
     Raises
     ------
     TypeError
-        ``cache`` is not a KVCache, or an argument of the wrong type.
+        ``cache`` is not a KVCache, or an argument of the wrong type (a
+        float or a bool for an integer, a bool or a string for seconds, a
+        non-bool ``connect``).
     ValueError
-        The cache records no KV events, or an argument out of range.
+        The cache records no KV events, or an argument out of range
+        (seconds that are NaN or infinite included).
     OSError
         A socket cannot bind (or connect to) its endpoint; the message names it.
 
@@ -255,16 +267,13 @@ class ZmqEventPublisher:
                 raise TypeError(f"Invalid type of {name}: expected str, got {type(value).__name__}")
         if replay_endpoint is not None and not isinstance(replay_endpoint, str):
             raise TypeError(f"Invalid type of replay_endpoint: expected str or None, got {type(replay_endpoint).__name__}")
-        for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Invalid value of {name}: expected an int >= 1, got {value!r}")
-        if interval is not None and not (isinstance(interval, (int, float)) and interval > 0):
-            raise ValueError(f"Invalid value of interval: expected None or seconds > 0, got {interval!r}")
-        if (isinstance(replay_timeout, bool) or not isinstance(replay_timeout, (int, float))
-                or not 0 < replay_timeout < math.inf):
-            raise ValueError(f"Invalid value of replay_timeout: expected finite seconds > 0, got {replay_timeout!r}")
-        if not (isinstance(linger, (int, float)) and linger >= 0):
-            raise ValueError(f"Invalid value of linger: expected seconds >= 0, got {linger!r}")
+        buffer_steps = checked_int(buffer_steps, "buffer_steps", 1, 2**63 - 1)
+        hwm = checked_int(hwm, "hwm", 1, 2**31 - 1)  # a C int in ZeroMQ
+        if interval is not None:
+            interval = checked_seconds(interval, "interval")
+        linger = checked_seconds(linger, "linger", low_inclusive=True)
+        connect = checked_flag(connect, "connect")
+        replay_timeout = checked_seconds(replay_timeout, "replay_timeout")
         _EncodeOptions(data_parallel_rank, None, medium, hash_format)  # checked now, not at the first batch
 
         self._cache = cache

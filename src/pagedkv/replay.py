@@ -45,6 +45,7 @@ import numpy as np
 
 from pagedkv import KVCache
 from pagedkv.traces import Trace
+from pagedkv_c._checks import checked_int
 
 _PROGRESS_CHUNK = 256  # requests between progress callbacks
 PREFIX_HASHES = ("xxh3_128", "sha256")
@@ -52,6 +53,8 @@ MAX_PAGES = 2**31 - 2
 """Most pages of a pool (page ids are int32)."""
 MAX_PREFIX_PAGES = 2**30
 """Most pages of a pool with prefix caching (the index's slot arithmetic)."""
+MAX_PAGE_SIZE = 2**20
+"""Largest page of a KVCache, in tokens."""
 
 
 @dataclass
@@ -167,17 +170,15 @@ def capacity_pages(capacity_tokens: int, page_size: int, max_pages: int = MAX_PA
     Raises
     ------
     TypeError
-        A non-integer argument.
+        A non-integer argument (a float or a bool is refused).
     ValueError
-        ``page_size < 1`` or ``capacity_tokens < page_size`` (no whole page),
-        or more than ``max_pages`` pages.
+        ``page_size`` outside ``[1, 2**20]`` (the largest page of a
+        :class:`pagedkv.KVCache`) or ``capacity_tokens < page_size`` (no
+        whole page), or more than ``max_pages`` pages.
     """
-    for name, value in (("capacity_tokens", capacity_tokens), ("page_size", page_size)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"Invalid type of {name}: expected an int, got {type(value).__name__}")
-    if page_size < 1:
-        raise ValueError(f"Invalid value of page_size: expected an int >= 1, got {page_size}")
-    num_pages = int(capacity_tokens) // int(page_size)
+    capacity_tokens = checked_int(capacity_tokens, "capacity_tokens")
+    page_size = checked_int(page_size, "page_size", 1, MAX_PAGE_SIZE)
+    num_pages = capacity_tokens // page_size
     if num_pages < 1 or num_pages > max_pages:
         raise ValueError(
             f"Invalid value of capacity_tokens: expected {page_size} <= capacity_tokens <= "
@@ -364,12 +365,13 @@ def split_round_robin(trace: Trace, num_parts: int, part: int) -> Trace:
 
     Raises
     ------
+    TypeError
+        ``num_parts`` or ``part`` is not an integer (a float or a bool is refused).
     ValueError
         ``num_parts < 1`` or ``part`` outside ``[0, num_parts)``.
     """
-    if num_parts < 1 or not 0 <= part < num_parts:
-        raise ValueError(f"Invalid value of part: expected 0 <= part < num_parts with num_parts >= 1, "
-                         f"got part={part}, num_parts={num_parts}")
+    num_parts = checked_int(num_parts, "num_parts", 1, 2**63 - 1)
+    part = checked_int(part, "part", 0, num_parts - 1)
     keep = np.arange(part, len(trace), num_parts)
     block_ids = block_offsets = None
     if trace.has_block_ids:

@@ -62,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedkv_c._checks import checked_flag, checked_int
 from pagedkv_c._checksum import combine_digests, layer_digests, page_checksums
 from pagedkv_c._file_io import start_writeback
 from pagedkv_c._prefix import xxh3_128_intdigest
@@ -592,6 +593,8 @@ def save_cache(cache, path, *, num_threads: int | None = None) -> None:
     ------
     ValueError
         ``num_threads`` is not None, 1 or 2.
+    TypeError
+        ``num_threads`` is not an integer (a float or a bool is refused).
     OSError
         The file cannot be written; the old file (if any) is untouched.
     """
@@ -652,9 +655,7 @@ _WRITEBACK_BYTES = 32 << 20
 def _checked_threads(num_threads) -> int:
     if num_threads is None:
         return 2
-    if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)) or num_threads not in (1, 2):
-        raise ValueError(f"Invalid value of num_threads: expected None, 1 or 2, got {num_threads!r}")
-    return int(num_threads)
+    return checked_int(num_threads, "num_threads", 1, 2)
 
 
 def _page_runs(kv: np.ndarray) -> list[tuple[int, int, int, memoryview, int]]:
@@ -832,10 +833,14 @@ def load_cache(path, *, mmap: bool = False, num_threads: int | None = None):
         count, an id out of range. Nothing is returned.
     OSError
         The file cannot be read.
+    TypeError, ValueError
+        ``num_threads`` is not None, 1 or 2 (a float or a bool is refused),
+        or ``mmap`` is not a bool.
     """
     from pagedkv_c._kv_cache import KVCache
 
     threads = _checked_threads(num_threads)
+    mmap = checked_flag(mmap, "mmap")
     with open(path, "rb", buffering=0) as f:  # unbuffered: the pages are read straight into the pool
         parsed, state, tables, shape = _checked_cache_file(f, path)
         config = state["config"]
@@ -1117,8 +1122,11 @@ def import_sequence(cache, seq_id, data) -> None:
     OutOfPagesError
         The cache has fewer free pages than the sequence holds; nothing changed.
     ValueError
-        ``seq_id`` already exists.
+        ``seq_id`` already exists or is outside int64.
+    TypeError
+        ``seq_id`` is not an integer.
     """
+    seq_id = checked_int(seq_id, "seq_id", -2**63, 2**63 - 1)
     view = memoryview(data).cast("B")
     parsed = _parse(lambda offset, length: bytes(view[offset:offset + length]), len(view), MAGIC_SEQUENCE,
                     "the exported sequence")

@@ -38,8 +38,11 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedkv_c._checks import checked_int
+
 FORMATS = ("mooncake", "azure")
 MOONCAKE_BLOCK_TOKENS = 512
+MAX_BLOCK_TOKENS = 2**31 - 1  # the largest block_tokens KVCache.add_sequence takes
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -104,11 +107,14 @@ class Trace:
         ------
         ValueError
             The trace has no block ids.
+        TypeError
+            ``index`` is not an integer (a float or a bool is refused).
         IndexError
             ``index`` is out of range.
         """
         if self.block_ids is None or self.block_offsets is None:
             raise ValueError(f"Invalid trace: the {self.format} trace {self.source} has no block ids")
+        index = checked_int(index, "index")
         if not -len(self) <= index < len(self):
             raise IndexError(f"Invalid value of index: expected -{len(self)} <= index < {len(self)}, got {index}")
         index %= len(self)
@@ -159,7 +165,8 @@ def load_trace(path: str | Path, format: str | None = None, limit: int | None = 
     limit : int or None
         Read only the first ``limit`` requests (``>= 1``); None reads all.
     block_tokens : int
-        Tokens per block id of a Mooncake trace, ``>= 1`` (default 512).
+        Tokens per block id of a Mooncake trace, ``1 <= block_tokens <=
+        2**31 - 1`` (default 512).
 
     Returns
     -------
@@ -169,6 +176,9 @@ def load_trace(path: str | Path, format: str | None = None, limit: int | None = 
     ------
     ValueError
         Unknown format, or ``limit`` / ``block_tokens`` out of range.
+    TypeError
+        ``limit`` or ``block_tokens`` is not an integer (a float or a bool
+        is refused).
     TraceFormatError
         The file does not follow the format (subclass of ValueError).
     FileNotFoundError
@@ -184,10 +194,8 @@ def load_trace(path: str | Path, format: str | None = None, limit: int | None = 
 
 
 def _check_limit(limit) -> None:
-    if limit is None:
-        return
-    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1:
-        raise ValueError(f"Invalid value of limit: expected an int >= 1 or None, got {limit!r}")
+    if limit is not None:
+        checked_int(limit, "limit", 1, 2**63 - 1)
 
 
 def _text_lines(stream: Iterable[str], path: str | Path) -> Iterator[str]:
@@ -227,7 +235,8 @@ def load_mooncake(path: str | Path, limit: int | None = None,
     limit : int or None
         Read only the first ``limit`` requests.
     block_tokens : int
-        Tokens per block id (512 in the released traces).
+        Tokens per block id (512 in the released traces), ``1 <= block_tokens
+        <= 2**31 - 1``.
 
     Returns
     -------
@@ -242,6 +251,8 @@ def load_mooncake(path: str | Path, limit: int | None = None,
         bytes that are not UTF-8.
     ValueError
         ``limit`` or ``block_tokens`` out of range.
+    TypeError
+        ``limit`` or ``block_tokens`` is not an integer.
     FileNotFoundError
         No such file.
 
@@ -250,9 +261,7 @@ def load_mooncake(path: str | Path, limit: int | None = None,
     Source: kvcache-ai/Mooncake, ``FAST25-release/traces`` (Apache-2.0).
     """
     _check_limit(limit)
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, (int, np.integer)) or block_tokens < 1:
-        raise ValueError(f"Invalid value of block_tokens: expected an int >= 1, got {block_tokens!r}")
-    block_tokens = int(block_tokens)
+    block_tokens = checked_int(block_tokens, "block_tokens", 1, MAX_BLOCK_TOKENS)
     arrivals: list[float] = []
     inputs: list[int] = []
     outputs: list[int] = []
@@ -358,6 +367,8 @@ def load_azure(path: str | Path, limit: int | None = None) -> Trace:
         UTF-8.
     ValueError
         ``limit`` out of range.
+    TypeError
+        ``limit`` is not an integer.
     FileNotFoundError
         No such file.
 

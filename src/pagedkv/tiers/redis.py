@@ -32,6 +32,7 @@ from pagedkv.tiers._format import (
     expected_header,
     page_keys,
 )
+from pagedkv_c._checks import checked_int, checked_seconds
 from pagedkv_c._tier_io import PageValueChecker, record_checksums
 
 __all__ = ["RedisTier"]
@@ -423,6 +424,10 @@ def _connect(url_or_client, timeout_seconds):
     raise ValueError(f"Invalid value of url_or_client: {expected}, got {url_or_client!r}")
 
 
+# Longest ttl_seconds: Redis refuses an expiry whose milliseconds, added to now, pass int64.
+MAX_TTL_SECONDS = 2**50
+
+
 class RedisTier:
     """Sealed pages of prefix caches in Redis or Valkey, shared by every cache of one namespace.
 
@@ -445,18 +450,20 @@ class RedisTier:
         head dim, page size, dtype, hash algorithm) is added to it, so caches
         of other layouts never read each other's pages.
     ttl_seconds : int or None
-        Expiry of each written page, in seconds (``SET ... EX``); None keeps
-        pages until the store evicts them (set a ``maxmemory-policy`` such as
-        ``allkeys-lru`` on the servers).
+        Expiry of each written page, in seconds (``SET ... EX``), ``1 <=
+        ttl_seconds <= 2**50`` (Redis refuses expiries whose milliseconds
+        pass int64); None keeps pages until the store evicts them (set a
+        ``maxmemory-policy`` such as ``allkeys-lru`` on the servers).
     max_inflight_bytes : int
         Bytes of page values the writer thread copies out and sends at once,
-        ``>= 1`` (default 256 MiB; a SmolLM2-135M page value is about 369 KB);
+        ``1 <= max_inflight_bytes <= 2**63 - 1`` (default 256 MiB; a
+        SmolLM2-135M page value is about 369 KB);
         as many pages again may wait, sealed, in each cache's log. A page
         sealed while its cache's log is full is not written and is counted
         (``dropped_writes``): the cache never waits on the network.
     timeout_seconds : float
-        The longest a fetch or a write batch may take, in seconds, ``> 0`` and
-        ``<= 86400`` (default 2.0): one deadline for the whole round trip
+        The longest a fetch or a write batch may take, in seconds, ``0 <
+        timeout_seconds <= 86400`` (default 2.0): one deadline for the whole round trip
         (sending the commands and reading every reply, all nodes together),
         whatever client is given; the pages not read by then are misses and
         the connections still reading are closed. Also the connect timeout of
@@ -476,8 +483,9 @@ class RedisTier:
     Raises
     ------
     TypeError, ValueError
-        An argument of the wrong type or out of range, or a URL of another
-        form; nothing connects yet.
+        An argument of the wrong type (a float or a bool for an integer, a
+        bool or a string for seconds) or out of range (NaN or infinite
+        seconds included), or a URL of another form; nothing connects yet.
 
     Notes
     -----
@@ -544,16 +552,11 @@ class RedisTier:
         if not isinstance(namespace, str) or not namespace:
             raise TypeError(f"Invalid value of namespace: expected a non-empty str, got {namespace!r}")
         if ttl_seconds is not None:
-            if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or ttl_seconds < 1:
-                raise ValueError(f"Invalid value of ttl_seconds: expected None or an int >= 1, got {ttl_seconds!r}")
-        if isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 1:
-            raise ValueError(f"Invalid value of max_inflight_bytes: expected an int >= 1, got {max_inflight_bytes!r}")
-        if (isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float))
-                or not 0 < timeout_seconds <= _MAX_TIMEOUT):
-            raise ValueError(f"Invalid value of timeout_seconds: expected a number > 0 and <= {_MAX_TIMEOUT}, "
-                             f"got {timeout_seconds!r}")
-        client, self.is_cluster = _connect(url_or_client, float(timeout_seconds))
-        self.timeout_seconds = float(timeout_seconds)
+            ttl_seconds = checked_int(ttl_seconds, "ttl_seconds", 1, MAX_TTL_SECONDS)
+        max_inflight_bytes = checked_int(max_inflight_bytes, "max_inflight_bytes", 1, 2**63 - 1)
+        timeout_seconds = checked_seconds(timeout_seconds, "timeout_seconds", high=_MAX_TIMEOUT)
+        client, self.is_cluster = _connect(url_or_client, timeout_seconds)
+        self.timeout_seconds = timeout_seconds
         self._client_or_factory = client
         self._client_lock = threading.Lock()
         self.namespace = namespace
@@ -616,13 +619,22 @@ class RedisTier:
         Parameters
         ----------
         timeout : float or None
-            Longest wait in seconds; None waits as long as it takes.
+            Longest wait in seconds, ``0 <= timeout <= 2147483.647``; None
+            waits as long as it takes.
 
         Returns
         -------
         bool
             True when no cache waits for the writer and nothing is being written.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``timeout`` is not a number of seconds (a bool or a string), or is
+            NaN, infinite or out of range.
         """
+        if timeout is not None:
+            timeout = checked_seconds(timeout, "timeout", low_inclusive=True)
         with self._lock:
             return self._lock.wait_for(lambda: not self._queue and not self._writing, timeout)
 
@@ -630,8 +642,11 @@ class RedisTier:
         """Write what is queued (waiting at most ``timeout`` seconds), stop the writer thread.
 
         Pages sealed later are not written (they wait in their cache's log
-        until it is full); fetches still work.
+        until it is full); fetches still work. ``timeout`` is as in
+        :meth:`flush` (None waits as long as it takes).
         """
+        if timeout is not None:
+            timeout = checked_seconds(timeout, "timeout", low_inclusive=True)
         with self._lock:
             self._closed = True
             self._lock.notify_all()
