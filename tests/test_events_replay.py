@@ -156,10 +156,11 @@ def test_peers_replaying_at_once_each_get_their_whole_answer_while_the_thread_dr
         assert publisher.num_replays == 4 and publisher.num_replays_stopped == 0
 
 
-@pytest.mark.parametrize("value", [0, -1.0, float("inf"), float("nan"), True, "5"])
-def test_replay_timeout_must_be_finite_seconds_above_zero(value):
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-1.0, ValueError), (float("inf"), ValueError),
+                                          (float("nan"), ValueError), (True, TypeError), ("5", TypeError)])
+def test_replay_timeout_must_be_finite_seconds_above_zero(value, error):
     cache = KVCache(0, 1, 1, 8, enable_prefix_caching=True, enable_kv_events=True)
-    with pytest.raises(ValueError, match="replay_timeout"):
+    with pytest.raises(error, match="replay_timeout"):
         ZmqEventPublisher(cache, endpoints()[0], replay_timeout=value)
 
 

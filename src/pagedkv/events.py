@@ -52,7 +52,6 @@ others). docs/kv_events.md shows a consumer.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
