@@ -1660,30 +1660,59 @@ cdef class KVCache:
             ``sequences``: a list of ``(seq_id, table state, hash chain
             state or None)`` in insertion order.
         """
-        cdef PageTable table
         self._lock.acquire()
         try:
-            ref_counts, free_queue = self.pool._export_state()
-            sequences = []
-            for seq_id, table in self._tables.items():
-                sequences.append((int(seq_id), table._export_state(),
-                                  table.hashes._export_state() if table.hashes is not None else None))
-            return {
-                "config": self._config(),
-                "counters": {"pages_peak": int(self._pages_peak), "evictions": int(self._evictions),
-                             "cow_copies": int(self._cow_copies), "tokens_appended": int(self._tokens_appended),
-                             "prefix_queries": int(self._prefix_queries), "prefix_hits": int(self._prefix_hits),
-                             "out_of_pages_errors": int(self._num_out_of_pages),
-                             "sequences_added": int(self._sequences_added),
-                             "pages_allocated": int(self.pool.num_taken),
-                             "ring_reuses": int(self.pool.num_reused_in_place),
-                             "prefix_hit_counts": np.array([self._prefix_hit_counts[j]
-                                                            for j in range(NUM_PREFIX_HIT_BUCKETS)], dtype=np.int64)},
-                "ref_counts": ref_counts,
-                "free_queue": free_queue,
-                "prefix": self._prefix._export_state() if self._prefix is not None else None,
-                "sequences": sequences,
-            }
+            return _state_of(self)
+        finally:
+            self._lock.leave()
+
+    def _snapshot(self, kv_out):
+        """A point-in-time copy for a snapshot: state, seal state and K/V bytes from one hold of the lock.
+
+        Parameters
+        ----------
+        kv_out : numpy.ndarray
+            Receives a copy of the pool's bytes: the pool's dtype and shape,
+            C-contiguous, writeable, not overlapping the pool. Fault its
+            memory in beforehand (``pagedkv_c._file_io.prefault``): the copy
+            runs under the lock (without the GIL), and every other call of
+            the cache waits for it.
+
+        Returns
+        -------
+        tuple
+            ``(state, sealed_state)`` as :meth:`_export_state` and
+            :meth:`_sealed_state` return them, of the same moment as the
+            bytes copied into ``kv_out``.
+
+        Raises
+        ------
+        TypeError
+            ``kv_out`` is not a numpy.ndarray.
+        ValueError
+            ``kv_out`` has another dtype, shape or layout, or overlaps the pool.
+        """
+        cdef size_t nbytes
+        cdef char* dst
+        if not isinstance(kv_out, np.ndarray):
+            raise TypeError(f"Invalid type of kv_out: expected a numpy.ndarray, got {type(kv_out).__name__}")
+        self._lock.acquire()
+        try:
+            pool = self.kv  # (the pool array itself changes only while the lock is held: _adopt_pool)
+            if kv_out.dtype != pool.dtype or kv_out.shape != pool.shape:
+                raise ValueError(f"Invalid shape of kv_out: expected {pool.dtype} {pool.shape}, "
+                                 f"got {kv_out.dtype} {kv_out.shape}")
+            if not (kv_out.flags.c_contiguous and kv_out.flags.writeable) or np.may_share_memory(kv_out, pool):
+                raise ValueError("Invalid layout of kv_out: expected a C-contiguous, writeable array "
+                                 "apart from the pool")
+            nbytes = <size_t>pool.nbytes
+            dst = <char*>cnp.PyArray_DATA(kv_out)
+            state = _state_of(self)
+            sealed = _sealed_of(self)
+            if nbytes:
+                with nogil:  # no Python code runs here, so no finalizer can queue a deferred call
+                    memcpy(dst, self._data, nbytes)
+            return state, sealed
         finally:
             self._lock.leave()
 
@@ -2319,11 +2348,7 @@ cdef class KVCache:
         """
         self._lock.acquire()
         try:
-            return {
-                "sealed": np.array(self._sealed_array, copy=True),
-                "checksums": None if self._checksum_array is None else np.array(self._checksum_array, copy=True),
-                "pages_sealed": self._pages_sealed,
-            }
+            return _sealed_of(self)
         finally:
             self._lock.leave()
 
@@ -2519,6 +2544,41 @@ class PageCheckReport:
 
     def __repr__(self):
         return f"PageCheckReport(num_pages_checked={self.num_pages_checked}, bad_pages={self.bad_pages})"
+
+
+cdef dict _state_of(KVCache cache):
+    """``KVCache._export_state``'s dict; the caller holds the cache's lock."""
+    cdef PageTable table
+    ref_counts, free_queue = cache.pool._export_state()
+    sequences = []
+    for seq_id, table in cache._tables.items():
+        sequences.append((int(seq_id), table._export_state(),
+                          table.hashes._export_state() if table.hashes is not None else None))
+    return {
+        "config": cache._config(),
+        "counters": {"pages_peak": int(cache._pages_peak), "evictions": int(cache._evictions),
+                     "cow_copies": int(cache._cow_copies), "tokens_appended": int(cache._tokens_appended),
+                     "prefix_queries": int(cache._prefix_queries), "prefix_hits": int(cache._prefix_hits),
+                     "out_of_pages_errors": int(cache._num_out_of_pages),
+                     "sequences_added": int(cache._sequences_added),
+                     "pages_allocated": int(cache.pool.num_taken),
+                     "ring_reuses": int(cache.pool.num_reused_in_place),
+                     "prefix_hit_counts": np.array([cache._prefix_hit_counts[j]
+                                                    for j in range(NUM_PREFIX_HIT_BUCKETS)], dtype=np.int64)},
+        "ref_counts": ref_counts,
+        "free_queue": free_queue,
+        "prefix": cache._prefix._export_state() if cache._prefix is not None else None,
+        "sequences": sequences,
+    }
+
+
+cdef dict _sealed_of(KVCache cache):
+    """``KVCache._sealed_state``'s dict (copies); the caller holds the cache's lock."""
+    return {
+        "sealed": np.array(cache._sealed_array, copy=True),
+        "checksums": None if cache._checksum_array is None else np.array(cache._checksum_array, copy=True),
+        "pages_sealed": cache._pages_sealed,
+    }
 
 
 def _remove_deferred(tuple cache_and_key):
