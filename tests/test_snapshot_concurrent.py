@@ -272,3 +272,56 @@ def test_snapshots_taken_under_load_all_load_and_are_points_in_time(tmp_path):
     assert saves >= 3 and exports >= 1
     assert all(worker.calls > 50 for worker in workers), [worker.calls for worker in workers]
     cache.check_invariants()
+
+
+def test_classic_snapshots_taken_under_load_all_load(tmp_path):
+    """``PagedKVCache.save`` while threads put (evicting pages) and clear: every file loads, and every
+    token present in it holds its own K and V (key = token, value = -token), never another moment's."""
+    from pagedkv import PagedKVCache
+
+    cache = PagedKVCache(24, 16, page_size=4, dtype=np.float32)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            while not stop.is_set():
+                if rng.random() < 0.01:
+                    cache.clear()
+                    continue
+                tokens = rng.integers(0, 400, size=int(rng.integers(1, 12)))
+                rows = np.repeat(tokens.astype(np.float32)[:, None], 16, axis=1)
+                cache.put_many(tokens, rows, -rows)
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(seed,), daemon=True) for seed in range(3)]
+    for thread in threads:
+        thread.start()
+    path = tmp_path / "classic.pkv"
+    saves = 0
+    try:
+        deadline = time.monotonic() + min(SECONDS, 2.0)
+        while time.monotonic() < deadline and not errors:
+            cache.save(path)
+            saves += 1
+            try:
+                loaded = PagedKVCache.load(path)
+            except SnapshotError as exc:
+                pytest.fail(f"save {saves} wrote a file that does not load: {exc}")
+            loaded.check_invariants()
+            tokens = np.array(list(loaded), dtype=np.int64)
+            if tokens.size:
+                keys, values, present = loaded.get_many(tokens)
+                assert present.all()
+                expected = np.repeat(tokens.astype(np.float32)[:, None], 16, axis=1)
+                assert np.array_equal(keys, expected) and np.array_equal(values, -expected), \
+                    f"save {saves}: a token holds the K/V of another moment"
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    if errors:
+        raise errors[0]
+    assert saves >= 3

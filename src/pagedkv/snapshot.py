@@ -1207,13 +1207,22 @@ def save_classic(cache, path) -> None:
     in FIFO eviction order, the free queue, the presence bytes), then the page
     checksums and the pool's bytes.
 
+    Other threads may go on using the cache: its state and a copy of its
+    pool are taken in one hold of its lock (other calls wait for the copy;
+    the copy costs as much memory as the pool until the call returns), and
+    the checksums are computed from the copy that is written.
+
     Raises
     ------
+    MemoryError
+        No memory for the copy of the pool; an existing file is left as it was.
     OSError
         The file cannot be written; an existing file is left as it was.
     """
-    state = cache._export_state()
-    kv = cache._pool_array()
+    pool = cache._pool_array()
+    kv = np.zeros(pool.shape, dtype=pool.dtype)  # (shape and dtype never change)
+    prefault(kv)
+    state = cache._snapshot(kv)
     sections = [("config", _encode(cache._config())),
                 ("counters", _encode({name: state[name] for name in ("hits", "misses", "evictions")})),
                 ("state", _encode({name: state[name] for name in ("logical_pages", "page_ids", "free_queue",
