@@ -88,8 +88,10 @@ def prefault(array):
     lock; faulting that array in first, without the lock, keeps the kernel's
     page faults (and its zeroing of the new memory) out of the time other
     threads wait. Linux 5.14 and later: ``madvise(MADV_POPULATE_WRITE)``
-    over the whole 4096-byte pages of the array; elsewhere (or where the
-    kernel refuses) one byte of every 4096 is rewritten with its own value.
+    over the whole 4096-byte pages of the array, 4 MiB per call (so that
+    other threads that need the process's memory-map lock wait for one
+    step, not for the whole array); elsewhere (or where the kernel
+    refuses) one byte of every 4096 is rewritten with its own value.
     The array's bytes do not change. Runs without the GIL.
 
     Parameters
@@ -110,23 +112,31 @@ def prefault(array):
         raise ValueError("Invalid layout of array: expected a C-contiguous, writeable array")
     cdef char* data = <char*>cnp.PyArray_DATA(array)
     cdef size_t nbytes = <size_t>array.nbytes
-    cdef uintptr_t start, first, last
-    cdef volatile char* byte
+    cdef uintptr_t start, end, first, last, at, step
     if not nbytes:
         return
     with nogil:
         start = <uintptr_t>data
+        end = start + nbytes
         first = (start + 4095) & ~(<uintptr_t>4095)  # whole pages only: madvise takes aligned ranges
-        last = (start + nbytes) & ~(<uintptr_t>4095)
-        if last <= first or pkv_populate_write(<void*>first, last - first) != 0:
-            first = start
-            last = start
-        # The partial pages at both ends, or everything where madvise could not.
-        byte = <volatile char*>start
-        while <uintptr_t>byte < first:
-            byte[0] = byte[0]
-            byte = <volatile char*>((<uintptr_t>byte + 4096) & ~(<uintptr_t>4095))
-        byte = <volatile char*>last
-        while <uintptr_t>byte < start + nbytes:
-            byte[0] = byte[0]
-            byte = <volatile char*>((<uintptr_t>byte + 4096) & ~(<uintptr_t>4095))
+        last = end & ~(<uintptr_t>4095)
+        _touch(start, min(first, end))  # the partial page before them
+        # In steps of 4 MiB: madvise holds the process's memory-map lock for
+        # its whole range, and a thread that needs that lock for writing
+        # (malloc growing an arena, mmap) would wait, and make every later
+        # page fault of the process wait, until the range is done.
+        at = first
+        while at < last:
+            step = min(last - at, <uintptr_t>(4 << 20))
+            if pkv_populate_write(<void*>at, step) != 0:
+                break  # the kernel cannot: the rest is touched below
+            at += step
+        _touch(at, end)
+
+
+cdef void _touch(uintptr_t begin, uintptr_t end) noexcept nogil:
+    """Rewrite one byte of every 4096-byte page of ``[begin, end)`` with its own value (a write fault)."""
+    cdef volatile char* byte = <volatile char*>begin
+    while <uintptr_t>byte < end:
+        byte[0] = byte[0]
+        byte = <volatile char*>((<uintptr_t>byte + 4096) & ~(<uintptr_t>4095))
