@@ -325,3 +325,43 @@ def test_classic_snapshots_taken_under_load_all_load(tmp_path):
     if errors:
         raise errors[0]
     assert saves >= 3
+
+
+class _Forging:
+    """A KVCache stand-in whose exported state says page 0 has one reference more than the tables hold."""
+
+    def __init__(self, cache: KVCache):
+        self.cache, self.kv = cache, cache.kv
+
+    @staticmethod
+    def _forge(state: dict) -> dict:
+        state["ref_counts"] = state["ref_counts"].copy()
+        state["ref_counts"][0] += 1
+        return state
+
+    def _snapshot(self, kv_out):
+        state, sealed = self.cache._snapshot(kv_out)
+        return self._forge(state), sealed
+
+    def _export_state(self):
+        return self._forge(self.cache._export_state())
+
+    def _sealed_state(self):
+        return self.cache._sealed_state()
+
+
+def test_a_file_that_would_not_load_never_replaces_the_snapshot(tmp_path):
+    """The new file's metadata is read back and checked as load checks it, before the rename (#29)."""
+    cache = KVCache(**{**CONFIG, "enable_kv_events": False})
+    cache.add_sequence(1, [_token(1, p) for p in range(9)])
+    slots = cache.append([1], [9])
+    for layer in range(cache.num_layers):
+        cache.store(layer, slots, *_kv_rows(1, 0, 9, layer))
+    path = tmp_path / "good.pkv"
+    cache.save(path)
+    good = path.read_bytes()
+    with pytest.raises(SnapshotError, match="page 0 has ref count 2"):
+        snap.save_cache(_Forging(cache), path)
+    assert path.read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.pkv"]  # no temporary file left
+    KVCache.load(path).check_invariants()
