@@ -1561,13 +1561,24 @@ cdef class KVCache:
 
         Raises
         ------
+        pagedkv.SnapshotError
+            The file would not load (a sealed page's bytes differ from the
+            checksum recorded at its seal: see :meth:`verify_pages`); the
+            existing file is left as it was.
+        MemoryError
+            No memory for the copy of the pool; nothing was written.
         OSError
             The file cannot be written; an existing file is left as it was.
 
         Notes
         -----
-        No other thread may change the cache during the call (its K/V bytes
-        are read after the page tables).
+        Other threads may go on using the cache: the file is the cache at
+        one point in time. The state and a copy of the pool are taken in one
+        hold of the cache's lock, so other calls wait for a ``memcpy`` of
+        the pool (about 0.1 to 0.25 s per GiB, docs/snapshots.md), and the
+        copy takes as much memory as the pool until the call returns.
+        ``path`` is only ever replaced by a rename, and only by a file that
+        would load.
         """
         from pagedkv.snapshot import save_cache
         save_cache(self, path)
@@ -1601,6 +1612,9 @@ cdef class KVCache:
 
     def export_sequence(self, seq_id):
         """One sequence with its K/V and page-table state, as bytes (checksummed).
+
+        Other threads may go on using the cache: the sequence's state and
+        a copy of its pages are taken in one hold of the cache's lock.
 
         Returns
         -------

@@ -51,6 +51,11 @@ flags, before it allocates the cache or reads a page.
 Writes are atomic: the file is written to a temporary file in the target's
 directory, flushed and fsynced, renamed over the target, and the directory is
 fsynced, so a crash leaves the old snapshot or the new one, never a torn file.
+No writer here opens an existing snapshot for writing: a file is only ever
+replaced by a rename, so a process that mapped the old one keeps its bytes.
+A save may run while other threads use the cache: it takes the state and a
+copy of the pool in one hold of the cache's lock, writes the copy with
+checksums computed from it, and renames only a file that would load.
 """
 from __future__ import annotations
 
@@ -1120,6 +1125,10 @@ def verify(path) -> None:
 # --------------------------------------------------------- one sequence
 def export_sequence(cache, seq_id) -> bytes:
     """One sequence of a ``KVCache`` with its K/V, as bytes (the container format, magic ``PKVSEQ``).
+
+    Other threads may go on using the cache: the sequence's page table, hash
+    chain and a copy of its pages are taken in one hold of the cache's lock,
+    and the page checksums are computed from that copy.
 
     Raises
     ------
