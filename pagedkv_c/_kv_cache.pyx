@@ -1851,6 +1851,20 @@ cdef class KVCache:
         finally:
             self._lock.leave()
 
+    def _make_pool_private(self, guard):
+        """Move a mapped pool's bytes into process memory, under the lock (internal: mapped snapshots).
+
+        ``guard`` is the ``pagedkv_c._file_io.GuardedMap`` under this
+        cache's pool; its lease thread calls this when another process wants
+        to write or truncate the mapped file, so that no ``store`` into the
+        pool runs while the bytes are copied.
+        """
+        self._lock.acquire()
+        try:
+            guard.make_private()
+        finally:
+            self._lock.leave()
+
     def _export_sequence_state(self, seq_id):
         """One sequence's table, hash chain and K/V (for export_sequence).
 

@@ -370,7 +370,8 @@ def test_inconsistent_state_is_refused_by_the_core():
 def test_mmap_is_copy_on_write(tmp_path, small_file):
     before = small_file.read_bytes()
     cache = KVCache.load(small_file, mmap=True)
-    assert isinstance(cache.kv, np.memmap)
+    if sys.platform.startswith("linux"):  # a view of the guarded map (tests/test_snapshot_mmap.py)
+        assert not cache.kv.flags.owndata
     _filled(cache, [1, 2], [1, 1], seed=5)
     cache.kv[...] = 1.0
     del cache

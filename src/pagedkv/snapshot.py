@@ -59,6 +59,8 @@ checksums computed from it, and renames only a file that would load.
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import struct
 import tempfile
@@ -68,7 +70,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv_c._checksum import combine_digests, layer_digests, page_checksums
-from pagedkv_c._file_io import prefault, start_writeback
+from pagedkv_c._file_io import GuardedMap, prefault, start_writeback
 from pagedkv_c._prefix import xxh3_128_intdigest
 
 __all__ = ["FORMAT_VERSION", "SnapshotError", "export_sequence", "import_sequence", "load_cache",
@@ -87,6 +89,7 @@ _PAGE_ALIGN = 4096
 _DTYPES = {1: np.dtype("<i4"), 2: np.dtype("<i8"), 3: np.dtype("<u8"), 4: np.dtype("u1")}
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 _MASK64 = (1 << 64) - 1
+_log = logging.getLogger(__name__)
 # Sections of each kind of file, in order ("?" marks an optional one).
 _LAYOUTS = {
     MAGIC_CACHE: ("config", "counters", "pool", "?prefix", "tables", "?hashes", "sealed", "checksums", "pages"),
@@ -880,17 +883,43 @@ def load_cache(path, *, mmap: bool = False, num_threads: int | None = None):
 
     threads = _checked_threads(num_threads)
     with open(path, "rb", buffering=0) as f:  # unbuffered: the pages are read straight into the pool
+        guard = _guard(f, path) if mmap else None  # before anything of the file is read
         parsed, state, tables, shape = _checked_cache_file(f, path)
         config = state["config"]
         cache = KVCache(**_cache_kwargs(config))
         if mmap:
-            if cache.kv.size:
-                cache._adopt_pool(np.memmap(f, dtype=cache.kv.dtype, mode="c", offset=parsed.pages_offset,
-                                            shape=shape))
+            if cache.kv.size and guard is not None:
+                try:
+                    guard.map(parsed.pages_offset, parsed.pages_length)
+                except OSError as exc:
+                    if exc.errno != errno.ESTALE:
+                        raise
+                    raise SnapshotError(f"section 'pages': {os.fspath(path)!r} was opened for writing or "
+                                        f"truncated by another process while it was loaded") from None
+                cache._adopt_pool(np.frombuffer(guard, dtype=cache.kv.dtype).reshape(shape))
+                guard.attach(cache)
+            elif cache.kv.size:  # no guard here: the pages are read now (and checked later, as mapped ones)
+                _readinto(f, parsed.pages_offset, cache.kv)
         else:
             _read_and_check_pages(f, parsed.pages_offset, cache.kv, parsed.checksums, tables, threads)
     _restore(cache, state, parsed)
     return cache
+
+
+def _guard(f, path):
+    """A ``GuardedMap`` of the open snapshot ``f`` (its read lease taken), or None where none can be taken.
+
+    Without a guard a map of the file is not safe (a truncation kills the
+    process with SIGBUS at the next access of an untouched page; a rewrite
+    in place changes them), so :func:`load_cache` reads the pages instead and
+    logs why.
+    """
+    try:
+        return GuardedMap(f.fileno())
+    except OSError as exc:
+        _log.warning("load(%r, mmap=True): the file cannot be guarded against changes by other processes "
+                     "(%s), so its pages are read into memory instead of mapped", os.fspath(path), exc.strerror)
+        return None
 
 
 def _checked_cache_file(f, path) -> tuple[_Parsed, dict, list, tuple]:
