@@ -18,6 +18,7 @@ docstring).
 from libc.stdint cimport int64_t, uintptr_t
 from posix.unistd cimport close
 cimport numpy as cnp
+import logging
 import os
 import threading
 import weakref
@@ -232,21 +233,23 @@ _lease_thread = None
 
 def _serve_lease_breaks(int read_fd):
     """Body of the lease thread: for each slot the handler reports, move that map into process memory."""
-    cdef int slot
     while True:
         data = os.read(read_fd, 4096)
         if not data:
             return
         with _guards_lock:
-            # Every slot whose lease broke (the pipe may have dropped numbers when full).
-            slots = [slot for slot in _guards if pkv_guard_is_broken(slot)]
-            guards = [_guards[slot]() for slot in slots]
+            # Every slot whose lease broke (the pipe may have dropped numbers when full); list() copies
+            # the dict at once, as a guard freed by another thread meanwhile removes its entry.
+            guards = [ref() for slot, ref in list(_guards.items()) if pkv_guard_is_broken(slot)]
         guard = None
         for guard in guards:
-            if guard is not None:
+            if guard is not None and not (<GuardedMap>guard)._private:
                 try:
                     (<GuardedMap>guard)._on_break()
-                except BaseException:  # keep serving the other guards; the writer is let go regardless
+                except BaseException:  # logged; the writer is let go regardless, the other guards served
+                    logging.getLogger("pagedkv.snapshot").exception(
+                        "a mapped snapshot could not be copied into memory before another process changed "
+                        "its file; the cache may read changed bytes or fault")
                     (<GuardedMap>guard)._unlease()
         del guards, guard  # (outside the lock: a guard may be freed here)
 
