@@ -298,7 +298,9 @@ cdef class GuardedMap:
     kernel lets the writer go anyway; it takes a read of the map's untouched
     pages and a copy of the whole range, and as much memory as the range.
     Writes to the mapped array that bypass the cache's calls (which hold its
-    lock) while the copy runs may be lost.
+    lock) while the copy runs may be lost. A child made by ``fork()`` after
+    the map shares the map but not the guard (the kernel signals the
+    parent); load in the child instead.
 
     Parameters
     ----------
