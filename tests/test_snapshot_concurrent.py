@@ -278,6 +278,7 @@ def test_snapshots_taken_under_load_all_load_and_are_points_in_time(tmp_path, wi
     for worker in workers:
         if worker.error is not None:
             raise worker.error
+    print(f"{saves} saves and {exports} exports, all loaded; worker steps {[worker.calls for worker in workers]}")
     assert saves >= 3 and exports >= 1
     assert all(worker.calls > 50 for worker in workers), [worker.calls for worker in workers]
     cache.check_invariants()
