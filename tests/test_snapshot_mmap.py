@@ -134,3 +134,54 @@ def test_a_file_open_for_writing_is_read_not_mapped(tmp_path, caplog):
     assert "cannot be guarded" in caplog.text and "read into memory" in caplog.text
     assert isinstance(_base(mapped.kv), np.ndarray) or _base(mapped.kv) is None
     assert np.array_equal(mapped.gather(0, 1)[0], cache.gather(0, 1)[0])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GuardedMap needs file leases (Linux only)")
+def test_a_writer_between_the_lease_and_the_map_is_detected(tmp_path):
+    """A process that opens the file for writing after the lease and before the map waits for the lease
+    thread, which lets it go (there is nothing to copy yet); map() then refuses (ESTALE), since what the
+    loader read may no longer be the file's bytes."""
+    import errno
+
+    from pagedkv_c._file_io import GuardedMap
+
+    path = tmp_path / "file.bin"
+    path.write_bytes(bytes(3 * 4096))
+    with open(path, "rb") as f:
+        guard = GuardedMap(f.fileno())
+        subprocess.run([sys.executable, "-c", "import sys; open(sys.argv[1], 'r+b').write(b'changed')", str(path)],
+                       check=True, timeout=60)
+        assert guard.broken
+        with pytest.raises(OSError) as info:
+            guard.map(0, 3 * 4096)
+        assert info.value.errno == errno.ESTALE
+    assert path.read_bytes().startswith(b"changed")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GuardedMap needs file leases (Linux only)")
+def test_guarded_map_arguments(tmp_path):
+    from pagedkv_c._file_io import GuardedMap, prefault
+
+    path = tmp_path / "file.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    with open(path, "rb") as f:
+        guard = GuardedMap(f.fileno())
+    with pytest.raises(ValueError, match="offset"):
+        guard.map(100, 4096)
+    with pytest.raises(ValueError, match="length"):
+        guard.map(0, 0)
+    with pytest.raises(TypeError, match="fd"):
+        GuardedMap(1.0)
+    guard.map(4096, 8192)
+    with pytest.raises(ValueError, match="already mapped"):
+        guard.map(0, 4096)
+    view = np.frombuffer(guard, dtype=np.uint8)
+    assert len(guard) == 8192 and np.array_equal(view, np.frombuffer(path.read_bytes()[4096:12288], np.uint8))
+    view[:4] = 7  # copy-on-write: the file does not change
+    assert path.read_bytes()[4096:4100] == bytes(range(4))
+    guard.make_private()
+    assert guard.private and np.all(view[:4] == 7)
+    with pytest.raises(TypeError, match="ndarray"):
+        prefault(b"abc")
+    with pytest.raises(ValueError, match="writeable"):
+        prefault(np.zeros(8)[::2])
