@@ -16,7 +16,6 @@ were at the load, whatever another process does to the file (see its
 docstring).
 """
 from libc.stdint cimport int64_t, uintptr_t
-from posix.unistd cimport close
 cimport numpy as cnp
 import logging
 import os
@@ -130,8 +129,6 @@ cdef extern from *:
         return 0;
     }
 
-    static int pkv_guards_installed(void) { return pkv_guard_pipe >= 0; }
-
     /* Take a slot and a read lease on fd (open for reading only): the slot,
      * or -errno (EAGAIN: the file is open for writing somewhere; EACCES:
      * another user's file; EINVAL: leases are off or unsupported here). */
@@ -191,11 +188,11 @@ cdef extern from *:
     }
 
     static void pkv_unmap(void *p, size_t len) { munmap(p, len); }
+    static void pkv_close(int fd) { close(fd); }
     #else
     #define PKV_HAVE_LEASES 0
     static int pkv_lease_signal(void) { return 0; }
     static int pkv_guards_install(int pipe_fd) { (void)pipe_fd; return 38; /* ENOSYS */ }
-    static int pkv_guards_installed(void) { return 0; }
     static int pkv_guard_take(int fd) { (void)fd; return -38; }
     static int pkv_guard_is_broken(int slot) { (void)slot; return 0; }
     static void pkv_guard_unlease(int slot) { (void)slot; }
@@ -203,13 +200,12 @@ cdef extern from *:
     static void *pkv_map_private(int fd, int64_t offset, size_t len) { (void)fd; (void)offset; (void)len; return NULL; }
     static int pkv_map_to_anonymous(void *addr, size_t len) { (void)addr; (void)len; return 38; }
     static void pkv_unmap(void *p, size_t len) { (void)p; (void)len; }
+    static void pkv_close(int fd) { (void)fd; }
     #endif
     """
     int PKV_HAVE_LEASES
-    int PKV_MAX_GUARDS
     int pkv_lease_signal() noexcept nogil
     int pkv_guards_install(int pipe_fd) noexcept nogil
-    int pkv_guards_installed() noexcept nogil
     int pkv_guard_take(int fd) noexcept nogil
     int pkv_guard_is_broken(int slot) noexcept nogil
     void pkv_guard_unlease(int slot) noexcept nogil
@@ -217,6 +213,7 @@ cdef extern from *:
     void* pkv_map_private(int fd, int64_t offset, size_t len) noexcept nogil
     int pkv_map_to_anonymous(void* addr, size_t len) noexcept nogil
     void pkv_unmap(void* p, size_t len) noexcept nogil
+    void pkv_close(int fd) noexcept nogil
 
 #: The real-time signal that the kernel sends this process when another
 #: process opens a guarded snapshot for writing or truncates it (Linux
@@ -462,7 +459,7 @@ cdef class GuardedMap:
             pkv_unmap(self._addr, self._length)
             self._addr = NULL
         if self._fd >= 0:
-            close(self._fd)  # drops the lease
+            pkv_close(self._fd)  # drops the lease
             self._fd = -1
 
 
