@@ -158,8 +158,11 @@ def _decode(section: str, data: bytes) -> dict[str, np.ndarray]:
             raise fail(f"entry {name!r} of shape {shape} runs past the section's {end} bytes")
         if name in arrays:
             raise fail(f"entry {name!r} appears twice")
-        arrays[name] = np.frombuffer(data, dtype=dtype, count=count, offset=start).reshape(shape).astype(
-            dtype.newbyteorder("="))
+        try:  # an empty entry may claim any extents (e.g. (0, 2**63)), more than NumPy can shape
+            arrays[name] = np.frombuffer(data, dtype=dtype, count=count, offset=start).reshape(shape).astype(
+                dtype.newbyteorder("="))
+        except ValueError:
+            raise fail(f"entry {name!r} has a shape {shape} no array can have") from None
         pos = start + count * dtype.itemsize
         pos += -pos % 8
     return arrays
