@@ -81,7 +81,6 @@ import numpy as np
 
 from pagedkv_c._checksum import combine_digests, layer_digests, page_checksums
 from pagedkv_c._file_io import start_writeback
-from pagedkv_c._kv_cache import PREFIX_HIT_BUCKETS
 from pagedkv_c._prefix import xxh3_128_intdigest
 
 __all__ = ["FORMAT_VERSION", "SnapshotError", "export_sequence", "import_sequence", "load_cache",
@@ -473,8 +472,6 @@ def _cache_kwargs(config: dict) -> dict:
 
 
 _TABLE_FIELDS = ("length", "sink_count", "ring_first", "ring_capacity", "num_pages")
-#: Buckets of the ``prefix_hit_counts`` counters array (the core's bounds plus an overflow bucket).
-_NUM_PREFIX_HIT_BUCKETS = len(PREFIX_HIT_BUCKETS) + 1
 _HASH_FIELDS = ("external", "num_hashed", "num_known", "num_blocks", "pages_per_block", "num_hashable",
                 "num_registered")
 
@@ -916,7 +913,9 @@ def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
         sequences = [(seq_id, table, h) for (seq_id, table), h in zip(tables, hashes)]
     elif "prefix" in parsed.sections or "hashes" in parsed.sections:
         raise SnapshotError("section 'prefix': present in a cache without prefix caching")
-    hit_counts = counters.array("prefix_hit_counts", np.int64, 1, (_NUM_PREFIX_HIT_BUCKETS,))
+    from pagedkv_c._kv_cache import PREFIX_HIT_BUCKETS  # the core's bucket bounds, then an overflow bucket
+
+    hit_counts = counters.array("prefix_hit_counts", np.int64, 1, (len(PREFIX_HIT_BUCKETS) + 1,))
     if (hit_counts < 0).any():
         bucket = int(np.flatnonzero(hit_counts < 0)[0])
         raise counters.error(f"entry 'prefix_hit_counts' has {int(hit_counts[bucket])} in bucket {bucket}, "
