@@ -10,6 +10,7 @@ working (append, store, save, load again).
 """
 import hashlib
 import struct
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -438,3 +439,24 @@ def test_empty_entry_of_an_impossible_shape_names_its_section(tmp_path):
         sections["tables"]["pages"] = np.zeros((0, 2**40), np.int32)  # NumPy shapes it; the loader refuses it
     forge_file(path, edit)
     _refused_everywhere(path, "tables")
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_forgeries_the_core_finds_are_refused_before_the_pool_exists(tmp_path, mmap):
+    """A forged chain (found by the core's recomputation) is refused before the 8 MiB pool is allocated."""
+    cache = KVCache(4, 8, 16, 256, page_size=16, enable_prefix_caching=True, dtype=np.float16)
+    cache.add_sequence(1, list(range(40)), extra_key="alice")
+    _filled(cache, [1], [40])
+    path = _saved(tmp_path, cache)
+
+    def edit(sections):
+        sections["hashes"]["chain"][0, 0] ^= 1
+    forge_file(path, edit)
+    tracemalloc.start()
+    try:
+        with pytest.raises(SnapshotError, match="section 'hashes'"):
+            KVCache.load(path, mmap=mmap)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < cache.kv.nbytes // 4
