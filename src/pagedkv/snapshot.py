@@ -1220,8 +1220,6 @@ def import_sequence(cache, seq_id, data, *, extra_key=None) -> None:
     ValueError
         ``seq_id`` already exists.
     """
-    from pagedkv_c._kv_cache import StateError
-
     view = memoryview(data).cast("B")
     parsed = _parse(lambda offset, length: bytes(view[offset:offset + length]), len(view), MAGIC_SEQUENCE,
                     "the exported sequence")
@@ -1251,6 +1249,8 @@ def import_sequence(cache, seq_id, data, *, extra_key=None) -> None:
     _check_pages(kv, parsed.checksums, [(seq_id, tables[0][1])], "exported")
     if seq_id in cache:
         raise ValueError(f"Invalid value of seq_id: sequence {seq_id} already exists")
+    from pagedkv_c._kv_cache import StateError
+
     try:
         cache._import_sequence_state(seq_id, tables[0][1], hashes, kv, extra_key)
     except StateError as exc:  # the sequence's own fields do not fit this cache, or its chain is forged
