@@ -9,12 +9,16 @@ before anything is built or changed, ``verify`` refuses exactly what
 working (append, store, save, load again).
 """
 import hashlib
+import os
 import struct
+import tempfile
 import tracemalloc
 
 import numpy as np
 import pytest
 import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagedkv import KVCache, OutOfPagesError, PagedKVCache, SnapshotError
 from pagedkv import snapshot as snap
@@ -460,3 +464,53 @@ def test_forgeries_the_core_finds_are_refused_before_the_pool_exists(tmp_path, m
     finally:
         tracemalloc.stop()
     assert peak < cache.kv.nbytes // 4
+
+
+# ------------------------------------------------------------ honest states are never refused
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(page_size=st.sampled_from([1, 2, 3, 4]), window=st.sampled_from([None, 1, 2, 3, 5, 8]),
+       sink=st.sampled_from([0, 1, 3, 4]), ops=st.lists(st.tuples(st.sampled_from(["add", "append", "fork",
+                                                                                   "truncate", "remove"]),
+                                                                  st.integers(0, 9), st.integers(0, 12)),
+                                                        min_size=1, max_size=25))
+def test_every_reachable_state_loads_and_imports(page_size, window, sink, ops):
+    """The exact checks refuse no state the core reaches: windows smaller and larger than a page, sinks,
+    prefix hits that adopt cached pages, forks, truncations; saved, verified, loaded and exported back."""
+    if window is None:
+        sink = 0
+    kwargs = dict(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=40, page_size=page_size, window=window,
+                  sink_tokens=sink, enable_prefix_caching=True, dtype=np.float32)
+    cache = KVCache(**kwargs)
+    next_id, salts = 0, {}
+    for op, a, b in ops:
+        ids = [int(i) for i in cache.seq_ids()]
+        try:
+            if op == "add" or not ids:
+                salts[next_id] = (None, 7)[a % 2]
+                cache.add_sequence(next_id, [t % 3 for t in range(b)], extra_key=salts[next_id])
+                next_id += 1
+            elif op == "append":
+                seq = ids[a % len(ids)]
+                cache.append([seq], [b], [t % 3 for t in range(b)], return_slot_mapping=False)
+            elif op == "fork":
+                salts[next_id] = salts[ids[a % len(ids)]]
+                cache.fork(ids[a % len(ids)], next_id)
+                next_id += 1
+            elif op == "truncate":
+                seq = ids[a % len(ids)]
+                cache.truncate(seq, max(cache.seq_len(seq) - b, 0))
+            else:
+                cache.remove_sequence(ids[a % len(ids)])
+        except (ValueError, MemoryError):
+            pass  # refused calls (out of pages, a truncation into released pages) change nothing
+    cache.check_invariants()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "state.pkv")
+        cache.save(path)
+        snap.verify(path)
+        loaded = KVCache.load(path)
+        loaded.check_invariants()
+    for seq_id in cache.seq_ids():
+        other = KVCache(**kwargs)
+        other.import_sequence(0, cache.export_sequence(int(seq_id)), extra_key=salts[int(seq_id)])
+        other.check_invariants()
