@@ -127,8 +127,7 @@ def test_honest_window_states_still_load(tmp_path):
         cache.add_sequence(3)
         for _ in range(11):
             _filled(cache, [3], [1])
-        low = max(cache.seq_len(3) - 3, 0)
-        for new_len in range(cache.seq_len(3), -1, -1):
+        for new_len in range(cache.seq_len(3) - 1, -1, -1):  # the first shorter length the window allows
             try:
                 cache.truncate(3, new_len)
                 break
@@ -143,16 +142,6 @@ def test_honest_window_states_still_load(tmp_path):
         path = _saved(tmp_path, cache)
         snap.verify(path)
         _usable(KVCache.load(path), tmp_path)
-        assert low >= 0
-
-
-def test_forged_geometry_never_writes_outside_the_sequence(tmp_path):
-    """Before the fix the forged length made the next append hand out a slot in a page the fork holds."""
-    cache = _windowed()
-    path = _saved(tmp_path, cache)
-    forge_file(path, _table_edit(0, 0, 2))
-    with pytest.raises(SnapshotError):
-        KVCache.load(path)
 
 
 # ------------------------------------------------------------ 2. verify and load agree
