@@ -1196,7 +1196,9 @@ def import_sequence(cache, seq_id, data, *, extra_key=None) -> None:
     cover exactly what its length, window and sinks say, and the hash chain
     must be salted with this cache's digest of ``extra_key`` and follow from
     the kept token (or block) ids, hashed again here. So bytes cannot plant
-    K/V under another tenant's salt.
+    K/V under another tenant's salt; their K/V for their own token ids are
+    taken as given (nothing can check them) and, cached under ``extra_key``,
+    serve that tenant's matching prompts.
 
     Parameters
     ----------
