@@ -35,18 +35,35 @@ arrays, strings uint8 arrays.
 Checksums: metadata sections, the section table and the header use the low
 64 bits of XXH3-128 (``xxh3.h``, the core's own implementation); a page's
 checksum is ``pagedkv_c._checksum.page_checksums`` (``page_checksum.h``), the
-value the cache records for a sealed page. XXH3 detects corruption, not a
-forger: a file is trusted data, but nothing in it can run code (no pickle)
-or make the reader allocate more than the file's size suggests. Every
-length is checked against the header and the file before it is read; the
-pool must be exactly the ``pages`` section (layers x pages x 2 x page size x
-heads x head dim x dtype size); ``num_pages`` is the checksum table's length
-/ 8; the kept token ids of prefix caching (num_pages x page_size int32, not
-bounded by the pool when ``num_layers`` is 0) and the page tables' rings and
-sink arrays (4 bytes per entry) together may take at most twice the file's
-length or 256 MiB, whichever is more. ``load_cache`` checks all of that, and
-the ids, ref counts, free queue, prefix index, page-table geometry and seal
-flags, before it allocates the cache or reads a page.
+value the cache records for a sealed page.
+
+Trust model: XXH3 detects accidents, not a forger, who can recompute every
+checksum. The validation below is what stands against forged bytes: no file
+or exported sequence can run code (no pickle), make the reader allocate more
+than the file's size suggests, crash the process, corrupt another sequence,
+or (through :func:`import_sequence`) plant K/V under another tenant's salt.
+Every length is checked against the header and the file before it is read;
+the pool must be exactly the ``pages`` section (layers x pages x 2 x page
+size x heads x head dim x dtype size); ``num_pages`` is the checksum table's
+length / 8; the kept token ids of prefix caching (num_pages x page_size
+int32, not bounded by the pool when ``num_layers`` is 0) and the page
+tables' rings and sink arrays (4 bytes per entry) together may take at most
+twice the file's length or 256 MiB, whichever is more. Before it allocates
+the cache or reads a page, ``load_cache`` checks all of that and the ids,
+ref counts (equal to the page-table entries), free queue, counters, prefix
+index, seal flags, the recorded checksum of each sealed page (equal to its
+entry in ``checksums``), and each page table's geometry: its pages cover
+exactly what its length, window and sink tokens say (the release rule of
+DESIGN.md). Then the state is applied to a throwaway cache without K/V,
+where the core checks it again (computing every hash chain again from its
+salt and kept token or block ids, checking that the prefix index holds each
+registered page under its sequence's hash) and which must pass
+``check_invariants()``; only then is the cache built. :func:`verify` runs
+the same checks, so it accepts exactly the files ``load_cache`` accepts. A whole-cache snapshot
+is the cache: its salts and cached pages are taken as the file gives them
+(checked for consistency, not for who wrote them). Counters hold at
+``2**63 - 1`` instead of wrapping, so a loaded cache always saves a file
+that loads.
 
 Writes are atomic: the file is written to a temporary file in the target's
 directory, flushed and fsynced, renamed over the target, and the directory is
@@ -166,8 +183,11 @@ def _decode(section: str, data: bytes) -> dict[str, np.ndarray]:
             raise fail(f"entry {name!r} of shape {shape} runs past the section's {end} bytes")
         if name in arrays:
             raise fail(f"entry {name!r} appears twice")
-        arrays[name] = np.frombuffer(data, dtype=dtype, count=count, offset=start).reshape(shape).astype(
-            dtype.newbyteorder("="))
+        try:  # an empty entry may claim any extents (e.g. (0, 2**63)), more than NumPy can shape
+            arrays[name] = np.frombuffer(data, dtype=dtype, count=count, offset=start).reshape(shape).astype(
+                dtype.newbyteorder("="))
+        except ValueError:
+            raise fail(f"entry {name!r} has a shape {shape} no array can have") from None
         pos = start + count * dtype.itemsize
         pos += -pos % 8
     return arrays
@@ -952,6 +972,11 @@ def _guard(f, path):
 def _checked_cache_file(f, path) -> tuple[_Parsed, dict, list, tuple]:
     """Parse and check a whole-cache snapshot open as ``f`` (everything but the page bytes).
 
+    The checks of :func:`_check_before_build`, then every check of a load
+    (the core's and ``check_invariants()``) on a throwaway cache without K/V,
+    so that a forged state is refused before the pool is allocated or a page
+    read, by :func:`load_cache` and :func:`verify` alike.
+
     Returns the parsed container, the state dict and page tables of
     :func:`_cache_state`, and the pool's shape. Raises SnapshotError first.
     """
@@ -959,6 +984,7 @@ def _checked_cache_file(f, path) -> tuple[_Parsed, dict, list, tuple]:
     parsed = _parse(_read_from_file(f), size, MAGIC_CACHE, os.fspath(path))
     state, tables = _cache_state(parsed)
     _check_before_build(state, parsed, size)
+    _check_state_without_pool(state, parsed)
     config = state["config"]
     return parsed, state, tables, _pool_shape(config, config["num_pages"])
 
@@ -992,10 +1018,16 @@ def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
         sequences = [(seq_id, table, h) for (seq_id, table), h in zip(tables, hashes)]
     elif "prefix" in parsed.sections or "hashes" in parsed.sections:
         raise SnapshotError("section 'prefix': present in a cache without prefix caching")
+    from pagedkv_c._kv_cache import PREFIX_HIT_BUCKETS  # the core's bucket bounds, then an overflow bucket
+
+    hit_counts = counters.array("prefix_hit_counts", np.int64, 1, (len(PREFIX_HIT_BUCKETS) + 1,))
+    if (hit_counts < 0).any():
+        bucket = int(np.flatnonzero(hit_counts < 0)[0])
+        raise counters.error(f"entry 'prefix_hit_counts' has {int(hit_counts[bucket])} in bucket {bucket}, "
+                             f"expected counts >= 0")
     state = {
         "config": config,
-        "counters": {**{name: counters.int(name) for name in names},
-                     "prefix_hit_counts": counters.array("prefix_hit_counts", np.int64, 1)},
+        "counters": {**{name: counters.int(name) for name in names}, "prefix_hit_counts": hit_counts},
         "ref_counts": pool.array("ref_counts", np.int32, 1),
         "free_queue": pool.array("free_queue", np.int32, 1),
         "prefix": prefix,
@@ -1100,17 +1132,36 @@ def _check_before_build(state: dict, parsed: _Parsed, size: int) -> None:
     if (flags > 1).any():
         raise sealed.error(f"page {int(np.flatnonzero(flags > 1)[0])} has a seal flag other than 0 or 1")
     if config["page_checksums"]:
-        sealed.array("checksums", np.uint64, 1, (num_pages,))
+        recorded = sealed.array("checksums", np.uint64, 1, (num_pages,))
+        # A sealed page's recorded checksum is what save wrote to the checksum table (which the pages are
+        # checked against): a forged one would make verify_pages() blame a good page, and the next save
+        # write a file that does not load.
+        wrong = np.flatnonzero((flags == 1) & (recorded != parsed.checksums))
+        if wrong.size:
+            page = int(wrong[0])
+            raise sealed.error(f"page {page} is sealed with recorded checksum {int(recorded[page]):#018x} but the "
+                               f"page checksum table has {int(parsed.checksums[page]):#018x}"
+                               + (f" (and {wrong.size - 1} more pages)" if wrong.size > 1 else ""))
     elif "checksums" in sealed.arrays:
         raise sealed.error("recorded checksums in a cache without page_checksums")
     sealed.int("pages_sealed")
 
 
 def _check_table_geometry(seq_id: int, table: dict, config: dict, sink_pages: int, initial_ring: int) -> None:
-    """One sequence's page-table fields against the window, sink pages and pool (as the README describes them)."""
+    """One sequence's page-table fields against the window, sink pages and pool.
+
+    The held pages must cover exactly what the release rule leaves (DESIGN.md,
+    "Page tables and the sliding window"; the core's ``PageTable._check_state``
+    checks the same): the sink pages ``0 .. min(S, logical) - 1``, then window
+    pages from ``ring_first`` to the last logical page, ``ring_first`` at
+    least ``S`` and at most the page of the oldest position the next query
+    attends to. A forged length or ring start would otherwise hand the next
+    append a slot in a page the table does not hold.
+    """
     length, sink_count, ring_first, capacity = (table[key] for key in ("length", "sink_count", "ring_first",
                                                                        "ring_capacity"))
     ring_count = table["pages"].shape[0] - sink_count
+    page_size, window = config["page_size"], config["window"]
 
     def fail(text: str) -> SnapshotError:
         """The error naming this sequence's page table."""
@@ -1118,46 +1169,77 @@ def _check_table_geometry(seq_id: int, table: dict, config: dict, sink_pages: in
 
     if not 0 <= length <= 2**62:
         raise fail(f"length {length} outside [0, 2**62]")
-    logical = _ceil_div(length, config["page_size"])
-    if not 0 <= sink_count <= min(sink_pages, logical) or ring_count < 0:
-        raise fail(f"{sink_count} sink pages of {table['pages'].shape[0]} held, expected at most "
-                   f"{min(sink_pages, logical)}")
-    if ring_count and sink_count < sink_pages:
-        raise fail(f"window pages held before all {sink_pages} sink pages")
-    if config["window"] == -1:
+    logical = _ceil_div(length, page_size)
+    if sink_count != min(sink_pages, logical) or ring_count < 0:
+        raise fail(f"{sink_count} sink pages of {table['pages'].shape[0]} held, expected the "
+                   f"{min(sink_pages, logical)} sink pages of {length} tokens")
+    if window == -1:
         if ring_first != 0 or ring_count != logical:
             raise fail(f"a sequence without a window holds all its {logical} pages, got {ring_count} from "
                        f"logical page {ring_first}")
-    elif not sink_pages <= ring_first <= max(logical, sink_pages) - ring_count:
-        raise fail(f"{ring_count} window pages from logical page {ring_first} do not fit {length} tokens")
+    else:
+        oldest = max(sink_pages, max(length - window + 1, 0) // page_size)
+        end = max(logical, sink_pages)
+        if not sink_pages <= ring_first <= oldest or ring_first + ring_count != end:
+            raise fail(f"{ring_count} window pages from logical page {ring_first} do not cover {length} tokens "
+                       f"(expected window pages from a logical page in [{sink_pages}, {oldest}] to logical page "
+                       f"{end - 1})")
     largest = max(initial_ring, 4 * (config["num_pages"] + 16))
     if not max(ring_count, 1) <= capacity <= largest or capacity & (capacity - 1):
         raise fail(f"ring capacity {capacity}, expected a power of two in [{max(ring_count, 1)}, {largest}]")
 
 
-# Which section a message of KVCache._restore_state is about (first match wins).
-_ERROR_SECTIONS = (("hash chain", "hashes"), ("prefix", "prefix"), ("free_queue", "pool"),
-                   ("ref_counts", "pool"), ("counters", "counters"), ("config", "config"))
+def _restore(cache, state: dict, parsed: _Parsed, invariants: bool = False) -> None:
+    """Apply a checked state to a new cache; with ``invariants``, check the result as a live cache is checked.
 
+    The core checks the state again as it applies it (each error names its
+    section), the seal flags and recorded checksums follow, and (with
+    ``invariants``) the built cache must pass ``check_invariants()``; every
+    failure is a SnapshotError. A load checks the invariants on the
+    throwaway cache of :func:`_check_state_without_pool`, built from the same
+    state by the same code, so not a second time on the cache it returns.
+    """
+    from pagedkv_c._kv_cache import StateError
 
-def _restore(cache, state: dict, parsed: _Parsed) -> None:
-    """Apply a checked state to a new cache; the core's own checks become SnapshotErrors."""
     try:
         cache._restore_state(state)
-    except ValueError as exc:
-        text = str(exc)
-        section = next((name for key, name in _ERROR_SECTIONS if key in text), "tables")
-        raise SnapshotError(f"section {section!r}: {text}") from None
+    except StateError as exc:
+        raise SnapshotError(f"section {exc.section!r}: {exc}") from None
     sealed = parsed.section("sealed")
     try:
         cache._restore_sealed_state(sealed.array("sealed", np.uint8, 1), sealed.arrays.get("checksums"),
                                     sealed.int("pages_sealed"))
     except (ValueError, TypeError) as exc:
         raise SnapshotError(f"section 'sealed': {exc}") from None
+    if not invariants:
+        return
+    try:
+        cache.check_invariants()
+    except AssertionError as exc:  # a state the checks above let through: refuse it all the same
+        raise SnapshotError(f"section 'tables': the restored cache is inconsistent: {exc}") from None
+
+
+def _check_state_without_pool(state: dict, parsed: _Parsed) -> None:
+    """Run every check a load runs on the state (the core's included) on a throwaway cache without K/V.
+
+    The cache has ``num_layers`` 0, so only the page records, the prefix
+    index and the page tables are allocated, as a load would; the K/V pool is
+    not. :func:`load_cache` and :func:`verify` both run it before they read
+    a page, so they refuse the same files.
+    """
+    from pagedkv_c._kv_cache import KVCache
+
+    config = dict(state["config"], num_layers=0)
+    throwaway = KVCache(**_cache_kwargs(config))
+    _restore(throwaway, dict(state, config=config), parsed, invariants=True)
 
 
 def verify(path) -> None:
-    """Check every section and every page checksum of a snapshot file without building anything.
+    """Run every check :func:`load_cache` runs on a snapshot file, then check every page checksum.
+
+    The state is applied to a throwaway cache without K/V (the core's checks
+    and ``check_invariants()`` included), so ``verify`` refuses exactly the
+    files ``load_cache`` refuses; the pool is not allocated.
 
     Use it on a file loaded with ``KVCache.load(path, mmap=True)``, whose
     pages are not read at load time: the map's untouched pages are the
@@ -1204,7 +1286,7 @@ def export_sequence(cache, seq_id) -> bytes:
     return bytes(out)
 
 
-def import_sequence(cache, seq_id, data) -> None:
+def import_sequence(cache, seq_id, data, *, extra_key=None) -> None:
     """Add ``seq_id`` to ``cache`` from :func:`export_sequence` bytes, all or nothing.
 
     The layer, head, dim, dtype and page-size geometry, the window and the
@@ -1213,12 +1295,33 @@ def import_sequence(cache, seq_id, data) -> None:
     would). With prefix caching on both sides and the same hash function,
     the hash chain comes along and the sequence's full pages become cached.
 
+    The bytes are not trusted (see the module notes): the page table must
+    cover exactly what its length, window and sinks say, and the hash chain
+    must be salted with this cache's digest of ``extra_key`` and follow from
+    the kept token (or block) ids, hashed again here. So bytes cannot plant
+    K/V under another tenant's salt; their K/V for their own token ids are
+    taken as given (nothing can check them) and, cached under ``extra_key``,
+    serve that tenant's matching prompts.
+
+    Parameters
+    ----------
+    cache : pagedkv.KVCache
+    seq_id : int
+    data : bytes-like
+    extra_key : str, bytes, int or None
+        The salt the sequence was added with (``add_sequence``'s
+        ``extra_key``). Where the chain is dropped (another hash function,
+        or no prefix caching in the source), the sequence's later pages are
+        salted with it.
+
     Raises
     ------
     SnapshotError
-        ``data`` is damaged, not an exported sequence, or of another geometry.
+        ``data`` is damaged, forged, not an exported sequence, or of another
+        geometry; or its chain was salted with another ``extra_key``.
     OutOfPagesError
-        The cache has fewer free pages than the sequence holds; nothing changed.
+        The cache has fewer free pages than the sequence holds (or fewer
+        pages in all); nothing changed.
     ValueError
         ``seq_id`` already exists or is outside int64.
     TypeError
@@ -1254,10 +1357,12 @@ def import_sequence(cache, seq_id, data) -> None:
     _check_pages(kv, parsed.checksums, [(seq_id, tables[0][1])], "exported")
     if seq_id in cache:
         raise ValueError(f"Invalid value of seq_id: sequence {seq_id} already exists")
+    from pagedkv_c._kv_cache import StateError
+
     try:
-        cache._import_sequence_state(seq_id, tables[0][1], hashes, kv)
-    except ValueError as exc:  # the sequence's own fields do not fit this cache
-        raise SnapshotError(f"section 'tables': {exc}") from None
+        cache._import_sequence_state(seq_id, tables[0][1], hashes, kv, extra_key)
+    except StateError as exc:  # the sequence's own fields do not fit this cache, or its chain is forged
+        raise SnapshotError(f"section {exc.section!r}: {exc}") from None
 
 
 # ------------------------------------------------------------ PagedKVCache
