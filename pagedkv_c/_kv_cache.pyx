@@ -45,7 +45,7 @@ cdef Py_ssize_t _PREFETCH_DISTANCE = 32
 cdef Py_ssize_t _HASH_BATCH = 8
 # Largest sequence length, window and sink length, in tokens (as PageTable and attention).
 cdef int64_t MAX_POSITION = 2**62
-MAX_NUM_PAGES = 2**31 - 2  # page ids are int32 (see PagePool)
+cdef int64_t MAX_NUM_PAGES = 2**31 - 2  # page ids are int32 (see PagePool)
 # Largest number of pages one page_table call can list: indptr is int32 (CSR).
 _MAX_CSR_PAGES = 2**31 - 1
 # Largest ref count of a page (int32).
