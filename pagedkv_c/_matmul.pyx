@@ -10,7 +10,6 @@ depends neither on the other rows nor on the thread count, so results do not
 depend on the batch composition or on ``num_threads``.
 """
 import os
-import warnings
 
 import numpy as np
 

@@ -219,9 +219,13 @@ PKV_MM_AVX2 static void mm_nt_avx2(const float *x, const float *w, float *out, i
 #define PKV_MM_AVX512 __attribute__((target("avx512f,avx2,fma")))
 /* nn: rows per tile x the whole 64-column block (4 vectors): 24 accumulators. */
 #define MM_AVX512_NN_ROWS 6
-/* nt: rows x outputs per tile: 16 accumulators. */
+/* nt: rows x outputs per tile (at most 8 rows). */
+#ifndef MM_AVX512_NT_ROWS
 #define MM_AVX512_NT_ROWS 4
+#endif
+#ifndef MM_AVX512_NT_OUTS
 #define MM_AVX512_NT_OUTS 4
+#endif
 
 PKV_MM_AVX512 static inline __mmask16 mm_mask_avx512(int64_t count)
 {
@@ -302,31 +306,30 @@ PKV_MM_AVX512 PKV_MM_INLINE void mm_nt_tile_avx512(const float *x, const float *
     int64_t kk;
     int r, j;
     for (j = 0; j < MM_AVX512_NT_OUTS; j++) wr[j] = w + (c0 + (j < outs ? j : outs - 1)) * k;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (r = 0; r < rows; r++)
+#pragma GCC unroll 8
         for (j = 0; j < MM_AVX512_NT_OUTS; j++) acc[r][j] = _mm512_setzero_ps();
     for (kk = 0; kk + 16 <= k; kk += 16) {
-        const __m512 a0 = _mm512_loadu_ps(wr[0] + kk), a1 = _mm512_loadu_ps(wr[1] + kk);
-        const __m512 a2 = _mm512_loadu_ps(wr[2] + kk), a3 = _mm512_loadu_ps(wr[3] + kk);
-#pragma GCC unroll 4
+        __m512 a[MM_AVX512_NT_OUTS];
+#pragma GCC unroll 8
+        for (j = 0; j < MM_AVX512_NT_OUTS; j++) a[j] = _mm512_loadu_ps(wr[j] + kk);
+#pragma GCC unroll 8
         for (r = 0; r < rows; r++) {
             const __m512 xv = _mm512_loadu_ps(x + r * k + kk);
-            acc[r][0] = _mm512_fmadd_ps(xv, a0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(xv, a1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(xv, a2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(xv, a3, acc[r][3]);
+#pragma GCC unroll 8
+            for (j = 0; j < MM_AVX512_NT_OUTS; j++) acc[r][j] = _mm512_fmadd_ps(xv, a[j], acc[r][j]);
         }
     }
     if (kk < k) {
-        const __m512 a0 = _mm512_maskz_loadu_ps(ktail, wr[0] + kk), a1 = _mm512_maskz_loadu_ps(ktail, wr[1] + kk);
-        const __m512 a2 = _mm512_maskz_loadu_ps(ktail, wr[2] + kk), a3 = _mm512_maskz_loadu_ps(ktail, wr[3] + kk);
-#pragma GCC unroll 4
+        __m512 a[MM_AVX512_NT_OUTS];
+#pragma GCC unroll 8
+        for (j = 0; j < MM_AVX512_NT_OUTS; j++) a[j] = _mm512_maskz_loadu_ps(ktail, wr[j] + kk);
+#pragma GCC unroll 8
         for (r = 0; r < rows; r++) {
             const __m512 xv = _mm512_maskz_loadu_ps(ktail, x + r * k + kk);
-            acc[r][0] = _mm512_fmadd_ps(xv, a0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(xv, a1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(xv, a2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(xv, a3, acc[r][3]);
+#pragma GCC unroll 8
+            for (j = 0; j < MM_AVX512_NT_OUTS; j++) acc[r][j] = _mm512_fmadd_ps(xv, a[j], acc[r][j]);
         }
     }
     for (r = 0; r < rows; r++)
@@ -343,6 +346,10 @@ PKV_MM_AVX512 static void mm_nt_avx512(const float *x, const float *w, float *ou
         for (m0 = 0; m0 + MM_AVX512_NT_ROWS <= m; m0 += MM_AVX512_NT_ROWS)
             mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, MM_AVX512_NT_ROWS);
         switch (m - m0) {
+        case 7: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, 7); break;
+        case 6: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, 6); break;
+        case 5: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, 5); break;
+        case 4: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, 4); break;
         case 3: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, 3); break;
         case 2: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, 2); break;
         case 1: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, 1); break;
