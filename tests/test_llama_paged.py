@@ -96,6 +96,24 @@ def test_paged_batch_with_chunked_prefill_matches_llamacpp(smollm2, reference, d
     assert backend.seq_ids == [] and backend.stats()["pages_in_use"] == 0
 
 
+@pytest.mark.parametrize("batch_size", [4, 16, 130])
+def test_paged_batches_of_every_size_match_llamacpp(smollm2, reference, batch_size):
+    """Copies of both prompts decoded as one batch: every sequence gets llama.cpp's tokens.
+
+    Batches up to LlamaModel.kernel_max_rows (128) run the decode products in the
+    small-batch kernel; 130 starts in BLAS and moves to the kernel as sequences stop.
+    """
+    model, tokenizer = smollm2
+    assert model.kernel_max_rows == 128
+    cases = [reference["prompts"]["chat"], reference["prompts"]["plain"]] * (batch_size // 2)
+    lengths = [len(c["prompt_ids"]) + 64 for c in cases]
+    backend = paged(model, lengths)
+    result = generate_greedy(model, backend, [c["prompt_ids"] for c in cases], max_new_tokens=64,
+                             stop_token_ids=tokenizer.stop_token_ids)
+    for i, (case, got) in enumerate(zip(cases, result.token_ids, strict=True)):
+        assert got == case["greedy_ids"], f"sequence {i} of {batch_size}"
+
+
 # -------------------------------------------------- 3. paged equals dense, 32 tokens
 def test_paged_equals_dense_token_for_token(smollm2, reference):
     model, _ = smollm2

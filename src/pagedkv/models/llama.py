@@ -98,7 +98,7 @@ class RotaryEmbedding:
         return out
 
 
-KERNEL_MAX_ROWS = 64
+KERNEL_MAX_ROWS = 128
 """Default of :attr:`LlamaModel.kernel_max_rows`: products with at most this many rows
 (decode batches, short prefill chunks) run in the small-batch kernel, longer ones in BLAS.
 Measured on one thread (docs/smollm2.md): the kernel reads every weight once per product
