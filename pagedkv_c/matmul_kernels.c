@@ -35,6 +35,18 @@
 #define PKV_MM_INLINE static inline
 #endif
 
+/* The x86 nt kernels prefetch the weight rows of the output group
+ * MM_PREFETCH_GROUPS groups ahead into L2 while the first row tile runs: rows
+ * of a few KiB are too short for the hardware prefetchers to reach full speed
+ * on their own (measured on Zen 4, K = 576: 13 GB/s without, 19 to 24 GB/s
+ * with; prefetching into L1 gained little). */
+#ifndef MM_PREFETCH_HINT
+#define MM_PREFETCH_HINT _MM_HINT_T1
+#endif
+#ifndef MM_PREFETCH_GROUPS
+#define MM_PREFETCH_GROUPS 8
+#endif
+
 /* ------------------------------------------------------------ portable path */
 
 /* Rows per tile of the portable nn kernel. */
@@ -163,7 +175,7 @@ PKV_MM_AVX2 static inline float mm_hsum_avx2(__m256 v)
  * fewer than 4 outputs repeats its last row (computed, not stored). */
 PKV_MM_AVX2 PKV_MM_INLINE void mm_nt_tile_avx2(const float *x, const float *w, float *out, int64_t k,
                                                int64_t n, int64_t c0, int outs, __m256i ktail,
-                                               const int rows)
+                                               const float *ahead, const int rows)
 {
     __m256 acc[MM_AVX2_NT_ROWS][MM_AVX2_NT_OUTS];
     const float *wr[MM_AVX2_NT_OUTS];
@@ -174,6 +186,9 @@ PKV_MM_AVX2 PKV_MM_INLINE void mm_nt_tile_avx2(const float *x, const float *w, f
     for (r = 0; r < rows; r++)
         for (j = 0; j < MM_AVX2_NT_OUTS; j++) acc[r][j] = _mm256_setzero_ps();
     for (kk = 0; kk + 8 <= k; kk += 8) {
+        if (ahead != NULL && kk % 16 == 0) {
+            for (j = 0; j < MM_AVX2_NT_OUTS; j++) _mm_prefetch((const char *)(ahead + j * k + kk), MM_PREFETCH_HINT);
+        }
         const __m256 a0 = _mm256_loadu_ps(wr[0] + kk), a1 = _mm256_loadu_ps(wr[1] + kk);
         const __m256 a2 = _mm256_loadu_ps(wr[2] + kk), a3 = _mm256_loadu_ps(wr[3] + kk);
 #pragma GCC unroll 2
@@ -208,9 +223,14 @@ PKV_MM_AVX2 static void mm_nt_avx2(const float *x, const float *w, float *out, i
     int64_t c0, m0;
     for (c0 = n_begin; c0 < n_end; c0 += MM_AVX2_NT_OUTS) {
         const int outs = n_end - c0 < MM_AVX2_NT_OUTS ? (int)(n_end - c0) : MM_AVX2_NT_OUTS;
-        for (m0 = 0; m0 + MM_AVX2_NT_ROWS <= m; m0 += MM_AVX2_NT_ROWS)
-            mm_nt_tile_avx2(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, MM_AVX2_NT_ROWS);
-        if (m0 < m) mm_nt_tile_avx2(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, 1);
+        /* The first row tile prefetches the group MM_PREFETCH_GROUPS groups ahead. */
+        const float *ahead = c0 + (MM_PREFETCH_GROUPS + 1) * MM_AVX2_NT_OUTS <= n_end
+                                 ? w + (c0 + MM_PREFETCH_GROUPS * MM_AVX2_NT_OUTS) * k : NULL;
+        for (m0 = 0; m0 + MM_AVX2_NT_ROWS <= m; m0 += MM_AVX2_NT_ROWS) {
+            mm_nt_tile_avx2(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, MM_AVX2_NT_ROWS);
+            ahead = NULL;
+        }
+        if (m0 < m) mm_nt_tile_avx2(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 1);
     }
 }
 
@@ -299,7 +319,7 @@ PKV_MM_AVX512 static inline float mm_hsum_avx512(__m512 v)
 
 PKV_MM_AVX512 PKV_MM_INLINE void mm_nt_tile_avx512(const float *x, const float *w, float *out, int64_t k,
                                                    int64_t n, int64_t c0, int outs, __mmask16 ktail,
-                                                   const int rows)
+                                                   const float *ahead, const int rows)
 {
     __m512 acc[MM_AVX512_NT_ROWS][MM_AVX512_NT_OUTS];
     const float *wr[MM_AVX512_NT_OUTS];
@@ -312,6 +332,10 @@ PKV_MM_AVX512 PKV_MM_INLINE void mm_nt_tile_avx512(const float *x, const float *
         for (j = 0; j < MM_AVX512_NT_OUTS; j++) acc[r][j] = _mm512_setzero_ps();
     for (kk = 0; kk + 16 <= k; kk += 16) {
         __m512 a[MM_AVX512_NT_OUTS];
+        if (ahead != NULL) {
+#pragma GCC unroll 8
+            for (j = 0; j < MM_AVX512_NT_OUTS; j++) _mm_prefetch((const char *)(ahead + j * k + kk), MM_PREFETCH_HINT);
+        }
 #pragma GCC unroll 8
         for (j = 0; j < MM_AVX512_NT_OUTS; j++) a[j] = _mm512_loadu_ps(wr[j] + kk);
 #pragma GCC unroll 8
@@ -343,16 +367,33 @@ PKV_MM_AVX512 static void mm_nt_avx512(const float *x, const float *w, float *ou
     int64_t c0, m0;
     for (c0 = n_begin; c0 < n_end; c0 += MM_AVX512_NT_OUTS) {
         const int outs = n_end - c0 < MM_AVX512_NT_OUTS ? (int)(n_end - c0) : MM_AVX512_NT_OUTS;
-        for (m0 = 0; m0 + MM_AVX512_NT_ROWS <= m; m0 += MM_AVX512_NT_ROWS)
-            mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, MM_AVX512_NT_ROWS);
+        /* The first row tile prefetches the group MM_PREFETCH_GROUPS groups ahead. */
+        const float *ahead = c0 + (MM_PREFETCH_GROUPS + 1) * MM_AVX512_NT_OUTS <= n_end
+                                 ? w + (c0 + MM_PREFETCH_GROUPS * MM_AVX512_NT_OUTS) * k : NULL;
+        m0 = 0;
+        if (m >= MM_AVX512_NT_ROWS) {
+            mm_nt_tile_avx512(x, w, out, k, n, c0, outs, ktail, ahead, MM_AVX512_NT_ROWS);
+            ahead = NULL;
+            m0 = MM_AVX512_NT_ROWS;
+        }
+        for (; m0 + MM_AVX512_NT_ROWS <= m; m0 += MM_AVX512_NT_ROWS)
+            mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, NULL, MM_AVX512_NT_ROWS);
         switch (m - m0) {
-        case 7: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, 7); break;
-        case 6: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, 6); break;
-        case 5: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, 5); break;
-        case 4: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, 4); break;
-        case 3: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, 3); break;
-        case 2: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, 2); break;
-        case 1: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, 1); break;
+#if MM_AVX512_NT_ROWS > 7
+        case 7: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 7); break;
+#endif
+#if MM_AVX512_NT_ROWS > 6
+        case 6: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 6); break;
+#endif
+#if MM_AVX512_NT_ROWS > 5
+        case 5: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 5); break;
+#endif
+#if MM_AVX512_NT_ROWS > 4
+        case 4: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 4); break;
+#endif
+        case 3: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 3); break;
+        case 2: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 2); break;
+        case 1: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 1); break;
         default: break;
         }
     }

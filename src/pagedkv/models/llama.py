@@ -105,12 +105,6 @@ Measured on one thread (docs/smollm2.md): the kernel reads every weight once per
 and is faster than OpenBLAS's GEMM up to about this many rows."""
 
 
-def _rows_layout(weight: np.ndarray) -> np.ndarray:
-    """``weight.T`` as a C-contiguous ``[out, in]`` array: a view when it already is one, else a copy."""
-    rows = weight.T
-    return rows if rows.flags.c_contiguous and rows.dtype == np.float32 else np.ascontiguousarray(rows, np.float32)
-
-
 def _silu(x: np.ndarray) -> np.ndarray:
     # x * sigmoid(x) with sigmoid(x) = (1 + tanh(x/2)) / 2: no overflow for any x.
     return x * (0.5 + 0.5 * np.tanh(0.5 * x))
@@ -145,9 +139,10 @@ class LlamaModel:
     ----------
     config : LlamaConfig
     weights : LlamaWeights
-        Read once, at construction: the products use ``[out, in]`` C-contiguous
-        copies of the projections, views of them when they are transposed views
-        already (as :func:`~pagedkv.models.gguf_loader.load_llama_gguf` returns them).
+        The kernel reads each projection ``W`` (``[in, out]``) as ``W.T``, ``[out, in]``
+        C-contiguous: without a copy for the transposed views that
+        :func:`~pagedkv.models.gguf_loader.load_llama_gguf` returns, through a copy made
+        on first use (and kept) for other layouts. BLAS reads ``W`` as it is.
     rope : RotaryEmbedding
     num_threads : int or None
         As the parameter, ``"auto"`` resolved to a count; may be changed between calls.
@@ -172,13 +167,9 @@ class LlamaModel:
         self.config = config
         self.weights = weights
         self.rope = RotaryEmbedding(config.head_dim, config.rope_base, config.context_length)
-        # [out, in] C-contiguous projections: one contiguous weight row per output.
-        self._layer_rows = [
-            (_rows_layout(lw.qkv_proj), _rows_layout(lw.o_proj), _rows_layout(lw.gate_up_proj),
-             _rows_layout(lw.down_proj))
-            for lw in weights.layers
-        ]
-        self._output_rows = _rows_layout(weights.output_proj.T)
+        # [out, in] C-contiguous copies of projections that are not views of such arrays,
+        # made on first use by the kernel: id(projection) -> (projection, copy).
+        self._row_copies: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     @property
     def kernel_max_rows(self) -> int:
@@ -192,21 +183,32 @@ class LlamaModel:
             raise ValueError(f"Invalid value of kernel_max_rows: expected an int >= 0, got {value!r}")
         self._kernel_max_rows = int(value)
 
-    def _project(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """``x @ rows.T`` for ``x`` float32 ``[T, in]`` and ``rows`` float32 ``[out, in]`` C-contiguous."""
-        if x.shape[0] <= self._kernel_max_rows:
-            return _matmul.matmul(np.ascontiguousarray(x), rows, transpose_w=True,
-                                  num_threads=self._blas.num_threads)
-        return x @ rows.T
+    def _project(self, x: np.ndarray, weight: np.ndarray, *, transposed: bool = False) -> np.ndarray:
+        """``x @ weight`` (``x @ weight.T`` if ``transposed``) for ``x`` float32 ``[T, in]``.
+
+        ``weight`` is a projection of :attr:`weights`, float32 ``[in, out]`` (``[out, in]``
+        if ``transposed``). Up to ``kernel_max_rows`` rows run in the small-batch kernel
+        on the ``[out, in]`` matrix as a C-contiguous array (a view for loaded weights, else
+        a copy made once and kept with ``weight``); more rows run in BLAS.
+        """
+        if x.shape[0] > self._kernel_max_rows:
+            return x @ weight.T if transposed else x @ weight
+        rows = weight if transposed else weight.T
+        if not (rows.flags.c_contiguous and rows.dtype == np.float32):
+            cached = self._row_copies.get(id(weight))
+            if cached is None or cached[0] is not weight:
+                cached = self._row_copies[id(weight)] = (weight, np.ascontiguousarray(rows, dtype=np.float32))
+            rows = cached[1]
+        return _matmul.matmul(np.ascontiguousarray(x), rows, transpose_w=True, num_threads=self._blas.num_threads)
 
     @property
     def num_threads(self) -> int | None:
-        """BLAS threads of :meth:`forward` (None: the process's BLAS setting)."""
+        """Threads of the weight products of :meth:`forward` (None: the process's BLAS setting)."""
         return self._blas.num_threads
 
     @num_threads.setter
     def num_threads(self, value: int | Literal["auto"] | None) -> None:
-        """Set the BLAS threads of :meth:`forward` ("auto": the default; None: leave the process's setting)."""
+        """Set the threads of :meth:`forward` ("auto": the default; None: leave the process's setting)."""
         self._blas = BlasThreadLimit(value)
 
     @classmethod
@@ -323,10 +325,9 @@ class LlamaModel:
         # min(p, S + W - 1); the stored keys keep their absolute rotation.
         sink_tables = None if batch.sink_positions is None else self.rope.tables(batch.sink_positions)
         x = w.token_embedding[tokens]  # [T, hidden], a copy: the residual stream
-        for layer, (lw, (qkv_rows, o_rows, gate_up_rows, down_rows)) in enumerate(
-                zip(w.layers, self._layer_rows, strict=True)):
+        for layer, lw in enumerate(w.layers):
             h = rms_norm(x, lw.attn_norm, c.rms_norm_eps)
-            qkv = self._project(h, qkv_rows)  # [T, (hq + 2 hkv) d]
+            qkv = self._project(h, lw.qkv_proj)  # [T, (hq + 2 hkv) d]
             qk = qkv[:, : q_cols + k_cols].reshape(num_tokens, hq + hkv, d)
             qk = RotaryEmbedding.apply(qk, cos, sin)
             q = qk[:, :hq]
@@ -337,13 +338,13 @@ class LlamaModel:
                 q_sink = RotaryEmbedding.apply(qkv[:, :q_cols].reshape(num_tokens, hq, d), *sink_tables)
             backend.store(batch, layer, np.ascontiguousarray(k), np.ascontiguousarray(v))
             attn = backend.attend(batch, layer, np.ascontiguousarray(q), q_sink)
-            x += self._project(attn.reshape(num_tokens, q_cols), o_rows)
+            x += self._project(attn.reshape(num_tokens, q_cols), lw.o_proj)
             h = rms_norm(x, lw.ffn_norm, c.rms_norm_eps)
-            gate_up = self._project(h, gate_up_rows)  # [T, 2 * intermediate]
+            gate_up = self._project(h, lw.gate_up_proj)  # [T, 2 * intermediate]
             act = _silu(gate_up[:, : c.intermediate_size]) * gate_up[:, c.intermediate_size :]
-            x += self._project(act, down_rows)
+            x += self._project(act, lw.down_proj)
         backend.end_forward(batch)
         if not all_logits:
             x = x[batch.qo_indptr[1:] - 1]
         x = rms_norm(x, w.output_norm, c.rms_norm_eps)
-        return self._project(x, self._output_rows)
+        return self._project(x, w.output_proj, transposed=True)
