@@ -247,24 +247,30 @@ def bench_scaling(model, tokenizer, args):
                 tokens = {name: [[first_token]] * batch_size for name in models}
                 generated = {name: [] for name in models}
                 times = {name: [] for name in models}
+                cpu_times = {name: [] for name in models}
                 for step in range(args.steps):
                     for name in (("kernel", "blas") if step % 2 == 0 else ("blas", "kernel")):
-                        start = time.perf_counter()
+                        start, cpu_start = time.perf_counter(), time.process_time()
                         step_logits = models[name].forward(backends[name], seq_ids, tokens[name])
                         times[name].append(time.perf_counter() - start)
+                        cpu_times[name].append(time.process_time() - cpu_start)
                         next_ids = step_logits.argmax(axis=-1)
                         generated[name].append(next_ids.tolist())
                         tokens[name] = [[int(t)] for t in next_ids]
                 medians = {name: statistics.median(t) for name, t in times.items()}
+                cpu_medians = {name: statistics.median(t) for name, t in cpu_times.items()}
                 row = {
                     "threads": threads,
                     "batch_size": batch_size,
                     **{f"{name} ms/step": medians[name] * 1e3 for name in models},
                     **{f"{name} tokens/s": batch_size / medians[name] for name in models},
+                    **{f"{name} CPU ms/step": cpu_medians[name] * 1e3 for name in models},
+                    **{f"{name} tokens/CPU s": batch_size / cpu_medians[name] for name in models},
                     "kernel / blas speed (median of paired steps)": statistics.median(
                         b / k for k, b in zip(times["kernel"], times["blas"], strict=True)),
                     "same greedy tokens": generated["kernel"] == generated["blas"],
                     "samples": times,
+                    "CPU samples": cpu_times,
                 }
                 rows.append(row)
                 print(f"{threads} thread(s), batch {batch_size}: kernel {medians['kernel'] * 1e3:.1f} ms, "
@@ -272,6 +278,7 @@ def bench_scaling(model, tokenizer, args):
                 del backends
                 gc.collect()
     prefill_times = {name: [] for name in models}
+    prefill_cpu = {name: [] for name in models}
     prefill_ids, _ = prompt_ids(tokenizer, args.prefill_context, model.config.vocab_size)
     for m in models.values():
         m.num_threads = args.scaling_threads[0]
@@ -279,7 +286,9 @@ def bench_scaling(model, tokenizer, args):
         for repeat in range(args.prefill_repeats):
             for name in (("kernel", "blas") if repeat % 2 == 0 else ("blas", "kernel")):
                 backend = make_backend(model, "paged float32", 1, prefill_ids.size + 1, args.scaling_threads[0])
+                cpu_start = time.process_time()
                 seconds, _ = prefill(models[name], backend, prefill_ids, args.prefill_chunk)
+                prefill_cpu[name].append(time.process_time() - cpu_start)
                 prefill_times[name].append(seconds)
                 del backend
     prefill_row = {
@@ -287,7 +296,11 @@ def bench_scaling(model, tokenizer, args):
         **{f"{name} prefill tokens/s": prefill_ids.size / statistics.median(t) for name, t in prefill_times.items()},
         "kernel / blas prefill speed (median of pairs)": statistics.median(
             b / k for k, b in zip(prefill_times["kernel"], prefill_times["blas"], strict=True)),
+        **{f"{name} prefill tokens/CPU s": prefill_ids.size / statistics.median(t) for name, t in prefill_cpu.items()},
+        "kernel / blas prefill CPU (median of pairs)": statistics.median(
+            b / k for k, b in zip(prefill_cpu["kernel"], prefill_cpu["blas"], strict=True)),
         "samples": prefill_times,
+        "CPU samples": prefill_cpu,
     }
     return rows, prefill_row, prompt_source
 
@@ -296,6 +309,8 @@ def main_scaling(args, model, tokenizer, machine_before, load_seconds):
     rows, prefill_row, prompt_source = bench_scaling(model, tokenizer, args)
     first = {(r["threads"], name): r[f"{name} tokens/s"] for r in rows if r["batch_size"] == args.batch[0]
              for name in ("kernel", "blas")}
+    first_cpu = {(r["threads"], name): r[f"{name} tokens/CPU s"] for r in rows if r["batch_size"] == args.batch[0]
+                 for name in ("kernel", "blas")}
     print(f"\nDecode, paged float32, context {args.context[0]} ({prompt_source}), median of {args.steps} steps; "
           f"x batch {args.batch[0]}: tokens/s over those of batch {args.batch[0]} at the same thread count")
     print(format_table(
@@ -306,10 +321,22 @@ def main_scaling(args, model, tokenizer, machine_before, load_seconds):
           f"{r['kernel / blas speed (median of paired steps)']:.2f}x",
           f"{r['kernel tokens/s'] / first[(r['threads'], 'kernel')]:.2f}x",
           f"{r['blas tokens/s'] / first[(r['threads'], 'blas')]:.2f}x", r["same greedy tokens"]] for r in rows]))
+    print("\nThe same steps in process CPU time (all threads of the process; robust to time slicing on a"
+          " shared machine, not to other processes' use of the memory bus and caches)")
+    print(format_table(
+        ["threads", "batch", "kernel CPU", "blas CPU", "kernel tok/CPU s", "blas tok/CPU s", "kernel / blas",
+         f"kernel x batch {args.batch[0]}", f"blas x batch {args.batch[0]}"],
+        [[r["threads"], r["batch_size"], f"{r['kernel CPU ms/step']:.1f} ms", f"{r['blas CPU ms/step']:.1f} ms",
+          f"{r['kernel tokens/CPU s']:.1f}", f"{r['blas tokens/CPU s']:.1f}",
+          f"{r['blas CPU ms/step'] / r['kernel CPU ms/step']:.2f}x",
+          f"{r['kernel tokens/CPU s'] / first_cpu[(r['threads'], 'kernel')]:.2f}x",
+          f"{r['blas tokens/CPU s'] / first_cpu[(r['threads'], 'blas')]:.2f}x"] for r in rows]))
     print(f"\nPrefill of {prefill_row['context']} tokens in chunks of {prefill_row['chunk']}, "
           f"{prefill_row['threads']} thread(s), median of {args.prefill_repeats}: kernel "
           f"{prefill_row['kernel prefill tokens/s']:.0f} tok/s, blas {prefill_row['blas prefill tokens/s']:.0f} tok/s "
-          f"(kernel / blas {prefill_row['kernel / blas prefill speed (median of pairs)']:.2f}x)")
+          f"(kernel / blas {prefill_row['kernel / blas prefill speed (median of pairs)']:.2f}x); CPU time: kernel "
+          f"{prefill_row['kernel prefill tokens/CPU s']:.0f}, blas {prefill_row['blas prefill tokens/CPU s']:.0f} "
+          f"tokens/CPU s (kernel / blas {prefill_row['kernel / blas prefill CPU (median of pairs)']:.3f}x)")
     machine_after = machine_info()
     print(f"load average before {machine_before['load_average']}, after {machine_after['load_average']}")
     path = write_json("bench_llama_scaling", {
