@@ -162,15 +162,6 @@ PKV_MM_AVX2 static void mm_nn_avx2(const float *x, const float *w, float *out, i
     }
 }
 
-PKV_MM_AVX2 static inline float mm_hsum_avx2(__m256 v)
-{
-    /* ((0+4) + (2+6)) + ((1+5) + (3+7)), the tree of mm_lanes8_sum */
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* outs rows of w (w0 .. w0 + outs - 1, outs 1..4) x rows of x; a group of
  * fewer than 4 outputs repeats its last row (computed, not stored). */
 PKV_MM_AVX2 PKV_MM_INLINE void mm_nt_tile_avx2(const float *x, const float *w, float *out, int64_t k,
@@ -212,8 +203,23 @@ PKV_MM_AVX2 PKV_MM_INLINE void mm_nt_tile_avx2(const float *x, const float *w, f
             acc[r][3] = _mm256_fmadd_ps(xv, a3, acc[r][3]);
         }
     }
-    for (r = 0; r < rows; r++)
-        for (j = 0; j < outs; j++) out[r * n + c0 + j] = mm_hsum_avx2(acc[r][j]);
+    /* The four sums of a row with one shuffle tree (as in mm_nt_tile_avx512). */
+    for (r = 0; r < rows; r++) {
+        const __m256 t0 = _mm256_add_ps(_mm256_unpacklo_ps(acc[r][0], acc[r][1]),
+                                        _mm256_unpackhi_ps(acc[r][0], acc[r][1]));
+        const __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps(acc[r][2], acc[r][3]),
+                                        _mm256_unpackhi_ps(acc[r][2], acc[r][3]));
+        const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+        const __m128 q = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+        if (outs == 4) {
+            _mm_storeu_ps(out + r * n + c0, q);
+        } else {
+            float sums[4];
+            _mm_storeu_ps(sums, q);
+            for (j = 0; j < outs; j++) out[r * n + c0 + j] = sums[j];
+        }
+    }
 }
 
 PKV_MM_AVX2 static void mm_nt_avx2(const float *x, const float *w, float *out, int64_t m, int64_t k,
@@ -308,7 +314,7 @@ PKV_MM_AVX512 static void mm_nn_avx512(const float *x, const float *w, float *ou
 
 PKV_MM_AVX512 static inline float mm_hsum_avx512(__m512 v)
 {
-    /* halves, then the AVX2 tree */
+    /* halves, then within 128 bits (used when a tile has other than 4 outputs) */
     __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -356,8 +362,34 @@ PKV_MM_AVX512 PKV_MM_INLINE void mm_nt_tile_avx512(const float *x, const float *
             for (j = 0; j < MM_AVX512_NT_OUTS; j++) acc[r][j] = _mm512_fmadd_ps(xv, a[j], acc[r][j]);
         }
     }
+#if MM_AVX512_NT_OUTS == 4
+    /* The four sums of a row with one shuffle tree: per 128-bit lane, lanes
+     * (0+1)+(2+3) of each accumulator side by side, then the four 128-bit lanes
+     * (0+2)+(1+3). Every output takes this same path (a group of fewer than 4
+     * outputs computes copies of its last one), so results do not depend on the
+     * group an output falls in. */
+    for (r = 0; r < rows; r++) {
+        const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][0], acc[r][1]),
+                                        _mm512_unpackhi_ps(acc[r][0], acc[r][1]));
+        const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][2], acc[r][3]),
+                                        _mm512_unpackhi_ps(acc[r][2], acc[r][3]));
+        const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u),
+                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+        const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        if (outs == 4) {
+            _mm_storeu_ps(out + r * n + c0, q);
+        } else {
+            float sums[4];
+            _mm_storeu_ps(sums, q);
+            for (j = 0; j < outs; j++) out[r * n + c0 + j] = sums[j];
+        }
+    }
+#else
     for (r = 0; r < rows; r++)
         for (j = 0; j < outs; j++) out[r * n + c0 + j] = mm_hsum_avx512(acc[r][j]);
+#endif
 }
 
 PKV_MM_AVX512 static void mm_nt_avx512(const float *x, const float *w, float *out, int64_t m, int64_t k,
