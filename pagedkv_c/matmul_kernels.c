@@ -47,6 +47,11 @@
 #define MM_PREFETCH_GROUPS 8
 #endif
 
+/* Rows of x per slab of the x86 nt kernels (see mm_nt_avx512). */
+#ifndef MM_SLAB_ROWS
+#define MM_SLAB_ROWS 128
+#endif
+
 /* ------------------------------------------------------------ portable path */
 
 /* Rows per tile of the portable nn kernel. */
@@ -222,8 +227,8 @@ PKV_MM_AVX2 PKV_MM_INLINE void mm_nt_tile_avx2(const float *x, const float *w, f
     }
 }
 
-PKV_MM_AVX2 static void mm_nt_avx2(const float *x, const float *w, float *out, int64_t m, int64_t k,
-                                   int64_t n, int64_t n_begin, int64_t n_end)
+PKV_MM_AVX2 static void mm_nt_slab_avx2(const float *x, const float *w, float *out, int64_t m, int64_t k,
+                                        int64_t n, int64_t n_begin, int64_t n_end)
 {
     const __m256i ktail = mm_mask_avx2(k % 8);
     int64_t c0, m0;
@@ -392,8 +397,8 @@ PKV_MM_AVX512 PKV_MM_INLINE void mm_nt_tile_avx512(const float *x, const float *
 #endif
 }
 
-PKV_MM_AVX512 static void mm_nt_avx512(const float *x, const float *w, float *out, int64_t m, int64_t k,
-                                       int64_t n, int64_t n_begin, int64_t n_end)
+PKV_MM_AVX512 static void mm_nt_slab_avx512(const float *x, const float *w, float *out, int64_t m, int64_t k,
+                                            int64_t n, int64_t n_begin, int64_t n_end)
 {
     const __mmask16 ktail = mm_mask_avx512(k % 16);
     int64_t c0, m0;
@@ -429,6 +434,26 @@ PKV_MM_AVX512 static void mm_nt_avx512(const float *x, const float *w, float *ou
         default: break;
         }
     }
+}
+/* nt over slabs of at most MM_SLAB_ROWS rows: the rows of x that the output
+ * groups of a slab read again and again stay in L2 (a slab reads the weights
+ * once more, which costs little beside the arithmetic of that many rows). */
+PKV_MM_AVX512 static void mm_nt_avx512(const float *x, const float *w, float *out, int64_t m, int64_t k,
+                                       int64_t n, int64_t n_begin, int64_t n_end)
+{
+    int64_t s0;
+    for (s0 = 0; s0 < m; s0 += MM_SLAB_ROWS)
+        mm_nt_slab_avx512(x + s0 * k, w, out + s0 * n, m - s0 < MM_SLAB_ROWS ? m - s0 : MM_SLAB_ROWS, k, n,
+                          n_begin, n_end);
+}
+
+PKV_MM_AVX2 static void mm_nt_avx2(const float *x, const float *w, float *out, int64_t m, int64_t k,
+                                   int64_t n, int64_t n_begin, int64_t n_end)
+{
+    int64_t s0;
+    for (s0 = 0; s0 < m; s0 += MM_SLAB_ROWS)
+        mm_nt_slab_avx2(x + s0 * k, w, out + s0 * n, m - s0 < MM_SLAB_ROWS ? m - s0 : MM_SLAB_ROWS, k, n,
+                        n_begin, n_end);
 }
 #endif /* PKV_MM_X86_DISPATCH */
 

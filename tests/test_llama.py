@@ -408,7 +408,7 @@ def test_batched_generation_equals_one_prompt_at_a_time(tmp_path, window, sinks)
     assert all(len(ids) == 12 for ids in alone)
 
 
-@pytest.mark.parametrize("kernel_max_rows", [128, 0])
+@pytest.mark.parametrize("kernel_max_rows", [256, 0])
 def test_decode_logits_of_a_sequence_do_not_depend_on_its_batch(tmp_path, kernel_max_rows):
     """A decode step of 9 sequences gives each one the logits it gets alone, bit for bit.
 
@@ -448,14 +448,14 @@ def test_kernel_and_blas_products_agree_and_the_row_limit_is_checked(tmp_path):
     model = LlamaModel(config, weights, num_threads=1)
     tokens = [np.arange(1, 12), np.arange(20, 25)]
     results = {}
-    for rows in (128, 0, 8):  # kernel for all, BLAS for all, kernel for the decode-sized products only
+    for rows in (256, 0, 8):  # kernel for all, BLAS for all, kernel for the decode-sized products only
         model.kernel_max_rows = rows
         backend = DenseBackend.for_config(config)
         backend.add_sequence(0)
         backend.add_sequence(1)
         results[rows] = model.forward(backend, [0, 1], tokens, all_logits=True)
     scale = np.abs(results[0]).max()
-    np.testing.assert_allclose(results[128], results[0], rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(results[256], results[0], rtol=0, atol=1e-5 * scale)
     np.testing.assert_allclose(results[8], results[0], rtol=0, atol=1e-5 * scale)
     for bad in (-1, 1.5, True, None):
         with pytest.raises(ValueError, match="Invalid value of kernel_max_rows: expected an int >= 0"):

@@ -1,9 +1,9 @@
 """The small-batch matrix-product kernel (pagedkv_c._matmul) against float64 NumPy.
 
 Every SIMD path the CPU has (and the portable one) is checked on random shapes,
-including every row count from 1 to 70 and sizes that are not multiples of the
-kernel's tiles (4 to 6 rows, 4 outputs, 16 lanes, blocks of 64 columns), in both
-weight layouts. A row's result must not depend on the other rows of the batch
+including every row count from 1 to 70, counts around the slabs of 128 rows, and
+sizes that are not multiples of the kernel's tiles (2 to 6 rows, 4 outputs, 8 or
+16 lanes, blocks of 64 columns), in both weight layouts. A row's result must not depend on the other rows of the batch
 nor on the thread count (bit for bit), and bad arguments are refused before
 anything is computed.
 """
@@ -80,6 +80,19 @@ def test_model_sized_products_match_float64(isa):
                 x = rng.standard_normal((m, k), dtype=np.float32)
                 got = check_product(x, w, True, num_threads=2)
                 assert np.array_equal(got, _matmul.matmul(x, np.ascontiguousarray(w), transpose_w=True))
+
+
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS)
+def test_row_counts_around_the_slabs_of_128_rows(isa):
+    """Long products run in slabs of 128 rows: rows on both sides of a slab boundary."""
+    rng = np.random.default_rng(128)
+    w = rng.standard_normal((70, 45), dtype=np.float32)
+    with kernel_path(isa):
+        for m in (127, 128, 129, 300):
+            x = rng.standard_normal((m, 45), dtype=np.float32)
+            got = check_product(x, w, True, num_threads=2)
+            assert np.array_equal(got[129:130] if m > 129 else got[-1:],
+                                  _matmul.matmul(x[129:130].copy() if m > 129 else x[-1:].copy(), w, transpose_w=True))
 
 
 def test_special_values_propagate_like_ieee():
