@@ -8,6 +8,9 @@ nor on the thread count (bit for bit), and bad arguments are refused before
 anything is computed.
 """
 import contextlib
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -151,3 +154,38 @@ def test_misaligned_arrays_are_refused():
     assert not x.flags.aligned
     with pytest.raises(ValueError, match="Invalid layout of x"):
         _matmul.matmul(x, np.ones((3, 4), np.float32))
+
+
+FORK_AFTER_TEAM = """
+import os, signal, sys, numpy as np
+from pagedkv import KVCache, attention
+from pagedkv_c import _matmul
+x = np.ones((3, 70), np.float32)
+w = np.arange(70 * 300, dtype=np.float32).reshape(300, 70) / 1000
+if sys.argv[1] == "attention":  # the team ran in the other module of the same OpenMP runtime
+    cache = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, num_pages=64, page_size=16)
+    cache.add_sequence(0); cache.add_sequence(1)
+    slots = cache.append([0, 1], [100, 100])
+    kv = np.ones((200, 2, 64), np.float32)
+    cache.store(0, slots, kv, kv)
+    attention.decode(np.ones((2, 4, 64), np.float32), cache, 0, [0, 1], num_threads=2)
+parent = _matmul.matmul(x, w, transpose_w=True, num_threads=2)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)  # a hung child dies of SIGALRM
+    child = _matmul.matmul(x, w, transpose_w=True, num_threads=2)
+    ok = np.array_equal(child, parent) and _matmul.kernel_info()["max_threads"] == 1
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+print("signal", os.WTERMSIG(status) if os.WIFSIGNALED(status) else "exit", os.WEXITSTATUS(status))
+"""
+
+
+@pytest.mark.skipif(not _matmul.kernel_info()["openmp"] or not hasattr(os, "fork") or
+                    _matmul.kernel_info()["max_threads"] < 2, reason="needs OpenMP with 2 threads and os.fork")
+@pytest.mark.parametrize("team_in", ["matmul", "attention"])
+def test_a_child_forked_after_a_multithreaded_call_runs_on_one_thread(team_in):
+    """GNU OpenMP's pool does not survive fork: a child runs the kernel on one thread."""
+    got = subprocess.run([sys.executable, "-P", "-c", FORK_AFTER_TEAM, team_in], capture_output=True,
+                         text=True, check=True, timeout=120).stdout.strip()
+    assert got == "signal exit 0"
