@@ -85,6 +85,7 @@ define_macros = [
 # Extra C sources per module (hand-written kernels called from Cython).
 EXTRA_SOURCES: dict[str, list[str]] = {
     "_attention": ["pagedkv_c/attention_kernels.c"],
+    "_matmul": ["pagedkv_c/matmul_kernels.c"],
 }
 # Hand-written C headers: rebuild on change and ship them in the sdist.
 C_HEADERS = sorted(f"pagedkv_c/{h.name}" for h in (HERE / "pagedkv_c").glob("*.h"))

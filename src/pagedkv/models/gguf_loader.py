@@ -88,6 +88,12 @@ class LlamaConfig:
 class LayerWeights:
     """Float32 weights of one transformer block, laid out for ``x @ W`` products.
 
+    The projections loaded by :func:`load_llama_gguf` are transposed views of
+    C-contiguous ``(out_features, in_features)`` arrays (GGUF's own order), so
+    ``W.T`` is C-contiguous: every output's weights lie in one contiguous row,
+    which the small-batch kernels of :class:`~pagedkv.models.LlamaModel` stream
+    once per decode step. Arrays of any layout are accepted.
+
     Attributes
     ----------
     attn_norm : numpy.ndarray
@@ -391,11 +397,12 @@ def load_llama_gguf(
         layers.append(
             LayerWeights(
                 attn_norm=tensor(prefix + "attn_norm.weight"),
-                qkv_proj=np.ascontiguousarray(np.concatenate([q, k, v], axis=0).T),
-                o_proj=np.ascontiguousarray(tensor(prefix + "attn_output.weight").T),
+                # [in, out] views of [out, in] C-contiguous arrays (see LayerWeights).
+                qkv_proj=np.concatenate([q, k, v], axis=0).T,
+                o_proj=tensor(prefix + "attn_output.weight").T,
                 ffn_norm=tensor(prefix + "ffn_norm.weight"),
-                gate_up_proj=np.ascontiguousarray(np.concatenate([gate, up], axis=0).T),
-                down_proj=np.ascontiguousarray(tensor(prefix + "ffn_down.weight").T),
+                gate_up_proj=np.concatenate([gate, up], axis=0).T,
+                down_proj=tensor(prefix + "ffn_down.weight").T,
             )
         )
     weights = LlamaWeights(

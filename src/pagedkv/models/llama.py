@@ -19,6 +19,8 @@ from typing import Literal
 
 import numpy as np
 
+from pagedkv_c import _matmul
+
 from pagedkv.models.attention_backend import AttentionBackend
 from pagedkv.models.gguf_loader import LlamaConfig, LlamaWeights, load_llama_gguf
 from pagedkv.models.threads import AUTO, BlasThreadLimit
@@ -96,6 +98,13 @@ class RotaryEmbedding:
         return out
 
 
+KERNEL_MAX_ROWS = 256
+"""Default of :attr:`LlamaModel.kernel_max_rows`: products with at most this many rows
+(decode batches, prefill chunks) run in the small-batch kernel, longer ones in BLAS.
+Measured on one thread (docs/smollm2.md): the kernel reads every weight once per product,
+is faster than OpenBLAS's GEMM up to this many rows and even with it at 512."""
+
+
 def _silu(x: np.ndarray) -> np.ndarray:
     # x * sigmoid(x) with sigmoid(x) = (1 + tanh(x/2)) / 2: no overflow for any x.
     return x * (0.5 + 0.5 * np.tanh(0.5 * x))
@@ -111,46 +120,95 @@ class LlamaModel:
         Float32 weights as returned by :func:`~pagedkv.models.gguf_loader.load_llama_gguf`
         (Q/K in the "rotate half" pairing).
     num_threads : int, "auto" or None
-        Threads of NumPy's BLAS for the weight products, >= 1, set for the duration of
-        each :meth:`forward` (threadpoolctl) and restored after it. Default ``"auto"``:
+        Threads of the weight products, >= 1: of NumPy's BLAS, set for the duration of
+        each :meth:`forward` (threadpoolctl) and restored after it, and of the
+        small-batch kernel (OpenMP; None: OpenMP's default). Default ``"auto"``:
         :func:`~pagedkv.models.threads.default_num_threads`, the cores this process can
         have to itself (its CPUs, capped by its cgroup quota and by the cores others
         leave idle; chosen once per process). None leaves the BLAS library as the
         process has it. The attention threads are the backend's
         (``PagedBackend(num_threads=...)``).
 
+    kernel_max_rows : int
+        Weight products of at most this many rows (tokens of a forward pass) run in
+        the small-batch kernel (:func:`pagedkv_c._matmul.matmul`), which reads each
+        weight once for all rows; longer ones in BLAS (NumPy's matmul). Default
+        :data:`KERNEL_MAX_ROWS`; 0 runs every product in BLAS.
+
     Attributes
     ----------
     config : LlamaConfig
     weights : LlamaWeights
+        The kernel reads each projection ``W`` (``[in, out]``) as ``W.T``, ``[out, in]``
+        C-contiguous: without a copy for the transposed views that
+        :func:`~pagedkv.models.gguf_loader.load_llama_gguf` returns, through a copy made
+        on first use (and kept) for other layouts. BLAS reads ``W`` as it is.
     rope : RotaryEmbedding
     num_threads : int or None
         As the parameter, ``"auto"`` resolved to a count; may be changed between calls.
+    kernel_max_rows : int
+        As the parameter; may be changed between calls.
 
     Raises
     ------
     ValueError
-        If ``num_threads`` is neither "auto", None nor an int >= 1.
+        If ``num_threads`` is neither "auto", None nor an int >= 1, or ``kernel_max_rows``
+        is not an int >= 0.
     ModuleNotFoundError
         If ``num_threads`` is not None and ``threadpoolctl`` is not installed (extras
         ``cli`` and ``test``).
     """
 
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, *,
-                 num_threads: int | Literal["auto"] | None = AUTO) -> None:
+                 num_threads: int | Literal["auto"] | None = AUTO,
+                 kernel_max_rows: int = KERNEL_MAX_ROWS) -> None:
+        self._blas = BlasThreadLimit(num_threads)
+        self.kernel_max_rows = kernel_max_rows
         self.config = config
         self.weights = weights
         self.rope = RotaryEmbedding(config.head_dim, config.rope_base, config.context_length)
-        self._blas = BlasThreadLimit(num_threads)
+        # [out, in] C-contiguous copies of projections that are not views of such arrays,
+        # made on first use by the kernel: id(projection) -> (projection, copy).
+        self._row_copies: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    @property
+    def kernel_max_rows(self) -> int:
+        """Most rows of a weight product run in the small-batch kernel (0: BLAS only)."""
+        return self._kernel_max_rows
+
+    @kernel_max_rows.setter
+    def kernel_max_rows(self, value: int) -> None:
+        """Set the most rows of a product run in the small-batch kernel, an int >= 0."""
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"Invalid value of kernel_max_rows: expected an int >= 0, got {value!r}")
+        self._kernel_max_rows = int(value)
+
+    def _project(self, x: np.ndarray, weight: np.ndarray, *, transposed: bool = False) -> np.ndarray:
+        """``x @ weight`` (``x @ weight.T`` if ``transposed``) for ``x`` float32 ``[T, in]``.
+
+        ``weight`` is a projection of :attr:`weights`, float32 ``[in, out]`` (``[out, in]``
+        if ``transposed``). Up to ``kernel_max_rows`` rows run in the small-batch kernel
+        on the ``[out, in]`` matrix as a C-contiguous array (a view for loaded weights, else
+        a copy made once and kept with ``weight``); more rows run in BLAS.
+        """
+        if x.shape[0] > self._kernel_max_rows:
+            return x @ weight.T if transposed else x @ weight
+        rows = weight if transposed else weight.T
+        if not (rows.flags.c_contiguous and rows.dtype == np.float32):
+            cached = self._row_copies.get(id(weight))
+            if cached is None or cached[0] is not weight:
+                cached = self._row_copies[id(weight)] = (weight, np.ascontiguousarray(rows, dtype=np.float32))
+            rows = cached[1]
+        return _matmul.matmul(np.ascontiguousarray(x), rows, transpose_w=True, num_threads=self._blas.num_threads)
 
     @property
     def num_threads(self) -> int | None:
-        """BLAS threads of :meth:`forward` (None: the process's BLAS setting)."""
+        """Threads of the weight products of :meth:`forward` (None: the process's BLAS setting)."""
         return self._blas.num_threads
 
     @num_threads.setter
     def num_threads(self, value: int | Literal["auto"] | None) -> None:
-        """Set the BLAS threads of :meth:`forward` ("auto": the default; None: leave the process's setting)."""
+        """Set the threads of :meth:`forward` ("auto": the default; None: leave the process's setting)."""
         self._blas = BlasThreadLimit(value)
 
     @classmethod
@@ -269,7 +327,7 @@ class LlamaModel:
         x = w.token_embedding[tokens]  # [T, hidden], a copy: the residual stream
         for layer, lw in enumerate(w.layers):
             h = rms_norm(x, lw.attn_norm, c.rms_norm_eps)
-            qkv = h @ lw.qkv_proj  # [T, (hq + 2 hkv) d]
+            qkv = self._project(h, lw.qkv_proj)  # [T, (hq + 2 hkv) d]
             qk = qkv[:, : q_cols + k_cols].reshape(num_tokens, hq + hkv, d)
             qk = RotaryEmbedding.apply(qk, cos, sin)
             q = qk[:, :hq]
@@ -280,13 +338,13 @@ class LlamaModel:
                 q_sink = RotaryEmbedding.apply(qkv[:, :q_cols].reshape(num_tokens, hq, d), *sink_tables)
             backend.store(batch, layer, np.ascontiguousarray(k), np.ascontiguousarray(v))
             attn = backend.attend(batch, layer, np.ascontiguousarray(q), q_sink)
-            x += attn.reshape(num_tokens, q_cols) @ lw.o_proj
+            x += self._project(attn.reshape(num_tokens, q_cols), lw.o_proj)
             h = rms_norm(x, lw.ffn_norm, c.rms_norm_eps)
-            gate_up = h @ lw.gate_up_proj  # [T, 2 * intermediate]
+            gate_up = self._project(h, lw.gate_up_proj)  # [T, 2 * intermediate]
             act = _silu(gate_up[:, : c.intermediate_size]) * gate_up[:, c.intermediate_size :]
-            x += act @ lw.down_proj
+            x += self._project(act, lw.down_proj)
         backend.end_forward(batch)
         if not all_logits:
             x = x[batch.qo_indptr[1:] - 1]
         x = rms_norm(x, w.output_norm, c.rms_norm_eps)
-        return x @ w.output_proj.T
+        return self._project(x, w.output_proj, transposed=True)

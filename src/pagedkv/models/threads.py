@@ -1,7 +1,9 @@
 """Thread settings for running a model on the CPU: BLAS threads and attention threads.
 
 A forward pass alternates between two thread pools: NumPy's BLAS (OpenBLAS, its own
-pthreads) for the weight products and OpenMP for the paged attention kernels. Every
+pthreads) for the weight products of long prefill chunks, and OpenMP for the paged
+attention kernels and the small-batch weight products of decode steps and short chunks
+(``pagedkv_c._matmul``, up to ``LlamaModel.kernel_max_rows`` rows). Every
 parallel region waits for its slowest worker, so a worker that has to wait for a core
 held by another process stalls the whole step: next to a busy neighbour on a 2-core
 machine, two threads of each made a decode step up to 2.1x slower than one thread, while

@@ -1,0 +1,524 @@
+/* Small-batch matrix products (see matmul_kernels.h): a portable path plus
+ * x86-64 AVX2 and AVX-512 paths chosen at run time.
+ *
+ * As for the attention kernels, wheels are built for the baseline ISA (no
+ * -march flags); the x86 paths are compiled with GCC/Clang function target
+ * attributes and taken only when the CPU (and OS) has them. Other compilers
+ * and CPUs get the portable path, whose inner loops compilers
+ * auto-vectorize.
+ *
+ * nn (W [K, N]): a block of columns is computed for a tile of rows at a
+ * time; for every k the tile's accumulators (rows x block columns) take
+ * x[r, k] * W[k, block]. The block's weights come from memory for the first
+ * tile and from L2 for the next ones.
+ * nt (W [N, K]): a tile of rows x a group of outputs keeps one vector of
+ * partial sums per (row, output); every weight row of the group is read as
+ * a contiguous stream (from memory for the first row tile, then from L1).
+ */
+#include "matmul_kernels.h"
+
+#include <stddef.h>
+#include <string.h>
+
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && \
+    !defined(PKV_PORTABLE_ONLY)
+#define PKV_MM_X86_DISPATCH 1
+#include <cpuid.h>
+#include <immintrin.h>
+#else
+#define PKV_MM_X86_DISPATCH 0
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PKV_MM_INLINE static inline __attribute__((always_inline))
+#else
+#define PKV_MM_INLINE static inline
+#endif
+
+/* The x86 nt kernels prefetch the weight rows of the output group
+ * MM_PREFETCH_GROUPS groups ahead into L2 while the first row tile runs: rows
+ * of a few KiB are too short for the hardware prefetchers to reach full speed
+ * on their own (measured on Zen 4, K = 576: 13 GB/s without, 19 to 24 GB/s
+ * with; prefetching into L1 gained little). */
+#ifndef MM_PREFETCH_HINT
+#define MM_PREFETCH_HINT _MM_HINT_T1
+#endif
+#ifndef MM_PREFETCH_GROUPS
+#define MM_PREFETCH_GROUPS 8
+#endif
+
+/* Rows of x per slab of the x86 nt kernels (see mm_nt_avx512). */
+#ifndef MM_SLAB_ROWS
+#define MM_SLAB_ROWS 128
+#endif
+
+/* ------------------------------------------------------------ portable path */
+
+/* Rows per tile of the portable nn kernel. */
+#define MM_SCALAR_NN_ROWS 4
+/* Lanes of the portable nt partial sums. */
+#define MM_SCALAR_LANES 8
+
+static void mm_nn_scalar(const float *x, const float *w, float *out, int64_t m, int64_t k, int64_t n,
+                         int64_t n_begin, int64_t n_end)
+{
+    float acc[MM_SCALAR_NN_ROWS][PKV_MM_BLOCK_COLS];
+    int64_t c0, m0, r, kk, j;
+    for (c0 = n_begin; c0 < n_end; c0 += PKV_MM_BLOCK_COLS) {
+        const int64_t cols = n_end - c0 < PKV_MM_BLOCK_COLS ? n_end - c0 : PKV_MM_BLOCK_COLS;
+        for (m0 = 0; m0 < m; m0 += MM_SCALAR_NN_ROWS) {
+            const int64_t rows = m - m0 < MM_SCALAR_NN_ROWS ? m - m0 : MM_SCALAR_NN_ROWS;
+            for (r = 0; r < rows; r++)
+                for (j = 0; j < cols; j++) acc[r][j] = 0.0f;
+            for (kk = 0; kk < k; kk++) {
+                const float *wr = w + kk * n + c0;
+                for (r = 0; r < rows; r++) {
+                    const float xv = x[(m0 + r) * k + kk];
+                    for (j = 0; j < cols; j++) acc[r][j] += xv * wr[j];
+                }
+            }
+            for (r = 0; r < rows; r++) memcpy(out + (m0 + r) * n + c0, acc[r], (size_t)cols * sizeof(float));
+        }
+    }
+}
+
+static float mm_lanes8_sum(const float *s)
+{
+    return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+static void mm_nt_scalar(const float *x, const float *w, float *out, int64_t m, int64_t k, int64_t n,
+                         int64_t n_begin, int64_t n_end)
+{
+    float s[MM_SCALAR_LANES];
+    int64_t row, col, kk, l;
+    for (col = n_begin; col < n_end; col++) {
+        const float *wr = w + col * k;
+        for (row = 0; row < m; row++) {
+            const float *xr = x + row * k;
+            for (l = 0; l < MM_SCALAR_LANES; l++) s[l] = 0.0f;
+            for (kk = 0; kk + MM_SCALAR_LANES <= k; kk += MM_SCALAR_LANES)
+                for (l = 0; l < MM_SCALAR_LANES; l++) s[l] += xr[kk + l] * wr[kk + l];
+            for (l = 0; kk + l < k; l++) s[l] += xr[kk + l] * wr[kk + l];
+            out[row * n + col] = mm_lanes8_sum(s);
+        }
+    }
+}
+
+#if PKV_MM_X86_DISPATCH
+/* ------------------------------------------------------- x86-64 AVX2 + FMA */
+
+#define PKV_MM_AVX2 __attribute__((target("avx2,fma")))
+/* nn: rows per tile and columns per sub-block (2 vectors): 8 accumulators. */
+#define MM_AVX2_NN_ROWS 4
+#define MM_AVX2_NN_COLS 16
+/* nt: rows x outputs per tile: 8 accumulators. */
+#define MM_AVX2_NT_ROWS 2
+#define MM_AVX2_NT_OUTS 4
+
+/* Lanes < count set (count in 0..8), as a maskload/maskstore mask. */
+PKV_MM_AVX2 static inline __m256i mm_mask_avx2(int64_t count)
+{
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count < 0 ? 0 : count > 8 ? 8 : count)), lanes);
+}
+
+PKV_MM_AVX2 PKV_MM_INLINE void mm_nn_tile_avx2(const float *x, const float *w, float *out, int64_t k,
+                                               int64_t n, int64_t c0, __m256i mask0, __m256i mask1,
+                                               const int rows)
+{
+    __m256 acc[MM_AVX2_NN_ROWS][2];
+    const float *wp = w + c0;
+    int64_t kk;
+    int r;
+#pragma GCC unroll 4
+    for (r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (kk = 0; kk < k; kk++, wp += n) {
+        const __m256 w0 = _mm256_maskload_ps(wp, mask0);
+        const __m256 w1 = _mm256_maskload_ps(wp + 8, mask1);
+#pragma GCC unroll 4
+        for (r = 0; r < rows; r++) {
+            const __m256 b = _mm256_broadcast_ss(x + r * k + kk);
+            acc[r][0] = _mm256_fmadd_ps(b, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(b, w1, acc[r][1]);
+        }
+    }
+#pragma GCC unroll 4
+    for (r = 0; r < rows; r++) {
+        _mm256_maskstore_ps(out + r * n + c0, mask0, acc[r][0]);
+        _mm256_maskstore_ps(out + r * n + c0 + 8, mask1, acc[r][1]);
+    }
+}
+
+PKV_MM_AVX2 static void mm_nn_avx2(const float *x, const float *w, float *out, int64_t m, int64_t k,
+                                   int64_t n, int64_t n_begin, int64_t n_end)
+{
+    int64_t c0, m0;
+    for (c0 = n_begin; c0 < n_end; c0 += MM_AVX2_NN_COLS) {
+        const __m256i mask0 = mm_mask_avx2(n_end - c0), mask1 = mm_mask_avx2(n_end - c0 - 8);
+        for (m0 = 0; m0 + MM_AVX2_NN_ROWS <= m; m0 += MM_AVX2_NN_ROWS)
+            mm_nn_tile_avx2(x + m0 * k, w, out + m0 * n, k, n, c0, mask0, mask1, MM_AVX2_NN_ROWS);
+        switch (m - m0) {
+        case 3: mm_nn_tile_avx2(x + m0 * k, w, out + m0 * n, k, n, c0, mask0, mask1, 3); break;
+        case 2: mm_nn_tile_avx2(x + m0 * k, w, out + m0 * n, k, n, c0, mask0, mask1, 2); break;
+        case 1: mm_nn_tile_avx2(x + m0 * k, w, out + m0 * n, k, n, c0, mask0, mask1, 1); break;
+        default: break;
+        }
+    }
+}
+
+/* outs rows of w (w0 .. w0 + outs - 1, outs 1..4) x rows of x; a group of
+ * fewer than 4 outputs repeats its last row (computed, not stored). */
+PKV_MM_AVX2 PKV_MM_INLINE void mm_nt_tile_avx2(const float *x, const float *w, float *out, int64_t k,
+                                               int64_t n, int64_t c0, int outs, __m256i ktail,
+                                               const float *ahead, const int rows)
+{
+    __m256 acc[MM_AVX2_NT_ROWS][MM_AVX2_NT_OUTS];
+    const float *wr[MM_AVX2_NT_OUTS];
+    int64_t kk;
+    int r, j;
+    for (j = 0; j < MM_AVX2_NT_OUTS; j++) wr[j] = w + (c0 + (j < outs ? j : outs - 1)) * k;
+#pragma GCC unroll 2
+    for (r = 0; r < rows; r++)
+        for (j = 0; j < MM_AVX2_NT_OUTS; j++) acc[r][j] = _mm256_setzero_ps();
+    for (kk = 0; kk + 8 <= k; kk += 8) {
+        if (ahead != NULL && kk % 16 == 0) {
+            for (j = 0; j < MM_AVX2_NT_OUTS; j++) _mm_prefetch((const char *)(ahead + j * k + kk), MM_PREFETCH_HINT);
+        }
+        const __m256 a0 = _mm256_loadu_ps(wr[0] + kk), a1 = _mm256_loadu_ps(wr[1] + kk);
+        const __m256 a2 = _mm256_loadu_ps(wr[2] + kk), a3 = _mm256_loadu_ps(wr[3] + kk);
+#pragma GCC unroll 2
+        for (r = 0; r < rows; r++) {
+            const __m256 xv = _mm256_loadu_ps(x + r * k + kk);
+            acc[r][0] = _mm256_fmadd_ps(xv, a0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xv, a1, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(xv, a2, acc[r][2]);
+            acc[r][3] = _mm256_fmadd_ps(xv, a3, acc[r][3]);
+        }
+    }
+    if (kk < k) {
+        const __m256 a0 = _mm256_maskload_ps(wr[0] + kk, ktail), a1 = _mm256_maskload_ps(wr[1] + kk, ktail);
+        const __m256 a2 = _mm256_maskload_ps(wr[2] + kk, ktail), a3 = _mm256_maskload_ps(wr[3] + kk, ktail);
+#pragma GCC unroll 2
+        for (r = 0; r < rows; r++) {
+            const __m256 xv = _mm256_maskload_ps(x + r * k + kk, ktail);
+            acc[r][0] = _mm256_fmadd_ps(xv, a0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xv, a1, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(xv, a2, acc[r][2]);
+            acc[r][3] = _mm256_fmadd_ps(xv, a3, acc[r][3]);
+        }
+    }
+    /* The four sums of a row with one shuffle tree (as in mm_nt_tile_avx512). */
+    for (r = 0; r < rows; r++) {
+        const __m256 t0 = _mm256_add_ps(_mm256_unpacklo_ps(acc[r][0], acc[r][1]),
+                                        _mm256_unpackhi_ps(acc[r][0], acc[r][1]));
+        const __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps(acc[r][2], acc[r][3]),
+                                        _mm256_unpackhi_ps(acc[r][2], acc[r][3]));
+        const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+        const __m128 q = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+        if (outs == 4) {
+            _mm_storeu_ps(out + r * n + c0, q);
+        } else {
+            float sums[4];
+            _mm_storeu_ps(sums, q);
+            for (j = 0; j < outs; j++) out[r * n + c0 + j] = sums[j];
+        }
+    }
+}
+
+PKV_MM_AVX2 static void mm_nt_slab_avx2(const float *x, const float *w, float *out, int64_t m, int64_t k,
+                                        int64_t n, int64_t n_begin, int64_t n_end)
+{
+    const __m256i ktail = mm_mask_avx2(k % 8);
+    int64_t c0, m0;
+    for (c0 = n_begin; c0 < n_end; c0 += MM_AVX2_NT_OUTS) {
+        const int outs = n_end - c0 < MM_AVX2_NT_OUTS ? (int)(n_end - c0) : MM_AVX2_NT_OUTS;
+        /* The first row tile prefetches the group MM_PREFETCH_GROUPS groups ahead. */
+        const float *ahead = c0 + (MM_PREFETCH_GROUPS + 1) * MM_AVX2_NT_OUTS <= n_end
+                                 ? w + (c0 + MM_PREFETCH_GROUPS * MM_AVX2_NT_OUTS) * k : NULL;
+        for (m0 = 0; m0 + MM_AVX2_NT_ROWS <= m; m0 += MM_AVX2_NT_ROWS) {
+            mm_nt_tile_avx2(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, MM_AVX2_NT_ROWS);
+            ahead = NULL;
+        }
+        if (m0 < m) mm_nt_tile_avx2(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 1);
+    }
+}
+
+/* ------------------------------------------------------------ x86-64 AVX-512 */
+
+#define PKV_MM_AVX512 __attribute__((target("avx512f,avx2,fma")))
+/* nn: rows per tile x the whole 64-column block (4 vectors): 24 accumulators. */
+#define MM_AVX512_NN_ROWS 6
+/* nt: rows x outputs per tile (at most 8 rows). */
+#ifndef MM_AVX512_NT_ROWS
+#define MM_AVX512_NT_ROWS 4
+#endif
+#ifndef MM_AVX512_NT_OUTS
+#define MM_AVX512_NT_OUTS 4
+#endif
+
+PKV_MM_AVX512 static inline __mmask16 mm_mask_avx512(int64_t count)
+{
+    return count >= 16 ? (__mmask16)0xffff : count <= 0 ? (__mmask16)0 : (__mmask16)((1u << count) - 1u);
+}
+
+PKV_MM_AVX512 PKV_MM_INLINE void mm_nn_tile_avx512(const float *x, const float *w, float *out, int64_t k,
+                                                   int64_t n, int64_t c0, const __mmask16 *mask,
+                                                   const int rows)
+{
+    __m512 acc[MM_AVX512_NN_ROWS][4];
+    const float *wp = w + c0;
+    int64_t kk;
+    int r;
+#pragma GCC unroll 6
+    for (r = 0; r < rows; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
+    for (kk = 0; kk < k; kk++, wp += n) {
+        const __m512 w0 = _mm512_maskz_loadu_ps(mask[0], wp);
+        const __m512 w1 = _mm512_maskz_loadu_ps(mask[1], wp + 16);
+        const __m512 w2 = _mm512_maskz_loadu_ps(mask[2], wp + 32);
+        const __m512 w3 = _mm512_maskz_loadu_ps(mask[3], wp + 48);
+#pragma GCC unroll 6
+        for (r = 0; r < rows; r++) {
+            const __m512 b = _mm512_set1_ps(x[r * k + kk]);
+            acc[r][0] = _mm512_fmadd_ps(b, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(b, w1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(b, w2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(b, w3, acc[r][3]);
+        }
+    }
+#pragma GCC unroll 6
+    for (r = 0; r < rows; r++) {
+        float *o = out + r * n + c0;
+        _mm512_mask_storeu_ps(o, mask[0], acc[r][0]);
+        _mm512_mask_storeu_ps(o + 16, mask[1], acc[r][1]);
+        _mm512_mask_storeu_ps(o + 32, mask[2], acc[r][2]);
+        _mm512_mask_storeu_ps(o + 48, mask[3], acc[r][3]);
+    }
+}
+
+PKV_MM_AVX512 static void mm_nn_avx512(const float *x, const float *w, float *out, int64_t m, int64_t k,
+                                       int64_t n, int64_t n_begin, int64_t n_end)
+{
+    int64_t c0, m0;
+    for (c0 = n_begin; c0 < n_end; c0 += PKV_MM_BLOCK_COLS) {
+        const __mmask16 mask[4] = {mm_mask_avx512(n_end - c0), mm_mask_avx512(n_end - c0 - 16),
+                                   mm_mask_avx512(n_end - c0 - 32), mm_mask_avx512(n_end - c0 - 48)};
+        for (m0 = 0; m0 + MM_AVX512_NN_ROWS <= m; m0 += MM_AVX512_NN_ROWS)
+            mm_nn_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, mask, MM_AVX512_NN_ROWS);
+        switch (m - m0) {
+        case 5: mm_nn_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, mask, 5); break;
+        case 4: mm_nn_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, mask, 4); break;
+        case 3: mm_nn_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, mask, 3); break;
+        case 2: mm_nn_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, mask, 2); break;
+        case 1: mm_nn_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, mask, 1); break;
+        default: break;
+        }
+    }
+}
+
+PKV_MM_AVX512 static inline float mm_hsum_avx512(__m512 v)
+{
+    /* halves, then within 128 bits (used when a tile has other than 4 outputs) */
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+PKV_MM_AVX512 PKV_MM_INLINE void mm_nt_tile_avx512(const float *x, const float *w, float *out, int64_t k,
+                                                   int64_t n, int64_t c0, int outs, __mmask16 ktail,
+                                                   const float *ahead, const int rows)
+{
+    __m512 acc[MM_AVX512_NT_ROWS][MM_AVX512_NT_OUTS];
+    const float *wr[MM_AVX512_NT_OUTS];
+    int64_t kk;
+    int r, j;
+    for (j = 0; j < MM_AVX512_NT_OUTS; j++) wr[j] = w + (c0 + (j < outs ? j : outs - 1)) * k;
+#pragma GCC unroll 8
+    for (r = 0; r < rows; r++)
+#pragma GCC unroll 8
+        for (j = 0; j < MM_AVX512_NT_OUTS; j++) acc[r][j] = _mm512_setzero_ps();
+    for (kk = 0; kk + 16 <= k; kk += 16) {
+        __m512 a[MM_AVX512_NT_OUTS];
+        if (ahead != NULL) {
+#pragma GCC unroll 8
+            for (j = 0; j < MM_AVX512_NT_OUTS; j++) _mm_prefetch((const char *)(ahead + j * k + kk), MM_PREFETCH_HINT);
+        }
+#pragma GCC unroll 8
+        for (j = 0; j < MM_AVX512_NT_OUTS; j++) a[j] = _mm512_loadu_ps(wr[j] + kk);
+#pragma GCC unroll 8
+        for (r = 0; r < rows; r++) {
+            const __m512 xv = _mm512_loadu_ps(x + r * k + kk);
+#pragma GCC unroll 8
+            for (j = 0; j < MM_AVX512_NT_OUTS; j++) acc[r][j] = _mm512_fmadd_ps(xv, a[j], acc[r][j]);
+        }
+    }
+    if (kk < k) {
+        __m512 a[MM_AVX512_NT_OUTS];
+#pragma GCC unroll 8
+        for (j = 0; j < MM_AVX512_NT_OUTS; j++) a[j] = _mm512_maskz_loadu_ps(ktail, wr[j] + kk);
+#pragma GCC unroll 8
+        for (r = 0; r < rows; r++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(ktail, x + r * k + kk);
+#pragma GCC unroll 8
+            for (j = 0; j < MM_AVX512_NT_OUTS; j++) acc[r][j] = _mm512_fmadd_ps(xv, a[j], acc[r][j]);
+        }
+    }
+#if MM_AVX512_NT_OUTS == 4
+    /* The four sums of a row with one shuffle tree: per 128-bit lane, lanes
+     * (0+1)+(2+3) of each accumulator side by side, then the four 128-bit lanes
+     * (0+2)+(1+3). Every output takes this same path (a group of fewer than 4
+     * outputs computes copies of its last one), so results do not depend on the
+     * group an output falls in. */
+    for (r = 0; r < rows; r++) {
+        const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][0], acc[r][1]),
+                                        _mm512_unpackhi_ps(acc[r][0], acc[r][1]));
+        const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][2], acc[r][3]),
+                                        _mm512_unpackhi_ps(acc[r][2], acc[r][3]));
+        const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u),
+                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+        const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        if (outs == 4) {
+            _mm_storeu_ps(out + r * n + c0, q);
+        } else {
+            float sums[4];
+            _mm_storeu_ps(sums, q);
+            for (j = 0; j < outs; j++) out[r * n + c0 + j] = sums[j];
+        }
+    }
+#else
+    for (r = 0; r < rows; r++)
+        for (j = 0; j < outs; j++) out[r * n + c0 + j] = mm_hsum_avx512(acc[r][j]);
+#endif
+}
+
+PKV_MM_AVX512 static void mm_nt_slab_avx512(const float *x, const float *w, float *out, int64_t m, int64_t k,
+                                            int64_t n, int64_t n_begin, int64_t n_end)
+{
+    const __mmask16 ktail = mm_mask_avx512(k % 16);
+    int64_t c0, m0;
+    for (c0 = n_begin; c0 < n_end; c0 += MM_AVX512_NT_OUTS) {
+        const int outs = n_end - c0 < MM_AVX512_NT_OUTS ? (int)(n_end - c0) : MM_AVX512_NT_OUTS;
+        /* The first row tile prefetches the group MM_PREFETCH_GROUPS groups ahead. */
+        const float *ahead = c0 + (MM_PREFETCH_GROUPS + 1) * MM_AVX512_NT_OUTS <= n_end
+                                 ? w + (c0 + MM_PREFETCH_GROUPS * MM_AVX512_NT_OUTS) * k : NULL;
+        m0 = 0;
+        if (m >= MM_AVX512_NT_ROWS) {
+            mm_nt_tile_avx512(x, w, out, k, n, c0, outs, ktail, ahead, MM_AVX512_NT_ROWS);
+            ahead = NULL;
+            m0 = MM_AVX512_NT_ROWS;
+        }
+        for (; m0 + MM_AVX512_NT_ROWS <= m; m0 += MM_AVX512_NT_ROWS)
+            mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, NULL, MM_AVX512_NT_ROWS);
+        switch (m - m0) {
+#if MM_AVX512_NT_ROWS > 7
+        case 7: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 7); break;
+#endif
+#if MM_AVX512_NT_ROWS > 6
+        case 6: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 6); break;
+#endif
+#if MM_AVX512_NT_ROWS > 5
+        case 5: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 5); break;
+#endif
+#if MM_AVX512_NT_ROWS > 4
+        case 4: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 4); break;
+#endif
+        case 3: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 3); break;
+        case 2: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 2); break;
+        case 1: mm_nt_tile_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, ahead, 1); break;
+        default: break;
+        }
+    }
+}
+/* nt over slabs of at most MM_SLAB_ROWS rows: the rows of x that the output
+ * groups of a slab read again and again stay in L2 (a slab reads the weights
+ * once more, which costs little beside the arithmetic of that many rows). */
+PKV_MM_AVX512 static void mm_nt_avx512(const float *x, const float *w, float *out, int64_t m, int64_t k,
+                                       int64_t n, int64_t n_begin, int64_t n_end)
+{
+    int64_t s0;
+    for (s0 = 0; s0 < m; s0 += MM_SLAB_ROWS)
+        mm_nt_slab_avx512(x + s0 * k, w, out + s0 * n, m - s0 < MM_SLAB_ROWS ? m - s0 : MM_SLAB_ROWS, k, n,
+                          n_begin, n_end);
+}
+
+PKV_MM_AVX2 static void mm_nt_avx2(const float *x, const float *w, float *out, int64_t m, int64_t k,
+                                   int64_t n, int64_t n_begin, int64_t n_end)
+{
+    int64_t s0;
+    for (s0 = 0; s0 < m; s0 += MM_SLAB_ROWS)
+        mm_nt_slab_avx2(x + s0 * k, w, out + s0 * n, m - s0 < MM_SLAB_ROWS ? m - s0 : MM_SLAB_ROWS, k, n,
+                        n_begin, n_end);
+}
+#endif /* PKV_MM_X86_DISPATCH */
+
+/* ------------------------------------------------------------------ dispatch */
+
+#if PKV_MM_X86_DISPATCH
+static int mm_cpuid1_ecx_has(unsigned int bits)
+{
+    unsigned int eax, ebx, ecx, edx;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx))
+        return 0;
+    return (ecx & bits) == bits;
+}
+#endif
+
+int pkv_mm_isa_available(pkv_mm_isa isa)
+{
+    switch (isa) {
+    case PKV_MM_ISA_SCALAR:
+        return 1;
+#if PKV_MM_X86_DISPATCH
+    case PKV_MM_ISA_AVX2:
+        /* __builtin_cpu_supports checks that the OS saves the AVX state; FMA
+         * is read from CPUID leaf 1 (ECX bit 12). */
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && mm_cpuid1_ecx_has(1u << 12);
+    case PKV_MM_ISA_AVX512:
+        return pkv_mm_isa_available(PKV_MM_ISA_AVX2) && __builtin_cpu_supports("avx512f");
+#endif
+    default:
+        return 0;
+    }
+}
+
+pkv_mm_isa pkv_mm_best_isa(void)
+{
+    if (pkv_mm_isa_available(PKV_MM_ISA_AVX512))
+        return PKV_MM_ISA_AVX512;
+    if (pkv_mm_isa_available(PKV_MM_ISA_AVX2))
+        return PKV_MM_ISA_AVX2;
+    return PKV_MM_ISA_SCALAR;
+}
+
+const char *pkv_mm_isa_name(pkv_mm_isa isa)
+{
+    switch (isa) {
+    case PKV_MM_ISA_AVX2:
+        return "avx2";
+    case PKV_MM_ISA_AVX512:
+        return "avx512";
+    default:
+        return "scalar";
+    }
+}
+
+pkv_mm_block_kernel pkv_mm_get_kernel(pkv_mm_isa isa, int transpose_w)
+{
+    switch (isa) {
+#if PKV_MM_X86_DISPATCH
+    case PKV_MM_ISA_AVX512:
+        return transpose_w ? mm_nt_avx512 : mm_nn_avx512;
+    case PKV_MM_ISA_AVX2:
+        return transpose_w ? mm_nt_avx2 : mm_nn_avx2;
+#endif
+    default:
+        return transpose_w ? mm_nt_scalar : mm_nn_scalar;
+    }
+}
