@@ -296,6 +296,7 @@ def check_cache_file(path: str, rng) -> str:
                       f"{cache if isinstance(cache, SnapshotError) else 'accepts'}")
     if isinstance(cache, SnapshotError):
         return "refused"
+    _invariants(cache, "cache:after-load")
     mapped = _call("cache:load-mmap", KVCache.load, path, mmap=True, allowed=(SnapshotError,))
     if isinstance(mapped, SnapshotError):
         raise Finding("cache:mmap-load-refuses-accepted-file", str(mapped))
@@ -392,9 +393,32 @@ def check_classic(path: str, rng) -> str:
     return "accepted"
 
 
+def _crash() -> str:
+    import ctypes
+    ctypes.string_at(0)  # a read at address 0: SIGSEGV
+    return "accepted"
+
+
+def _hang() -> str:
+    time.sleep(3600)
+    return "accepted"
+
+
+def _allocate() -> str:
+    block = np.ones(768 << 20 >> 3)  # touched
+    time.sleep(60)
+    return str(block.size)
+
+
+#: Cases that test the harness itself (tests/test_snapshot_fuzz.py): a crash, a hang, memory growth.
+_SELF_TESTS = {"crash": _crash, "hang": _hang, "allocate": _allocate}
+
+
 def check_case(kind: str, path: str, target: dict | None, seed: int) -> str:
     """Run one case in this process: ``"refused"`` or ``"accepted"``; a contract violation raises Finding."""
     rng = np.random.default_rng(seed)
+    if kind in _SELF_TESTS:
+        return _SELF_TESTS[kind]()
     if kind == "cache":
         return check_cache_file(path, rng)
     if kind == "sequence":
@@ -456,6 +480,11 @@ class Worker:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
         self.log.close()
 
     def _rss(self) -> int:
@@ -470,8 +499,6 @@ class Worker:
 
     def run(self, case: dict, timeout: float, rss_limit: int) -> dict:
         """The worker's answer, or a finding of the parent's own: crash (the exit signal), timeout, memory."""
-        log_start = self.log.tell() if not self.log.closed else 0
-        self.log.flush()
         log_start = os.path.getsize(self.log_path)
         try:
             self.proc.stdin.write((json.dumps(case) + "\n").encode())

@@ -644,7 +644,7 @@ def m_tables_length(c, rng):
     r = rng.randrange(fields.shape[0])
     page_size = _config_int(c, "page_size") or 1
     delta = rng.choice([1, 2, -1, -2, page_size, -page_size, 2 * page_size + 1])
-    fields[r, 0] += delta
+    fields[r, 0] = _fit(int(fields[r, 0]) + delta, 2)
     e.set(fields)
     return f"tables.fields[{r}].length += {delta}"
 
@@ -657,8 +657,8 @@ def m_tables_ring(c, rng):
     fields = fields.copy()
     r = rng.randrange(fields.shape[0])
     col = rng.choice([1, 2, 3])
-    value = fields[r, col]
-    new = rng.choice([value + 1, value - 1, value * 2, value // 2, 0, 1, 2**16, 2**30, 2**62])
+    value = int(fields[r, col])
+    new = _fit(rng.choice([value + 1, value - 1, value * 2, value // 2, 0, 1, 2**16, 2**30, 2**62]), 2)
     fields[r, col] = new
     e.set(fields)
     return f"tables.fields[{r}][{('length', 'sink_count', 'ring_first', 'ring_capacity')[col]}] = {new}"
@@ -689,7 +689,7 @@ def m_tables_add_page(c, rng):
     pages = np.insert(pages, at, page)
     fields[r, 4] += 1
     if rng.random() < 0.5:
-        fields[r, 0] += _config_int(c, "page_size") or 1
+        fields[r, 0] = _fit(int(fields[r, 0]) + (_config_int(c, "page_size") or 1), 2)
     fe.set(fields)
     pe.set(pages)
     if refs is not None and 0 <= page < refs.size:
@@ -1021,10 +1021,11 @@ def mutate(data: bytes, rng: random.Random, count: int | None = None) -> tuple[b
     funcs, weights = zip(*MUTATIONS)
     applied, raw_edits = [], 0
     for _ in range(count):
-        for _attempt in range(20):
+        for _attempt in range(20):  # (int64 edits wrap on purpose: np.errstate below)
             f = rng.choices(funcs, weights)[0]
             try:
-                what = f(c, rng)
+                with np.errstate(all="ignore"):
+                    what = f(c, rng)
             except (ValueError, IndexError, OverflowError, TypeError):
                 what = None
             if what == "raw":

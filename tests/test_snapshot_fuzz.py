@@ -1,0 +1,165 @@
+"""The structure-aware snapshot fuzzer (tests/fuzz/fuzz_snapshots.py) on fixed seeds, and its own parts.
+
+Every case is a valid snapshot, exported sequence or ``PagedKVCache``
+snapshot from a real cache with structural mutations and every checksum
+recomputed, loaded in a worker process: it must be refused with
+``SnapshotError`` (``OutOfPagesError`` for an import) or give a cache that
+passes ``check_invariants()`` and survives appends, stores, a fork, a
+truncate, ``add_sequence``, gathers and a save/load round trip. The fixed
+runs below take a few seconds; ``scripts/sanitize.sh`` runs the fuzzer for
+longer with random seeds on the sanitizer build.
+"""
+import os
+import random
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fuzz"))
+
+import fuzz_snapshots as fs  # noqa: E402
+import snapshot_mutator as sm  # noqa: E402
+
+from pagedkv import KVCache, SnapshotError  # noqa: E402
+from pagedkv import snapshot as snap  # noqa: E402
+
+#: Which item of issue 29 a finding class belongs to (for the failure message only: any finding fails).
+ISSUE_ITEMS = {
+    "check_invariants": "item 1 (forged table geometry accepted: validate as strictly as check_invariants)",
+    "verify-load-disagree": "item 2 (verify and load must share one validator)",
+    "verify_pages-reports-loaded-page": "item 3 (recorded seal checksums not cross-checked at load)",
+    "counter-negative": "item 4 (counters wrap past 2**63 - 1)",
+    "resaved-file-refused": "item 4 (a loaded cache writes a file it cannot read back)",
+    "raised-ValueError": "a bare ValueError instead of SnapshotError naming the section",
+    "crash": "a crash: see the worker's stderr in the finding",
+    "timeout": "a hang (item 1: append spinning on a forged ring)",
+    "memory": "an allocation beyond the bound of the module notes",
+}
+
+#: Fixed runs: (run seed, cases). About 1,500 cases, a few seconds.
+RUNS = [(1, 500), (2, 500), (29, 500)]
+
+
+def _explain(summary) -> str:
+    lines = [f"{sum(len(v) for v in summary['findings'].values())} findings in {summary['cases']} cases:"]
+    for kind, entries in sorted(summary["findings"].items()):
+        item = next((text for key, text in ISSUE_ITEMS.items() if key in kind), "not an item of issue 29")
+        first = entries[0]
+        lines.append(f"- {kind} [{item}]: {len(entries)} cases; first #{first['index']} of run "
+                     f"{summary['master']} ({first['seed']}: {'; '.join(first['mutations'])})")
+        lines.append("    " + (first["text"].strip().splitlines() or [""])[0][:300])
+        if first["artifact"]:
+            lines.append(f"    replay: python tests/fuzz/fuzz_snapshots.py --replay {first['artifact']}")
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("master,cases", RUNS)
+def test_fixed_fuzz_run_has_no_finding(tmp_path, master, cases):
+    summary = fs.run(cases=cases, master=master, artifacts=str(tmp_path / "artifacts"), timeout=60,
+                     log=lambda text: None)
+    assert summary["cases"] == cases
+    # The run reaches both outcomes: mutations that the checks refuse and ones that still load.
+    assert summary["refused"] > cases // 4 and summary["accepted"] > cases // 20, summary
+    assert not summary["findings"], _explain(summary)
+
+
+def test_seed_files_round_trip_through_the_mutator(tmp_path):
+    """Parsing and rebuilding a valid file gives the same bytes, and every kind of seed is there."""
+    seeds = sm.seed_files(str(tmp_path))
+    assert {s["kind"] for s in seeds} == {"cache", "sequence", "classic"}
+    for seed in seeds:
+        assert sm.parse(seed["data"]).build() == seed["data"], seed["name"]
+
+
+def test_every_mutation_applies_and_keeps_checksums_valid(tmp_path):
+    """Each mutation changes some seed file; a metadata edit leaves all checksums right, so the loader
+    refuses it for its structure (never a checksum mismatch of a metadata section, the table or the header)."""
+    seeds = [s for s in sm.seed_files(str(tmp_path)) if s["kind"] == "cache"]
+    rng = random.Random(5)
+    for mutation, _ in sm.MUTATIONS:
+        if mutation in (sm.m_container_fields, sm.m_meta_bytes, sm.m_classic_state):
+            continue
+        changed = 0
+        for i in range(40):
+            seed = seeds[i % len(seeds)]
+            c = sm.parse(seed["data"])
+            if mutation(c, rng) is None:
+                continue
+            data = c.build()
+            if data == seed["data"]:
+                continue
+            changed += 1
+            path = tmp_path / "case.snap"
+            path.write_bytes(data)
+            try:
+                KVCache.load(path)
+            except SnapshotError as exc:
+                assert "checksum mismatch (the" not in str(exc), (mutation.__name__, str(exc))
+        assert changed, f"{mutation.__name__} changed no file"
+
+
+def test_recomputed_page_checksums_make_flipped_pages_load(tmp_path):
+    """Page bytes flipped with the page checksums (and the seal checksums) recomputed load: only structure
+    is tested. Without the recomputation the same file is refused for the page."""
+    cache = sm.make_cache("plain-f32")
+    path = tmp_path / "a.snap"
+    cache.save(path)
+    c = sm.parse(path.read_bytes())
+    pages = c.section("pages")
+    raw = bytearray(pages.raw)
+    raw[-1] ^= 0x40
+    pages.raw = bytes(raw)
+    path.write_bytes(c.build())
+    with pytest.raises(SnapshotError, match="page"):
+        KVCache.load(path)
+    assert sm.recompute_page_checksums(c, seals=True)
+    path.write_bytes(c.build())
+    snap.verify(path)
+    assert not np.array_equal(np.asarray(KVCache.load(path).kv), np.asarray(cache.kv))
+
+
+def test_worker_reports_each_kind_of_failure(tmp_path):
+    """The worker answers a finding, a crash (signal), a hang and over-limit memory, and is restarted after
+    each death; a valid case then passes."""
+    env = dict(os.environ)
+    log = str(tmp_path / "worker.log")
+    seeds = sm.seed_files(str(tmp_path))
+    seed = next(s for s in seeds if s["name"] == "plain-f32")
+    good = tmp_path / "good.snap"
+    good.write_bytes(seed["data"])
+    case = {"kind": "cache", "path": str(good), "target": seed["target"], "seed": 0}
+    worker = fs.Worker(log, env)
+    try:
+        assert worker.run(case, 60, 0)["outcome"] == "accepted"
+        assert worker.run({**case, "kind": "classic"}, 60, 0)["outcome"] == "refused"  # another kind's file
+        crash = worker.run({**case, "kind": "crash"}, 60, 0)
+        # (on the sanitizer build AddressSanitizer catches the SIGSEGV and reports it)
+        assert crash["outcome"] == "finding" and crash["class"] in ("crash:crash-signal-SIGSEGV",
+                                                                     "crash:crash-sanitizer"), crash
+        assert not worker.alive
+    finally:
+        worker.stop()
+    worker = fs.Worker(log, env)
+    try:
+        hang = worker.run({**case, "kind": "hang"}, 2, 0)
+        assert hang["class"] == "hang:timeout"
+    finally:
+        worker.stop()
+    worker = fs.Worker(log, env)
+    try:
+        memory = worker.run({**case, "kind": "allocate"}, 60, 400 << 20)
+        assert memory["class"] == "allocate:memory-watchdog", memory
+    finally:
+        worker.stop()
+
+
+def test_memory_bound_is_checked():
+    """A load whose peak RSS exceeds the pool plus max(2 x file, 256 MiB) is a finding."""
+    with fs.PeakMemory() as meter:
+        block = np.ones(400 << 20 >> 3)  # 400 MiB, touched
+    del block
+    assert meter.extra >= 380 << 20
+    with pytest.raises(fs.Finding, match="memory-over-bound"):
+        fs._check_memory(meter, 0, 1000, "cache:load")
+    fs._check_memory(meter, 200 << 20, 1000, "cache:load")  # the pool counts
