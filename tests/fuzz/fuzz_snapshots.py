@@ -205,6 +205,29 @@ def _append_store(cache, seq_id, n: int, rng, stage: str, token_ids=None) -> boo
     return True
 
 
+def _victim_probe(cache, stage: str) -> None:
+    """A tenant's request that no seed cache made must get no prefix hit: a hit means the file planted K/V
+    under hashes that do not belong to the content (the hash chain was trusted, not recomputed)."""
+    from pagedkv import OutOfPagesError
+    probe = 2 * 10**6
+    block_tokens = 2 * cache.page_size
+    requests = [((probe, sm.VICTIM_PROMPT, sm.VICTIM_SALT), {}),
+                ((probe + 1,), dict(extra_key=sm.VICTIM_SALT, block_hashes=sm.VICTIM_BLOCKS, block_tokens=block_tokens,
+                                    num_prompt_tokens=len(sm.VICTIM_BLOCKS) * block_tokens))]
+    for args, kwargs in requests:
+        others = _contents(cache)
+        hit = _call(f"{stage}:probe-add_sequence", cache.add_sequence, *args, allowed=(OutOfPagesError,), **kwargs)
+        _invariants(cache, f"{stage}:after-probe")
+        if not isinstance(hit, OutOfPagesError):
+            if hit:
+                raise Finding(f"{stage}:forged-hash-served",
+                              f"a request with salt {sm.VICTIM_SALT!r} that no cache made got {hit} tokens from "
+                              f"cache ({'blocks' if kwargs else 'tokens'})")
+            _call(f"{stage}:probe-remove", cache.remove_sequence, args[0])
+            _invariants(cache, f"{stage}:after-probe-remove")
+        _same_contents(others, cache, f"{stage}:probe")
+
+
 def exercise_cache(cache, rng, stage: str, protected: dict | None = None) -> None:
     """The calls a restored cache must survive, each followed by ``check_invariants``."""
     from pagedkv import KVCache, OutOfPagesError, SnapshotError
@@ -218,6 +241,8 @@ def exercise_cache(cache, rng, stage: str, protected: dict | None = None) -> Non
                           f"verify_pages() right after the load: {report!r}"[:400])
     if cache.num_layers:
         _contents(cache)  # every gather runs
+    if cache.prefix_caching:
+        _victim_probe(cache, stage)
     if protected:
         _same_contents(protected, cache, f"{stage}:after-load")
     ids = sorted(cache.seq_ids())

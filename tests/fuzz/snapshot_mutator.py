@@ -979,13 +979,107 @@ def m_classic_state(c, rng):
     return f"state.{e.name.decode()}[{i}] = {int(flat[i])}"
 
 
+#: A request no seed cache made (a tenant's salt and content): after any load or import, prefix caching must
+#: serve it nothing, whatever hashes the file claims (``fuzz_snapshots`` probes it).
+VICTIM_SALT = "victim"
+VICTIM_PROMPT = list(range(900, 964))
+VICTIM_BLOCKS = [777, 778, 779]
+_VICTIM_CHAINS: dict = {}
+
+
+def victim_chains(c: Container) -> dict | None:
+    """The hash chains (and token ids) of the victim's token prompt and block prompt under the prefix
+    caching configuration of ``c``, from a scratch cache's exported sequences; None without prefix caching."""
+    config = c.section("config")
+    if config is None or config.entries is None:
+        return None
+    ints = {k: _config_int(c, k) for k in ("page_size", "window", "sink_tokens", "prefix_caching")}
+    e = config.entry("prefix_hash")
+    algorithm = e.raw.decode("ascii", "replace") if e is not None else None
+    if None in ints.values() or not ints["prefix_caching"] or algorithm not in ("xxh3_128", "sha256"):
+        return None
+    key = (ints["page_size"], ints["window"], ints["sink_tokens"], algorithm)
+    if key not in _VICTIM_CHAINS:
+        from pagedkv import KVCache
+        page_size = ints["page_size"]
+        try:
+            cache = KVCache(0, 1, 1, 512, page_size=page_size, window=None if ints["window"] == -1 else ints["window"],
+                            sink_tokens=ints["sink_tokens"], enable_prefix_caching=True, prefix_hash=algorithm)
+            cache.add_sequence(1, VICTIM_PROMPT, VICTIM_SALT)
+            block_tokens = 2 * page_size
+            cache.add_sequence(2, block_hashes=VICTIM_BLOCKS, block_tokens=block_tokens,
+                               num_prompt_tokens=len(VICTIM_BLOCKS) * block_tokens, extra_key=VICTIM_SALT)
+            for seq_id, total in ((1, len(VICTIM_PROMPT)), (2, len(VICTIM_BLOCKS) * block_tokens)):
+                for _ in range(total):
+                    cache.append([seq_id], [1], return_slot_mapping=False)
+            out = {}
+            for seq_id, name in ((1, "tokens"), (2, "blocks")):
+                hashes = parse(cache.export_sequence(seq_id)).section("hashes")
+                out[name] = _arr(hashes, "chain")[1]
+                out[name + "_ids"] = _arr(hashes, "token_ids")[1]
+        except (ValueError, MemoryError):
+            out = None
+        _VICTIM_CHAINS[key] = out
+    return _VICTIM_CHAINS[key]
+
+
+def m_forge_chain(c, rng):
+    """A sequence's hash chain replaced by the victim's hashes (its token ids too, or not), the prefix index's
+    hashes of its pages with it: the file plants its K/V under another tenant's salted hashes."""
+    s = c.section("hashes")
+    victim = victim_chains(c)
+    if s is None or victim is None:
+        return None
+    (fe, fields), (ce, chain), (te, tokens) = _arr(s, "fields"), _arr(s, "chain"), _arr(s, "token_ids")
+    if fields is None or chain is None or tokens is None or not fields.shape[0] or fields.shape[1] < 3:
+        return None
+    rows = [r for r in range(fields.shape[0]) if fields[r, 1] > 0]
+    if not rows:
+        return None
+    r = rng.choice(rows)
+    external = bool(fields[r, 0])
+    forged = victim["blocks" if external else "tokens"]
+    n = min(int(fields[r, 1]), forged.shape[0])
+    start = int(fields[:r, 1].sum())
+    old = chain[start:start + n].copy()
+    chain = chain.copy()
+    chain[start:start + n] = forged[:n]
+    ce.set(chain)
+    what = f"hashes: chain of row {r} forged to the victim's ({n} pages)"
+    page_size = _config_int(c, "page_size") or 1
+    if not external and rng.random() < 0.7:
+        first = int(fields[:r, 2].sum())
+        count = min(int(fields[r, 2]), n * page_size, victim["tokens_ids"].shape[0])
+        tokens = tokens.copy()
+        tokens[first:first + count] = victim["tokens_ids"][:count]
+        te.set(tokens)
+        what += ", with the victim's token ids"
+    prefix = c.section("prefix")
+    if prefix is not None:  # the index's entries of those pages: found by their old hash
+        (pe, pages), (he, hashes) = _arr(prefix, "pages"), _arr(prefix, "hashes")
+        (ke, kept) = _arr(prefix, "tokens")
+        if pages is not None and hashes is not None:
+            hashes = hashes.copy()
+            kept = kept.copy() if kept is not None else None
+            for j in range(n):
+                hit = np.flatnonzero((hashes == old[j]).all(axis=1))
+                if hit.size:
+                    hashes[hit[0]] = forged[j]
+                    if kept is not None and not external and "token ids" in what and kept.shape[1] == page_size:
+                        kept[hit[0]] = victim["tokens_ids"][j * page_size:(j + 1) * page_size]
+            he.set(hashes)
+            if kept is not None:
+                ke.set(kept)
+    return what
+
+
 #: (mutation, weight): structural edits of the decoded sections first.
 MUTATIONS = [
     (m_entry_value, 6), (m_entry_delta, 6), (m_entry_permute, 3), (m_entry_shape, 3), (m_entry_dtype, 2),
     (m_entry_list, 2), (m_section_list, 1), (m_container_fields, 2), (m_meta_bytes, 2), (m_pages, 2),
     (m_tables_length, 5), (m_tables_ring, 4), (m_tables_add_page, 4), (m_tables_drop_page, 3),
     (m_tables_swap_page, 3), (m_seq_ids, 1), (m_pool, 4), (m_prefix, 3), (m_hashes, 4), (m_sealed, 4),
-    (m_counters, 3), (m_config, 3), (m_classic_state, 4),
+    (m_counters, 3), (m_config, 3), (m_classic_state, 4), (m_forge_chain, 3),
 ]
 
 
