@@ -13,7 +13,7 @@ import numpy as np
 
 cimport numpy as cnp
 from libc.string cimport memcpy, memset
-from pagedkv_c._types cimport page_id_t, int32_t, int64_t, uint8_t, NO_PAGE
+from pagedkv_c._types cimport page_id_t, int32_t, int64_t, uint8_t, NO_PAGE, sat_add
 from pagedkv_c._checks cimport check_int, check_array, check_float_array, as_int_array
 from pagedkv_c._pool cimport PagePool
 from pagedkv_c._page_map cimport PageMap
@@ -213,7 +213,7 @@ cdef class PagedKVCache:
             page_id = self._ring_page_id[self._ring_head]
             self._page_map.remove(self._ring_logical_page[self._ring_head])
             self._num_tokens = self._num_tokens - self._page_num_tokens[page_id]
-            self.evictions = self.evictions + 1
+            self.evictions = sat_add(self.evictions, 1)
             self._ring_logical_page[self._ring_head] = logical_page
             self._ring_head = self._ring_head + 1
             if self._ring_head == self.max_pages:
@@ -451,12 +451,12 @@ cdef class PagedKVCache:
         try:
             page_id = self._page_map.lookup(logical_page)
             if page_id == NO_PAGE or not self._present[page_id, offset]:
-                self._misses += 1
+                self._misses = sat_add(self._misses, 1)
                 return None
             key = <cnp.ndarray>cnp.PyArray_EMPTY(1, &length, self._type_num, 0)
             value = <cnp.ndarray>cnp.PyArray_EMPTY(1, &length, self._type_num, 0)
             self.read_token(page_id, offset, <char*>cnp.PyArray_DATA(key), <char*>cnp.PyArray_DATA(value))
-            self._hits += 1
+            self._hits = sat_add(self._hits, 1)
         finally:
             self._lock.release()
         return key, value
@@ -565,8 +565,8 @@ cdef class PagedKVCache:
         self._lock.acquire()
         with nogil:
             found = self.get_rows(token_ptr, dims[0], key_ptr, value_ptr, present_ptr)
-        self._hits += found
-        self._misses += dims[0] - found
+        self._hits = sat_add(self._hits, found)
+        self._misses = sat_add(self._misses, dims[0] - found)
         self._lock.release()
         return keys, values, present
 

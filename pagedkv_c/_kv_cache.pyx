@@ -11,7 +11,7 @@ cimport cython
 cimport numpy as cnp
 from libc.stdint cimport INT64_MAX, INT64_MIN
 from libc.string cimport memcpy, memset
-from pagedkv_c._types cimport (page_id_t, pos_t, slot_t, int32_t, int64_t, PAD_SLOT, pkv_page_record,
+from pagedkv_c._types cimport (sat_add, page_id_t, pos_t, slot_t, int32_t, int64_t, PAD_SLOT, pkv_page_record,
                                PKV_SEALED_OFFSET)
 from pagedkv_c._pool cimport PagePool, pkv_incref, pkv_queue_remove, pkv_rec, pkv_ref, pkv_set_ref
 from pagedkv_c._pool import OutOfPagesError
@@ -20,7 +20,7 @@ from pagedkv_c._page_table cimport PageTable, append_batch, owner_key
 from pagedkv_c._checks cimport check_int, check_index, check_float_array, check_pool_dtype, as_int_array, check_array
 from pagedkv_c._checks import check_sink_window
 from pagedkv_c._lock cimport CacheLock
-from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash_salt,
+from pagedkv_c._prefix cimport (PrefixIndex, SequenceHashes, hash_salt, hash128,
                                 pkv_index_find, pkv_index_insert,
                                 pkv_index_is_cached, pkv_index_prefetch)
 from libc.stdlib cimport malloc, free, realloc
@@ -53,6 +53,19 @@ cdef int32_t _MAX_REF_COUNT = 2**31 - 1
 # served h tokens lands in the first bucket with h <= bound, past the last
 # bound in an overflow bucket (NUM_PREFIX_HIT_BUCKETS counts in all).
 PREFIX_HIT_BUCKETS = (0,) + tuple(2**k for k in range(4, 21))
+
+
+class StateError(ValueError):
+    """A state given to ``KVCache._restore_state`` or ``_import_sequence_state`` is inconsistent.
+
+    ``section`` names the part of the state at fault, as the snapshot
+    section it is stored in: ``'config'``, ``'counters'``, ``'pool'``,
+    ``'prefix'``, ``'tables'`` or ``'hashes'``.
+    """
+
+    def __init__(self, section, text):
+        super().__init__(text)
+        self.section = section
 
 
 cdef class PageTableView:
@@ -420,7 +433,7 @@ cdef class KVCache:
         cdef int64_t ps = self.page_size
         cdef int64_t servable = min((prompt_len - 1) // ps if prompt_len > 0 else 0, num_hashable)
         if servable <= 0:
-            self._prefix_queries += prompt_len
+            self._prefix_queries = sat_add(self._prefix_queries, prompt_len)
             table.hashes.num_registered = 0
             return 0
         cdef page_id_t* hit = <page_id_t*>malloc(servable * sizeof(page_id_t))
@@ -467,8 +480,8 @@ cdef class KVCache:
                 if lead >= min(num_sink_pages, k + 1) and (low >= k + 1 or run >= k + 1 - low):
                     m = k + 1
                     first_window = low
-        self._prefix_queries += prompt_len
-        self._prefix_hits += m * ps
+        self._prefix_queries = sat_add(self._prefix_queries, prompt_len)
+        self._prefix_hits = sat_add(self._prefix_hits, m * ps)
         hashes.num_registered = m
         if m == 0:
             return 0
@@ -713,7 +726,7 @@ cdef class KVCache:
                     cached += self._tier_install(table, fetched, cached // self.page_size)
                 self._note_usage()
             self._tables[key] = table
-            self._sequences_added += 1
+            self._sequences_added = sat_add(self._sequences_added, 1)
         finally:
             self._lock.leave()
         return cached
@@ -785,7 +798,7 @@ cdef class KVCache:
             child.copy_from(parent)
             child.num_sealed = parent.num_sealed
             self._tables[key] = child
-            self._sequences_added += 1
+            self._sequences_added = sat_add(self._sequences_added, 1)
         finally:
             self._lock.leave()
 
@@ -923,7 +936,7 @@ cdef class KVCache:
                 raise ValueError(f"Invalid value of num_tokens: expected counts >= 0, got {count_view[i]}")
             if count_view[i] > most - total:
                 text = _over_pool_text(self, counts)  # ValueError first for a negative count
-                self._num_out_of_pages += 1
+                self._num_out_of_pages = sat_add(self._num_out_of_pages, 1)
                 raise OutOfPagesError(text)
             total += count_view[i]
         cdef object ids = None
@@ -971,14 +984,14 @@ cdef class KVCache:
                     for i in range(num_cow):
                         self._copy_page(cow[i], cow[batch + 1 + i])
             except OutOfPagesError:
-                self._num_out_of_pages += 1
+                self._num_out_of_pages = sat_add(self._num_out_of_pages, 1)
                 raise
             finally:
                 free(cow)
-            self._cow_copies += num_cow
-            self._evictions += num_released
+            self._cow_copies = sat_add(self._cow_copies, num_cow)
+            self._evictions = sat_add(self._evictions, num_released)
             self._note_usage()
-            self._tokens_appended += total
+            self._tokens_appended = sat_add(self._tokens_appended, total)
             if self._prefix is not None:
                 _record_tokens(tables, first_positions, count_view, ids, self.page_size)
                 for i in range(batch):
@@ -1508,7 +1521,7 @@ cdef class KVCache:
             table.push_page(page_id)
             # Complete in every layer: sealed now, and not logged (the tier holds it).
             pkv_rec(&self.pool.q, page_id).sealed = 1
-            self._pages_sealed += 1
+            self._pages_sealed = sat_add(self._pages_sealed, 1)
             if self._checksums != NULL:  # the tier verified the body's checksum: the page's own
                 self._checksums[page_id] = checksums[skip + i]
         table.length += r * ps
@@ -1539,7 +1552,7 @@ cdef class KVCache:
             while bucket < NUM_PREFIX_HIT_BUCKETS - 1 and tokens > bound:
                 bound <<= 1
                 bucket += 1
-        self._prefix_hit_counts[bucket] = self._prefix_hit_counts[bucket] + 1
+        self._prefix_hit_counts[bucket] = sat_add(self._prefix_hit_counts[bucket], 1)
 
     # -------------------------------------------------------------- snapshots
     def save(self, path):
@@ -1616,20 +1629,38 @@ cdef class KVCache:
         from pagedkv.snapshot import export_sequence
         return export_sequence(self, seq_id)
 
-    def import_sequence(self, seq_id, data):
+    def import_sequence(self, seq_id, data, extra_key=None):
         """Add ``seq_id`` from :meth:`export_sequence` bytes, in this cache's free pages; all or nothing.
+
+        The bytes are not trusted: their page tables must cover exactly what
+        their length, window and sinks say, and with prefix caching their
+        hash chain must follow from ``extra_key`` and their token (or block)
+        ids, hashed again here with this cache's hash function.
+
+        Parameters
+        ----------
+        seq_id : int
+        data : bytes-like
+        extra_key : str, bytes, int or None
+            The salt the sequence was added with (:meth:`add_sequence`'s
+            ``extra_key``, e.g. its tenant): the caller names it, the bytes
+            cannot choose it. Its pages are cached and matched under it.
 
         Raises
         ------
         pagedkv.SnapshotError
-            ``data`` is damaged or from a cache of another geometry.
+            ``data`` is damaged, forged or from a cache of another geometry,
+            or its hash chain was salted with another ``extra_key``.
         OutOfPagesError
-            Fewer free pages than the sequence holds; nothing changed.
+            Fewer free pages than the sequence holds (or fewer pages in the
+            whole pool); nothing changed.
         ValueError
             ``seq_id`` already exists.
+        TypeError
+            ``extra_key`` is not a str, bytes, int or None.
         """
         from pagedkv.snapshot import import_sequence
-        import_sequence(self, seq_id, data)
+        import_sequence(self, seq_id, data, extra_key=extra_key)
 
     # --------------------------------------------------- state export / restore
     # Snapshots (pagedkv.snapshot) write and read these plain values; the
@@ -1694,62 +1725,77 @@ cdef class KVCache:
         """Make this new, empty cache the one ``state`` (from ``_export_state``) describes.
 
         Everything is checked before anything changes: the configuration
-        must equal this cache's, every table must fit its window, sinks and
-        pool, every page's ref count must equal the page-table entries that
-        hold it, the free queue must be exactly the pages without
-        references, and the prefix index and hash chains must be consistent.
+        must equal this cache's, every table must cover exactly the pages
+        its length, window and sinks say, every page's ref count must equal
+        the page-table entries that hold it, the free queue must be exactly
+        the pages without references, every hash chain must follow from its
+        salt and kept token (or block) ids, and the prefix index must hold
+        each registered page a sequence holds under that sequence's hash.
 
         Raises
         ------
         RuntimeError
             The cache is not new (it has sequences or pages in use).
-        ValueError
-            ``state`` is inconsistent; the message names the part, and for a
-            page its id and the sequences holding it. Nothing changed.
+        StateError
+            (a ValueError) ``state`` is inconsistent; ``section`` names the
+            part ('config', 'counters', 'pool', 'prefix', 'tables' or
+            'hashes'), the message, for a page, its id and the sequences
+            holding it. Nothing changed.
         """
         cdef PageTable table
-        cdef SequenceHashes hashes
         self._lock.acquire()
         try:
             if self._tables or self.pool.q.num_free != self.pool.num_pages:
                 raise RuntimeError("KVCache._restore_state needs a new cache without sequences")
             if state["config"] != self._config():
-                raise ValueError(f"Invalid value of config: expected {self._config()}, got {state['config']}")
+                raise StateError("config", f"Invalid value of config: expected {self._config()}, got {state['config']}")
             counters = state["counters"]
             names = ("pages_peak", "evictions", "cow_copies", "tokens_appended", "prefix_queries", "prefix_hits",
                      "out_of_pages_errors", "sequences_added", "pages_allocated", "ring_reuses")
             if (sorted(counters) != sorted(names + ("prefix_hit_counts",))
                     or not all(0 <= counters[k] < 2**63 for k in names)):
-                raise ValueError(f"Invalid value of counters: expected {names} in [0, 2**63), got {counters}")
+                raise StateError("counters", f"Invalid value of counters: expected {names} in [0, 2**63), "
+                                             f"got {counters}")
             hit_counts = counters["prefix_hit_counts"]
             if (hit_counts.dtype != np.int64 or hit_counts.shape != (NUM_PREFIX_HIT_BUCKETS,)
                     or (hit_counts < 0).any()):
-                raise ValueError(f"Invalid value of counters: expected prefix_hit_counts int64 "
-                                 f"({NUM_PREFIX_HIT_BUCKETS},) >= 0, got {hit_counts}")
+                raise StateError("counters", f"Invalid value of counters: expected prefix_hit_counts int64 "
+                                             f"({NUM_PREFIX_HIT_BUCKETS},) >= 0, got {hit_counts}")
             ref_counts = state["ref_counts"]
-            self.pool._check_state(ref_counts, state["free_queue"])
+            try:
+                self.pool._check_state(ref_counts, state["free_queue"])
+            except ValueError as exc:
+                raise StateError("pool", str(exc)) from None
             if (self._prefix is None) != (state["prefix"] is None):
-                raise ValueError("Invalid value of prefix: the prefix index does not match prefix_caching")
+                raise StateError("prefix", "Invalid value of prefix: the prefix index does not match prefix_caching")
             if self._prefix is not None:
-                self._prefix._check_state(state["prefix"])
+                try:
+                    self._prefix._check_state(state["prefix"])
+                except ValueError as exc:
+                    raise StateError("prefix", str(exc)) from None
             tables = {}
             held = []
             for seq_id, table_state, hash_state in state["sequences"]:
-                key = check_int(seq_id, "seq_id", INT64_MIN, INT64_MAX)
+                try:
+                    key = check_int(seq_id, "seq_id", INT64_MIN, INT64_MAX)
+                except (TypeError, ValueError) as exc:
+                    raise StateError("tables", str(exc)) from None
                 if key in tables:
-                    raise ValueError(f"Invalid value of sequences: sequence {key} is listed twice")
+                    raise StateError("tables", f"Invalid value of sequences: sequence {key} is listed twice")
                 table = self._new_table()
                 try:
                     table._check_state(table_state)
                 except ValueError as exc:
-                    raise ValueError(f"sequence {key}: {exc}") from None
+                    raise StateError("tables", f"sequence {key}: {exc}") from None
                 if (hash_state is None) != (self._prefix is None):
-                    raise ValueError(f"Invalid value of sequence {key}: a hash chain goes with prefix caching")
+                    raise StateError("hashes", f"Invalid value of sequence {key}: a hash chain goes with prefix "
+                                               f"caching")
                 if hash_state is not None:
                     try:
-                        table.hashes = SequenceHashes._from_state(hash_state, self.page_size, table_state["length"])
+                        table.hashes = SequenceHashes._from_state(hash_state, self.page_size, table_state["length"],
+                                                                  self._prefix.algorithm)
                     except ValueError as exc:
-                        raise ValueError(f"sequence {key}: {exc}") from None
+                        raise StateError("hashes", f"sequence {key}: {exc}") from None
                 tables[key] = (table, table_state)
                 held.append(table_state["pages"])
             counts = np.zeros(self.pool.num_pages, dtype=np.int64)
@@ -1759,8 +1805,10 @@ cdef class KVCache:
             if bad.size:
                 p = int(bad[0])
                 holders = [k for k, (t, ts) in tables.items() if (ts["pages"] == p).any()]
-                raise ValueError(f"Invalid value of ref_counts: page {p} has ref count {int(ref_counts[p])} "
-                                 f"but {int(counts[p])} page-table entries (held by sequences {holders})")
+                raise StateError("tables", f"Invalid value of ref_counts: page {p} has ref count {int(ref_counts[p])} "
+                                           f"but {int(counts[p])} page-table entries (held by sequences {holders})")
+            if self._prefix is not None:
+                self._check_registered(tables, state["prefix"])
             # Everything checked: apply.
             self.pool._apply_state(ref_counts, state["free_queue"])
             if self._prefix is not None:
@@ -1785,6 +1833,42 @@ cdef class KVCache:
                     (ref_counts == 0) & (np.asarray(self._prefix.page_cached) != 0)))
         finally:
             self._lock.leave()
+
+    def _check_registered(self, dict tables, dict prefix):
+        """Raise StateError('prefix') unless every cached page a sequence holds below its registered pages
+        is indexed under that sequence's hash of the page (a hit on it then serves what the chain says).
+
+        ``tables`` maps a sequence id to ``(checked PageTable with its hashes, table state)``.
+        """
+        cdef PageTable table
+        cdef SequenceHashes hashes
+        cdef int64_t upto, ps = self.page_size, num_sink
+        index_of = np.full(self.pool.num_pages, -1, dtype=np.int64)
+        index_of[prefix["pages"]] = np.arange(prefix["pages"].shape[0])
+        stored = prefix["hashes"]
+        for key, (table, table_state) in tables.items():
+            hashes = table.hashes
+            upto = min(hashes.num_registered, hashes.num_hashed, table_state["length"] // ps)
+            if upto <= 0:
+                continue
+            pages = table_state["pages"]
+            sink_count = table_state["sink_count"]
+            logical = np.concatenate([np.arange(sink_count, dtype=np.int64),
+                                      table_state["ring_first"] + np.arange(pages.shape[0] - sink_count,
+                                                                            dtype=np.int64)])
+            chosen = np.flatnonzero(logical < upto)
+            rows = index_of[pages[chosen]]
+            cached = rows >= 0
+            if not cached.any():
+                continue
+            chain = np.asarray(hashes.chain_array)[:hashes.num_hashed]
+            wrong = (stored[rows[cached]] != chain[logical[chosen][cached]]).any(axis=1)
+            if wrong.any():
+                at = int(np.flatnonzero(wrong)[0])
+                page = int(pages[chosen][cached][at])
+                raise StateError("prefix", f"Invalid value of the prefix index hashes: page {page}, held by sequence "
+                                           f"{key} as logical page {int(logical[chosen][cached][at])}, is indexed "
+                                           f"under another hash than the sequence's chain gives it")
 
     def _adopt_pool(self, kv):
         """Use ``kv`` as the pool array of this new, empty cache (e.g. a memory map of a snapshot).
@@ -1829,22 +1913,28 @@ cdef class KVCache:
         finally:
             self._lock.leave()
 
-    def _import_sequence_state(self, seq_id, dict table_state, hash_state, kv):
+    def _import_sequence_state(self, seq_id, dict table_state, hash_state, kv, extra_key=None):
         """Add ``seq_id`` from an exported sequence, in pages taken from the free queue.
 
         ``table_state`` lists local pages ``0 .. n-1`` whose bytes are
         ``kv[:, i]``. With prefix caching the hash chain comes along when
         both caches hash alike (else the sequence starts without one), and
-        the sequence's full pages become cached at once.
+        the sequence's full pages become cached at once. The chain's salt
+        must be this cache's digest of ``extra_key`` (the caller names the
+        salt, the bytes cannot choose it) and every hash is computed again
+        from the salt and the token (or block) ids.
 
         Raises
         ------
+        StateError
+            (a ValueError) The state does not fit this cache's window, sinks
+            or geometry, or its hash chain does not follow from ``extra_key``
+            and its ids; ``section`` names the part. Nothing changed.
         ValueError
-            ``seq_id`` exists, or the state does not fit this cache's window,
-            sinks or geometry. Nothing changed.
+            ``seq_id`` exists. Nothing changed.
         OutOfPagesError
-            Fewer than ``n`` pages are free (cached free pages count);
-            nothing changed.
+            Fewer than ``n`` pages are free (cached free pages count), or
+            the pool has fewer than ``n`` pages; nothing changed.
         """
         cdef int64_t key = check_int(seq_id, "seq_id", INT64_MIN, INT64_MAX)
         cdef PageTable table = self._new_table()
@@ -1854,17 +1944,35 @@ cdef class KVCache:
         pages = table_state["pages"]
         n = pages.shape[0] if pages.ndim == 1 else -1
         if pages.dtype != np.int32 or n < 0 or not np.array_equal(pages, np.arange(n)):
-            raise ValueError("Invalid value of pages: expected the local page ids 0 .. n-1 in order")
+            raise StateError("tables", "Invalid value of pages: expected the local page ids 0 .. n-1 in order")
         if n > self.pool.num_pages:
-            raise ValueError(f"Invalid value of pages: {n} pages, more than the pool's {self.pool.num_pages}")
-        table._check_state(dict(table_state, pages=np.zeros(n, dtype=np.int32)))  # geometry only
+            raise OutOfPagesError(
+                f"Cannot import sequence {key}: it holds {n} pages but the pool has only {self.pool.num_pages} "
+                f"pages in all. Nothing was changed. Create the cache with num_pages >= {n}."
+            )
+        try:
+            table._check_state(dict(table_state, pages=np.zeros(n, dtype=np.int32)))  # geometry only
+        except ValueError as exc:
+            raise StateError("tables", str(exc)) from None
         expected = (self.num_layers, n) + self.kv.shape[2:]
         if kv.dtype != self.kv.dtype or kv.shape != expected:
             raise ValueError(f"Invalid shape of kv: expected {self.kv.dtype} {expected}, got {kv.dtype} {kv.shape}")
+        cdef hash128 salt = hash_salt(self._prefix.algorithm if self._prefix is not None else 0, extra_key)
         if self._prefix is not None and hash_state is not None:
-            table.hashes = SequenceHashes._from_state(hash_state, self.page_size, table_state["length"])
+            given = hash_state["salt"]
+            if not (given.dtype == np.uint64 and given.shape == (2,) and int(given[0]) == salt.lo
+                    and int(given[1]) == salt.hi):
+                raise StateError("hashes", f"Invalid value of extra_key: the sequence's hash chain was salted "
+                                           f"with another extra_key than {extra_key!r}; pass the extra_key the "
+                                           f"sequence was added with")
+            try:
+                table.hashes = SequenceHashes._from_state(hash_state, self.page_size, table_state["length"],
+                                                          self._prefix.algorithm)
+            except ValueError as exc:
+                raise StateError("hashes", str(exc)) from None
         elif self._prefix is not None:
             table.hashes = SequenceHashes()
+            table.hashes.salt = salt  # the pages it registers later are the caller's tenant's
         self._lock.acquire()
         try:
             if key in self._tables:
@@ -1875,7 +1983,7 @@ cdef class KVCache:
                     f"{self.pool.num_pages} pages are free. Nothing was changed. Remove or truncate sequences "
                     f"first, or create the cache with num_pages >= {self.pool.num_pages + n - self.pool.q.num_free}."
                 )
-            taken = np.empty(n, dtype=np.int32)
+            taken = np.zeros(n, dtype=np.int32)  # filled by take
             local = dict(table_state, pages=taken)
             if n:
                 self.pool.take(<page_id_t*>cnp.PyArray_DATA(taken), n)
@@ -1938,7 +2046,7 @@ cdef class KVCache:
         if pkv_rec(&self.pool.q, page_id).sealed:
             return False
         pkv_rec(&self.pool.q, page_id).sealed = 1
-        self._pages_sealed += 1
+        self._pages_sealed = sat_add(self._pages_sealed, 1)
         logged = self._log_enabled and self._ix != NULL and pkv_index_is_cached(self._ix, page_id)
         if self._checksums != NULL or (logged and not self._log_without_checksums):
             checksum = pkv_page_checksum(<const uint8_t*>self._data, <size_t>self._layer_bytes,

@@ -19,7 +19,7 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport INT64_MAX
 from libc.stdlib cimport malloc, free
-from pagedkv_c._types cimport page_id_t, pos_t, slot_t, int32_t, int64_t, NO_PAGE
+from pagedkv_c._types cimport sat_add, page_id_t, pos_t, slot_t, int32_t, int64_t, NO_PAGE
 from pagedkv_c._pool cimport (PagePool, pkv_free_queue, pkv_decref, pkv_drop_ref, pkv_incref,
                               pkv_prefetch_record, pkv_queue_push, pkv_ref, pkv_set_ref)
 from pagedkv_c._prefix cimport pkv_index_is_cached, pkv_index_remove
@@ -121,13 +121,13 @@ cdef class PageTable:
             self.num_sink_pages = <int32_t>min(_ceil_div(self.sink_tokens, self.page_size),
                                                <int64_t>pool.num_pages)
         # Without sink pages every table shares one empty array (no allocation).
-        self.sinks = np.empty(self.num_sink_pages, dtype=np.int32) if self.num_sink_pages else _NO_SINKS
+        self.sinks = np.full(self.num_sink_pages, NO_PAGE, dtype=np.int32) if self.num_sink_pages else _NO_SINKS
         cdef Py_ssize_t wanted = _INITIAL_RING, capacity = 1
         if w != NO_WINDOW:
             wanted = min(<Py_ssize_t>(_ceil_div(w - 1, self.page_size) + 1), 1 << 16)
         while capacity < wanted:  # a power of two: ring indices wrap with a mask
             capacity *= 2
-        self.ring = np.empty(capacity, dtype=np.int32)
+        self.ring = np.full(capacity, NO_PAGE, dtype=np.int32)  # entries past ring_count are never read
         self.ring_mask = capacity - 1
         self.length = 0
         self.sink_count = 0
@@ -177,7 +177,7 @@ cdef class PageTable:
             return 0
         while capacity < wanted:
             capacity *= 2
-        grown = np.empty(capacity, dtype=np.int32)
+        grown = np.full(capacity, NO_PAGE, dtype=np.int32)
         for i in range(self.ring_count):
             grown[i] = self.ring_page(i)
         self.ring = grown
@@ -445,10 +445,20 @@ cdef class PageTable:
                 "ring_first": int(self.ring_first), "ring_capacity": int(self.ring.shape[0]), "pages": ids}
 
     cdef int _check_state(self, dict state) except -1:
-        """Raise ValueError unless ``state`` fits this (empty) table's window, sinks and pool.
+        """Raise ValueError unless ``state`` is a table this (empty) table's window, sinks and pool can reach.
 
-        Checks the geometry only; the ref counts of the pages are the
-        owner's to check across tables.
+        The held pages must cover exactly what the release rule leaves (see
+        DESIGN.md, "Page tables and the sliding window"): with ``logical =
+        ceil(length / page_size)`` logical pages and ``S`` sink pages, the
+        sink pages ``0 .. min(S, logical) - 1``, then window pages from
+        ``ring_first`` up to the last logical page (``ring_first +
+        ring_count == max(S, logical)``), where ``ring_first`` is at least
+        ``S`` and at most the page of the oldest position the next query
+        attends to (``length - window + 1``; nothing is released without a
+        window). How many older pages are still held is not fixed: a chunk
+        longer than the window keeps its pages until the next append. Checks
+        the geometry only; the ref counts of the pages are the owner's to
+        check across tables.
         """
         cdef int64_t length = state["length"], sink_count = state["sink_count"]
         cdef int64_t ring_first = state["ring_first"], capacity = state["ring_capacity"]
@@ -458,20 +468,25 @@ cdef class PageTable:
         cdef int64_t num_pages = pages.shape[0]
         cdef int64_t ring_count = num_pages - sink_count
         cdef int64_t logical = _ceil_div(length, self.page_size) if 0 <= length <= MAX_POSITION else -1
+        cdef int64_t num_sink = self.num_sink_pages
+        cdef int64_t oldest = 0
         if logical < 0:
             raise ValueError(f"Invalid value of length: expected 0 <= length <= 2**62, got {length}")
-        if not 0 <= sink_count <= min(<int64_t>self.num_sink_pages, logical) or ring_count < 0:
-            raise ValueError(f"Invalid value of sink_count: expected 0 <= sink_count <= "
-                             f"{min(<int64_t>self.num_sink_pages, logical)} and <= {num_pages} pages, got {sink_count}")
-        if ring_count and sink_count < self.num_sink_pages:
-            raise ValueError(f"Invalid value of sink_count: window pages held before all "
-                             f"{self.num_sink_pages} sink pages ({sink_count})")
-        if ring_first < self.num_sink_pages or ring_first > max(logical, <int64_t>self.num_sink_pages) - ring_count:
-            raise ValueError(f"Invalid value of ring_first: {ring_count} window pages from logical page "
-                             f"{ring_first} do not fit a sequence of {length} tokens")
-        if self._window == NO_WINDOW and (ring_first != 0 or ring_count != logical):
-            raise ValueError(f"Invalid value of pages: a sequence without a window holds all its "
-                             f"{logical} pages, got {ring_count} from logical page {ring_first}")
+        if sink_count != min(num_sink, logical) or ring_count < 0:
+            raise ValueError(f"Invalid value of sink_count: expected the {min(num_sink, logical)} sink pages of "
+                             f"{length} tokens, got {sink_count} (of {num_pages} pages held)")
+        if self._window == NO_WINDOW:
+            if ring_first != 0 or ring_count != logical:
+                raise ValueError(f"Invalid value of pages: a sequence without a window holds all its "
+                                 f"{logical} pages, got {ring_count} from logical page {ring_first}")
+        else:
+            # The next query, at position length, attends back to length - window + 1.
+            oldest = max(num_sink, max(length - self._window + 1, <int64_t>0) // self.page_size)
+            if ring_first < num_sink or ring_first + ring_count != max(logical, num_sink) or ring_first > oldest:
+                raise ValueError(f"Invalid value of ring_first: {ring_count} window pages from logical page "
+                                 f"{ring_first} do not cover a sequence of {length} tokens (expected window pages "
+                                 f"from a logical page in [{num_sink}, {oldest}] to logical page "
+                                 f"{max(logical, num_sink) - 1})")
         cdef int64_t largest = max(<int64_t>self.ring.shape[0], 4 * (<int64_t>self.pool.num_pages + 16))
         if capacity < max(ring_count, <int64_t>1) or capacity > largest or capacity & (capacity - 1):
             raise ValueError(f"Invalid value of ring_capacity: expected a power of two in "
@@ -485,7 +500,7 @@ cdef class PageTable:
         cdef const int32_t[::1] pages = state["pages"]
         cdef int32_t sink_count = <int32_t>state["sink_count"]
         cdef Py_ssize_t i
-        self.ring = np.empty(state["ring_capacity"], dtype=np.int32)
+        self.ring = np.full(state["ring_capacity"], NO_PAGE, dtype=np.int32)
         self.ring_mask = self.ring.shape[0] - 1
         for i in range(sink_count):
             self.sinks[i] = pages[i]
@@ -595,7 +610,7 @@ cdef int append_batch(PagePool pool, list tables, const int64_t* num_tokens,
             page_id = scratch.spare[scratch.spare_start[b] + i]
             pkv_set_ref(&pool.q, page_id, 1)
             scratch.taken[cursor + i] = page_id
-        pool.num_reused_in_place = pool.num_reused_in_place + scratch.own[b]
+        pool.num_reused_in_place = sat_add(pool.num_reused_in_place, scratch.own[b])
         cursor += scratch.need[b]
     for b in range(num_tables):
         for i in range(scratch.spare_start[b] + scratch.own[b], scratch.spare_start[b + 1]):

@@ -8,7 +8,7 @@ other owners) reference it.
 import numpy as np
 
 cimport numpy as cnp
-from pagedkv_c._types cimport (page_id_t, int32_t, pkv_page_record, PKV_ALLOCATOR_RECORD_SHIFT,
+from pagedkv_c._types cimport (sat_add, page_id_t, int32_t, pkv_page_record, PKV_ALLOCATOR_RECORD_SHIFT,
                                PKV_SHARED_RECORD_SHIFT)
 from pagedkv_c._checks cimport check_int, as_int_array
 from pagedkv_c._prefix cimport (pkv_index, pkv_index_is_cached, pkv_index_evict,
@@ -150,7 +150,7 @@ cdef class PagePool:
         """
         cdef Py_ssize_t i
         cdef page_id_t page_id
-        self.num_taken = self.num_taken + n
+        self.num_taken = sat_add(self.num_taken, n)
         for i in range(min(n, _POP_PREFETCH_DISTANCE)):
             pkv_queue_prefetch(&self.q, i)
         for i in range(n):

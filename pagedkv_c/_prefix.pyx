@@ -715,12 +715,17 @@ cdef class SequenceHashes:
         }
 
     @staticmethod
-    def _from_state(dict state, int32_t page_size, int64_t length):
+    def _from_state(dict state, int32_t page_size, int64_t length, int algorithm):
         """A chain rebuilt from ``state`` (as from _export_state) of a sequence of ``length`` tokens.
 
+        Every stored hash is computed again with ``algorithm`` (a
+        HashAlgorithm) from the salt and the kept token ids (or block ids)
+        and must equal the stored one: a chain is never taken on trust.
+
         Raises ValueError, building nothing, when the values are inconsistent
-        (counts out of range, or more pages than the token or block ids cover,
-        which a later hash would read past).
+        (counts out of range, more pages than the token or block ids cover,
+        which a later hash would read past, or a hash that does not follow
+        from its page's content and salt).
         """
         salt, chain, token_ids, block_ids = state["salt"], state["chain"], state["token_ids"], state["block_ids"]
         if (salt.dtype != np.uint64 or salt.shape != (2,) or chain.dtype != np.uint64 or chain.ndim != 2
@@ -748,8 +753,25 @@ cdef class SequenceHashes:
         out.salt.hi = salt[1]
         out.external = external
         out.reserve_hashes(num_hashed)  # hash_upto grows it: the file bounds every allocation
+        cdef object recomputed = out.chain_array
+        cdef object tokens
+        cdef hash128 parent
+        parent.lo = 0
+        parent.hi = 0
         if num_hashed:
-            np.asarray(out.chain_array)[:num_hashed] = chain
+            if external:
+                blocks = np.ascontiguousarray(block_ids)
+                hash_block_pages(algorithm, parent, out.salt, <const int64_t*>cnp.PyArray_DATA(blocks),
+                                 per_block, 0, num_hashed, out.chain)
+            else:
+                tokens = np.ascontiguousarray(token_ids[:num_hashed * page_size])
+                hash_token_pages(algorithm, parent, out.salt, <const int32_t*>cnp.PyArray_DATA(tokens),
+                                 page_size, num_hashed, out.chain)
+            wrong = np.flatnonzero((np.asarray(recomputed)[:num_hashed] != chain).any(axis=1))
+            if wrong.size:
+                raise ValueError(f"Invalid value of a hash chain: the hash of page {int(wrong[0])} does not follow "
+                                 f"from the salt and the page's {'block ids' if external else 'token ids'}"
+                                 + (f" (and {wrong.size - 1} more pages)" if wrong.size > 1 else ""))
         out.num_hashed = num_hashed
         out.num_hashable = num_hashable
         out.reserve_tokens(num_known)

@@ -1,5 +1,5 @@
 # Scalar types and sentinels shared by every module of the core.
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, INT64_MAX
 
 # Page ids are int32: FlashInfer's page-table arrays (indptr, indices,
 # last_page_len) are int32, so a wider id could not be exported without a copy.
@@ -37,3 +37,11 @@ cdef extern from "page_record.h":
     int PKV_ALLOCATOR_RECORD_SHIFT
     int PKV_SEALED_OFFSET             # byte offset of the seal flag in a record
     int PKV_SHARED_RECORD_SHIFT
+
+
+# Counters (in tokens, pages, calls) hold at INT64_MAX instead of wrapping: a
+# snapshot may start them anywhere in [0, 2**63), and a wrapped, negative
+# counter would make the next snapshot unloadable.
+cdef inline int64_t sat_add(int64_t counter, int64_t amount) noexcept nogil:
+    """``counter + amount`` (both >= 0), or INT64_MAX where the sum would not fit."""
+    return counter + amount if amount <= INT64_MAX - counter else INT64_MAX

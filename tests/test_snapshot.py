@@ -93,6 +93,7 @@ class SaveReloadMachine(RuleBasedStateMachine):
         self.tmp = tempfile.TemporaryDirectory()
         self.path = os.path.join(self.tmp.name, "cache.pkv")
         self.next_id = 0
+        self.salts = {}  # seq_id -> the extra_key it was added with (an import must name it)
 
     def teardown(self):
         self.tmp.cleanup()
@@ -110,6 +111,7 @@ class SaveReloadMachine(RuleBasedStateMachine):
     def add(self, prompt, salt):
         seq_id = self.next_id
         self.next_id += 1
+        self.salts[seq_id] = salt
         _same_result(_call(self.a, "add_sequence", seq_id, prompt, salt),
                      _call(self.b, "add_sequence", seq_id, prompt, salt))
 
@@ -149,6 +151,7 @@ class SaveReloadMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(self._ids()))
         child = self.next_id
         self.next_id += 1
+        self.salts[child] = self.salts.get(parent)
         _same_result(_call(self.a, "fork", parent, child), _call(self.b, "fork", parent, child))
 
     @precondition(lambda self: self.a.num_sequences > 0)
@@ -182,7 +185,7 @@ class SaveReloadMachine(RuleBasedStateMachine):
             before = [cache.gather(layer, seq_id) for layer in range(cache.num_layers)]
             cache.remove_sequence(seq_id)
             free_before = cache.stats()["pages_free"]
-            result = _call(cache, "import_sequence", seq_id, blob)
+            result = _call(cache, "import_sequence", seq_id, blob, extra_key=self.salts.get(seq_id))
             outcomes.append(result)
             if result[1] is not None:
                 assert result[1][0] is OutOfPagesError
@@ -388,7 +391,7 @@ def test_import_into_too_small_cache_changes_nothing():
     free = target.pool.free_pages()
     assert len(free) < len(source.page_table([2]).indices)
     with pytest.raises(OutOfPagesError, match="Nothing was changed"):
-        target.import_sequence(8, blob)
+        target.import_sequence(8, blob, extra_key="tenant")
     after = target._export_state()
     assert np.array_equal(target.kv, kv) and np.array_equal(target.pool.free_pages(), free)
     assert after["sequences"][0][0] == 5 and len(after["sequences"]) == 1

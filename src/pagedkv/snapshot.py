@@ -64,6 +64,7 @@ import numpy as np
 
 from pagedkv_c._checksum import combine_digests, layer_digests, page_checksums
 from pagedkv_c._file_io import start_writeback
+from pagedkv_c._kv_cache import PREFIX_HIT_BUCKETS
 from pagedkv_c._prefix import xxh3_128_intdigest
 
 __all__ = ["FORMAT_VERSION", "SnapshotError", "export_sequence", "import_sequence", "load_cache",
@@ -452,6 +453,8 @@ def _cache_kwargs(config: dict) -> dict:
 
 
 _TABLE_FIELDS = ("length", "sink_count", "ring_first", "ring_capacity", "num_pages")
+#: Buckets of the ``prefix_hit_counts`` counters array (the core's bounds plus an overflow bucket).
+_NUM_PREFIX_HIT_BUCKETS = len(PREFIX_HIT_BUCKETS) + 1
 _HASH_FIELDS = ("external", "num_hashed", "num_known", "num_blocks", "pages_per_block", "num_hashable",
                 "num_registered")
 
@@ -893,10 +896,14 @@ def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
         sequences = [(seq_id, table, h) for (seq_id, table), h in zip(tables, hashes)]
     elif "prefix" in parsed.sections or "hashes" in parsed.sections:
         raise SnapshotError("section 'prefix': present in a cache without prefix caching")
+    hit_counts = counters.array("prefix_hit_counts", np.int64, 1, (_NUM_PREFIX_HIT_BUCKETS,))
+    if (hit_counts < 0).any():
+        bucket = int(np.flatnonzero(hit_counts < 0)[0])
+        raise counters.error(f"entry 'prefix_hit_counts' has {int(hit_counts[bucket])} in bucket {bucket}, "
+                             f"expected counts >= 0")
     state = {
         "config": config,
-        "counters": {**{name: counters.int(name) for name in names},
-                     "prefix_hit_counts": counters.array("prefix_hit_counts", np.int64, 1)},
+        "counters": {**{name: counters.int(name) for name in names}, "prefix_hit_counts": hit_counts},
         "ref_counts": pool.array("ref_counts", np.int32, 1),
         "free_queue": pool.array("free_queue", np.int32, 1),
         "prefix": prefix,
@@ -1001,17 +1008,36 @@ def _check_before_build(state: dict, parsed: _Parsed, size: int) -> None:
     if (flags > 1).any():
         raise sealed.error(f"page {int(np.flatnonzero(flags > 1)[0])} has a seal flag other than 0 or 1")
     if config["page_checksums"]:
-        sealed.array("checksums", np.uint64, 1, (num_pages,))
+        recorded = sealed.array("checksums", np.uint64, 1, (num_pages,))
+        # A sealed page's recorded checksum is what save wrote to the checksum table (which the pages are
+        # checked against): a forged one would make verify_pages() blame a good page, and the next save
+        # write a file that does not load.
+        wrong = np.flatnonzero((flags == 1) & (recorded != parsed.checksums))
+        if wrong.size:
+            page = int(wrong[0])
+            raise sealed.error(f"page {page} is sealed with recorded checksum {int(recorded[page]):#018x} but the "
+                               f"page checksum table has {int(parsed.checksums[page]):#018x}"
+                               + (f" (and {wrong.size - 1} more pages)" if wrong.size > 1 else ""))
     elif "checksums" in sealed.arrays:
         raise sealed.error("recorded checksums in a cache without page_checksums")
     sealed.int("pages_sealed")
 
 
 def _check_table_geometry(seq_id: int, table: dict, config: dict, sink_pages: int, initial_ring: int) -> None:
-    """One sequence's page-table fields against the window, sink pages and pool (as the README describes them)."""
+    """One sequence's page-table fields against the window, sink pages and pool.
+
+    The held pages must cover exactly what the release rule leaves (DESIGN.md,
+    "Page tables and the sliding window"; the core's ``PageTable._check_state``
+    checks the same): the sink pages ``0 .. min(S, logical) - 1``, then window
+    pages from ``ring_first`` to the last logical page, ``ring_first`` at
+    least ``S`` and at most the page of the oldest position the next query
+    attends to. A forged length or ring start would otherwise hand the next
+    append a slot in a page the table does not hold.
+    """
     length, sink_count, ring_first, capacity = (table[key] for key in ("length", "sink_count", "ring_first",
                                                                        "ring_capacity"))
     ring_count = table["pages"].shape[0] - sink_count
+    page_size, window = config["page_size"], config["window"]
 
     def fail(text: str) -> SnapshotError:
         """The error naming this sequence's page table."""
@@ -1019,42 +1045,64 @@ def _check_table_geometry(seq_id: int, table: dict, config: dict, sink_pages: in
 
     if not 0 <= length <= 2**62:
         raise fail(f"length {length} outside [0, 2**62]")
-    logical = _ceil_div(length, config["page_size"])
-    if not 0 <= sink_count <= min(sink_pages, logical) or ring_count < 0:
-        raise fail(f"{sink_count} sink pages of {table['pages'].shape[0]} held, expected at most "
-                   f"{min(sink_pages, logical)}")
-    if ring_count and sink_count < sink_pages:
-        raise fail(f"window pages held before all {sink_pages} sink pages")
-    if config["window"] == -1:
+    logical = _ceil_div(length, page_size)
+    if sink_count != min(sink_pages, logical) or ring_count < 0:
+        raise fail(f"{sink_count} sink pages of {table['pages'].shape[0]} held, expected the "
+                   f"{min(sink_pages, logical)} sink pages of {length} tokens")
+    if window == -1:
         if ring_first != 0 or ring_count != logical:
             raise fail(f"a sequence without a window holds all its {logical} pages, got {ring_count} from "
                        f"logical page {ring_first}")
-    elif not sink_pages <= ring_first <= max(logical, sink_pages) - ring_count:
-        raise fail(f"{ring_count} window pages from logical page {ring_first} do not fit {length} tokens")
+    else:
+        oldest = max(sink_pages, max(length - window + 1, 0) // page_size)
+        end = max(logical, sink_pages)
+        if not sink_pages <= ring_first <= oldest or ring_first + ring_count != end:
+            raise fail(f"{ring_count} window pages from logical page {ring_first} do not cover {length} tokens "
+                       f"(expected window pages from a logical page in [{sink_pages}, {oldest}] to logical page "
+                       f"{end - 1})")
     largest = max(initial_ring, 4 * (config["num_pages"] + 16))
     if not max(ring_count, 1) <= capacity <= largest or capacity & (capacity - 1):
         raise fail(f"ring capacity {capacity}, expected a power of two in [{max(ring_count, 1)}, {largest}]")
 
 
-# Which section a message of KVCache._restore_state is about (first match wins).
-_ERROR_SECTIONS = (("hash chain", "hashes"), ("prefix", "prefix"), ("free_queue", "pool"),
-                   ("ref_counts", "pool"), ("counters", "counters"), ("config", "config"))
-
-
 def _restore(cache, state: dict, parsed: _Parsed) -> None:
-    """Apply a checked state to a new cache; the core's own checks become SnapshotErrors."""
+    """Apply a checked state to a new cache, then check the result as a live cache is checked.
+
+    The core checks the state again as it applies it (each error names its
+    section), the seal flags and recorded checksums follow, and the built
+    cache must pass ``check_invariants()``; every failure is a SnapshotError.
+    """
+    from pagedkv_c._kv_cache import StateError
+
     try:
         cache._restore_state(state)
-    except ValueError as exc:
-        text = str(exc)
-        section = next((name for key, name in _ERROR_SECTIONS if key in text), "tables")
-        raise SnapshotError(f"section {section!r}: {text}") from None
+    except StateError as exc:
+        raise SnapshotError(f"section {exc.section!r}: {exc}") from None
     sealed = parsed.section("sealed")
     try:
         cache._restore_sealed_state(sealed.array("sealed", np.uint8, 1), sealed.arrays.get("checksums"),
                                     sealed.int("pages_sealed"))
     except (ValueError, TypeError) as exc:
         raise SnapshotError(f"section 'sealed': {exc}") from None
+    try:
+        cache.check_invariants()
+    except AssertionError as exc:  # a state the checks above let through: refuse it all the same
+        raise SnapshotError(f"section 'tables': the restored cache is inconsistent: {exc}") from None
+
+
+def _check_state_without_pool(state: dict, parsed: _Parsed) -> None:
+    """Run every check a load runs on the state (the core's included) on a throwaway cache without K/V.
+
+    The cache has ``num_layers`` 0, so only the page records, the prefix
+    index and the page tables are allocated, as a load would; the K/V pool is
+    not. :func:`verify` uses it, so that it refuses exactly what
+    :func:`load_cache` refuses.
+    """
+    from pagedkv_c._kv_cache import KVCache
+
+    config = dict(state["config"], num_layers=0)
+    throwaway = KVCache(**_cache_kwargs(config))
+    _restore(throwaway, dict(state, config=config), parsed)
 
 
 def verify(path) -> None:
@@ -1071,6 +1119,7 @@ def verify(path) -> None:
     """
     with open(path, "rb", buffering=0) as f:  # unbuffered: the pages are read straight into the pool
         parsed, state, tables, shape = _checked_cache_file(f, path)
+        _check_state_without_pool(state, parsed)
         config = state["config"]
         if parsed.pages_length:
             kv = np.memmap(f, dtype=np.dtype(config["dtype"]), mode="r", offset=parsed.pages_offset, shape=shape)
@@ -1101,7 +1150,7 @@ def export_sequence(cache, seq_id) -> bytes:
     return bytes(out)
 
 
-def import_sequence(cache, seq_id, data) -> None:
+def import_sequence(cache, seq_id, data, *, extra_key=None) -> None:
     """Add ``seq_id`` to ``cache`` from :func:`export_sequence` bytes, all or nothing.
 
     The layer, head, dim, dtype and page-size geometry, the window and the
@@ -1110,15 +1159,36 @@ def import_sequence(cache, seq_id, data) -> None:
     would). With prefix caching on both sides and the same hash function,
     the hash chain comes along and the sequence's full pages become cached.
 
+    The bytes are not trusted (see the module notes): the page table must
+    cover exactly what its length, window and sinks say, and the hash chain
+    must be salted with this cache's digest of ``extra_key`` and follow from
+    the kept token (or block) ids, hashed again here. So bytes cannot plant
+    K/V under another tenant's salt.
+
+    Parameters
+    ----------
+    cache : pagedkv.KVCache
+    seq_id : int
+    data : bytes-like
+    extra_key : str, bytes, int or None
+        The salt the sequence was added with (``add_sequence``'s
+        ``extra_key``). Where the chain is dropped (another hash function,
+        or no prefix caching in the source), the sequence's later pages are
+        salted with it.
+
     Raises
     ------
     SnapshotError
-        ``data`` is damaged, not an exported sequence, or of another geometry.
+        ``data`` is damaged, forged, not an exported sequence, or of another
+        geometry; or its chain was salted with another ``extra_key``.
     OutOfPagesError
-        The cache has fewer free pages than the sequence holds; nothing changed.
+        The cache has fewer free pages than the sequence holds (or fewer
+        pages in all); nothing changed.
     ValueError
         ``seq_id`` already exists.
     """
+    from pagedkv_c._kv_cache import StateError
+
     view = memoryview(data).cast("B")
     parsed = _parse(lambda offset, length: bytes(view[offset:offset + length]), len(view), MAGIC_SEQUENCE,
                     "the exported sequence")
@@ -1149,9 +1219,9 @@ def import_sequence(cache, seq_id, data) -> None:
     if seq_id in cache:
         raise ValueError(f"Invalid value of seq_id: sequence {seq_id} already exists")
     try:
-        cache._import_sequence_state(seq_id, tables[0][1], hashes, kv)
-    except ValueError as exc:  # the sequence's own fields do not fit this cache
-        raise SnapshotError(f"section 'tables': {exc}") from None
+        cache._import_sequence_state(seq_id, tables[0][1], hashes, kv, extra_key)
+    except StateError as exc:  # the sequence's own fields do not fit this cache, or its chain is forged
+        raise SnapshotError(f"section {exc.section!r}: {exc}") from None
 
 
 # ------------------------------------------------------------ PagedKVCache
