@@ -72,6 +72,16 @@ def test_seed_files_round_trip_through_the_mutator(tmp_path):
         assert sm.parse(seed["data"]).build() == seed["data"], seed["name"]
 
 
+def test_every_seed_file_passes_unmutated(tmp_path):
+    """Each seed file, as written, loads (or imports with its salt) and survives every check: a finding on
+    a mutated case is then the mutation's doing."""
+    for index, seed in enumerate(sm.seed_files(str(tmp_path))):
+        path = tmp_path / "seed.bin"
+        path.write_bytes(seed["data"])
+        assert fs.check_case(seed["kind"], str(path), seed["target"], index, seed["extra_key"]) == "accepted", \
+            seed["name"]
+
+
 def test_every_mutation_applies_and_keeps_checksums_valid(tmp_path):
     """Each mutation changes some seed file; a metadata edit leaves all checksums right, so the loader
     refuses it for its structure (never a checksum mismatch of a metadata section, the table or the header)."""

@@ -350,13 +350,16 @@ def _target_cache(target: dict, rng):
     return cache
 
 
-def check_sequence(data: bytes, target: dict, rng) -> str:
-    """Import exported-sequence bytes into a fresh cache of the seed's geometry; refused or accepted."""
+def check_sequence(data: bytes, target: dict, extra_key, rng) -> str:
+    """Import exported-sequence bytes (added with salt ``extra_key``) into a fresh cache of the seed's
+    geometry; refused or accepted."""
     from pagedkv import OutOfPagesError, SnapshotError
     cache = _target_cache(target, rng)
     before = (cache.stats(), cache.pool.free_pages().tolist(), sorted(cache.seq_ids()), _contents(cache))
+    salt = {} if extra_key is None else {"extra_key": extra_key}
     with PeakMemory() as meter:
-        result = _call("sequence:import", cache.import_sequence, 7, data, allowed=(SnapshotError, OutOfPagesError))
+        result = _call("sequence:import", cache.import_sequence, 7, data, allowed=(SnapshotError, OutOfPagesError),
+                       **salt)
     _check_memory(meter, 0, len(data), "sequence:import")
     if isinstance(result, BaseException):
         _invariants(cache, "sequence:after-refused-import")
@@ -439,7 +442,7 @@ def _allocate() -> str:
 _SELF_TESTS = {"crash": _crash, "hang": _hang, "allocate": _allocate}
 
 
-def check_case(kind: str, path: str, target: dict | None, seed: int) -> str:
+def check_case(kind: str, path: str, target: dict | None, seed: int, extra_key=None) -> str:
     """Run one case in this process: ``"refused"`` or ``"accepted"``; a contract violation raises Finding."""
     rng = np.random.default_rng(seed)
     if kind in _SELF_TESTS:
@@ -449,7 +452,7 @@ def check_case(kind: str, path: str, target: dict | None, seed: int) -> str:
     if kind == "sequence":
         with open(path, "rb") as f:
             data = f.read()
-        return check_sequence(data, target, rng)
+        return check_sequence(data, target, extra_key, rng)
     return check_classic(path, rng)
 
 
@@ -475,7 +478,7 @@ def worker_main() -> None:
         case = json.loads(line)
         started = time.perf_counter()
         try:
-            outcome = check_case(case["kind"], case["path"], case.get("target"), case["seed"])
+            outcome = check_case(case["kind"], case["path"], case.get("target"), case["seed"], case.get("extra_key"))
             reply = {"outcome": outcome}
         except Finding as finding:
             reply = {"outcome": "finding", "class": finding.kind, "text": finding.text[:4000]}
@@ -607,7 +610,8 @@ def run(*, cases: int | None = None, seconds: float | None = None, master: int =
                     if worker is not None:
                         worker.stop()
                     worker = Worker(os.path.join(tmp, "worker.log"), env)
-                case = {"kind": seed["kind"], "path": path, "target": seed["target"], "seed": index}
+                case = {"kind": seed["kind"], "path": path, "target": seed["target"], "seed": index,
+                        "extra_key": seed["extra_key"]}
                 reply = worker.run(case, timeout, rss_limit_mib << 20)
                 summary["cases"] += 1
                 outcome = reply["outcome"]
@@ -640,7 +644,8 @@ def _save_artifact(directory: str, seed: dict, data: bytes, mutations: list, rep
     with open(base + ".bin", "wb") as f:
         f.write(data)
     with open(base + ".json", "w") as f:
-        json.dump({"kind": seed["kind"], "target": seed["target"], "seed_file": seed["name"], "master": master,
+        json.dump({"kind": seed["kind"], "target": seed["target"], "extra_key": seed["extra_key"],
+                   "seed_file": seed["name"], "master": master,
                    "index": index, "mutations": mutations, "class": reply["class"], "text": reply.get("text", "")},
                   f, indent=1)
     return base + ".bin"
@@ -652,7 +657,7 @@ def replay(path: str) -> int:
         meta = json.load(f)
     print(f"{path}: {meta['seed_file']}: {'; '.join(meta['mutations'])}")
     try:
-        outcome = check_case(meta["kind"], path, meta["target"], meta["index"])
+        outcome = check_case(meta["kind"], path, meta["target"], meta["index"], meta.get("extra_key"))
     except Finding as finding:
         print(f"FINDING {finding.kind}\n{finding.text}")
         return 1

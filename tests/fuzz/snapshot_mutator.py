@@ -346,6 +346,12 @@ CACHE_CONFIGS = {
 }
 
 
+#: The salt (add_sequence's extra_key) of each salted sequence of the seed caches: sequence 1, its prefix
+#: hit 3 and its fork 4, where the cache has prefix caching.
+SALTS = {(name, seq_id): "tenant-a" for name, kwargs in CACHE_CONFIGS.items()
+         if kwargs.get("enable_prefix_caching") and name != "blocks-prefix-checksums" for seq_id in (1, 3, 4)}
+
+
 def make_cache(name: str):
     """A KVCache of configuration ``name`` filled by a fixed script (deterministic)."""
     from pagedkv import KVCache
@@ -397,7 +403,8 @@ def make_classic(dtype: str):
 
 
 def seed_files(tmpdir) -> list[dict]:
-    """Every seed: ``{"name", "kind", "data", "target"}`` (``target``: KVCache kwargs for imports)."""
+    """Every seed: ``{"name", "kind", "data", "target", "extra_key"}`` (``target``: KVCache kwargs for
+    imports; ``extra_key``: the salt an exported sequence was added with, which its import must name)."""
     import os
     seeds = []
     for name in CACHE_CONFIGS:
@@ -405,16 +412,18 @@ def seed_files(tmpdir) -> list[dict]:
         path = os.path.join(tmpdir, f"seed-{name}.snap")
         cache.save(path)
         with open(path, "rb") as f:
-            seeds.append({"name": name, "kind": "cache", "data": f.read(), "target": CACHE_CONFIGS[name]})
+            seeds.append({"name": name, "kind": "cache", "data": f.read(), "target": CACHE_CONFIGS[name],
+                          "extra_key": None})
         for seq_id in cache.seq_ids():
             seeds.append({"name": f"{name}/seq{seq_id}", "kind": "sequence", "data": cache.export_sequence(seq_id),
-                          "target": CACHE_CONFIGS[name]})
+                          "target": CACHE_CONFIGS[name], "extra_key": SALTS.get((name, seq_id))})
         os.unlink(path)
     for dtype in ("float32", "float16", "float64"):
         path = os.path.join(tmpdir, f"seed-classic-{dtype}.snap")
         make_classic(dtype).save(path)
         with open(path, "rb") as f:
-            seeds.append({"name": f"classic-{dtype}", "kind": "classic", "data": f.read(), "target": None})
+            seeds.append({"name": f"classic-{dtype}", "kind": "classic", "data": f.read(), "target": None,
+                          "extra_key": None})
         os.unlink(path)
     return seeds
 
