@@ -326,8 +326,12 @@ def check_cache_file(path: str, rng) -> str:
     if isinstance(mapped, SnapshotError):
         raise Finding("cache:mmap-load-refuses-accepted-file", str(mapped))
     _invariants(mapped, "cache:mmap")
-    del mapped
-    exercise_cache(cache, rng, "cache")
+    if rng.random() < 0.25:  # the copy-on-write map of the file's pages must survive the same calls
+        del cache
+        exercise_cache(mapped, rng, "cache-mmap")
+    else:
+        del mapped
+        exercise_cache(cache, rng, "cache")
     return "accepted"
 
 
@@ -354,6 +358,12 @@ def check_sequence(data: bytes, target: dict, extra_key, rng) -> str:
     """Import exported-sequence bytes (added with salt ``extra_key``) into a fresh cache of the seed's
     geometry; refused or accepted."""
     from pagedkv import OutOfPagesError, SnapshotError
+    target = dict(target)
+    variant = rng.random()
+    if variant < 0.15:  # the chain is dropped: another hash function, or no prefix caching
+        target["prefix_hash"] = "sha256" if target.get("prefix_hash", "xxh3_128") == "xxh3_128" else "xxh3_128"
+    elif variant < 0.3:
+        target["enable_prefix_caching"] = not target.get("enable_prefix_caching", False)
     cache = _target_cache(target, rng)
     before = (cache.stats(), cache.pool.free_pages().tolist(), sorted(cache.seq_ids()), _contents(cache))
     salt = {} if extra_key is None else {"extra_key": extra_key}
