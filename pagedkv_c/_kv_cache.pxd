@@ -76,6 +76,7 @@ cdef class KVCache:
     cdef int64_t _serve_prefix(self, PageTable table, const int32_t* prompt, int64_t prompt_len,
                                int64_t servable, page_id_t* hit) except -1
     cdef int _register_full_pages(self, PageTable table) except -1
+    cdef int _check_registered(self, dict tables, dict prefix) except -1
     # Shared tier (pagedkv.tiers): sealed pages go to it, add_sequence fetches from it.
     cdef object _tier                     # the tier, or None
     cdef int64_t _tier_hits               # prompt tokens served from the tier, in tokens

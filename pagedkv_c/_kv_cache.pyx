@@ -1834,41 +1834,41 @@ cdef class KVCache:
         finally:
             self._lock.leave()
 
-    def _check_registered(self, dict tables, dict prefix):
+    cdef int _check_registered(self, dict tables, dict prefix) except -1:
         """Raise StateError('prefix') unless every cached page a sequence holds below its registered pages
         is indexed under that sequence's hash of the page (a hit on it then serves what the chain says).
 
-        ``tables`` maps a sequence id to ``(checked PageTable with its hashes, table state)``.
+        ``tables`` maps a sequence id to ``(checked PageTable with its hashes, checked table state)``.
         """
         cdef PageTable table
         cdef SequenceHashes hashes
-        cdef int64_t upto, ps = self.page_size, num_sink
-        index_of = np.full(self.pool.num_pages, -1, dtype=np.int64)
-        index_of[prefix["pages"]] = np.arange(prefix["pages"].shape[0])
-        stored = prefix["hashes"]
+        cdef int64_t upto, logical, first, ps = self.page_size
+        cdef Py_ssize_t i, sink_count, row
+        cdef const int32_t[::1] pages
+        cdef int64_t[::1] index_of = np.full(self.pool.num_pages, -1, dtype=np.int64)
+        cdef const int32_t[::1] cached = np.ascontiguousarray(prefix["pages"], dtype=np.int32)
+        cdef const uint64_t[:, ::1] stored = np.ascontiguousarray(prefix["hashes"], dtype=np.uint64)
+        for i in range(cached.shape[0]):
+            index_of[cached[i]] = i
         for key, (table, table_state) in tables.items():
             hashes = table.hashes
-            upto = min(hashes.num_registered, hashes.num_hashed, table_state["length"] // ps)
+            upto = min(hashes.num_registered, hashes.num_hashed, <int64_t>table_state["length"] // ps)
             if upto <= 0:
                 continue
-            pages = table_state["pages"]
+            pages = np.ascontiguousarray(table_state["pages"], dtype=np.int32)
             sink_count = table_state["sink_count"]
-            logical = np.concatenate([np.arange(sink_count, dtype=np.int64),
-                                      table_state["ring_first"] + np.arange(pages.shape[0] - sink_count,
-                                                                            dtype=np.int64)])
-            chosen = np.flatnonzero(logical < upto)
-            rows = index_of[pages[chosen]]
-            cached = rows >= 0
-            if not cached.any():
-                continue
-            chain = np.asarray(hashes.chain_array)[:hashes.num_hashed]
-            wrong = (stored[rows[cached]] != chain[logical[chosen][cached]]).any(axis=1)
-            if wrong.any():
-                at = int(np.flatnonzero(wrong)[0])
-                page = int(pages[chosen][cached][at])
-                raise StateError("prefix", f"Invalid value of the prefix index hashes: page {page}, held by sequence "
-                                           f"{key} as logical page {int(logical[chosen][cached][at])}, is indexed "
-                                           f"under another hash than the sequence's chain gives it")
+            first = table_state["ring_first"]
+            for i in range(pages.shape[0]):
+                logical = i if i < sink_count else first + (i - sink_count)  # increasing
+                if logical >= upto:
+                    break
+                row = index_of[pages[i]]
+                if row >= 0 and (stored[row, 0] != hashes.chain[logical].lo
+                                 or stored[row, 1] != hashes.chain[logical].hi):
+                    raise StateError("prefix", f"Invalid value of the prefix index hashes: page {pages[i]}, held "
+                                               f"by sequence {key} as logical page {logical}, is indexed under "
+                                               f"another hash than the sequence's chain gives it")
+        return 0
 
     def _adopt_pool(self, kv):
         """Use ``kv`` as the pool array of this new, empty cache (e.g. a memory map of a snapshot).

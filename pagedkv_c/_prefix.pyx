@@ -606,7 +606,7 @@ cdef class SequenceHashes:
         capacity = max(capacity, 4)
         while capacity < n:
             capacity *= 2
-        grown = np.empty((capacity, 2), dtype=np.uint64)
+        grown = np.zeros((capacity, 2), dtype=np.uint64)  # rows past num_hashed are never read
         if self.num_hashed:
             memcpy(cnp.PyArray_DATA(grown), self.chain, self.num_hashed * sizeof(hash128))
         self._set_chain(grown)

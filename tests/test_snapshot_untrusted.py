@@ -9,6 +9,7 @@ before anything is built or changed, ``verify`` refuses exactly what
 working (append, store, save, load again).
 """
 import hashlib
+import struct
 
 import numpy as np
 import pytest
@@ -414,3 +415,26 @@ def test_import_larger_than_the_whole_pool_is_out_of_pages():
     assert np.array_equal(before["free_queue"], after["free_queue"]) and np.array_equal(target.kv, kv)
     assert list(target.seq_ids()) == [1]
     target.check_invariants()
+
+
+# ------------------------------------------------------------ metadata entries of impossible shapes
+def test_empty_entry_of_an_impossible_shape_names_its_section(tmp_path):
+    """(0, 2**63) holds no bytes, so the size check passes; NumPy cannot shape it: SnapshotError, not ValueError."""
+    cache = _windowed()
+    blob = cache.export_sequence(0)
+    magic, parts = sections_of(blob)
+    raw = snap._encode({name: value for name, value in parts["tables"].items() if name != "pages"})
+    entry = struct.pack("<HBB", 5, 1, 2) + b"pages" + bytes(7) + struct.pack("<2Q", 0, 2**63)
+    magic, parts = sections_of(blob)
+    metadata = [("config", snap._encode(parts["config"])), ("tables", raw + entry)]
+    prefix, _ = snap._container(magic, metadata, parts["checksums"].astype("<u8").tobytes(), len(parts["pages"]), 8)
+    forged = prefix + parts["pages"]
+    target = KVCache(2, 1, 4, 32, page_size=2, window=8, sink_tokens=3, dtype=np.float32)
+    with pytest.raises(SnapshotError, match="section 'tables'.*'pages'"):
+        target.import_sequence(1, forged)
+    path = _saved(tmp_path, cache)
+
+    def edit(sections):
+        sections["tables"]["pages"] = np.zeros((0, 2**40), np.int32)  # NumPy shapes it; the loader refuses it
+    forge_file(path, edit)
+    _refused_everywhere(path, "tables")

@@ -35,18 +35,35 @@ arrays, strings uint8 arrays.
 Checksums: metadata sections, the section table and the header use the low
 64 bits of XXH3-128 (``xxh3.h``, the core's own implementation); a page's
 checksum is ``pagedkv_c._checksum.page_checksums`` (``page_checksum.h``), the
-value the cache records for a sealed page. XXH3 detects corruption, not a
-forger: a file is trusted data, but nothing in it can run code (no pickle)
-or make the reader allocate more than the file's size suggests. Every
-length is checked against the header and the file before it is read; the
-pool must be exactly the ``pages`` section (layers x pages x 2 x page size x
-heads x head dim x dtype size); ``num_pages`` is the checksum table's length
-/ 8; the kept token ids of prefix caching (num_pages x page_size int32, not
-bounded by the pool when ``num_layers`` is 0) and the page tables' rings and
-sink arrays (4 bytes per entry) together may take at most twice the file's
-length or 256 MiB, whichever is more. ``load_cache`` checks all of that, and
-the ids, ref counts, free queue, prefix index, page-table geometry and seal
-flags, before it allocates the cache or reads a page.
+value the cache records for a sealed page.
+
+Trust model: XXH3 detects accidents, not a forger, who can recompute every
+checksum. The validation below is what stands against forged bytes: no file
+or exported sequence can run code (no pickle), make the reader allocate more
+than the file's size suggests, crash the process, corrupt another sequence,
+or (through :func:`import_sequence`) plant K/V under another tenant's salt.
+Every length is checked against the header and the file before it is read;
+the pool must be exactly the ``pages`` section (layers x pages x 2 x page
+size x heads x head dim x dtype size); ``num_pages`` is the checksum table's
+length / 8; the kept token ids of prefix caching (num_pages x page_size
+int32, not bounded by the pool when ``num_layers`` is 0) and the page
+tables' rings and sink arrays (4 bytes per entry) together may take at most
+twice the file's length or 256 MiB, whichever is more. Before it allocates
+the cache or reads a page, ``load_cache`` checks all of that and the ids,
+ref counts (equal to the page-table entries), free queue, counters, prefix
+index, seal flags, the recorded checksum of each sealed page (equal to its
+entry in ``checksums``), and each page table's geometry: its pages cover
+exactly what its length, window and sink tokens say (the release rule of
+DESIGN.md). The core then checks the state again as it applies it, computing
+every hash chain again from its salt and kept token (or block) ids and
+checking that the prefix index holds each registered page under its
+sequence's hash, and the built cache must pass ``check_invariants()``.
+:func:`verify` runs the same checks (on a throwaway cache without K/V), so
+it accepts exactly the files ``load_cache`` accepts. A whole-cache snapshot
+is the cache: its salts and cached pages are taken as the file gives them
+(checked for consistency, not for who wrote them). Counters hold at
+``2**63 - 1`` instead of wrapping, so a loaded cache always saves a file
+that loads.
 
 Writes are atomic: the file is written to a temporary file in the target's
 directory, flushed and fsynced, renamed over the target, and the directory is
@@ -64,7 +81,6 @@ import numpy as np
 
 from pagedkv_c._checksum import combine_digests, layer_digests, page_checksums
 from pagedkv_c._file_io import start_writeback
-from pagedkv_c._kv_cache import PREFIX_HIT_BUCKETS
 from pagedkv_c._prefix import xxh3_128_intdigest
 
 __all__ = ["FORMAT_VERSION", "SnapshotError", "export_sequence", "import_sequence", "load_cache",
@@ -158,8 +174,11 @@ def _decode(section: str, data: bytes) -> dict[str, np.ndarray]:
             raise fail(f"entry {name!r} of shape {shape} runs past the section's {end} bytes")
         if name in arrays:
             raise fail(f"entry {name!r} appears twice")
-        arrays[name] = np.frombuffer(data, dtype=dtype, count=count, offset=start).reshape(shape).astype(
-            dtype.newbyteorder("="))
+        try:  # an empty entry may claim any extents (e.g. (0, 2**63)), more than NumPy can shape
+            arrays[name] = np.frombuffer(data, dtype=dtype, count=count, offset=start).reshape(shape).astype(
+                dtype.newbyteorder("="))
+        except ValueError:
+            raise fail(f"entry {name!r} has a shape {shape} no array can have") from None
         pos = start + count * dtype.itemsize
         pos += -pos % 8
     return arrays
@@ -453,8 +472,6 @@ def _cache_kwargs(config: dict) -> dict:
 
 
 _TABLE_FIELDS = ("length", "sink_count", "ring_first", "ring_capacity", "num_pages")
-#: Buckets of the ``prefix_hit_counts`` counters array (the core's bounds plus an overflow bucket).
-_NUM_PREFIX_HIT_BUCKETS = len(PREFIX_HIT_BUCKETS) + 1
 _HASH_FIELDS = ("external", "num_hashed", "num_known", "num_blocks", "pages_per_block", "num_hashable",
                 "num_registered")
 
@@ -896,7 +913,9 @@ def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
         sequences = [(seq_id, table, h) for (seq_id, table), h in zip(tables, hashes)]
     elif "prefix" in parsed.sections or "hashes" in parsed.sections:
         raise SnapshotError("section 'prefix': present in a cache without prefix caching")
-    hit_counts = counters.array("prefix_hit_counts", np.int64, 1, (_NUM_PREFIX_HIT_BUCKETS,))
+    from pagedkv_c._kv_cache import PREFIX_HIT_BUCKETS  # the core's bucket bounds, then an overflow bucket
+
+    hit_counts = counters.array("prefix_hit_counts", np.int64, 1, (len(PREFIX_HIT_BUCKETS) + 1,))
     if (hit_counts < 0).any():
         bucket = int(np.flatnonzero(hit_counts < 0)[0])
         raise counters.error(f"entry 'prefix_hit_counts' has {int(hit_counts[bucket])} in bucket {bucket}, "
@@ -1106,7 +1125,11 @@ def _check_state_without_pool(state: dict, parsed: _Parsed) -> None:
 
 
 def verify(path) -> None:
-    """Check every section and every page checksum of a snapshot file without building anything.
+    """Run every check :func:`load_cache` runs on a snapshot file, then check every page checksum.
+
+    The state is applied to a throwaway cache without K/V (the core's checks
+    and ``check_invariants()`` included), so ``verify`` refuses exactly the
+    files ``load_cache`` refuses; the pool is not allocated.
 
     Use it on a file loaded with ``KVCache.load(path, mmap=True)``, whose
     pages are not read at load time: the map's untouched pages are the
