@@ -883,15 +883,38 @@ cdef class PagedKVCache:
             int32: the free pages in hand-out order; ``present`` uint8
             ``(max_pages, page_size)``; ``hits``, ``misses``, ``evictions``.
         """
-        cdef int32_t i
         self._lock.acquire()
         try:
-            page_ids = np.empty(self._num_resident, dtype=np.int32)
-            for i in range(self._num_resident):
-                page_ids[i] = self._ring_page_id[(self._ring_head + i) % self.max_pages]
-            return {"logical_pages": self._resident_logical_pages(), "page_ids": page_ids,
-                    "free_queue": self._pool.free_pages(), "present": np.array(self._present, copy=True),
-                    "hits": int(self._hits), "misses": int(self._misses), "evictions": int(self.evictions)}
+            return _classic_state(self)
+        finally:
+            self._lock.release()
+
+    def _snapshot(self, kv_out):
+        """State (as :meth:`_export_state`) and a copy of the pool into ``kv_out``, in one hold of the lock.
+
+        ``kv_out`` must have the pool's dtype and shape ``(max_pages, 2,
+        page_size, dim)``, be C-contiguous, writeable and apart from the pool;
+        fault it in beforehand: the copy (without the GIL) runs under the
+        lock, and other calls wait for it. Returns the state dict, of the
+        same moment as the bytes. Raises TypeError or ValueError for a
+        ``kv_out`` that does not fit.
+        """
+        cdef size_t nbytes = <size_t>self._kv.nbytes
+        cdef char* dst
+        if not isinstance(kv_out, np.ndarray):
+            raise TypeError(f"Invalid type of kv_out: expected a numpy.ndarray, got {type(kv_out).__name__}")
+        if kv_out.dtype != self._kv.dtype or kv_out.shape != self._kv.shape:
+            raise ValueError(f"Invalid shape of kv_out: expected {self._kv.dtype} {self._kv.shape}, "
+                             f"got {kv_out.dtype} {kv_out.shape}")
+        if not (kv_out.flags.c_contiguous and kv_out.flags.writeable) or np.may_share_memory(kv_out, self._kv):
+            raise ValueError("Invalid layout of kv_out: expected a C-contiguous, writeable array apart from the pool")
+        dst = <char*>cnp.PyArray_DATA(kv_out)
+        self._lock.acquire()
+        try:
+            state = _classic_state(self)
+            with nogil:
+                memcpy(dst, self._kv_data, nbytes)
+            return state
         finally:
             self._lock.release()
 
@@ -952,3 +975,14 @@ cdef class PagedKVCache:
     def _pool_array(self):
         """The pool array (max_pages, 2, page_size, dim) itself, for snapshots."""
         return self._kv
+
+
+cdef dict _classic_state(PagedKVCache cache):
+    """The dict of ``PagedKVCache._export_state``; the caller holds the cache's lock."""
+    cdef int32_t i
+    page_ids = np.empty(cache._num_resident, dtype=np.int32)
+    for i in range(cache._num_resident):
+        page_ids[i] = cache._ring_page_id[(cache._ring_head + i) % cache.max_pages]
+    return {"logical_pages": cache._resident_logical_pages(), "page_ids": page_ids,
+            "free_queue": cache._pool.free_pages(), "present": np.array(cache._present, copy=True),
+            "hits": int(cache._hits), "misses": int(cache._misses), "evictions": int(cache.evictions)}

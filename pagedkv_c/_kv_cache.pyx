@@ -1574,13 +1574,24 @@ cdef class KVCache:
 
         Raises
         ------
+        pagedkv.SnapshotError
+            The file would not load (a sealed page's bytes differ from the
+            checksum recorded at its seal: see :meth:`verify_pages`); the
+            existing file is left as it was.
+        MemoryError
+            No memory for the copy of the pool; nothing was written.
         OSError
             The file cannot be written; an existing file is left as it was.
 
         Notes
         -----
-        No other thread may change the cache during the call (its K/V bytes
-        are read after the page tables).
+        Other threads may go on using the cache: the file is the cache at
+        one point in time. The state and a copy of the pool are taken in one
+        hold of the cache's lock, so other calls wait for a ``memcpy`` of
+        the pool (about 0.1 to 0.25 s per GiB, docs/snapshots.md), and the
+        copy takes as much memory as the pool until the call returns.
+        ``path`` is only ever replaced by a rename, and only by a file that
+        would load.
         """
         from pagedkv.snapshot import save_cache
         save_cache(self, path)
@@ -1614,6 +1625,9 @@ cdef class KVCache:
 
     def export_sequence(self, seq_id):
         """One sequence with its K/V and page-table state, as bytes (checksummed).
+
+        Other threads may go on using the cache: the sequence's state and
+        a copy of its pages are taken in one hold of the cache's lock.
 
         Returns
         -------
@@ -1691,30 +1705,59 @@ cdef class KVCache:
             ``sequences``: a list of ``(seq_id, table state, hash chain
             state or None)`` in insertion order.
         """
-        cdef PageTable table
         self._lock.acquire()
         try:
-            ref_counts, free_queue = self.pool._export_state()
-            sequences = []
-            for seq_id, table in self._tables.items():
-                sequences.append((int(seq_id), table._export_state(),
-                                  table.hashes._export_state() if table.hashes is not None else None))
-            return {
-                "config": self._config(),
-                "counters": {"pages_peak": int(self._pages_peak), "evictions": int(self._evictions),
-                             "cow_copies": int(self._cow_copies), "tokens_appended": int(self._tokens_appended),
-                             "prefix_queries": int(self._prefix_queries), "prefix_hits": int(self._prefix_hits),
-                             "out_of_pages_errors": int(self._num_out_of_pages),
-                             "sequences_added": int(self._sequences_added),
-                             "pages_allocated": int(self.pool.num_taken),
-                             "ring_reuses": int(self.pool.num_reused_in_place),
-                             "prefix_hit_counts": np.array([self._prefix_hit_counts[j]
-                                                            for j in range(NUM_PREFIX_HIT_BUCKETS)], dtype=np.int64)},
-                "ref_counts": ref_counts,
-                "free_queue": free_queue,
-                "prefix": self._prefix._export_state() if self._prefix is not None else None,
-                "sequences": sequences,
-            }
+            return _state_of(self)
+        finally:
+            self._lock.leave()
+
+    def _snapshot(self, kv_out):
+        """A point-in-time copy for a snapshot: state, seal state and K/V bytes from one hold of the lock.
+
+        Parameters
+        ----------
+        kv_out : numpy.ndarray
+            Receives a copy of the pool's bytes: the pool's dtype and shape,
+            C-contiguous, writeable, not overlapping the pool. Fault its
+            memory in beforehand (``pagedkv_c._file_io.prefault``): the copy
+            runs under the lock (without the GIL), and every other call of
+            the cache waits for it.
+
+        Returns
+        -------
+        tuple
+            ``(state, sealed_state)`` as :meth:`_export_state` and
+            :meth:`_sealed_state` return them, of the same moment as the
+            bytes copied into ``kv_out``.
+
+        Raises
+        ------
+        TypeError
+            ``kv_out`` is not a numpy.ndarray.
+        ValueError
+            ``kv_out`` has another dtype, shape or layout, or overlaps the pool.
+        """
+        cdef size_t nbytes
+        cdef char* dst
+        if not isinstance(kv_out, np.ndarray):
+            raise TypeError(f"Invalid type of kv_out: expected a numpy.ndarray, got {type(kv_out).__name__}")
+        self._lock.acquire()
+        try:
+            pool = self.kv  # (the pool array itself changes only while the lock is held: _adopt_pool)
+            if kv_out.dtype != pool.dtype or kv_out.shape != pool.shape:
+                raise ValueError(f"Invalid shape of kv_out: expected {pool.dtype} {pool.shape}, "
+                                 f"got {kv_out.dtype} {kv_out.shape}")
+            if not (kv_out.flags.c_contiguous and kv_out.flags.writeable) or np.may_share_memory(kv_out, pool):
+                raise ValueError("Invalid layout of kv_out: expected a C-contiguous, writeable array "
+                                 "apart from the pool")
+            nbytes = <size_t>pool.nbytes
+            dst = <char*>cnp.PyArray_DATA(kv_out)
+            state = _state_of(self)
+            sealed = _sealed_of(self)
+            if nbytes:
+                with nogil:  # no Python code runs here, so no finalizer can queue a deferred call
+                    memcpy(dst, self._data, nbytes)
+            return state, sealed
         finally:
             self._lock.leave()
 
@@ -1889,6 +1932,20 @@ cdef class KVCache:
                 raise RuntimeError("KVCache._adopt_pool needs a cache without sequences")
             self.kv = kv
             self._data = <char*>cnp.PyArray_DATA(kv)
+        finally:
+            self._lock.leave()
+
+    def _make_pool_private(self, guard):
+        """Move a mapped pool's bytes into process memory, under the lock (internal: mapped snapshots).
+
+        ``guard`` is the ``pagedkv_c._file_io.GuardedMap`` under this
+        cache's pool; its lease thread calls this when another process wants
+        to write or truncate the mapped file, so that no ``store`` into the
+        pool runs while the bytes are copied.
+        """
+        self._lock.acquire()
+        try:
+            guard.make_private()
         finally:
             self._lock.leave()
 
@@ -2427,11 +2484,7 @@ cdef class KVCache:
         """
         self._lock.acquire()
         try:
-            return {
-                "sealed": np.array(self._sealed_array, copy=True),
-                "checksums": None if self._checksum_array is None else np.array(self._checksum_array, copy=True),
-                "pages_sealed": self._pages_sealed,
-            }
+            return _sealed_of(self)
         finally:
             self._lock.leave()
 
@@ -2627,6 +2680,41 @@ class PageCheckReport:
 
     def __repr__(self):
         return f"PageCheckReport(num_pages_checked={self.num_pages_checked}, bad_pages={self.bad_pages})"
+
+
+cdef dict _state_of(KVCache cache):
+    """``KVCache._export_state``'s dict; the caller holds the cache's lock."""
+    cdef PageTable table
+    ref_counts, free_queue = cache.pool._export_state()
+    sequences = []
+    for seq_id, table in cache._tables.items():
+        sequences.append((int(seq_id), table._export_state(),
+                          table.hashes._export_state() if table.hashes is not None else None))
+    return {
+        "config": cache._config(),
+        "counters": {"pages_peak": int(cache._pages_peak), "evictions": int(cache._evictions),
+                     "cow_copies": int(cache._cow_copies), "tokens_appended": int(cache._tokens_appended),
+                     "prefix_queries": int(cache._prefix_queries), "prefix_hits": int(cache._prefix_hits),
+                     "out_of_pages_errors": int(cache._num_out_of_pages),
+                     "sequences_added": int(cache._sequences_added),
+                     "pages_allocated": int(cache.pool.num_taken),
+                     "ring_reuses": int(cache.pool.num_reused_in_place),
+                     "prefix_hit_counts": np.array([cache._prefix_hit_counts[j]
+                                                    for j in range(NUM_PREFIX_HIT_BUCKETS)], dtype=np.int64)},
+        "ref_counts": ref_counts,
+        "free_queue": free_queue,
+        "prefix": cache._prefix._export_state() if cache._prefix is not None else None,
+        "sequences": sequences,
+    }
+
+
+cdef dict _sealed_of(KVCache cache):
+    """``KVCache._sealed_state``'s dict (copies); the caller holds the cache's lock."""
+    return {
+        "sealed": np.array(cache._sealed_array, copy=True),
+        "checksums": None if cache._checksum_array is None else np.array(cache._checksum_array, copy=True),
+        "pages_sealed": cache._pages_sealed,
+    }
 
 
 def _remove_deferred(tuple cache_and_key):

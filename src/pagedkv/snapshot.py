@@ -68,9 +68,16 @@ that loads.
 Writes are atomic: the file is written to a temporary file in the target's
 directory, flushed and fsynced, renamed over the target, and the directory is
 fsynced, so a crash leaves the old snapshot or the new one, never a torn file.
+No writer here opens an existing snapshot for writing: a file is only ever
+replaced by a rename, so a process that mapped the old one keeps its bytes.
+A save may run while other threads use the cache: it takes the state and a
+copy of the pool in one hold of the cache's lock, writes the copy with
+checksums computed from it, and renames only a file that would load.
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import struct
 import tempfile
@@ -80,7 +87,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv_c._checksum import combine_digests, layer_digests, page_checksums
-from pagedkv_c._file_io import start_writeback
+from pagedkv_c._file_io import GuardedMap, prefault, start_writeback
 from pagedkv_c._prefix import xxh3_128_intdigest
 
 __all__ = ["FORMAT_VERSION", "SnapshotError", "export_sequence", "import_sequence", "load_cache",
@@ -99,6 +106,7 @@ _PAGE_ALIGN = 4096
 _DTYPES = {1: np.dtype("<i4"), 2: np.dtype("<i8"), 3: np.dtype("<u8"), 4: np.dtype("u1")}
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 _MASK64 = (1 << 64) - 1
+_log = logging.getLogger(__name__)
 # Sections of each kind of file, in order ("?" marks an optional one).
 _LAYOUTS = {
     MAGIC_CACHE: ("config", "counters", "pool", "?prefix", "tables", "?hashes", "sealed", "checksums", "pages"),
@@ -378,13 +386,18 @@ def _readinto(f, offset: int, target: np.ndarray) -> None:
         done += n
 
 
-def _atomic_write(path, parts, finish=None) -> None:
+def _atomic_write(path, parts, finish=None, check=None) -> None:
     """Write the buffers ``parts`` to ``path`` atomically (temp file, fsync, rename, fsync the directory).
 
+    ``path`` is only ever replaced by a rename, never opened for writing: a
+    process that mapped the old file (``load(mmap=True)``) keeps its bytes.
     A callable part is called with the open (unbuffered) file and writes its own bytes.
 
     ``finish(fd)``, if given, runs after the parts are written and before
     the fsync (to overwrite a placeholder at the start of the file).
+    ``check(temp_path)``, if given, runs after the fsync and before the
+    rename; an exception from any of them removes the temporary file and
+    leaves ``path`` as it was.
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
@@ -402,6 +415,8 @@ def _atomic_write(path, parts, finish=None) -> None:
             if finish is not None:
                 finish(f.fileno())
             os.fsync(f.fileno())
+        if check is not None:
+            check(tmp)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -586,22 +601,36 @@ def _report_bad_pages(actual: np.ndarray, expected: np.ndarray, tables: list[tup
 def save_cache(cache, path, *, num_threads: int | None = None) -> None:
     """Write a snapshot of a ``KVCache`` to ``path`` atomically (see the module notes for the format).
 
-    The pool is written in runs of about 4 MiB of one layer's pages; each run
-    is hashed (XXH3-128 per page and layer, in C without the GIL) just before
-    it is written, while its bytes are in the CPU's cache, so the pool is read
-    from memory once. Each time another 32 MiB are written the kernel is
-    asked to start writing them to the disk (Linux), so the disk works while
-    the next runs are copied and the final fsync waits for little. Pages sealed with a recorded checksum
-    (a cache made with ``page_checksums=True``) are not hashed again: the file
-    carries the checksum recorded at the seal, so a page whose bytes changed
-    in memory since is refused by :func:`load_cache`.
+    Other threads may go on using the cache: the snapshot is the cache at
+    one point in time. Its state (page tables, ref counts, free queue, prefix
+    index, counters, seal flags and recorded checksums) and a copy of the
+    pool's bytes are taken in one hold of the cache's lock, so every other
+    call waits for that copy (a ``memcpy`` of the pool, without the GIL:
+    about 0.1 to 0.25 s per GiB on a 2-core machine, see
+    docs/snapshots.md); the new array is faulted in before the lock is taken.
+    The copy costs as much memory as the pool until the call returns. Then,
+    without the lock, the copy is written in runs of about 4 MiB of one
+    layer's pages; each run is hashed (XXH3-128 per page and layer, in C
+    without the GIL) just before it is written, while its bytes are in the
+    CPU's cache. Each time another 32 MiB are written the kernel is asked to
+    start writing them to the disk (Linux), so the disk works while the next
+    runs are copied and the final fsync waits for little.
+
+    ``path`` is replaced only by a file that would load: the page checksums
+    are computed from the very bytes written; with ``page_checksums=True``
+    each sealed page's checksum recorded at its seal must equal the checksum
+    of its bytes (else the pool's memory changed since the seal, which
+    ``verify_pages`` reports, and nothing is written); and before the rename
+    the new file's header and metadata are read back and checked as
+    :func:`load_cache` checks them.
 
     Parameters
     ----------
     cache : pagedkv.KVCache
-        The cache; no other thread may change it during the call.
+        The cache; other threads may call it meanwhile.
     path : str or os.PathLike
-        Target file; replaced atomically if it exists.
+        Target file; replaced atomically (by a rename, never rewritten in
+        place) if it exists.
     num_threads : int, optional
         1: hash and write in the calling thread. 2 (the default, None): the
         calling thread and a helper thread each take the next run, hash it
@@ -612,12 +641,19 @@ def save_cache(cache, path, *, num_threads: int | None = None) -> None:
     ------
     ValueError
         ``num_threads`` is not None, 1 or 2.
+    SnapshotError
+        A sealed page's bytes differ from the checksum recorded at its seal
+        (naming the page and the sequences holding it), or the new file
+        fails the checks of :func:`load_cache`; ``path`` is untouched.
+    MemoryError
+        No memory for the copy of the pool; ``path`` is untouched.
     OSError
         The file cannot be written; the old file (if any) is untouched.
     """
     threads = _checked_threads(num_threads)
-    state = cache._export_state()
-    kv = cache.kv
+    kv = np.zeros(cache.kv.shape, dtype=cache.kv.dtype)  # (shape and dtype never change)
+    prefault(kv)
+    state, sealed_state = cache._snapshot(kv)
     sequences = state["sequences"]
     sections = [("config", _config_section(state["config"])), ("counters", _encode(state["counters"])),
                 ("pool", _encode({"ref_counts": state["ref_counts"], "free_queue": state["free_queue"]}))]
@@ -626,11 +662,7 @@ def save_cache(cache, path, *, num_threads: int | None = None) -> None:
     sections.append(("tables", _tables_section(sequences)))
     if state["prefix"] is not None:
         sections.append(("hashes", _hashes_section(sequences)))
-    sealed_state = cache._sealed_state()
     sections.append(("sealed", _sealed_section(sealed_state)))
-    # Sealed pages keep the checksum recorded at their seal; the others are hashed while written.
-    recorded = sealed_state["checksums"]
-    skip = np.ascontiguousarray(sealed_state["sealed"], dtype=np.uint8) if recorded is not None else None
     digests = np.zeros((kv.shape[1], kv.shape[0], 16), dtype=np.uint8)
 
     def write_pages(f) -> None:
@@ -639,27 +671,41 @@ def save_cache(cache, path, *, num_threads: int | None = None) -> None:
         offset = len(placeholder)  # the pages section follows the placeholder
 
         def save_run(run) -> None:
-            """Hash one run of the pool, then write it while its bytes are in the CPU's cache."""
+            """Hash one run of the copy, then write it while its bytes are in the CPU's cache."""
             layer, first, stop, view, start = run
-            layer_digests(kv, layer, first, stop, digests, skip)
+            layer_digests(kv, layer, first, stop, digests)
             write_at(view, offset + start)
 
         _each_run(_page_runs(kv), save_run, threads)
 
     def finish(fd: int) -> None:
-        """Overwrite the placeholder at the start of ``fd`` with the real header and page checksums."""
+        """Check the sealed pages, then overwrite the placeholder at the start of ``fd`` with the real header."""
         checksums = np.zeros(kv.shape[1], dtype=np.uint64)
-        combine_digests(digests, checksums, skip)
-        if skip is not None:
-            checksums[skip != 0] = recorded[skip != 0]
+        combine_digests(digests, checksums)
+        recorded = sealed_state["checksums"]
+        if recorded is not None:
+            bad = np.flatnonzero((sealed_state["sealed"] != 0) & (checksums != recorded))
+            if bad.size:
+                holders = [seq_id for seq_id, table, _ in sequences if (table["pages"] == bad[0]).any()]
+                raise SnapshotError(
+                    f"section 'pages': sealed page {int(bad[0])} (held by sequences {holders}) no longer has the "
+                    f"checksum recorded at its seal" + (f", nor have {bad.size - 1} more sealed pages (first ids "
+                                                        f"{bad[1:6].tolist()})" if bad.size > 1 else "")
+                    + f"; its bytes changed in memory (KVCache.verify_pages lists such pages); {os.fspath(path)!r} "
+                    f"was left as it was")
         prefix, _ = _container(MAGIC_CACHE, sections, checksums.astype("<u8").tobytes(), kv.nbytes, _PAGE_ALIGN)
         os.lseek(fd, 0, os.SEEK_SET)  # (os.pwrite is not on Windows)
         _write_all(lambda data: os.write(fd, data), prefix)
 
+    def check(tmp: str) -> None:
+        """Read back the new file's header and metadata and check them as load_cache does."""
+        with open(tmp, "rb", buffering=0) as f:
+            _checked_cache_file(f, tmp)
+
     # The header, table and checksums precede the pages: a placeholder of the
     # same length is written first and overwritten once the pages are hashed.
     placeholder, _ = _container(MAGIC_CACHE, sections, bytes(8 * kv.shape[1]), kv.nbytes, _PAGE_ALIGN)
-    _atomic_write(path, [placeholder, write_pages], finish)
+    _atomic_write(path, [placeholder, write_pages], finish, check)
 
 
 #: Bytes of one layer's pages hashed and written (or read and hashed) together:
@@ -857,17 +903,43 @@ def load_cache(path, *, mmap: bool = False, num_threads: int | None = None):
 
     threads = _checked_threads(num_threads)
     with open(path, "rb", buffering=0) as f:  # unbuffered: the pages are read straight into the pool
+        guard = _guard(f, path) if mmap else None  # before anything of the file is read
         parsed, state, tables, shape = _checked_cache_file(f, path)
         config = state["config"]
         cache = KVCache(**_cache_kwargs(config))
         if mmap:
-            if cache.kv.size:
-                cache._adopt_pool(np.memmap(f, dtype=cache.kv.dtype, mode="c", offset=parsed.pages_offset,
-                                            shape=shape))
+            if cache.kv.size and guard is not None:
+                try:
+                    guard.map(parsed.pages_offset, parsed.pages_length)
+                except OSError as exc:
+                    if exc.errno != errno.ESTALE:
+                        raise
+                    raise SnapshotError(f"section 'pages': {os.fspath(path)!r} was opened for writing or "
+                                        f"truncated by another process while it was loaded") from None
+                cache._adopt_pool(np.frombuffer(guard, dtype=cache.kv.dtype).reshape(shape))
+                guard.attach(cache)
+            elif cache.kv.size:  # no guard here: the pages are read now (and checked later, as mapped ones)
+                _readinto(f, parsed.pages_offset, cache.kv)
         else:
             _read_and_check_pages(f, parsed.pages_offset, cache.kv, parsed.checksums, tables, threads)
     _restore(cache, state, parsed)
     return cache
+
+
+def _guard(f, path):
+    """A ``GuardedMap`` of the open snapshot ``f`` (its read lease taken), or None where none can be taken.
+
+    Without a guard a map of the file is not safe (a truncation kills the
+    process with SIGBUS at the next access of an untouched page; a rewrite
+    in place changes them), so :func:`load_cache` reads the pages instead and
+    logs why.
+    """
+    try:
+        return GuardedMap(f.fileno())
+    except OSError as exc:
+        _log.warning("load(%r, mmap=True): the file cannot be guarded against changes by other processes "
+                     "(%s), so its pages are read into memory instead of mapped", os.fspath(path), exc.strerror)
+        return None
 
 
 def _checked_cache_file(f, path) -> tuple[_Parsed, dict, list, tuple]:
@@ -1155,6 +1227,10 @@ def verify(path) -> None:
 def export_sequence(cache, seq_id) -> bytes:
     """One sequence of a ``KVCache`` with its K/V, as bytes (the container format, magic ``PKVSEQ``).
 
+    Other threads may go on using the cache: the sequence's page table, hash
+    chain and a copy of its pages are taken in one hold of the cache's lock,
+    and the page checksums are computed from that copy.
+
     Raises
     ------
     KeyError
@@ -1262,13 +1338,22 @@ def save_classic(cache, path) -> None:
     in FIFO eviction order, the free queue, the presence bytes), then the page
     checksums and the pool's bytes.
 
+    Other threads may go on using the cache: its state and a copy of its
+    pool are taken in one hold of its lock (other calls wait for the copy;
+    the copy costs as much memory as the pool until the call returns), and
+    the checksums are computed from the copy that is written.
+
     Raises
     ------
+    MemoryError
+        No memory for the copy of the pool; an existing file is left as it was.
     OSError
         The file cannot be written; an existing file is left as it was.
     """
-    state = cache._export_state()
-    kv = cache._pool_array()
+    pool = cache._pool_array()
+    kv = np.zeros(pool.shape, dtype=pool.dtype)  # (shape and dtype never change)
+    prefault(kv)
+    state = cache._snapshot(kv)
     sections = [("config", _encode(cache._config())),
                 ("counters", _encode({name: state[name] for name in ("hits", "misses", "evictions")})),
                 ("state", _encode({name: state[name] for name in ("logical_pages", "page_ids", "free_queue",
