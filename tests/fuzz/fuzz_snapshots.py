@@ -109,7 +109,12 @@ class PeakMemory:
         return False
 
 
+#: Peak RSS growth of the last load or import (bytes, without the pool), for the run's summary.
+LAST_PEAK = [0]
+
+
 def _check_memory(meter: PeakMemory, pool_bytes: int, size: int, what: str) -> None:
+    LAST_PEAK[0] = max(0, meter.extra - pool_bytes)
     bound = pool_bytes + max(2 * size, EXTRA_FLOOR) + RSS_SLACK
     if meter.extra > bound:
         raise Finding(f"{what}:memory-over-bound",
@@ -494,6 +499,7 @@ def worker_main() -> None:
     for line in sys.stdin:
         case = json.loads(line)
         started = time.perf_counter()
+        LAST_PEAK[0] = 0
         try:
             outcome = check_case(case["kind"], case["path"], case.get("target"), case["seed"], case.get("extra_key"))
             reply = {"outcome": outcome}
@@ -503,6 +509,7 @@ def worker_main() -> None:
             reply = {"outcome": "finding", "class": f"harness:{type(exc).__name__}",
                      "text": traceback.format_exc()[-4000:]}
         reply["seconds"] = time.perf_counter() - started
+        reply["peak_extra"] = LAST_PEAK[0]
         out.write("@@" + json.dumps(reply) + "\n")
         out.flush()
 
@@ -609,7 +616,8 @@ def run(*, cases: int | None = None, seconds: float | None = None, master: int =
     """
     env = dict(os.environ if env is None else env)
     started = time.monotonic()
-    summary = {"cases": 0, "refused": 0, "accepted": 0, "findings": {}, "master": master, "by_kind": {}}
+    summary = {"cases": 0, "refused": 0, "accepted": 0, "findings": {}, "master": master, "by_kind": {},
+               "peak_extra": [0, None, 0]}
     with tempfile.TemporaryDirectory(prefix="pagedkv-snapfuzz-") as tmp:
         seeds = sm.seed_files(tmp)
         worker = None
@@ -632,6 +640,8 @@ def run(*, cases: int | None = None, seconds: float | None = None, master: int =
                         "extra_key": seed["extra_key"]}
                 reply = worker.run(case, timeout, rss_limit_mib << 20)
                 summary["cases"] += 1
+                if reply.get("peak_extra", 0) > summary["peak_extra"][0]:
+                    summary["peak_extra"] = [reply["peak_extra"], index, len(data)]
                 outcome = reply["outcome"]
                 counts = summary["by_kind"].setdefault(seed["kind"], {"refused": 0, "accepted": 0, "finding": 0})
                 counts[outcome if outcome in counts else "finding"] += 1
@@ -689,6 +699,9 @@ def report(summary: dict, log=print) -> None:
     log(f"[snapfuzz] {summary['cases']} cases in {summary['seconds']:.1f} s (run {summary['master']}): "
         f"{summary['refused']} refused, {summary['accepted']} accepted, "
         f"{sum(len(v) for v in summary['findings'].values())} findings in {len(summary['findings'])} classes")
+    peak, index, size = summary["peak_extra"]
+    log(f"  largest peak RSS growth of a load or import besides the pool: {peak / 2**20:.1f} MiB (case {index}, "
+        f"a file of {size} bytes; the bound is max(2 x file, 256 MiB))")
     log("  by kind: " + ", ".join(f"{kind} {c['refused']} refused / {c['accepted']} accepted / {c['finding']} findings"
                                   for kind, c in sorted(summary["by_kind"].items())))
     for kind, entries in sorted(summary["findings"].items()):
