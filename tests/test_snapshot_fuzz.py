@@ -297,9 +297,10 @@ def test_worker_reports_each_kind_of_failure(tmp_path):
         assert worker.run(case, 60, 0)["outcome"] == "accepted"
         assert worker.run({**case, "kind": "classic"}, 60, 0)["outcome"] == "refused"  # another kind's file
         crash = worker.run({**case, "kind": "crash"}, 60, 0)
-        # (on the sanitizer build AddressSanitizer catches the SIGSEGV and reports it)
-        assert crash["outcome"] == "finding" and crash["class"] in ("crash:crash-signal-SIGSEGV",
-                                                                     "crash:crash-sanitizer"), crash
+        # SIGSEGV; on the sanitizer build AddressSanitizer catches it and reports; on Windows an exit code
+        assert crash["outcome"] == "finding" and crash["class"].startswith("crash:crash-"), crash
+        if sys.platform.startswith("linux") and "asan" not in os.environ.get("LD_PRELOAD", ""):
+            assert crash["class"] == "crash:crash-signal-SIGSEGV", crash
         assert not worker.alive
     finally:
         worker.stop()
@@ -309,20 +310,24 @@ def test_worker_reports_each_kind_of_failure(tmp_path):
         assert hang["class"] == "hang:timeout"
     finally:
         worker.stop()
-    worker = fs.Worker(log, env)
-    try:
-        memory = worker.run({**case, "kind": "allocate"}, 60, 400 << 20)
-        assert memory["class"] == "allocate:memory-watchdog", memory
-    finally:
-        worker.stop()
+    if os.path.exists(f"/proc/{os.getpid()}/status"):  # the watchdog reads the worker's RSS there
+        worker = fs.Worker(log, env)
+        try:
+            memory = worker.run({**case, "kind": "allocate"}, 60, 400 << 20)
+            assert memory["class"] == "allocate:memory-watchdog", memory
+        finally:
+            worker.stop()
 
 
 def test_memory_bound_is_checked():
-    """A load whose peak RSS exceeds the pool plus max(2 x file, 256 MiB) is a finding."""
+    """A load whose peak RSS exceeds the pool plus max(2 x file, 256 MiB) is a finding; on Linux the peak
+    is measured per case (the peak is reset before it)."""
     with fs.PeakMemory() as meter:
         block = np.ones(400 << 20 >> 3)  # 400 MiB, touched
     del block
-    assert meter.extra >= 380 << 20
+    if meter.exact:
+        assert meter.extra >= 380 << 20
+    meter.extra = max(meter.extra, 400 << 20)
     with pytest.raises(fs.Finding, match="memory-over-bound"):
         fs._check_memory(meter, 0, 1000, "cache:load")
     fs._check_memory(meter, 200 << 20, 1000, "cache:load")  # the pool counts

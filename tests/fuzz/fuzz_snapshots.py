@@ -34,12 +34,13 @@ import hashlib
 import json
 import os
 import random
-import selectors
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -94,19 +95,27 @@ class PeakMemory:
     """Peak RSS growth over a block: ``VmHWM`` after a reset, else ``getrusage``'s lifetime peak."""
 
     def __enter__(self):
-        import resource
-        self.resource = resource
         self.start = _status("VmRSS")
         self.exact = _reset_peak()
-        self.before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self.before = _lifetime_peak()
         return self
 
     def __exit__(self, *exc):
         if self.exact:
             self.extra = max(0, _status("VmHWM") - self.start)
         else:
-            self.extra = max(0, self.resource.getrusage(self.resource.RUSAGE_SELF).ru_maxrss * 1024 - self.before)
+            self.extra = max(0, _lifetime_peak() - self.before)
         return False
+
+
+def _lifetime_peak() -> int:
+    """``getrusage``'s peak RSS in bytes (KiB on Linux, bytes on macOS), 0 where there is none (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 #: Peak RSS growth of the last load or import (bytes, without the pool), for the run's summary.
@@ -522,7 +531,18 @@ class Worker:
         self.log = open(log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=env)
-        self.buffer = b""
+        # A thread reads the answers (select() cannot wait on a pipe on Windows); None marks the end.
+        self.lines: queue.Queue = queue.Queue()
+        self.reader = threading.Thread(target=self._read, name="snapfuzz-reader", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        try:
+            for line in self.proc.stdout:
+                self.lines.put(line)
+        except (OSError, ValueError):
+            pass
+        self.lines.put(None)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -558,38 +578,34 @@ class Worker:
         except BrokenPipeError:
             pass
         deadline = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while True:
-                while b"\n" in self.buffer:
-                    line, self.buffer = self.buffer.split(b"\n", 1)
-                    if line.startswith(b"@@"):
-                        return json.loads(line[2:])
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.proc.kill()
-                    self.proc.wait()
-                    return {"outcome": "finding", "class": f"{case['kind']}:timeout",
-                            "text": f"no answer within {timeout} s (killed)"}
-                if rss_limit and self._rss() > rss_limit:
-                    rss = self._rss()
-                    self.proc.kill()
-                    self.proc.wait()
-                    return {"outcome": "finding", "class": f"{case['kind']}:memory-watchdog",
-                            "text": f"worker RSS {rss >> 20} MiB > limit {rss_limit >> 20} MiB (killed)"}
-                if sel.select(min(left, 0.1)):
-                    chunk = os.read(fd, 65536)
-                    if not chunk:
-                        code = self.proc.wait()
-                        with open(self.log_path, "rb") as f:
-                            f.seek(log_start)
-                            tail = f.read()[-3000:].decode("utf-8", "replace")
-                        what = f"signal-{signal.Signals(-code).name}" if code < 0 else f"exit-{code}"
-                        if "AddressSanitizer" in tail or "UndefinedBehaviorSanitizer" in tail or "runtime error:" in tail:
-                            what = "sanitizer"
-                        return {"outcome": "finding", "class": f"{case['kind']}:crash-{what}", "text": tail}
-                    self.buffer += chunk
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.proc.kill()
+                self.proc.wait()
+                return {"outcome": "finding", "class": f"{case['kind']}:timeout",
+                        "text": f"no answer within {timeout} s (killed)"}
+            rss = self._rss() if rss_limit else 0
+            if rss > rss_limit > 0:
+                self.proc.kill()
+                self.proc.wait()
+                return {"outcome": "finding", "class": f"{case['kind']}:memory-watchdog",
+                        "text": f"worker RSS {rss >> 20} MiB > limit {rss_limit >> 20} MiB (killed)"}
+            try:
+                line = self.lines.get(timeout=min(left, 0.1))
+            except queue.Empty:
+                continue
+            if line is None:  # the worker died
+                code = self.proc.wait()
+                with open(self.log_path, "rb") as f:
+                    f.seek(log_start)
+                    tail = f.read()[-3000:].decode("utf-8", "replace")
+                what = f"signal-{signal.Signals(-code).name}" if code < 0 else f"exit-{code}"
+                if "AddressSanitizer" in tail or "UndefinedBehaviorSanitizer" in tail or "runtime error:" in tail:
+                    what = "sanitizer"
+                return {"outcome": "finding", "class": f"{case['kind']}:crash-{what}", "text": tail}
+            if line.startswith(b"@@"):
+                return json.loads(line[2:])
 
     @property
     def alive(self) -> bool:
@@ -657,7 +673,10 @@ def run(*, cases: int | None = None, seconds: float | None = None, master: int =
                         log(f"[snapfuzz] case {index}: new finding {reply['class']} ({seed['name']}: "
                             f"{'; '.join(mutations)})")
                     found.append(entry)
-                os.unlink(path)
+                try:
+                    os.unlink(path)
+                except OSError:  # still mapped by the worker (Windows): the directory goes at the end
+                    pass
                 index += 1
         finally:
             if worker is not None:
