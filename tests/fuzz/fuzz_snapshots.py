@@ -16,7 +16,9 @@ that passes ``check_invariants()`` and survives appends with stores that read
 back, a fork, a truncate, ``add_sequence`` with a prompt, ``gather``,
 ``remove_sequence``, and a save that loads again (``verify`` agreeing with
 ``load`` on both files), with no counter gone negative, no sealed page
-reported corrupt by ``verify_pages`` and no other sequence's K/V changed.
+reported corrupt by ``verify_pages``, no other sequence's K/V changed, and no
+prefix hit for a tenant's request that no seed cache made (forged hashes).
+A ``SnapshotError`` must name the file section it is about.
 Classic ``PagedKVCache`` snapshots get puts and gets that read back and a
 save/load round trip. Anything else is a finding: another exception, a failed
 check, a crash (signal) or sanitizer report, a case that runs past the
@@ -142,6 +144,12 @@ def _call(stage: str, f, *args, allowed=(), **kwargs):
         raise
     except BaseException as exc:
         raise Finding(f"{stage}:raised-{type(exc).__name__}", f"{exc!r}\n{traceback.format_exc(limit=6)}") from None
+
+
+def _names_section(error, stage: str) -> None:
+    """A SnapshotError names the file section it is about (the module notes: "section '<name>': ...")."""
+    if not str(error).startswith("section '"):
+        raise Finding(f"{stage}:error-names-no-section", str(error)[:500])
 
 
 def _invariants(cache, stage: str) -> None:
@@ -341,6 +349,8 @@ def check_cache_file(path: str, rng) -> str:
                       f"verify: {verified if verified is not None else 'accepts'}; load: "
                       f"{cache if isinstance(cache, SnapshotError) else 'accepts'}")
     if isinstance(cache, SnapshotError):
+        _names_section(cache, "cache:load")
+        _names_section(verified, "cache:verify")
         return "refused"
     _invariants(cache, "cache:after-load")
     mapped = _call("cache:load-mmap", KVCache.load, path, mmap=True, allowed=(SnapshotError,))
@@ -393,6 +403,8 @@ def check_sequence(data: bytes, target: dict, extra_key, rng) -> str:
                        **salt)
     _check_memory(meter, 0, len(data), "sequence:import")
     if isinstance(result, BaseException):
+        if isinstance(result, SnapshotError):
+            _names_section(result, "sequence:import")
         _invariants(cache, "sequence:after-refused-import")
         after = (cache.stats(), cache.pool.free_pages().tolist(), sorted(cache.seq_ids()))
         if after != before[:3]:
@@ -413,6 +425,7 @@ def check_classic(path: str, rng) -> str:
         cache = _call("classic:load", PagedKVCache.load, path, allowed=(SnapshotError,))
     _check_memory(meter, 0 if isinstance(cache, SnapshotError) else cache.nbytes, size, "classic:load")
     if isinstance(cache, SnapshotError):
+        _names_section(cache, "classic:load")
         return "refused"
     _invariants(cache, "classic:after-load")
     stats = _call("classic:stats", cache.stats)
