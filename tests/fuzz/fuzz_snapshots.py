@@ -646,7 +646,7 @@ def run(*, cases: int | None = None, seconds: float | None = None, master: int =
     env = dict(os.environ if env is None else env)
     started = time.monotonic()
     summary = {"cases": 0, "refused": 0, "accepted": 0, "findings": {}, "master": master, "by_kind": {},
-               "peak_extra": [0, None, 0]}
+               "peak_extra": [0, None, 0], "slowest": [0.0, None, None, []]}
     with tempfile.TemporaryDirectory(prefix="pagedkv-snapfuzz-") as tmp:
         seeds = sm.seed_files(tmp)
         worker = None
@@ -669,6 +669,8 @@ def run(*, cases: int | None = None, seconds: float | None = None, master: int =
                         "extra_key": seed["extra_key"]}
                 reply = worker.run(case, timeout, rss_limit_mib << 20)
                 summary["cases"] += 1
+                if reply.get("seconds", 0) > summary["slowest"][0]:
+                    summary["slowest"] = [reply["seconds"], index, seed["name"], mutations]
                 if reply.get("peak_extra", 0) > summary["peak_extra"][0]:
                     summary["peak_extra"] = [reply["peak_extra"], index, len(data)]
                 outcome = reply["outcome"]
@@ -734,6 +736,8 @@ def report(summary: dict, log=print) -> None:
     peak, index, size = summary["peak_extra"]
     log(f"  largest peak RSS growth of a load or import besides the pool: {peak / 2**20:.1f} MiB (case {index}, "
         f"a file of {size} bytes; the bound is max(2 x file, 256 MiB))")
+    seconds, index, name, mutations = summary["slowest"]
+    log(f"  slowest case: {seconds:.2f} s (case {index}, {name}: {'; '.join(mutations)})")
     log("  by kind: " + ", ".join(f"{kind} {c['refused']} refused / {c['accepted']} accepted / {c['finding']} findings"
                                   for kind, c in sorted(summary["by_kind"].items())))
     for kind, entries in sorted(summary["findings"].items()):

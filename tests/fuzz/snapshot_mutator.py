@@ -1007,6 +1007,8 @@ def victim_chains(c: Container) -> dict | None:
     algorithm = e.raw.decode("ascii", "replace") if e is not None else None
     if None in ints.values() or not ints["prefix_caching"] or algorithm not in ("xxh3_128", "sha256"):
         return None
+    if not 1 <= ints["page_size"] <= 64:  # a page size an earlier mutation made huge: no scratch cache for it
+        return None
     key = (ints["page_size"], ints["window"], ints["sink_tokens"], algorithm)
     if key not in _VICTIM_CHAINS:
         from pagedkv import KVCache
@@ -1019,8 +1021,11 @@ def victim_chains(c: Container) -> dict | None:
             cache.add_sequence(2, block_hashes=VICTIM_BLOCKS, block_tokens=block_tokens,
                                num_prompt_tokens=len(VICTIM_BLOCKS) * block_tokens, extra_key=VICTIM_SALT)
             for seq_id, total in ((1, len(VICTIM_PROMPT)), (2, len(VICTIM_BLOCKS) * block_tokens)):
-                for _ in range(total):
-                    cache.append([seq_id], [1], return_slot_mapping=False)
+                total -= cache.seq_len(seq_id)
+                while total > 0:  # a page at a time, so that a window releases pages between appends
+                    step = min(total, page_size)
+                    cache.append([seq_id], [step], return_slot_mapping=False)
+                    total -= step
             out = {}
             for seq_id, name in ((1, "tokens"), (2, "blocks")):
                 hashes = parse(cache.export_sequence(seq_id)).section("hashes")
