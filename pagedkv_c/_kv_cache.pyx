@@ -60,7 +60,8 @@ class StateError(ValueError):
 
     ``section`` names the part of the state at fault, as the snapshot
     section it is stored in: ``'config'``, ``'counters'``, ``'pool'``,
-    ``'prefix'``, ``'tables'`` or ``'hashes'``.
+    ``'prefix'``, ``'tables'``, ``'hashes'`` or (an imported sequence's K/V)
+    ``'pages'``.
     """
 
     def __init__(self, section, text):
@@ -1985,8 +1986,9 @@ cdef class KVCache:
         ------
         StateError
             (a ValueError) The state does not fit this cache's window, sinks
-            or geometry, or its hash chain does not follow from ``extra_key``
-            and its ids; ``section`` names the part. Nothing changed.
+            or geometry, ``kv`` is not its pages' shape, or its hash chain
+            does not follow from ``extra_key`` and its ids; ``section`` names
+            the part ('tables', 'pages' or 'hashes'). Nothing changed.
         ValueError
             ``seq_id`` exists. Nothing changed.
         OutOfPagesError
@@ -2013,7 +2015,8 @@ cdef class KVCache:
             raise StateError("tables", str(exc)) from None
         expected = (self.num_layers, n) + self.kv.shape[2:]
         if kv.dtype != self.kv.dtype or kv.shape != expected:
-            raise ValueError(f"Invalid shape of kv: expected {self.kv.dtype} {expected}, got {kv.dtype} {kv.shape}")
+            raise StateError("pages", f"Invalid shape of kv: expected {self.kv.dtype} {expected}, got {kv.dtype} "
+                                      f"{kv.shape}")
         cdef hash128 salt = hash_salt(self._prefix.algorithm if self._prefix is not None else 0, extra_key)
         if self._prefix is not None and hash_state is not None:
             given = hash_state["salt"]

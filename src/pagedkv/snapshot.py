@@ -54,12 +54,12 @@ ref counts (equal to the page-table entries), free queue, counters, prefix
 index, seal flags, the recorded checksum of each sealed page (equal to its
 entry in ``checksums``), and each page table's geometry: its pages cover
 exactly what its length, window and sink tokens say (the release rule of
-DESIGN.md). The core then checks the state again as it applies it, computing
-every hash chain again from its salt and kept token (or block) ids and
-checking that the prefix index holds each registered page under its
-sequence's hash, and the built cache must pass ``check_invariants()``.
-:func:`verify` runs the same checks (on a throwaway cache without K/V), so
-it accepts exactly the files ``load_cache`` accepts. A whole-cache snapshot
+DESIGN.md). Then the state is applied to a throwaway cache without K/V,
+where the core checks it again (computing every hash chain again from its
+salt and kept token or block ids, checking that the prefix index holds each
+registered page under its sequence's hash) and which must pass
+``check_invariants()``; only then is the cache built. :func:`verify` runs
+the same checks, so it accepts exactly the files ``load_cache`` accepts. A whole-cache snapshot
 is the cache: its salts and cached pages are taken as the file gives them
 (checked for consistency, not for who wrote them). Counters hold at
 ``2**63 - 1`` instead of wrapping, so a loaded cache always saves a file
@@ -945,6 +945,11 @@ def _guard(f, path):
 def _checked_cache_file(f, path) -> tuple[_Parsed, dict, list, tuple]:
     """Parse and check a whole-cache snapshot open as ``f`` (everything but the page bytes).
 
+    The checks of :func:`_check_before_build`, then every check of a load
+    (the core's and ``check_invariants()``) on a throwaway cache without K/V,
+    so that a forged state is refused before the pool is allocated or a page
+    read, by :func:`load_cache` and :func:`verify` alike.
+
     Returns the parsed container, the state dict and page tables of
     :func:`_cache_state`, and the pool's shape. Raises SnapshotError first.
     """
@@ -952,6 +957,7 @@ def _checked_cache_file(f, path) -> tuple[_Parsed, dict, list, tuple]:
     parsed = _parse(_read_from_file(f), size, MAGIC_CACHE, os.fspath(path))
     state, tables = _cache_state(parsed)
     _check_before_build(state, parsed, size)
+    _check_state_without_pool(state, parsed)
     config = state["config"]
     return parsed, state, tables, _pool_shape(config, config["num_pages"])
 
@@ -1156,12 +1162,15 @@ def _check_table_geometry(seq_id: int, table: dict, config: dict, sink_pages: in
         raise fail(f"ring capacity {capacity}, expected a power of two in [{max(ring_count, 1)}, {largest}]")
 
 
-def _restore(cache, state: dict, parsed: _Parsed) -> None:
-    """Apply a checked state to a new cache, then check the result as a live cache is checked.
+def _restore(cache, state: dict, parsed: _Parsed, invariants: bool = False) -> None:
+    """Apply a checked state to a new cache; with ``invariants``, check the result as a live cache is checked.
 
     The core checks the state again as it applies it (each error names its
-    section), the seal flags and recorded checksums follow, and the built
-    cache must pass ``check_invariants()``; every failure is a SnapshotError.
+    section), the seal flags and recorded checksums follow, and (with
+    ``invariants``) the built cache must pass ``check_invariants()``; every
+    failure is a SnapshotError. A load checks the invariants on the
+    throwaway cache of :func:`_check_state_without_pool`, built from the same
+    state by the same code, so not a second time on the cache it returns.
     """
     from pagedkv_c._kv_cache import StateError
 
@@ -1175,6 +1184,8 @@ def _restore(cache, state: dict, parsed: _Parsed) -> None:
                                     sealed.int("pages_sealed"))
     except (ValueError, TypeError) as exc:
         raise SnapshotError(f"section 'sealed': {exc}") from None
+    if not invariants:
+        return
     try:
         cache.check_invariants()
     except AssertionError as exc:  # a state the checks above let through: refuse it all the same
@@ -1186,14 +1197,14 @@ def _check_state_without_pool(state: dict, parsed: _Parsed) -> None:
 
     The cache has ``num_layers`` 0, so only the page records, the prefix
     index and the page tables are allocated, as a load would; the K/V pool is
-    not. :func:`verify` uses it, so that it refuses exactly what
-    :func:`load_cache` refuses.
+    not. :func:`load_cache` and :func:`verify` both run it before they read
+    a page, so they refuse the same files.
     """
     from pagedkv_c._kv_cache import KVCache
 
     config = dict(state["config"], num_layers=0)
     throwaway = KVCache(**_cache_kwargs(config))
-    _restore(throwaway, dict(state, config=config), parsed)
+    _restore(throwaway, dict(state, config=config), parsed, invariants=True)
 
 
 def verify(path) -> None:
@@ -1214,7 +1225,6 @@ def verify(path) -> None:
     """
     with open(path, "rb", buffering=0) as f:  # unbuffered: the pages are read straight into the pool
         parsed, state, tables, shape = _checked_cache_file(f, path)
-        _check_state_without_pool(state, parsed)
         config = state["config"]
         if parsed.pages_length:
             kv = np.memmap(f, dtype=np.dtype(config["dtype"]), mode="r", offset=parsed.pages_offset, shape=shape)
@@ -1262,7 +1272,9 @@ def import_sequence(cache, seq_id, data, *, extra_key=None) -> None:
     cover exactly what its length, window and sinks say, and the hash chain
     must be salted with this cache's digest of ``extra_key`` and follow from
     the kept token (or block) ids, hashed again here. So bytes cannot plant
-    K/V under another tenant's salt.
+    K/V under another tenant's salt; their K/V for their own token ids are
+    taken as given (nothing can check them) and, cached under ``extra_key``,
+    serve that tenant's matching prompts.
 
     Parameters
     ----------
@@ -1286,8 +1298,6 @@ def import_sequence(cache, seq_id, data, *, extra_key=None) -> None:
     ValueError
         ``seq_id`` already exists.
     """
-    from pagedkv_c._kv_cache import StateError
-
     view = memoryview(data).cast("B")
     parsed = _parse(lambda offset, length: bytes(view[offset:offset + length]), len(view), MAGIC_SEQUENCE,
                     "the exported sequence")
@@ -1317,6 +1327,8 @@ def import_sequence(cache, seq_id, data, *, extra_key=None) -> None:
     _check_pages(kv, parsed.checksums, [(seq_id, tables[0][1])], "exported")
     if seq_id in cache:
         raise ValueError(f"Invalid value of seq_id: sequence {seq_id} already exists")
+    from pagedkv_c._kv_cache import StateError
+
     try:
         cache._import_sequence_state(seq_id, tables[0][1], hashes, kv, extra_key)
     except StateError as exc:  # the sequence's own fields do not fit this cache, or its chain is forged
