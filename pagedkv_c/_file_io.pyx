@@ -16,8 +16,8 @@ were at the load, whatever another process does to the file (see its
 docstring).
 """
 from libc.stdint cimport int64_t, uintptr_t
-from posix.unistd cimport close
 cimport numpy as cnp
+import logging
 import os
 import threading
 import weakref
@@ -129,8 +129,6 @@ cdef extern from *:
         return 0;
     }
 
-    static int pkv_guards_installed(void) { return pkv_guard_pipe >= 0; }
-
     /* Take a slot and a read lease on fd (open for reading only): the slot,
      * or -errno (EAGAIN: the file is open for writing somewhere; EACCES:
      * another user's file; EINVAL: leases are off or unsupported here). */
@@ -190,11 +188,11 @@ cdef extern from *:
     }
 
     static void pkv_unmap(void *p, size_t len) { munmap(p, len); }
+    static void pkv_close(int fd) { close(fd); }
     #else
     #define PKV_HAVE_LEASES 0
     static int pkv_lease_signal(void) { return 0; }
     static int pkv_guards_install(int pipe_fd) { (void)pipe_fd; return 38; /* ENOSYS */ }
-    static int pkv_guards_installed(void) { return 0; }
     static int pkv_guard_take(int fd) { (void)fd; return -38; }
     static int pkv_guard_is_broken(int slot) { (void)slot; return 0; }
     static void pkv_guard_unlease(int slot) { (void)slot; }
@@ -202,13 +200,12 @@ cdef extern from *:
     static void *pkv_map_private(int fd, int64_t offset, size_t len) { (void)fd; (void)offset; (void)len; return NULL; }
     static int pkv_map_to_anonymous(void *addr, size_t len) { (void)addr; (void)len; return 38; }
     static void pkv_unmap(void *p, size_t len) { (void)p; (void)len; }
+    static void pkv_close(int fd) { (void)fd; }
     #endif
     """
     int PKV_HAVE_LEASES
-    int PKV_MAX_GUARDS
     int pkv_lease_signal() noexcept nogil
     int pkv_guards_install(int pipe_fd) noexcept nogil
-    int pkv_guards_installed() noexcept nogil
     int pkv_guard_take(int fd) noexcept nogil
     int pkv_guard_is_broken(int slot) noexcept nogil
     void pkv_guard_unlease(int slot) noexcept nogil
@@ -216,6 +213,7 @@ cdef extern from *:
     void* pkv_map_private(int fd, int64_t offset, size_t len) noexcept nogil
     int pkv_map_to_anonymous(void* addr, size_t len) noexcept nogil
     void pkv_unmap(void* p, size_t len) noexcept nogil
+    void pkv_close(int fd) noexcept nogil
 
 #: The real-time signal that the kernel sends this process when another
 #: process opens a guarded snapshot for writing or truncates it (Linux
@@ -232,21 +230,23 @@ _lease_thread = None
 
 def _serve_lease_breaks(int read_fd):
     """Body of the lease thread: for each slot the handler reports, move that map into process memory."""
-    cdef int slot
     while True:
         data = os.read(read_fd, 4096)
         if not data:
             return
         with _guards_lock:
-            # Every slot whose lease broke (the pipe may have dropped numbers when full).
-            slots = [slot for slot in _guards if pkv_guard_is_broken(slot)]
-            guards = [_guards[slot]() for slot in slots]
+            # Every slot whose lease broke (the pipe may have dropped numbers when full); list() copies
+            # the dict at once, as a guard freed by another thread meanwhile removes its entry.
+            guards = [ref() for slot, ref in list(_guards.items()) if pkv_guard_is_broken(slot)]
         guard = None
         for guard in guards:
-            if guard is not None:
+            if guard is not None and not (<GuardedMap>guard)._private:
                 try:
                     (<GuardedMap>guard)._on_break()
-                except BaseException:  # keep serving the other guards; the writer is let go regardless
+                except BaseException:  # logged; the writer is let go regardless, the other guards served
+                    logging.getLogger("pagedkv.snapshot").exception(
+                        "a mapped snapshot could not be copied into memory before another process changed "
+                        "its file; the cache may read changed bytes or fault")
                     (<GuardedMap>guard)._unlease()
         del guards, guard  # (outside the lock: a guard may be freed here)
 
@@ -295,7 +295,9 @@ cdef class GuardedMap:
     kernel lets the writer go anyway; it takes a read of the map's untouched
     pages and a copy of the whole range, and as much memory as the range.
     Writes to the mapped array that bypass the cache's calls (which hold its
-    lock) while the copy runs may be lost.
+    lock) while the copy runs may be lost. A child made by ``fork()`` after
+    the map shares the map but not the guard (the kernel signals the
+    parent); load in the child instead.
 
     Parameters
     ----------
@@ -457,7 +459,7 @@ cdef class GuardedMap:
             pkv_unmap(self._addr, self._length)
             self._addr = NULL
         if self._fd >= 0:
-            close(self._fd)  # drops the lease
+            pkv_close(self._fd)  # drops the lease
             self._fd = -1
 
 

@@ -1608,7 +1608,14 @@ cdef class KVCache:
             False: read and check every page. True: the pool is a
             copy-on-write memory map of the file's page section (writes stay
             in memory); metadata is verified, pages are not read: check
-            them with ``pagedkv.snapshot.verify(path)``.
+            them with ``pagedkv.snapshot.verify(path)``. Never rewrite or
+            truncate a mapped file in place (``cp new old``): replace it by
+            a rename (``mv``, :meth:`save`). On Linux the map is guarded by
+            a read lease: a process that opens the file for writing or
+            truncates it waits until the map's bytes are copied into this
+            process's memory, so the cache keeps the bytes it loaded (no
+            SIGBUS). Where no lease can be taken the pages are read at load
+            instead. See :func:`pagedkv.snapshot.load_cache`.
 
         Returns
         -------

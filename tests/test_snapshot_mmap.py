@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The loader: builds a cache with known K/V, saves it, maps it, lets a writer process change the file,
 # then reads every page of the map (gather of every layer, check_invariants, a store and a save).
 LOADER = textwrap.dedent('''
-    import os, subprocess, sys
+    import os, subprocess, sys, threading
     import numpy as np
     from pagedkv import KVCache
     path, other, writer = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -50,8 +50,28 @@ LOADER = textwrap.dedent('''
         "truncate": "import os, sys; os.truncate(sys.argv[1], 0)",
         "cp": "import shutil, sys; shutil.copyfile(sys.argv[2], sys.argv[1])",
         "in_place": "import sys\\nwith open(sys.argv[1], 'r+b') as f:\\n    f.seek(8192); f.write(bytes(1 << 20))",
-    }[writer]
+    }[writer.replace("_while_storing", "")]
+    stop, stored = threading.Event(), []
+
+    def store_meanwhile():
+        # Stores into the map while the writer waits and the map is copied: none may be lost.
+        while not stop.is_set() and len(stored) < 2000:  # (the pool has room for 2592 more tokens)
+            slot = mapped.append([2], [1])
+            value = np.full((1, 2, 32), len(stored), dtype=np.float32)
+            for layer in range(2):
+                mapped.store(layer, slot, value, value)
+            stored.append(value)
+
+    storer = threading.Thread(target=store_meanwhile)
+    if writer.endswith("_while_storing"):
+        storer.start()
     subprocess.run([sys.executable, "-c", code, path, other], check=True, timeout=60)
+    if writer.endswith("_while_storing"):
+        stop.set()
+        storer.join()
+        assert len(stored) > 0
+        for layer in range(2):
+            want[(layer, 2)] = np.concatenate([want[(layer, 2)]] + [value[:1] for value in stored])
     print("file now", os.path.getsize(path), "bytes", flush=True)
     for (layer, s), k in want.items():
         assert np.array_equal(mapped.gather(layer, s)[0], k), (layer, s)
@@ -63,7 +83,7 @@ LOADER = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("writer", ["truncate", "cp", "in_place"])
+@pytest.mark.parametrize("writer", ["truncate", "cp", "in_place", "cp_while_storing"])
 def test_a_mapped_snapshot_survives_truncation_and_rewrites(tmp_path, writer):
     path, other = str(tmp_path / "mapped.pkv"), str(tmp_path / "other.pkv")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])}
@@ -75,7 +95,7 @@ def test_a_mapped_snapshot_survives_truncation_and_rewrites(tmp_path, writer):
     # The writer did change the file: the map kept the bytes it had at the load.
     size = os.path.getsize(path)
     assert size == 0 if writer == "truncate" else True
-    assert size == os.path.getsize(other) if writer == "cp" else True
+    assert size == os.path.getsize(other) if writer.startswith("cp") else True
 
 
 def _small(tmp_path):
@@ -114,3 +134,54 @@ def test_a_file_open_for_writing_is_read_not_mapped(tmp_path, caplog):
     assert "cannot be guarded" in caplog.text and "read into memory" in caplog.text
     assert isinstance(_base(mapped.kv), np.ndarray) or _base(mapped.kv) is None
     assert np.array_equal(mapped.gather(0, 1)[0], cache.gather(0, 1)[0])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GuardedMap needs file leases (Linux only)")
+def test_a_writer_between_the_lease_and_the_map_is_detected(tmp_path):
+    """A process that opens the file for writing after the lease and before the map waits for the lease
+    thread, which lets it go (there is nothing to copy yet); map() then refuses (ESTALE), since what the
+    loader read may no longer be the file's bytes."""
+    import errno
+
+    from pagedkv_c._file_io import GuardedMap
+
+    path = tmp_path / "file.bin"
+    path.write_bytes(bytes(3 * 4096))
+    with open(path, "rb") as f:
+        guard = GuardedMap(f.fileno())
+        subprocess.run([sys.executable, "-c", "import sys; open(sys.argv[1], 'r+b').write(b'changed')", str(path)],
+                       check=True, timeout=60)
+        assert guard.broken
+        with pytest.raises(OSError) as info:
+            guard.map(0, 3 * 4096)
+        assert info.value.errno == errno.ESTALE
+    assert path.read_bytes().startswith(b"changed")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GuardedMap needs file leases (Linux only)")
+def test_guarded_map_arguments(tmp_path):
+    from pagedkv_c._file_io import GuardedMap, prefault
+
+    path = tmp_path / "file.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    with open(path, "rb") as f:
+        guard = GuardedMap(f.fileno())
+    with pytest.raises(ValueError, match="offset"):
+        guard.map(100, 4096)
+    with pytest.raises(ValueError, match="length"):
+        guard.map(0, 0)
+    with pytest.raises(TypeError, match="fd"):
+        GuardedMap(1.0)
+    guard.map(4096, 8192)
+    with pytest.raises(ValueError, match="already mapped"):
+        guard.map(0, 4096)
+    view = np.frombuffer(guard, dtype=np.uint8)
+    assert len(guard) == 8192 and np.array_equal(view, np.frombuffer(path.read_bytes()[4096:12288], np.uint8))
+    view[:4] = 7  # copy-on-write: the file does not change
+    assert path.read_bytes()[4096:4100] == bytes(range(4))
+    guard.make_private()
+    assert guard.private and np.all(view[:4] == 7)
+    with pytest.raises(TypeError, match="ndarray"):
+        prefault(b"abc")
+    with pytest.raises(ValueError, match="writeable"):
+        prefault(np.zeros(8)[::2])

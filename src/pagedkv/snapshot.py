@@ -870,12 +870,32 @@ def load_cache(path, *, mmap: bool = False, num_threads: int | None = None):
     mmap : bool
         False (default): read the pool into memory and check every page's
         checksum before returning. True: the pool is a copy-on-write memory
-        map of the file's ``pages`` section (``numpy.memmap`` mode ``"c"``):
-        pages are read from the file when first touched, writes stay in
-        the process's memory and never reach the file. The header, the
-        section table and every metadata section are verified at once; the
-        page bytes are not read, so call :func:`verify` on the file (any
-        time, e.g. from a background thread) to check them.
+        map of the file's ``pages`` section: pages are read from the file
+        when first touched, writes stay in the process's memory and never
+        reach the file. The header, the section table and every metadata
+        section are verified at once; the page bytes are not read, so call
+        :func:`verify` on the file (any time, e.g. from a background thread)
+        to check them.
+
+        **Never rewrite or truncate a mapped file in place** (``cp new old``,
+        ``>``, ``dd``, ``truncate``): replace it by a rename (``mv``,
+        :func:`save_cache`, ``cp`` to a temporary name then ``mv``), which
+        leaves the mapped inode alone. A map alone would not survive such a
+        change: the next access of an untouched page past a truncation kills
+        the process with SIGBUS, and a rewrite changes pages not read yet.
+        So the map is guarded (Linux): a read lease on the file
+        (``pagedkv_c._file_io.GuardedMap``) makes the kernel hold any process
+        that opens the file for writing or truncates it until this process
+        has copied the map's bytes into its own memory (under the cache's
+        lock, as much memory as the pool, within the kernel's
+        ``lease-break-time``, 45 s by default); the cache then keeps the
+        bytes it loaded. Where no lease can be taken (not Linux, another
+        user's file without ``CAP_LEASE``, a file system without leases such
+        as NFS, a file some process holds open for writing, or the signal
+        :data:`pagedkv_c._file_io.LEASE_SIGNAL` taken by another handler)
+        the pages are read into memory at load instead of mapped (not
+        checked, as mapped ones), and the ``pagedkv.snapshot`` logger says
+        why. See docs/snapshots.md.
     num_threads : int, optional
         For a full load, the pool is read straight into the new cache's pool
         in runs of about 4 MiB of one layer's pages, each hashed right after
@@ -895,9 +915,11 @@ def load_cache(path, *, mmap: bool = False, num_threads: int | None = None):
         Any mismatch: bad magic, unknown or newer version, truncated file,
         a section of the wrong length, a checksum mismatch (naming the page
         and the sequences holding it), an inconsistent page table or ref
-        count, an id out of range. Nothing is returned.
+        count, an id out of range; with ``mmap=True``, a file that another
+        process opened for writing or truncated while it was loaded.
+        Nothing is returned.
     OSError
-        The file cannot be read.
+        The file cannot be read (or, with ``mmap=True``, mapped).
     """
     from pagedkv_c._kv_cache import KVCache
 
