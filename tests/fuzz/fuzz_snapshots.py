@@ -37,7 +37,6 @@ import json
 import os
 import random
 import queue
-import shutil
 import signal
 import subprocess
 import sys

@@ -846,7 +846,7 @@ def m_hashes(c, rng):
     if s is None:
         return None
     (fe, fields), (ce, chain) = _arr(s, "fields"), _arr(s, "chain")
-    (te, tokens), (be, blocks), (se, salts) = _arr(s, "token_ids"), _arr(s, "block_ids"), _arr(s, "salts")
+    (te, tokens), (se, salts) = _arr(s, "token_ids"), _arr(s, "salts")
     if fields is None or chain is None or tokens is None or salts is None or not fields.shape[0]:
         return None
     fields = fields.copy()
@@ -1052,7 +1052,7 @@ def m_forge_chain(c, rng):
     victim = victim_chains(c)
     if s is None or victim is None:
         return None
-    (fe, fields), (ce, chain), (te, tokens) = _arr(s, "fields"), _arr(s, "chain"), _arr(s, "token_ids")
+    (_, fields), (ce, chain), (te, tokens) = _arr(s, "fields"), _arr(s, "chain"), _arr(s, "token_ids")
     if fields is None or chain is None or tokens is None or not fields.shape[0] or fields.shape[1] < 3:
         return None
     rows = [r for r in range(fields.shape[0]) if fields[r, 1] > 0]
@@ -1078,7 +1078,7 @@ def m_forge_chain(c, rng):
         what += ", with the victim's token ids"
     prefix = c.section("prefix")
     if prefix is not None:  # the index's entries of those pages: found by their old hash
-        (pe, pages), (he, hashes) = _arr(prefix, "pages"), _arr(prefix, "hashes")
+        (_, pages), (he, hashes) = _arr(prefix, "pages"), _arr(prefix, "hashes")
         (ke, kept) = _arr(prefix, "tokens")
         if pages is not None and hashes is not None:
             hashes = hashes.copy()
