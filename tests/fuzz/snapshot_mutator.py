@@ -213,7 +213,7 @@ def rewrite_fields(data: bytes, edits: dict) -> bytes:
     magic, version, header_bytes, num_sections, zero, file_length, _, reserved = HEADER.unpack_from(out)
     h = {"version": version, "header_bytes": header_bytes, "num_sections": num_sections, "zero": zero,
          "file_length": file_length}
-    real_sections = num_sections
+    real_sections = min(num_sections, (len(out) - 64) // 40)  # (an earlier edit may have raised the count)
     for key, value in edits.items():
         if key[0] == "header":
             h[key[1]] = value & (MASK64 if key[1] == "file_length" else 0xFFFFFFFF)
