@@ -2,18 +2,22 @@
 # Sanitizer pass of CI: build the core once with AddressSanitizer, UndefinedBehaviorSanitizer
 # and Cython's bounds/wraparound/initialized checks (PAGEDKV_SANITIZE=1 PAGEDKV_DEBUG=1),
 # install it with the test and fuzz extras into the active environment, run the test suite on
-# it, then run the coverage-guided fuzzer (tests/fuzz) for a fixed time on the same build.
+# it, then run the coverage-guided fuzzer (tests/fuzz/fuzz_pagedkv.py) and the structure-aware
+# snapshot fuzzer (tests/fuzz/fuzz_snapshots.py) for a fixed time each on the same build.
 #
 # Any sanitizer report aborts the process that hit it, so the step fails. A fuzzer finding
 # leaves its input in $PAGEDKV_FUZZ_ARTIFACTS (default: fuzz-artifacts/ in the checkout) as
-# crash-*, timeout-* or oom-*; rerun it with the command printed at the end.
+# crash-*, timeout-* or oom-* (coverage-guided fuzzer) or snapshot-*.bin with a .json beside it
+# (snapshot fuzzer); rerun it with the command printed at the end.
 #
 # Usage: bash scripts/sanitize.sh [--skip-build] [--skip-tests] [--skip-fuzz]
-# Environment: PAGEDKV_FUZZ_SECONDS (default 120), PAGEDKV_FUZZ_ARTIFACTS, CC (default gcc).
+# Environment: PAGEDKV_FUZZ_SECONDS (default 120), PAGEDKV_SNAPSHOT_FUZZ_SECONDS (default 60),
+# PAGEDKV_FUZZ_ARTIFACTS, CC (default gcc).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 FUZZ_SECONDS=${PAGEDKV_FUZZ_SECONDS:-120}
+SNAPSHOT_FUZZ_SECONDS=${PAGEDKV_SNAPSHOT_FUZZ_SECONDS:-60}
 ARTIFACTS=${PAGEDKV_FUZZ_ARTIFACTS:-$ROOT/fuzz-artifacts}
 BUILD=1 TESTS=1 FUZZ=1
 for arg in "$@"; do
@@ -84,10 +88,28 @@ PY
             -artifact_prefix="$ARTIFACTS/" -print_final_stats=1 || status=$?
     rm -rf "$corpus"
     echo "sanitize: fuzzing took $((SECONDS - start)) s"
+
+    step "snapshot fuzzer for $SNAPSHOT_FUZZ_SECONDS s (tests/fuzz/fuzz_snapshots.py) on the sanitizer build"
+    start=$SECONDS
+    # Mutated snapshots, exported sequences and PagedKVCache snapshots, loaded in worker
+    # processes that inherit the preloaded ASan runtime: a crash, sanitizer report, hang or
+    # allocation past the bound is a finding, as is any other contract violation. A random run
+    # seed each time (printed, to rerun the same cases with --seed).
+    snapshot_status=0
+    LD_PRELOAD="$LIBASAN $LIBSTDCXX" python tests/fuzz/fuzz_snapshots.py --seconds "$SNAPSHOT_FUZZ_SECONDS" \
+        --timeout 120 --artifacts "$ARTIFACTS" || snapshot_status=$?
+    echo "sanitize: snapshot fuzzing took $((SECONDS - start)) s"
     if [ "$status" != 0 ]; then
         echo "sanitize: FAILED: the fuzzer found an input that breaks pagedkv (exit $status):" >&2
         ls -l "$ARTIFACTS" >&2
         echo "rerun it: LD_PRELOAD=\"$LIBASAN $LIBSTDCXX\" python tests/fuzz/fuzz_pagedkv.py --replay $ARTIFACTS/<file>" >&2
+    fi
+    if [ "$snapshot_status" != 0 ]; then
+        echo "sanitize: FAILED: the snapshot fuzzer found files that break pagedkv (exit $snapshot_status):" >&2
+        ls -l "$ARTIFACTS" >&2
+        echo "rerun one: LD_PRELOAD=\"$LIBASAN $LIBSTDCXX\" python tests/fuzz/fuzz_snapshots.py --replay $ARTIFACTS/snapshot-<...>.bin" >&2
+    fi
+    if [ "$status" != 0 ] || [ "$snapshot_status" != 0 ]; then
         exit 1
     fi
 fi
