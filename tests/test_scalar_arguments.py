@@ -608,3 +608,26 @@ def test_durations_are_finite_numbers_of_seconds(name, arg, call):
         with pytest.raises(TypeError) as info:
             call(value)
         assert str(info.value).startswith(f"Invalid type of {arg}: "), str(info.value)
+
+
+def test_the_model_layer_follows_the_scalar_rule():
+    """pagedkv.models: sizes, counts and thread counts refuse floats and bools with TypeError and
+    out-of-range integers with ValueError, naming the argument; NumPy integers are accepted."""
+    from pagedkv.models import PagedBackend
+    from pagedkv.models.paged_backend import max_pages_per_sequence
+    from pagedkv.models.threads import resolve_num_threads
+
+    for value in (16.0, 16.5, True, np.float64(16)):
+        with pytest.raises(TypeError, match="Invalid type of page_size: expected an integer"):
+            PagedBackend(1, 1, 4, 8, page_size=value)
+        with pytest.raises(TypeError, match="Invalid type of page_size: expected an integer"):
+            max_pages_per_sequence(10, value)
+    with pytest.raises(TypeError, match="Invalid type of num_pages: expected an integer"):
+        PagedBackend(1, 1, 4, 8.0)
+    with pytest.raises(ValueError, match="Invalid value of page_size: expected 1 <= page_size <= "):
+        max_pages_per_sequence(10, 0)
+    with pytest.raises(ValueError, match="Invalid value of page_size: expected 1 <= page_size <= "):
+        max_pages_per_sequence(10, 2**64)
+    assert max_pages_per_sequence(np.int64(10), np.int32(4)) == max_pages_per_sequence(10, 4)
+    with pytest.raises(TypeError, match="Invalid type of num_threads: expected an integer"):
+        resolve_num_threads(2.0)

@@ -5,6 +5,7 @@ affinity masks, cgroup files and /proc/stat samples and checks the choice agains
 the rule says for those readings: threads = idle cores of the mask rounded to the
 nearest core, between 1 and the usable cores (mask, capped by the quota rounded down).
 """
+import numpy as np
 import pytest
 
 from pagedkv.models import threads
@@ -176,9 +177,15 @@ def test_auto_resolves_once_per_process_and_explicit_values_win(monkeypatch):
         assert calls == [1]  # sampled once, then kept
         assert threads.resolve_num_threads(3) == 3
         assert threads.resolve_num_threads(None) is None
-        for bad in (0, -1, 1.5, True, "two"):
-            with pytest.raises(ValueError, match="Invalid value of num_threads: expected 'auto', None or an int"):
+        for bad in (0, -1, 2**31):
+            with pytest.raises(ValueError, match=r"Invalid value of num_threads: expected 1 <= num_threads <= "):
                 threads.resolve_num_threads(bad)
+        with pytest.raises(ValueError, match="Invalid value of num_threads: expected 'auto', None or an int"):
+            threads.resolve_num_threads("two")
+        for bad in (1.5, 2.0, True, np.float64(2)):  # the rule of every scalar argument: never truncated
+            with pytest.raises(TypeError, match="Invalid type of num_threads: expected an integer"):
+                threads.resolve_num_threads(bad)
+        assert threads.resolve_num_threads(np.int64(2)) == 2
     finally:
         threads._default_choice.cache_clear()
 

@@ -711,3 +711,18 @@ def test_readme_transformers_example_prints_the_greedy_answer(hf_smollm2, capsys
     expected = greedy(model, ids["input_ids"], DynamicCache(config=model.config), max_new_tokens=32)
     assert printed == tokenizer.decode(expected[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert printed.strip()
+
+
+def test_sizes_follow_the_scalar_rule():
+    """PagedCache's sizes refuse floats and bools (TypeError) and out-of-range integers (ValueError),
+    naming the argument, as every scalar argument of the package does."""
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                                      num_hidden_layers=1, intermediate_size=64, vocab_size=10)
+    for name in ("num_pages", "page_size", "window", "num_threads"):
+        for value in (16.0, True):
+            with pytest.raises(TypeError, match=f"Invalid type of {name}: expected an integer"):
+                pt.PagedCache(config, **{name: value})
+        with pytest.raises(ValueError, match=f"Invalid value of {name}: expected 1 <= {name} <= "):
+            pt.PagedCache(config, **{name: 0})
+    with pytest.raises(TypeError, match="Invalid type of sink_tokens: expected an integer"):
+        pt.PagedCache(config, window=8, sink_tokens=1.0)

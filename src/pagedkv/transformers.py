@@ -113,6 +113,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pagedkv import KVCache
+from pagedkv_c._checks import checked_int
 from pagedkv import attention as paged_attention
 from pagedkv.models.attention_backend import check_positions, sink_query_positions
 
@@ -254,9 +255,7 @@ def _numpy_view(tensor: torch.Tensor) -> np.ndarray:
 def _check_size(name: str, value, low: int, allow_none: bool = True):
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"Invalid value of {name}: expected an integer >= {low}, got {value!r}")
-    return int(value)
+    return checked_int(value, name, low, 2**62)  # TypeError for a float or a bool, ValueError out of range
 
 
 def _config_value(config, name: str, default=None):

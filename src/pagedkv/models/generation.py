@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedkv_c._checks import checked_int
+
 from pagedkv.models.attention_backend import AttentionBackend
 from pagedkv.models.llama import LlamaModel
 
@@ -66,8 +68,7 @@ class GenerationResult:
 def _check_positive(name: str, value, allow_none: bool = False) -> None:
     if allow_none and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"Invalid value of {name}: expected an int >= 1, got {value!r}")
+    checked_int(value, name, 1, 2**62)  # TypeError for a float or a bool, ValueError out of range
 
 
 def sample_token(

@@ -20,6 +20,8 @@ from typing import Literal
 
 import numpy as np
 
+from pagedkv_c._checks import checked_int
+
 from pagedkv import attention
 from pagedkv.models.attention_backend import (
     AttentionBackend,
@@ -36,9 +38,7 @@ SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 def _check_size(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"Invalid value of {name}: expected an int >= {low}, got {value!r}")
-    return int(value)
+    return checked_int(value, name, low, 2**62)  # TypeError for a float or a bool, ValueError out of range
 
 
 def max_pages_per_sequence(

@@ -35,12 +35,13 @@ import contextlib
 import functools
 import logging
 import math
-import numbers
 import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from pagedkv_c._checks import checked_int
 
 AUTO: Literal["auto"] = "auto"
 """``num_threads`` value that asks for :func:`default_num_threads` (the default of the models)."""
@@ -362,10 +363,11 @@ class BlasThreadLimit:
 
 
 def _check_num_threads(num_threads) -> int:
-    """``num_threads`` as an int, or ValueError unless it is an integer >= 1 (NumPy integers too)."""
-    if isinstance(num_threads, bool) or not isinstance(num_threads, numbers.Integral) or num_threads < 1:
+    """``num_threads`` as an int (NumPy integers too): TypeError for a float, a bool or another
+    type, ValueError outside ``[1, 2**31 - 1]``."""
+    if isinstance(num_threads, str):
         raise ValueError(f"Invalid value of num_threads: expected 'auto', None or an int >= 1, got {num_threads!r}")
-    return int(num_threads)
+    return checked_int(num_threads, "num_threads", 1, 2**31 - 1)
 
 
 def _import_threadpoolctl():
