@@ -14,7 +14,8 @@ directory, ``--model-dir``) in vLLM's CPU backend, a redis-server on loopback st
 * **plain** instance (no connector): decode tokens/s of the same request, for the connector's
   cost while decoding (goal: within 5%).
 
-Each instance is its own process (vLLM starts an engine and a worker process of its own).
+Each instance is its own process (vLLM starts an engine and a worker process of its own), with
+``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` unless set (see ``_run``).
 Prints a table and writes ``benchmarks/results/bench_vllm.json``.
 
 Example::
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -58,12 +58,13 @@ def _make_model_dir(path: Path):
 
 
 def _prompts(model_dir: Path, n: int):
+    """Three disjoint stretches of tinyshakespeare: X and Y of ``n`` tokens, a 128-token decode prompt."""
     from transformers import AutoTokenizer
 
     from pagedkv.data import resolve
     text = Path(resolve("tinyshakespeare")).read_text()
-    ids = AutoTokenizer.from_pretrained(model_dir)(text[:200_000])["input_ids"]
-    return ids[:n], ids[n:2 * n]
+    ids = AutoTokenizer.from_pretrained(model_dir)(text[:400_000])["input_ids"]
+    return ids[:n], ids[n:2 * n], ids[2 * n:2 * n + 128]
 
 
 def _instance(spec):
@@ -89,7 +90,7 @@ def _instance(spec):
         params = SamplingParams(temperature=0, max_tokens=spec["decode_tokens"], ignore_eos=True)
         rates = []
         for r in range(spec["repeats"]):
-            prompt = [t + r for t in spec["decode"]]      # a new prompt each time: no local hit
+            prompt = [(t + r) % 49000 for t in spec["decode"]]   # a new prompt each time: no hit
             start = time.perf_counter()
             llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
             rates.append(spec["decode_tokens"] / (time.perf_counter() - start))
@@ -100,7 +101,11 @@ def _instance(spec):
 def _run(spec, tmp: Path, name: str):
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(spec))
+    # vLLM reserves one more core when a KV connector is configured (for NIXL): on 2 cores that
+    # leaves none and it falls back to 2 OpenMP threads with no core reserved, while the plain
+    # instance gets 1 thread and 1 reserved core. The same setting for all: 1 reserved core.
     env = dict(os.environ, HF_HUB_OFFLINE="1",
+               VLLM_CPU_NUM_OF_RESERVED_CPU=os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     subprocess.run([sys.executable, __file__, "--instance", str(path)], check=True, env=env,
                    stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT)
@@ -127,7 +132,7 @@ def main():
         return
     if not (args.model_dir / "config.json").is_file():
         _make_model_dir(args.model_dir)
-    x, y = _prompts(args.model_dir, args.tokens)
+    x, y, decode_prompt = _prompts(args.model_dir, args.tokens)
     warmup = x[:16][::-1] + y[:16]
     port = _free_port()
     tmp = Path(tempfile.mkdtemp(prefix="bench_vllm-"))
@@ -138,12 +143,12 @@ def main():
         tier = f"redis://127.0.0.1:{port}/0"
         base = {"model": str(args.model_dir), "tokens": args.tokens, "warmup": warmup, "repeats": args.repeats,
                 "decode_tokens": args.decode_tokens}
-        decode_prompt = y[:128]
         first = _run(dict(base, tier=tier, stats_path=str(tmp / "stats-first"), ttft=[["store", x]],
                           decode=decode_prompt), tmp, "first")
         time.sleep(2.0)       # the first instance's writer has finished by now (checked below)
         second = _run(dict(base, tier=tier, stats_path=str(tmp / "stats-second"),
-                           ttft=[["recompute", y], ["hit", x]]), tmp, "second")
+                           ttft=[["recompute", y], ["hit", x]],
+                           decode=[(t + 7) % 49000 for t in decode_prompt]), tmp, "second")
         plain = _run(dict(base, tier=None, stats_path=None, ttft=[], decode=decode_prompt), tmp, "plain")
     finally:
         server.terminate()
@@ -158,7 +163,9 @@ def main():
         "ttft_hit_s": second["hit"]["seconds"],
         "hit_cached_tokens": second["hit"]["num_cached_tokens"],
         "same_first_token": second["hit"]["token"] == first["store"]["token"],
+        "recompute_cached_tokens": second["recompute"]["num_cached_tokens"],
         "decode_with_connector": first["decode_tokens_per_s"],
+        "decode_with_connector_idle_writer": second["decode_tokens_per_s"],
         "decode_without": plain["decode_tokens_per_s"],
         "stats": stats,
     }
@@ -166,13 +173,18 @@ def main():
           f"{result['ttft_hit_s']:.3f} s | {result['ttft_recompute_s']:.3f} s | "
           f"{result['ttft_recompute_s'] / result['ttft_hit_s']:.1f}x faster |")
     print(f"| cached tokens of the hit ({args.tokens}-token prompt) | {result['hit_cached_tokens']} | | |")
-    print(f"| decode tokens/s, batch 1, connector writing / no connector | {result['decode_with_connector']:.1f} | "
-          f"{result['decode_without']:.1f} | {result['decode_with_connector'] / result['decode_without']:.3f} |")
+    print(f"| cached tokens of the recompute | {result['recompute_cached_tokens']} | | |")
+    print(f"| decode tokens/s, batch 1, connector writing (first) / no connector | "
+          f"{result['decode_with_connector']:.1f} | {result['decode_without']:.1f} | "
+          f"{result['decode_with_connector'] / result['decode_without']:.3f} |")
+    print(f"| decode tokens/s, batch 1, connector with nothing to write (second) / no connector | "
+          f"{result['decode_with_connector_idle_writer']:.1f} | {result['decode_without']:.1f} | "
+          f"{result['decode_with_connector_idle_writer'] / result['decode_without']:.3f} |")
     print("same first token after the hit as when computed:", result["same_first_token"])
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_vllm.json").write_text(json.dumps(result, indent=2))
-    shutil.rmtree(tmp, ignore_errors=True)
+    print("instance logs:", tmp)
 
 
 if __name__ == "__main__":
