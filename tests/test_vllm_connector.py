@@ -188,7 +188,9 @@ LAYOUT = PageLayout.of_cache(2, 1, 64, BLOCK, np.float32, "xxh3_128")
 
 
 def _env():
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    # vLLM reserves one more core when a KV connector is configured: the same reservation for
+    # every instance gives them the same number of OpenMP threads, so the same float sums.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", VLLM_CPU_NUM_OF_RESERVED_CPU="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)] + [env["PYTHONPATH"]] * ("PYTHONPATH" in env))
     return env
 
