@@ -151,7 +151,6 @@ from pagedkv_c._checksum import page_checksums  # noqa: E402
 from pagedkv_c._prefix import token_page_input, xxh3_128_intdigest  # noqa: E402
 
 
-
 # ------------------------------------------------------------------ redis-server
 def _free_port():
     import socket
@@ -191,7 +190,8 @@ def _env():
     # vLLM reserves one more core when a KV connector is configured: the same reservation for
     # every instance gives them the same number of OpenMP threads, so the same float sums.
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", VLLM_CPU_NUM_OF_RESERVED_CPU="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)] + [env["PYTHONPATH"]] * ("PYTHONPATH" in env))
+    inherited = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)] + inherited)
     return env
 
 

@@ -37,28 +37,33 @@ import json
 import os
 import re
 import threading
-import time
 import warnings
 from typing import Any
 
 import numpy as np
 import torch
 import vllm
-from vllm.logger import init_logger
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.logger import init_logger
 
 from pagedkv.tiers._format import HEADER, PageLayout, check_value, encode_header, page_keys
 from pagedkv.tiers.redis import _connect
 from pagedkv_c._checksum import page_checksums
 from pagedkv_c._prefix import salt_digest, token_page_input, xxh3_128_intdigest
 
-__all__ = ["PagedKVConnector", "PagedKVConnectorStats", "PagedKVPromMetrics", "ConnectorOptions",
-           "model_fingerprint", "TESTED_VLLM_VERSIONS"]
+__all__ = [
+    "TESTED_VLLM_VERSIONS",
+    "ConnectorOptions",
+    "PagedKVConnector",
+    "PagedKVConnectorStats",
+    "PagedKVPromMetrics",
+    "model_fingerprint",
+]
 
 # Under "vllm." so that vLLM's log configuration shows the messages.
 logger = init_logger("vllm.pagedkv")
@@ -145,7 +150,7 @@ class ConnectorOptions:
     stats_path: str | None = None
 
     @classmethod
-    def from_extra_config(cls, extra: dict | None) -> "ConnectorOptions":
+    def from_extra_config(cls, extra: dict | None) -> ConnectorOptions:
         """Options from ``kv_connector_extra_config``.
 
         Raises
@@ -272,7 +277,7 @@ class PagedKVConnectorStats(KVConnectorStats):
         """Zero every counter."""
         self.data = {}
 
-    def aggregate(self, other: KVConnectorStats) -> "PagedKVConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> PagedKVConnectorStats:
         """Add ``other``'s counts to these (in place) and return self."""
         for name, value in other.data.items():
             self.data[name] = self.data.get(name, 0) + value
@@ -313,8 +318,15 @@ class PagedKVPromMetrics(KVConnectorPromMetrics):
 class _RequestState:
     """Scheduler-side state of one request: its prompt blocks' hashes and vLLM block ids."""
 
-    __slots__ = ("hashes", "tokens", "num_prompt_tokens", "block_ids", "stored", "pending_load",
-                 "last_end")
+    __slots__ = (
+        "block_ids",
+        "hashes",
+        "last_end",
+        "num_prompt_tokens",
+        "pending_load",
+        "stored",
+        "tokens",
+    )
 
     def __init__(self, hashes, tokens, num_prompt_tokens):
         self.hashes = hashes                  # uint64 [full prompt blocks, 2]
@@ -661,6 +673,15 @@ class PagedKVConnector(KVConnectorBase_V1):
         """
         meta = self._get_connector_metadata()
         if not isinstance(meta, PagedKVConnectorMetadata) or not meta.loads:
+            return
+        missing = [name for name in self.layer_names if name not in self._kv_caches]
+        if missing:
+            # vLLM did not register these layers' K/V (register_kv_caches): nothing can be loaded.
+            logger.warning("PagedKVConnector: no KV cache registered for layers %s; recomputing", missing)
+            for blocks in meta.loads.values():
+                self._count(load_errors=len(blocks.block_ids))
+                self._load_errors.update(int(b) for b in blocks.block_ids)
+            self._write_stats()
             return
         for req_id, blocks in meta.loads.items():
             keys = page_keys(self.key_prefix, blocks.hashes)
