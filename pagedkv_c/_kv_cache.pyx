@@ -46,6 +46,8 @@ cdef Py_ssize_t _HASH_BATCH = 8
 # Largest sequence length, window and sink length, in tokens (as PageTable and attention).
 cdef int64_t MAX_POSITION = 2**62
 cdef int64_t MAX_NUM_PAGES = 2**31 - 2  # page ids are int32 (see PagePool)
+# Largest prompt, in pages, that add_sequence takes as block ids (its chain: 16 bytes per page).
+cdef int64_t MAX_EXTERNAL_PROMPT_PAGES = 2**24
 # Largest number of pages one page_table call can list: indptr is int32 (CSR).
 _MAX_CSR_PAGES = 2**31 - 1
 # Largest ref count of a page (int32).
@@ -632,7 +634,9 @@ cdef class KVCache:
         block_tokens : int
             Tokens per external block, a multiple of ``page_size``.
         num_prompt_tokens : int
-            Prompt length in tokens, with ``block_hashes``.
+            Prompt length in tokens, with ``block_hashes``: at most what the
+            blocks cover and at most ``2**24`` pages (``2**24 * page_size``
+            tokens; the prompt's page hashes take 16 bytes per page).
 
         Returns
         -------
@@ -660,7 +664,7 @@ cdef class KVCache:
             and ``block_hashes`` style arguments are inconsistent; token ids
             outside int32; ``block_tokens`` not a positive multiple of
             ``page_size``; ``num_prompt_tokens`` beyond what the blocks cover
-            or past ``2**62``; ``block_tokens`` or ``num_prompt_tokens``
+            or past ``2**24`` pages; ``block_tokens`` or ``num_prompt_tokens``
             without ``block_hashes``.
         TypeError
             Non-integer ids, or an ``extra_key`` of another type.
@@ -700,8 +704,10 @@ cdef class KVCache:
                 raise ValueError(
                     f"Invalid value of block_tokens: expected a multiple of page_size {self.page_size}, got {per_block}"
                 )
+            # The hash chain of a prompt keyed by block ids takes 16 bytes per page, however few
+            # ids describe it: the page bound keeps that in proportion (256 MiB at most).
             prompt_len = check_int(num_prompt_tokens, "num_prompt_tokens", 0,
-                                   min(blocks.shape[0] * per_block, MAX_POSITION))
+                                   min(blocks.shape[0] * per_block, MAX_EXTERNAL_PROMPT_PAGES * self.page_size))
         if self._prefix is not None:
             # Without a prompt or block ids the sequence starts empty; token ids
             # that append is given are hashed as they fill pages.

@@ -643,7 +643,8 @@ cdef class SequenceHashes:
         self.external = True
         self.block_ids = block_ids
         self.pages_per_block = pages_per_block
-        self.reserve_hashes(num_pages)
+        # No chain storage yet: hash_upto grows it to the pages actually hashed (a match stops at
+        # its first miss), so a prompt of many blocks allocates nothing in proportion to its length.
         self.num_hashable = num_pages
         return 0
 

@@ -507,3 +507,16 @@ def test_block_hashes_array_reused_by_the_caller_changes_nothing_stored():
     got = [cache.prefix_index.page_hash(int(p)) for p in cache.page_table([0]).indices[:47]]
     assert got == want
     assert cache.add_sequence(1, block_hashes=blocks, block_tokens=16, num_prompt_tokens=190) == 188
+
+
+def test_a_prompt_of_few_block_ids_cannot_make_the_cache_allocate_in_proportion_to_its_length():
+    """Block ids describe a prompt in 8 bytes per block whatever block_tokens is; its hash chain
+    takes 16 bytes per page. A prompt past 2**24 pages is refused before anything is built, and
+    one within the bound allocates its chain as it is hashed, not up front."""
+    cache = KVCache(1, 1, 4, num_pages=16, page_size=1, window=4, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match=r"Invalid value of num_prompt_tokens: expected 0 <= num_prompt_tokens"
+                                         r" <= 16777216, got 4294967296"):
+        cache.add_sequence(0, block_hashes=[1, 2, 3, 4], block_tokens=2**31 - 1, num_prompt_tokens=2**32)
+    assert cache.seq_ids() == []
+    assert cache.add_sequence(0, block_hashes=[1], block_tokens=2**24, num_prompt_tokens=2**24) == 0
+    cache.check_invariants()

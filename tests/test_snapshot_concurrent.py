@@ -28,7 +28,7 @@ import pytest
 from pagedkv import KVCache, OutOfPagesError, SnapshotError
 from pagedkv import snapshot as snap
 
-zmq = pytest.importorskip("zmq")
+zmq = pytest.importorskip("zmq", reason='the KV-event publisher needs pyzmq: pip install "pagedkv[events]"')
 from pagedkv.events import ZmqEventPublisher  # noqa: E402
 
 SECONDS = float(os.environ.get("PAGEDKV_SOAK_SECONDS", "3"))

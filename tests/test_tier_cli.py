@@ -54,4 +54,4 @@ def test_tier_info_refuses_a_url_that_is_not_redis(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["tier", "info", "http://127.0.0.1:6379"])
     assert exc.value.code == 2
-    assert "argument URL: Invalid value of url_or_client" in capsys.readouterr().err
+    assert "argument URL: expected redis://HOST:PORT/DB, rediss://... or redis+cluster://" in capsys.readouterr().err

@@ -368,7 +368,8 @@ def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int)
              f"time to first token {result.prefill_seconds:.2f} s")
         if "tier_pages_written" in stats:
             final = backend.cache.stats()
-            line(f"tier: {final['tier_pages_written']} pages written ({final['tier_pages_existing']} already "
+            written = final['tier_pages_written']
+            line(f"tier: {written} page{'' if written == 1 else 's'} written ({final['tier_pages_existing']} already "
                  f"there, {final['tier_dropped_writes']} dropped, {final['tier_write_errors']} failed), "
                  f"{final['tier_hit_pages']} pages read, {final['tier_fetch_errors']} fetch errors")
     if result.num_decode_tokens:

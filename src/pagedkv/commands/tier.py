@@ -149,8 +149,9 @@ def run(args: argparse.Namespace) -> int:
         args.info_parser.error(f"argument --timeout: expected a number > 0, got {args.timeout}")
     try:
         tier_info(args.url, args.namespace, args.timeout)
-    except ValueError as exc:
-        args.info_parser.error(f"argument URL: {exc}")
+    except ValueError:
+        args.info_parser.error(f"argument URL: expected redis://HOST:PORT/DB, rediss://... or "
+                               f"redis+cluster://HOST:PORT[,HOST:PORT...], got {args.url!r}")
     except redis.exceptions.RedisError as exc:
         print(f"pagedkv tier: cannot read {args.url}: {exc}", file=sys.stderr)
         return 2
