@@ -1919,8 +1919,10 @@ cdef class KVCache:
             self._lock.leave()
 
     cdef int _check_registered(self, dict tables, dict prefix) except -1:
-        """Raise StateError('prefix') unless every cached page a sequence holds below its registered pages
-        is indexed under that sequence's hash of the page (a hit on it then serves what the chain says).
+        """Raise StateError('prefix') unless every cached page a sequence holds as a full page is
+        indexed under that sequence's hash of the page (a hit on it then serves what the chain says).
+        Registered or not: a held page the sequence registers later would otherwise stay indexed
+        under another hash. Only a partial last page (after a truncate) may keep an older entry.
 
         ``tables`` maps a sequence id to ``(checked PageTable with its hashes, checked table state)``.
         """
@@ -1936,7 +1938,7 @@ cdef class KVCache:
             index_of[cached[i]] = i
         for key, (table, table_state) in tables.items():
             hashes = table.hashes
-            upto = min(hashes.num_registered, hashes.num_hashed, <int64_t>table_state["length"] // ps)
+            upto = <int64_t>table_state["length"] // ps  # the full pages
             if upto <= 0:
                 continue
             pages = np.ascontiguousarray(table_state["pages"], dtype=np.int32)
@@ -1947,7 +1949,7 @@ cdef class KVCache:
                 if logical >= upto:
                     break
                 row = index_of[pages[i]]
-                if row >= 0 and (stored[row, 0] != hashes.chain[logical].lo
+                if row >= 0 and (logical >= hashes.num_hashed or stored[row, 0] != hashes.chain[logical].lo
                                  or stored[row, 1] != hashes.chain[logical].hi):
                     raise StateError("prefix", f"Invalid value of the prefix index hashes: page {pages[i]}, held "
                                                f"by sequence {key} as logical page {logical}, is indexed under "

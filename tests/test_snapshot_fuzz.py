@@ -180,6 +180,20 @@ def worker(tmp_path_factory):
     box[0].stop()
 
 
+def test_a_page_shared_at_two_positions_is_refused_before_a_save_could_fail(tmp_path):
+    """Found by a run on the sanitizer build (run 196064263, case 10986: a sink page of a windowed
+    sequence replaced by a page the prefix index holds under another sequence's hash). The load
+    accepted it, and the sequence's next append registered the page under the wrong hash, so
+    save refused the file it was writing. The load must refuse it."""
+    seeds = sm.seed_files(str(tmp_path))
+    seed, data, mutations = fs.case_for(seeds, 196064263, 10986)
+    assert "tables.pages[16] 1 -> 40" in mutations, mutations  # the case as found
+    path = tmp_path / "case.bin"
+    path.write_bytes(data)
+    with pytest.raises(SnapshotError, match="section 'prefix': .*page 40, held by sequence 4 as logical page 1"):
+        KVCache.load(str(path))
+
+
 @pytest.mark.parametrize("found", sorted(FOUND))
 def test_found_class_has_no_finding(worker, tmp_path, found):
     """Each class the fuzzer found, as one fixed case: the loader refuses it, or the cache survives."""
