@@ -202,6 +202,7 @@ class _SocketReader:
         return int(digits)
 
     def end_of_bulk(self):
+        """Read the CRLF that ends a bulk reply; InvalidResponse if anything else is there (a length that lied)."""
         if self.line() != b"":
             raise redis.exceptions.InvalidResponse("a bulk reply does not end where its length says")
 
