@@ -669,6 +669,27 @@ def test_page_size_without_layers_is_bounded_by_the_file(tmp_path, mmap):
     assert peak < 2**26
 
 
+def test_negative_ring_capacity_cannot_cancel_the_bound_of_other_page_tables(tmp_path):
+    """The page tables' rings and sink arrays are bounded by the sum of their ring capacities: one
+    forged negative capacity would cancel the others and let every page table before it be built (the
+    core checks each table only as it builds it), so it is refused before any page table exists."""
+    num_pages, num_tables = 2**16, 256  # each page table's sink array: 4 * num_pages bytes
+
+    def edit(sections):
+        tables = sections["tables"]
+        fields = np.zeros((num_tables + 1, 5), dtype=np.int64)  # empty sequences: length 0, no pages
+        fields[:, 2] = num_pages  # ring_first: after the sink pages
+        fields[:, 3] = 1  # ring capacity
+        fields[num_tables, 3] = -num_tables * (num_pages + 8)
+        tables["seq_ids"] = np.arange(num_tables + 1, dtype=np.int64)
+        tables["fields"], tables["pages"] = fields, np.zeros(0, dtype=np.int32)
+
+    cache = KVCache(0, 1, 1, num_pages, page_size=1, window=2, sink_tokens=num_pages, dtype=np.float16)
+    error, peak = _load_peak(_crafted(tmp_path, cache, edit))
+    assert f"section 'tables': sequence {num_tables}" in str(error)
+    assert peak < num_tables * 4 * num_pages // 8  # far below the sink arrays of the forged tables
+
+
 def test_pool_geometry_must_match_the_pages_section(tmp_path):
     """Layers, heads, head dim, page size and dtype of the config imply the pages section's length."""
     cache = _small_cache()

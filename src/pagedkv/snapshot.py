@@ -699,6 +699,13 @@ def _check_table_geometry(seq_id: int, table: dict, config: dict, sink_pages: in
     least ``S`` and at most the page of the oldest position the next query
     attends to. A forged length or ring start would otherwise hand the next
     append a slot in a page the table does not hold.
+
+    Not redundant with the core's check, which comes table by table as the
+    throwaway cache builds each table's sink array and first ring: a forged
+    negative ring capacity would cancel the other tables' bytes in the bound
+    of :func:`_check_before_build` and let every table before it be built
+    (``test_negative_ring_capacity_cannot_cancel_the_bound_of_other_page_tables``).
+    Checked here, every capacity is known before any page table exists.
     """
     length, sink_count, ring_first, capacity = (table[key] for key in ("length", "sink_count", "ring_first",
                                                                        "ring_capacity"))
