@@ -115,7 +115,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from pagedkv import KVCache
 from pagedkv_c._checks import checked_int
 from pagedkv import attention as paged_attention
-from pagedkv.models.attention_backend import check_positions, sink_query_positions
+from pagedkv._paged_requests import PagedRequests, check_prompts, default_num_pages
+from pagedkv._paged_requests import StepPages as _StepPages
+from pagedkv.models.attention_backend import check_positions
 
 __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "paged_attention_forward"]
 
@@ -186,51 +188,20 @@ class _PagedLayer(CacheLayerMixin):
 
 
 class _Step:
-    """Tag on the keys that update() returns: the cache and layer the attention function reads.
+    """Tag on the keys that update() returns: the cache, its rows and the layer the attention reads.
 
     ``deferred``: update() stored nothing (it got no ``position_ids``, as before
     transformers 5.24); the attention function stores the layer's K/V with the
     ``position_ids`` it receives.
     """
 
-    __slots__ = ("cache", "layer_idx", "deferred")
+    __slots__ = ("cache", "requests", "layer_idx", "deferred")
 
     def __init__(self, cache: PagedCache, layer_idx: int, deferred: bool = False) -> None:
         self.cache = cache
+        self.requests = cache._requests
         self.layer_idx = layer_idx
         self.deferred = deferred
-
-
-class _StepPages:
-    """The attention contract of :class:`pagedkv.KVCache` with one forward step's page tables.
-
-    Every layer of a forward reads the same page tables (``KVCache.store`` writes rows,
-    it never changes a table), so the step exports them once (``KVCache.page_table``) and
-    the kernels of all layers reuse the export instead of building and converting it per
-    layer. Valid until the rows change: :class:`PagedCache` drops it at the next forward
-    and at every edit (``crop``, forks, ``reset``, ``begin``).
-    """
-
-    __slots__ = ("kv", "window", "sink_tokens", "num_layers", "page_size", "num_kv_heads", "head_dim",
-                 "_kv_cache", "_seq_ids", "_view")
-
-    def __init__(self, kv_cache: KVCache, seq_ids: np.ndarray) -> None:
-        self.kv = kv_cache.kv
-        self.window = kv_cache.window
-        self.sink_tokens = kv_cache.sink_tokens
-        self.num_layers = kv_cache.num_layers
-        self.page_size = kv_cache.page_size
-        self.num_kv_heads = kv_cache.num_kv_heads
-        self.head_dim = kv_cache.head_dim
-        self._kv_cache = kv_cache
-        self._seq_ids = seq_ids
-        self._view = kv_cache.page_table(seq_ids)
-
-    def page_table(self, seq_ids):
-        """The step's export for the step's own ``seq_ids`` array; any other batch is exported anew."""
-        if seq_ids is self._seq_ids:
-            return self._view
-        return self._kv_cache.page_table(seq_ids)
 
 
 def _kernel_threads() -> int | None:
@@ -252,7 +223,13 @@ def _numpy_view(tensor: torch.Tensor) -> np.ndarray:
     return (tensor.detach() if tensor.requires_grad else tensor).numpy()
 
 
+def _host(array):
+    """A tensor moved to the CPU (NumPy converts it without a copy); anything else unchanged."""
+    return array.cpu() if isinstance(array, torch.Tensor) else array
+
+
 def _check_size(name: str, value, low: int, allow_none: bool = True):
+    """``value`` as an int in ``[low, 2**62]`` (None passes when allowed), else the shared error."""
     if value is None and allow_none:
         return None
     return checked_int(value, name, low, 2**62)  # TypeError for a float or a bool, ValueError out of range
@@ -418,32 +395,18 @@ class PagedCache(Cache):
         self._num_layers = num_layers
         self._num_kv_heads = int(num_kv_heads)
         self._head_dim = int(head_dim)
-        self._inv_freq = _rotary_inverse_frequencies(config, self._head_dim) if positions == "cache" else None
-        self.kv_cache: KVCache | None = None
-        self.num_stored_tokens = 0
-        self._seq_ids: list[int] = []
-        self._next_seq_id = 0
-        self._num_columns = 0
-        # Per forward: slots from the layer-0 append, stored tokens per row and where
-        # they start in the row's columns; the next layer expected.
-        self._slots: np.ndarray | None = None
-        self._counts = np.zeros(0, dtype=np.int64)
-        self._stored = np.zeros(0, dtype=np.int64)
-        self._starts = np.zeros(0, dtype=np.int64)
+        inv_freq = _rotary_inverse_frequencies(config, self._head_dim) if positions == "cache" else None
+        # Rows, lengths and what each forward stores: NumPy bookkeeping apart from the glue.
+        self._requests = PagedRequests(window=self._window, sink_tokens=self._sink_tokens,
+                                       positions=self._positions, inv_freq=inv_freq)
         # With positions="cache": cos/sin [T, 1, R/2] that turn this forward's stored
         # queries into their sink queries (None when no query is past S + W - 1).
         self._sink_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
         self._next_layer = 0
         # Decided once per forward, at layer 0, for every layer: the attention
-        # implementation, the kernels' thread count, whether every row stores all its new
-        # tokens, the rows' sequence ids as an array, and (made by the first attention
-        # call) the page tables of the step.
+        # implementation and the kernels' thread count.
         self._step_paged = False
         self._step_threads: int | None = 1
-        self._step_unpadded = True  # no row has left padding in this forward
-        self._step_dense_rows = True  # ... and every row stores all its new tokens
-        self._step_seq_ids = np.zeros(0, dtype=np.int64)
-        self._step_pages: _StepPages | None = None
         self._layer_steps = [_Step(self, i) for i in range(num_layers)]
         super().__init__(layers=[_PagedLayer(self, i) for i in range(num_layers)])
 
@@ -469,13 +432,23 @@ class PagedCache(Cache):
         return self._positions
 
     @property
+    def kv_cache(self) -> KVCache | None:
+        """The paged storage, created at the first forward (None before)."""
+        return self._requests.kv_cache
+
+    @property
+    def num_stored_tokens(self) -> int:
+        """Tokens whose K/V were written into pages since the cache was made (see the class docstring)."""
+        return self._requests.num_stored_tokens
+
+    @property
     def seq_ids(self) -> list[int]:
         """The ``KVCache`` sequence id of each batch row, in row order."""
-        return list(self._seq_ids)
+        return list(self._requests.seq_ids)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Dense columns held per row (left padding included), as ``DynamicCache`` counts them."""
-        return self._num_columns
+        return self._requests.num_columns
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         """Return ``(kv_length, kv_offset)`` of the dense mask for ``query_length`` new tokens.
@@ -485,7 +458,7 @@ class PagedCache(Cache):
         """
         if isinstance(query_length, torch.Tensor):
             query_length = int(query_length.shape[0])
-        return self._num_columns + int(query_length), 0
+        return self._requests.num_columns + int(query_length), 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         """-1: the cache has no fixed length (the pool bounds the pages, not the positions)."""
@@ -501,31 +474,20 @@ class PagedCache(Cache):
         return False
 
     # ------------------------------------------------------------------ pool
-    def _make_kv_cache(self, batch_size: int, key_dtype: torch.dtype) -> None:
+    def _make_kv_cache(self, batch_size: int, key_dtype: torch.dtype) -> KVCache:
+        """The pool, sized at the first forward or request (``batch_size`` rows)."""
         dtype = self._dtype
         if dtype is None:
             dtype = np.dtype(_NUMPY_DTYPES.get(key_dtype, np.float32))
         num_pages = self._num_pages
         if num_pages is None:
             max_tokens = self._max_tokens or int(_config_value(self._config, "max_position_embeddings", 4096))
-            if self._window is not None:
-                per_sequence = (-(-(self._window - 1) // self._page_size) + 1
-                                + -(-self._sink_tokens // self._page_size))
-                # A prefill chunk longer than the window holds all its tokens until the next append.
-                per_sequence = max(per_sequence, 0) + -(-max_tokens // self._page_size)
-            else:
-                per_sequence = -(-max_tokens // self._page_size)
-            num_pages = batch_size * (per_sequence + 1)
-        self.kv_cache = KVCache(
+            num_pages = default_num_pages(batch_size, max_tokens, self._page_size, self._window, self._sink_tokens)
+        return KVCache(
             self._num_layers, self._num_kv_heads, self._head_dim, num_pages, page_size=self._page_size,
             dtype=dtype, window=self._window, sink_tokens=self._sink_tokens,
             enable_prefix_caching=self._prefix_caching, prefix_hash=self._prefix_hash,
         )
-
-    def _new_seq_id(self) -> int:
-        seq_id = self._next_seq_id
-        self._next_seq_id += 1
-        return seq_id
 
     def pool_tensor(self, layer: int | None = None) -> torch.Tensor:
         """The pool as a torch tensor sharing its memory (``torch.from_numpy``, no copy).
@@ -555,9 +517,7 @@ class PagedCache(Cache):
 
     def stats(self) -> dict:
         """``KVCache.stats()`` plus ``num_stored_tokens``; empty dict before the first forward."""
-        if self.kv_cache is None:
-            return {}
-        return self.kv_cache.stats() | {"num_stored_tokens": self.num_stored_tokens}
+        return self._requests.stats()
 
     # ------------------------------------------------------------------ requests
     def begin(self, input_ids, attention_mask=None) -> int:
@@ -587,144 +547,39 @@ class PagedCache(Cache):
             ``input_ids`` is not 2-D with at least one token per row, or the mask's shape
             differs. Nothing changes then.
         """
-        ids = np.asarray(input_ids.cpu() if isinstance(input_ids, torch.Tensor) else input_ids)
-        if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"Invalid shape of input_ids: expected [batch >= 1, tokens >= 1] integers, got {ids.shape}")
-        padded = False
-        if attention_mask is not None:
-            mask = np.asarray(attention_mask.cpu() if isinstance(attention_mask, torch.Tensor) else attention_mask)
-            if mask.shape != ids.shape:
-                raise ValueError(f"Invalid shape of attention_mask: expected {ids.shape}, got {mask.shape}")
-            padded = not bool(np.all(mask != 0))
+        ids, padded = check_prompts(_host(input_ids), None if attention_mask is None else _host(attention_mask))
         self.reset()
-        if self.kv_cache is None:
-            self._make_kv_cache(ids.shape[0], torch.float32)  # dtype=None: float32 before any keys are seen
-        kv = self.kv_cache
-        hits = []
-        for row in ids:
-            seq_id = self._new_seq_id()
-            hit = kv.add_sequence(seq_id, prompt_token_ids=row.tolist() if not padded else None)
-            self._seq_ids.append(seq_id)
-            hits.append(hit)
-        common = min(hits)
-        for seq_id, hit in zip(self._seq_ids, hits):
-            if hit > common:
-                kv.truncate(seq_id, common)
-        self._num_columns = common
-        return common
+        requests = self._requests
+        if requests.kv_cache is None:
+            # dtype=None: float32 before any keys are seen
+            requests.kv_cache = self._make_kv_cache(ids.shape[0], torch.float32)
+        return requests.add_prompts(ids, padded)
 
     def reset(self) -> None:
         """Release every row's pages (cached prefix pages stay findable) and empty the cache."""
-        if self.kv_cache is not None:
-            for seq_id in self._seq_ids:
-                self.kv_cache.remove_sequence(seq_id)
-        self._seq_ids = []
-        self._num_columns = 0
-        self._slots = None
-        self._step_pages = None
+        self._requests.reset()
         self._next_layer = 0
 
     # ------------------------------------------------------------------ update
-    def _row_positions(self, position_ids, batch_size: int, num_new: int) -> np.ndarray:
-        if position_ids is None:
-            start = self._num_columns
-            return np.broadcast_to(np.arange(start, start + num_new, dtype=np.int64), (batch_size, num_new))
-        positions = position_ids.detach().cpu().numpy().astype(np.int64, copy=False)
-        if positions.ndim == 1:
-            positions = positions[None, :]
-        if positions.ndim != 2 or positions.shape[1] != num_new or positions.shape[0] not in (1, batch_size):
-            raise ValueError(
-                f"Invalid shape of position_ids: expected [{batch_size} or 1, {num_new}], got {tuple(positions.shape)}"
-            )
-        return np.broadcast_to(positions, (batch_size, num_new))
-
     def _begin_step(self, key_states: torch.Tensor, attn_kwargs: dict) -> None:
+        """Layer 0: append the forward's new tokens to the rows (:meth:`PagedRequests.begin_step`)."""
         batch_size, _, num_new, _ = key_states.shape
-        if self.kv_cache is None:
-            self._make_kv_cache(batch_size, key_states.dtype)
-        kv = self.kv_cache
-        if not self._seq_ids and self._num_columns == 0:
-            for _ in range(batch_size):
-                seq_id = self._new_seq_id()
-                kv.add_sequence(seq_id)
-                self._seq_ids.append(seq_id)
-        if len(self._seq_ids) != batch_size:
-            raise ValueError(
-                f"Invalid shape of key_states: expected batch size {len(self._seq_ids)} (the rows the cache holds), "
-                f"got {batch_size}"
-            )
-        positions = self._row_positions(attn_kwargs.get("position_ids"), batch_size, num_new)
-        counts = np.empty(batch_size, dtype=np.int64)
-        lengths = np.empty(batch_size, dtype=np.int64)
-        for row, seq_id in enumerate(self._seq_ids):
-            length = kv.seq_len(seq_id)
-            lengths[row] = length
-            count = int(positions[row, -1]) - length + 1
-            if not 0 <= count <= num_new or not np.array_equal(
-                    positions[row, num_new - count:], np.arange(length, length + count)):
-                raise ValueError(
-                    f"Invalid value of position_ids: row {row} holds {length} tokens, so its new tokens must end "
-                    f"with consecutive positions starting at {length} (earlier ones are left padding); "
-                    f"got {positions[row].tolist()}"
-                )
-            counts[row] = count
-        duplicates = self._duplicate_rows(key_states, positions) if self._num_columns == 0 else {}
-        stored = counts.copy()
-        for row in duplicates:
-            stored[row] = 0
-        self._slots = kv.append(self._seq_ids, stored)
-        for row, source in duplicates.items():
-            # Same tokens at the same positions as an earlier row (generate expands the
-            # prompt once per beam or returned sequence): share that row's pages, which the
-            # stores of this forward fill for both.
-            child = self._new_seq_id()
-            kv.fork(self._seq_ids[source], child)
-            kv.remove_sequence(self._seq_ids[row])
-            self._seq_ids[row] = child
-        self._stored = stored
-        self._counts = counts
-        self._starts = num_new - counts
-        self._step_unpadded = bool((counts == num_new).all())
-        self._step_dense_rows = self._step_unpadded and not duplicates
-        self._step_seq_ids = np.asarray(self._seq_ids, dtype=np.int64)
-        self._step_pages = None
-        self._sink_rotation = self._sink_query_rotation(lengths, counts)
-        self._num_columns += num_new
-        self.num_stored_tokens += int(stored.sum())
+        requests = self._requests
+        if requests.kv_cache is None:
+            requests.kv_cache = self._make_kv_cache(batch_size, key_states.dtype)
+        position_ids = attn_kwargs.get("position_ids")
+        positions = None if position_ids is None else position_ids.detach().cpu().numpy()
+        rotation = requests.begin_step(batch_size, num_new, positions,
+                                       lambda row, source: torch.equal(key_states[row], key_states[source]))
+        self._sink_rotation = None if rotation is None else (torch.from_numpy(rotation[0]),
+                                                             torch.from_numpy(rotation[1]))
 
-    def _sink_query_rotation(self, lengths: np.ndarray, counts: np.ndarray):
-        """cos/sin ``[T, 1, R/2]`` rotating each stored query from ``p`` to ``min(p, S + W - 1)``.
+    def _stored_rows(self, states: torch.Tensor, dense_rows: bool) -> np.ndarray:
+        """The stored tokens' rows of ``states`` [B, H, T, D] as one ``[n, H, D]`` array.
 
-        The queries arrive rotated to their absolute positions ``p`` (rows after rows,
-        ``counts[b]`` from position ``lengths[b]``); rotary rotations compose, so turning
-        one by ``min(p, S + W - 1) - p`` gives the query of StreamingLLM's cache positions.
-        None in absolute mode or while no query is past ``S + W - 1``.
+        ``dense_rows``: every row stores all its new tokens (no padding, no duplicate rows).
         """
-        if self._inv_freq is None:
-            return None
-        query_positions = np.repeat(lengths, counts) + (
-            np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts))
-        sink_positions = sink_query_positions(query_positions, self._positions, self._window, self._sink_tokens)
-        if sink_positions is None:
-            return None
-        angles = (sink_positions - query_positions).astype(np.float64)[:, None] * self._inv_freq[None, :]
-        return torch.from_numpy(np.cos(angles)[:, None, :]), torch.from_numpy(np.sin(angles)[:, None, :])
-
-    @staticmethod
-    def _duplicate_rows(key_states: torch.Tensor, positions: np.ndarray) -> dict[int, int]:
-        """Rows of a first forward whose layer-0 keys and positions equal an earlier row's."""
-        duplicates: dict[int, int] = {}
-        for row in range(1, key_states.shape[0]):
-            for source in range(row):
-                if source not in duplicates and np.array_equal(positions[row], positions[source]) \
-                        and torch.equal(key_states[row], key_states[source]):
-                    duplicates[row] = source
-                    break
-        return duplicates
-
-    def _stored_rows(self, states: torch.Tensor) -> np.ndarray:
-        """The stored tokens' rows of ``states`` [B, H, T, D] as one ``[n, H, D]`` array."""
-        if self._step_dense_rows and states.shape[2] == 1 and states.dtype in _NUMPY_DTYPES:
+        if dense_rows and states.shape[2] == 1 and states.dtype in _NUMPY_DTYPES:
             # A decode step: [B, H, 1, D] is [B, H, D] in memory; a NumPy view skips
             # three torch calls per layer (about 3 us, as much as the store itself).
             return _numpy_view(states)[:, :, 0]
@@ -732,10 +587,10 @@ class PagedCache(Cache):
         if rows.dtype not in _NUMPY_DTYPES:
             rows = rows.float()
         batch_size, num_new = rows.shape[0], rows.shape[1]
-        if self._step_dense_rows:
+        if dense_rows:
             flat = rows.reshape(batch_size * num_new, rows.shape[2], rows.shape[3])
         else:
-            flat = torch.cat([rows[b, num_new - int(n):] for b, n in enumerate(self._stored)], dim=0)
+            flat = torch.cat([rows[b, num_new - int(n):] for b, n in enumerate(self._requests.stored)], dim=0)
         return flat.contiguous().numpy()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -811,21 +666,26 @@ class PagedCache(Cache):
     def _store_layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
                      attn_kwargs: dict) -> None:
         """Write one layer's new K/V into the pages; layer 0 first appends the new tokens."""
+        requests = self._requests
         if layer_idx == 0:
             self._begin_step(key_states, attn_kwargs)
-        self.kv_cache.store(layer_idx, self._slots, self._stored_rows(key_states), self._stored_rows(value_states))
+        dense_rows = requests.dense_rows
+        requests.kv_cache.store(layer_idx, requests.slots, self._stored_rows(key_states, dense_rows),
+                                self._stored_rows(value_states, dense_rows))
 
     def _gather_dense(self, layer_idx: int, dtype: torch.dtype):
-        batch_size = len(self._seq_ids)
-        shape = (batch_size, self._num_kv_heads, self._num_columns, self._head_dim)
+        """The rows' context ``[batch, kv_heads, columns, head_dim]``, zero in the padding columns."""
+        requests = self._requests
+        num_columns = requests.num_columns
+        shape = (len(requests.seq_ids), self._num_kv_heads, num_columns, self._head_dim)
         keys = torch.zeros(shape, dtype=dtype)
         values = torch.zeros(shape, dtype=dtype)
-        for row, seq_id in enumerate(self._seq_ids):
-            k, v, _ = self.kv_cache.gather(layer_idx, seq_id)
+        for row, seq_id in enumerate(requests.seq_ids):
+            k, v, _ = requests.kv_cache.gather(layer_idx, seq_id)
             n = k.shape[0]
             if n:
-                keys[row, :, self._num_columns - n:] = torch.from_numpy(k).transpose(0, 1)
-                values[row, :, self._num_columns - n:] = torch.from_numpy(v).transpose(0, 1)
+                keys[row, :, num_columns - n:] = torch.from_numpy(k).transpose(0, 1)
+                values[row, :, num_columns - n:] = torch.from_numpy(v).transpose(0, 1)
         return keys, values
 
     # ------------------------------------------------------------------ edits
@@ -844,51 +704,11 @@ class PagedCache(Cache):
             The cache has a window, or the removal reaches a row's left padding. Nothing
             changes then.
         """
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, (int, np.integer)):
-            raise ValueError(f"Invalid value of tokens_to_remove: expected an integer, got {tokens_to_remove!r}")
-        keep = self._num_columns + tokens_to_remove if tokens_to_remove <= 0 else min(tokens_to_remove, self._num_columns)
-        if keep >= self._num_columns or self.kv_cache is None:
-            return
-        if self._window is not None:
-            raise ValueError("Invalid call of crop: a windowed PagedCache has released the positions it would need")
-        if keep < 0:
-            raise ValueError(f"Invalid value of tokens_to_remove: expected >= {-self._num_columns}, got {tokens_to_remove}")
-        removed = self._num_columns - keep
-        lengths = [self.kv_cache.seq_len(s) for s in self._seq_ids]
-        if any(n < removed for n in lengths):
-            raise ValueError(
-                f"Invalid value of tokens_to_remove: removing {removed} columns reaches the left padding of a row "
-                f"holding {min(lengths)} tokens"
-            )
-        self._step_pages = None
-        for seq_id, n in zip(self._seq_ids, lengths):
-            self.kv_cache.truncate(seq_id, n - removed)
-        self._num_columns = keep
-
-    def _select_rows(self, source_rows: np.ndarray) -> None:
-        """Make row ``i`` a fork of current row ``source_rows[i]`` (pages shared, copy-on-write)."""
-        if self.kv_cache is None or not self._seq_ids:
-            return
-        if source_rows.ndim != 1 or (source_rows.size and (source_rows.min() < 0
-                                                          or source_rows.max() >= len(self._seq_ids))):
-            raise ValueError(
-                f"Invalid value of indices: expected row indices in [0, {len(self._seq_ids)}), got {source_rows.tolist()}"
-            )
-        if source_rows.size == len(self._seq_ids) and np.array_equal(source_rows, np.arange(len(self._seq_ids))):
-            return
-        kv = self.kv_cache
-        self._step_pages = None
-        new_ids = []
-        for src in source_rows.tolist():
-            child = self._new_seq_id()
-            kv.fork(self._seq_ids[src], child)
-            new_ids.append(child)
-        for seq_id in self._seq_ids:
-            kv.remove_sequence(seq_id)
-        self._seq_ids = new_ids
+        self._requests.crop(tokens_to_remove)
 
     @staticmethod
     def _as_index_array(indices) -> np.ndarray:
+        """Row indices (integer or boolean tensor or array) as an int64 NumPy vector."""
         if isinstance(indices, torch.Tensor):
             if indices.dtype == torch.bool:
                 indices = indices.nonzero().flatten()
@@ -908,19 +728,20 @@ class PagedCache(Cache):
         ValueError
             An index out of range; nothing changes then.
         """
-        self._select_rows(self._as_index_array(beam_idx))
+        self._requests.select_rows(self._as_index_array(beam_idx))
 
     def batch_select_indices(self, indices) -> None:
         """Keep the rows ``indices`` (integer or boolean tensor), in that order, as forks."""
-        self._select_rows(self._as_index_array(indices))
+        self._requests.select_rows(self._as_index_array(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times in place (``num_return_sequences``, beams), as forks."""
         repeats = _check_size("repeats", repeats, 1, allow_none=False)
-        self._select_rows(np.repeat(np.arange(len(self._seq_ids)), repeats))
+        self._requests.select_rows(np.repeat(np.arange(len(self._requests.seq_ids)), repeats))
 
     def __repr__(self) -> str:
-        return (f"PagedCache(rows={len(self._seq_ids)}, seq_length={self._num_columns}, page_size={self._page_size}, "
+        requests = self._requests
+        return (f"PagedCache(rows={len(requests.seq_ids)}, seq_length={requests.num_columns}, page_size={self._page_size}, "
                 f"window={self._window}, sink_tokens={self._sink_tokens}, positions={self._positions!r})")
 
 
@@ -980,6 +801,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     if dropout:
         raise ValueError(f"Invalid value of dropout: expected 0 (inference only), got {dropout}")
     cache = step.cache
+    requests = step.requests
     if step.deferred:
         try:
             cache._store_layer(step.layer_idx, key, value, kwargs)
@@ -988,15 +810,15 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                 cache._next_layer = 0  # nothing was appended: the next forward starts at layer 0
             raise
         step.deferred = False
-    pages = cache._step_pages
+    pages = requests.pages
     if pages is None:
-        pages = cache._step_pages = _StepPages(cache.kv_cache, cache._step_seq_ids)
-    seq_ids = cache._step_seq_ids
+        pages = requests.pages = _StepPages(requests.kv_cache, requests.step_seq_ids)
+    seq_ids = requests.step_seq_ids
     batch_size, num_heads, num_new, head_dim = query.shape
     num_threads = cache._step_threads
-    counts, starts = cache._counts, cache._starts
     sink_rotation = cache._sink_rotation
-    if num_new == 1 and cache._step_unpadded:
+    unpadded = requests.unpadded
+    if num_new == 1 and unpadded:
         # [B, Hq, 1, D] is [B, Hq, D] in memory: NumPy views in and out, no torch reshapes.
         q = _numpy_view(query if query.dtype == torch.float32 else query.float())[:, :, 0]
         q_sink = (None if sink_rotation is None
@@ -1008,13 +830,14 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         rows = query.detach().transpose(1, 2)
         if rows.dtype != torch.float32:
             rows = rows.float()  # the kernels read float32 queries
-        padded = not cache._step_unpadded
+        padded = not unpadded
+        starts = requests.starts
         if not padded:
             q = rows.reshape(batch_size * num_new, num_heads, head_dim)
         else:
             q = torch.cat([rows[b, int(s):] for b, s in enumerate(starts)], dim=0)
         qo_indptr = np.zeros(batch_size + 1, dtype=np.int64)
-        np.cumsum(counts, out=qo_indptr[1:])
+        np.cumsum(requests.counts, out=qo_indptr[1:])
         q_sink = None if sink_rotation is None else _rotate_half(q.double(), *sink_rotation).float().numpy()
         out = paged_attention.prefill(q.contiguous().numpy(), pages, step.layer_idx, seq_ids, qo_indptr,
                                       scale=scaling, num_threads=num_threads, q_sink=q_sink)
