@@ -10,47 +10,14 @@ from typing_extensions import disjoint_base
 from pagedkv_c._pool import PagePool
 from pagedkv_c._kv_events import KVEvents
 from pagedkv_c._prefix import PrefixIndex
+from pagedkv_c._kv_state import StateError as StateError
+from pagedkv_c._page_group import PageTableView as PageTableView
+from pagedkv_c._prefix_serving import PREFIX_HIT_BUCKETS as PREFIX_HIT_BUCKETS
+from pagedkv_c._seals import BadPage as BadPage, PageCheckReport as PageCheckReport
 
 _Int: TypeAlias = int | np.integer[Any]
 _IntArray: TypeAlias = Sequence[_Int] | NDArray[np.integer[Any]]
 _FloatArray: TypeAlias = NDArray[np.floating[Any]]
-
-class StateError(ValueError):
-    section: str
-    def __init__(self, section: str, text: str) -> None: ...
-
-@disjoint_base
-class PageTableView:
-    @property
-    def indptr(self) -> NDArray[np.int32]: ...
-    @property
-    def indices(self) -> NDArray[np.int32]: ...
-    @property
-    def last_page_len(self) -> NDArray[np.int32]: ...
-    @property
-    def page_positions(self) -> NDArray[np.int64]: ...
-    @property
-    def seq_lens(self) -> NDArray[np.int64]: ...
-    @property
-    def page_size(self) -> int: ...
-    @property
-    def batch_size(self) -> int: ...
-    def block_tables(self, pad: _Int = -1) -> NDArray[np.int32]: ...
-
-class BadPage:
-    page_id: int
-    expected: int
-    actual: int
-    seq_ids: list[int]
-    def __init__(self, page_id: int, expected: int, actual: int, seq_ids: list[int]) -> None: ...
-    def __eq__(self, other: object) -> bool: ...
-    __hash__: None  # type: ignore[assignment]
-
-class PageCheckReport:
-    num_pages_checked: int
-    bad_pages: list[BadPage]
-    def __init__(self, num_pages_checked: int, bad_pages: list[BadPage]) -> None: ...
-    def __bool__(self) -> bool: ...
 
 class _SealedState(TypedDict):
     sealed: NDArray[np.uint8]
@@ -182,4 +149,3 @@ class KVCache:
         extra_key: str | bytes | int | None = None,
     ) -> None: ...
 
-PREFIX_HIT_BUCKETS: tuple[int, ...]

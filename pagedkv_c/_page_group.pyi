@@ -1,0 +1,29 @@
+# Type stub of the compiled module pagedkv_c._page_group (see _page_group.pyx for the documentation).
+from typing import Any, TypeAlias
+
+import numpy as np
+from numpy.typing import NDArray
+from typing_extensions import disjoint_base
+
+_Int: TypeAlias = int | np.integer[Any]
+
+@disjoint_base
+class PageTableView:
+    @property
+    def indptr(self) -> NDArray[np.int32]: ...
+    @property
+    def indices(self) -> NDArray[np.int32]: ...
+    @property
+    def last_page_len(self) -> NDArray[np.int32]: ...
+    @property
+    def page_positions(self) -> NDArray[np.int64]: ...
+    @property
+    def seq_lens(self) -> NDArray[np.int64]: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    def block_tables(self, pad: _Int = -1) -> NDArray[np.int32]: ...
+
+@disjoint_base
+class PageGroup: ...
