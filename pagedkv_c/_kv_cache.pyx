@@ -284,7 +284,10 @@ cdef class KVCache:
     # ----------------------------------------------------------- properties
     @property
     def kv(self):
-        """The pool array, shape ``(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)``."""
+        """The pool, C-contiguous, shape ``(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)``.
+
+        ``kv[layer]`` is FlashInfer's NHD paged layout, index 0 of axis 2 is K and 1 is V.
+        """
         return self._store.kv
 
     @property
