@@ -7,7 +7,7 @@ layout and one page id addresses the same page in every layer (as in vLLM).
 
 ``KVCache`` is the coordinator of the units that own each concept, and the
 public API: it validates arguments at the boundary, takes the cache's lock
-and delegates (see ../shared/DESIGN.md, "Units of the core"):
+and delegates (the map of who owns and calls what: docs/architecture.md):
 
 - ``PagePool`` (``_pool``): page ids, ref counts and the free queue;
 - ``PageStore`` (``_page_store``): the pool array, its byte layout and copies;
@@ -23,7 +23,6 @@ and delegates (see ../shared/DESIGN.md, "Units of the core"):
 """
 import numpy as np
 
-cimport cython
 cimport numpy as cnp
 from libc.stdint cimport INT64_MAX, INT64_MIN
 from libc.stdlib cimport malloc, free
@@ -41,7 +40,7 @@ from pagedkv_c._page_group cimport PageGroup, new_page_group, seq_key, cached_to
 from pagedkv_c._prefix_serving cimport PrefixServer, new_prefix_server
 from pagedkv_c._seals cimport SealTracker, new_seal_tracker
 from pagedkv_c._tier_link cimport TierLink, new_tier_link, check_tier
-from pagedkv_c._kv_state cimport CacheCounters, note_usage, state_of, snapshot, restore_state
+from pagedkv_c._kv_state cimport note_usage, state_of, snapshot, restore_state
 from pagedkv_c cimport _kv_state
 
 # Names other modules import from here; they live with the unit that owns them.

@@ -12,7 +12,7 @@ import numpy as np
 
 cimport numpy as cnp
 from libc.stdint cimport INT64_MAX, INT64_MIN
-from pagedkv_c._types cimport sat_add, pos_t
+from pagedkv_c._types cimport sat_add
 from pagedkv_c._page_table cimport append_batch, owner_key, pages_needed_for
 from pagedkv_c._checks cimport check_int, as_int_array
 
