@@ -1,4 +1,5 @@
 # PageStore: the K/V bytes of every page (the pool array) and the copy loops over them.
+cimport cython
 from pagedkv_c._types cimport page_id_t, pos_t, int32_t, int64_t
 
 
@@ -15,6 +16,7 @@ cdef class PageStore:
     cdef Py_ssize_t layer_bytes           # bytes of one layer: num_pages * page_bytes
 
     cdef int adopt(self, object kv) except -1
+    @cython.final  # per page of the copy loops: a direct call within the module
     cdef void copy_page(self, page_id_t src, page_id_t dst) noexcept nogil
     cdef void copy_pages(self, const page_id_t* sources, const page_id_t* destinations,
                          Py_ssize_t n) noexcept nogil

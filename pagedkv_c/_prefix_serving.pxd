@@ -1,5 +1,6 @@
 # PrefixServer: prefix caching over the PrefixIndex (match and serve a prompt's cached pages,
 # register pages as they fill), its counters and its KV events.
+cimport cython
 from pagedkv_c._types cimport int32_t, int64_t, page_id_t
 from pagedkv_c._pool cimport PagePool
 from pagedkv_c._prefix cimport PrefixIndex, SequenceHashes
@@ -24,14 +25,18 @@ cdef class PrefixServer:
 
     cdef SequenceHashes new_hashes(self, object extra_key, object prompt, object blocks, int64_t pages_per_block,
                                    int64_t num_pages)
+    @cython.final  # per lookup and per page: a direct call within the module
     cdef int64_t match(self, PageTable table, const int32_t* prompt, int64_t prompt_len) except -1
+    @cython.final
     cdef int64_t _serve(self, PageTable table, const int32_t* prompt, int64_t prompt_len,
                         int64_t servable, page_id_t* hit) except -1
     cdef void note_hit(self, int64_t tokens) noexcept nogil
+    @cython.final
     cdef int register_full_pages(self, PageTable table) except -1
     cdef int reserve_tokens(self, list tables, const int64_t* counts) except -1
     cdef int record_tokens(self, list tables, list first_positions, const int64_t* counts, object ids) except -1
     cdef int64_t leading_hits(self, SequenceHashes hashes, const int32_t* tokens, int64_t servable) except -1
+    @cython.final
     cdef void index_page(self, SequenceHashes hashes, int64_t logical, page_id_t page_id) noexcept
     cdef bint reset(self) except -1
     cdef dict stats(self, bint with_metrics)

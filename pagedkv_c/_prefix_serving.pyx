@@ -171,6 +171,7 @@ cdef class PrefixServer:
         cdef int64_t upto = min(table.length // self.page_size, hashes.num_hashable)
         cdef int64_t k
         cdef page_id_t page_id
+        cdef Py_ssize_t t
         cdef int64_t run_first = 0, run_end = 0  # KV events: pages [run_first, run_end) stored in a row
         for k in range(hashes.num_registered, upto):
             _look_ahead(index, hashes, k, upto)
@@ -182,7 +183,11 @@ cdef class PrefixServer:
             page_id = table.page_at(k)
             if pkv_index_is_cached(&index.ix, page_id):
                 continue
-            self.index_page(hashes, k, page_id)
+            # index_page's body, written out: this loop runs once per page of every prompt
+            if pkv_index_insert(&index.ix, hashes.chain[k].lo, hashes.chain[k].hi, page_id) and not hashes.external:
+                for t in range(self.page_size):
+                    index.tokens[page_id, t] = hashes.token_ids[k * self.page_size + t]
+                index.has_tokens[page_id] = 1
             if self.events is not None and pkv_index_is_cached(&index.ix, page_id):  # inserted
                 if k != run_end:
                     _record_stored_run(self.events, hashes, run_first, run_end, self.page_size)
