@@ -152,6 +152,18 @@ def test_cli_list_and_fetch(data_dir, fake_dataset, capsys):
     assert "not fetched" not in capsys.readouterr().out
 
 
+def test_cli_fetch_over_a_damaged_copy_says_it_failed_its_check(data_dir, fake_dataset, capsys):
+    dataset, payload = fake_dataset
+    assert main(["data", "fetch", "tiny", "--no-progress"]) == 0
+    assert "failed its check" not in capsys.readouterr().err  # a good copy is kept without a word
+    (data_dir / "tiny.txt").write_bytes(payload[:-1] + b"?")
+    assert main(["data", "fetch", "tiny", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert f"{data_dir / 'tiny.txt'} failed its check" in captured.err and dataset.sha256 in captured.err
+    assert "downloading tiny again" in captured.err and "(SHA-256 verified)" in captured.out
+    assert (data_dir / "tiny.txt").read_bytes() == payload
+
+
 def test_cli_fetch_unknown_name_is_a_usage_error(data_dir, capsys):
     with pytest.raises(SystemExit) as info:
         main(["data", "fetch", "tinyshakespear"])

@@ -5,6 +5,7 @@ driven through the same calls and must answer alike, bit for bit.
 """
 import os
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -929,3 +930,18 @@ def test_start_writeback_is_a_checked_hint(tmp_path):
         start_writeback(-1, 0, 10)
     with pytest.raises(TypeError, match="nbytes"):
         start_writeback(0, 0, 1.5)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+def test_snapshots_are_readable_by_their_owner_only(tmp_path, umask):
+    """docs/snapshots.md: a snapshot holds every cached prompt's K/V, so it is created 0600 whatever the umask."""
+    cache = KVCache(1, 1, 4, num_pages=4)
+    classic = pagedkv.PagedKVCache(max_pages=2, dim=4)
+    old = os.umask(umask)
+    try:
+        cache.save(tmp_path / "cache.snap")
+        classic.save(tmp_path / "classic.snap")
+    finally:
+        os.umask(old)
+    for name in ("cache.snap", "classic.snap"):
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600, name

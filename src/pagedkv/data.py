@@ -203,6 +203,7 @@ def fetch(
     force: bool = False,
     progress: Callable[[int, int | None], None] | None = None,
     timeout: float = _TIMEOUT_SECONDS,
+    notify: Callable[[str], None] | None = None,
 ) -> Path:
     """Download dataset ``name`` into :func:`data_dir` and check its SHA-256.
 
@@ -224,6 +225,9 @@ def fetch(
         Called as ``progress(num_bytes_read, total_bytes_or_None)`` after each chunk.
     timeout : float
         Seconds to wait for the server to connect or send data.
+    notify : callable or None
+        Called with one line of text when a copy already in place fails its SHA-256
+        check and is downloaded again (it stays in place until the new bytes verify).
 
     Returns
     -------
@@ -241,8 +245,13 @@ def fetch(
     """
     dataset = get_dataset(name)
     destination = data_dir() / dataset.filename
-    if not force and destination.is_file() and sha256_of(destination) == dataset.sha256:
-        return destination
+    if not force and destination.is_file():
+        actual = sha256_of(destination)
+        if actual == dataset.sha256:
+            return destination
+        if notify is not None:
+            notify(f"{destination} failed its check (SHA-256 {actual}, expected {dataset.sha256}): the copy "
+                   f"is damaged or not the published one; downloading {name} again")
     source = url or dataset.url
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)

@@ -99,7 +99,8 @@ def _fetch(names: list[str], force: bool, progress: bool) -> int:
     for name in names or list(data.DATASETS):
         bar = _ProgressBar(name, progress)
         try:
-            path = data.fetch(name, force=force, progress=bar.update)
+            path = data.fetch(name, force=force, progress=bar.update,
+                              notify=lambda text: print(f"pagedkv data fetch: {text}", file=sys.stderr))
         except data.DataError as exc:
             bar.close()
             print(f"pagedkv data fetch: {exc}", file=sys.stderr)
