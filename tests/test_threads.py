@@ -558,3 +558,33 @@ def test_finalizers_on_any_thread_while_others_hold_the_kv_cache_lock():
     cache.check_invariants()
     assert sorted(cache.seq_ids()) == sorted(victims)
     assert cache.pool.num_free == cache.num_pages - len(victims)
+
+
+def test_cache_lock_contended_by_threads_that_release_the_gil_while_holding_it():
+    # The holder sleeps (without the GIL) inside the lock, so the others find it
+    # held and block in the lock's waiting path; each release must wake one of them.
+    import time
+
+    from pagedkv_c._lock import CacheLock
+
+    lock = CacheLock("Probe", "do not")
+    inside = []
+    counts = [0] * 4
+
+    def worker(index):
+        def run():
+            for step in range(300):
+                with lock:
+                    assert not inside, "two threads hold the lock at once"
+                    inside.append(index)
+                    if step % 3 == 0:
+                        time.sleep(1e-4)
+                    counts[index] += 1
+                    inside.pop()
+        return run
+
+    run_threads(*[worker(i) for i in range(4)])
+    assert counts == [300] * 4
+    assert "held=False" in repr(lock)
+    with lock, pytest.raises(RuntimeError, match=REENTERED):
+        lock.__enter__()
