@@ -11,7 +11,9 @@ re-entrant call is refused with RuntimeError, or, for the calls a cache
 chooses to defer (``KVCache.remove_sequence``), queued and run when the
 running call leaves the lock, before any other thread can take it.
 """
-from cpython.pythread cimport PyThread_get_thread_ident
+from cpython.pythread cimport (
+    PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock, PyThread_release_lock, WAIT_LOCK,
+)
 
 
 cdef class CacheLock:
@@ -24,6 +26,12 @@ cdef class CacheLock:
     reentry_hint : str
         Sentence telling a re-entrant caller what it may do instead.
 
+    Raises
+    ------
+    MemoryError
+        The operating system lock that waiting threads block on could not be
+        allocated.
+
     Notes
     -----
     Use it as a context manager (``with lock:``) or, from Cython, through
@@ -35,41 +43,58 @@ cdef class CacheLock:
     Calls queued with ``defer`` run, in order, when the holder leaves
     (``leave`` or the end of the ``with`` block), still under the lock;
     calls that they queue in turn run too.
+
+    The state (holder, number of waiting threads) is read and changed only
+    with the GIL held, which the core relies on anyway, so taking and
+    letting go of a free lock are a few field accesses, inline in the
+    caller (see ``_lock.pxd``), with no atomic operation and no call into
+    the operating system. Only a thread that finds the lock held blocks, on
+    an operating system lock (``_wakeup``) and without the GIL. A holder
+    that lets go while threads wait hands the lock to one of them: it stays
+    taken (threads that arrive meanwhile wait too) until the woken thread
+    has the GIL again and takes it. Without the hand-over, a thread that
+    takes the lock again and again, releasing the GIL only while it holds
+    the lock, would keep the waiting threads out indefinitely.
     """
 
     def __cinit__(self, str owner_name not None, str reentry_hint not None):
         self.owner_name = owner_name
         self._reentry_hint = reentry_hint
         self._owner = 0
+        self._num_waiting = 0
         self._deferred = []
+        self._wakeup = PyThread_allocate_lock()
+        if self._wakeup == NULL:
+            raise MemoryError("could not allocate the lock that threads waiting for a CacheLock block on")
+        # Held from now on, except between a hand-over and the waiter that takes it.
+        PyThread_acquire_lock(self._wakeup, WAIT_LOCK)
 
-    cdef int acquire(self) except -1:
-        """Take the lock, waiting (without the GIL) while another thread holds it.
+    def __dealloc__(self):
+        # No thread waits here any more (a waiter holds a reference to the lock).
+        if self._wakeup != NULL:
+            PyThread_free_lock(self._wakeup)
 
-        Raises
-        ------
-        RuntimeError
-            This thread already holds the lock (a re-entrant call).
-        """
-        cdef unsigned long me = PyThread_get_thread_ident()
+    cdef int _acquire_contended(self, unsigned long me) except -1:
+        """The lock is held: raise if by this thread, else wait (without the GIL) until this thread takes it."""
         if self._owner == me:
             raise RuntimeError(
                 f"{self.owner_name} was called again on a thread that is still inside one of its "
                 f"calls (from a finalizer that the garbage collector ran during that call, or from "
                 f"a callback), while the cache's state is mid-change; {self._reentry_hint}"
             )
-        self._mutex.acquire()
+        self._num_waiting += 1
+        with nogil:
+            PyThread_acquire_lock(self._wakeup, WAIT_LOCK)
+        # Each hand-over releases _wakeup once, and only the thread that then
+        # acquires it takes the lock: _owner is ULONG_MAX here.
+        self._num_waiting -= 1
         self._owner = me
         return 0
 
-    cdef void release(self) noexcept:
-        """Let go of the lock (the caller holds it); deferred calls are not run here."""
-        self._owner = 0
-        self._mutex.release()
-
-    cdef bint held_by_this_thread(self) noexcept:
-        """Whether the calling thread holds the lock (so a call now would re-enter)."""
-        return self._owner == PyThread_get_thread_ident()
+    cdef void _hand_over(self) noexcept:
+        """Let go of the lock by giving it to one of the waiting threads (there is one)."""
+        self._owner = ULONG_MAX
+        PyThread_release_lock(self._wakeup)
 
     cdef bint defer(self, object function, object argument) except -1:
         """Queue ``function(argument)`` to run before the holder leaves; False if already queued."""
@@ -86,11 +111,10 @@ cdef class CacheLock:
             function(argument)
         return 0
 
-    cdef int leave(self) except -1:
-        """Run the deferred calls, then let go of the lock (the caller holds it)."""
+    cdef int _leave_deferred(self) except -1:
+        """``leave`` when calls are queued: run them, then let go of the lock even if one raised."""
         try:
-            if self._deferred:
-                self.run_deferred()
+            self.run_deferred()
         finally:
             self.release()
         return 0

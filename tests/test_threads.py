@@ -9,11 +9,13 @@ own sequences, tokens or pages, and every stored value encodes where it belongs.
 """
 import gc
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from pagedkv import KVCache, OutOfPagesError, PagedKVCache, PagePool
+from pagedkv_c._lock import CacheLock
 
 TIMEOUT_S = 120
 REENTERED = "called again on a thread that is still inside one of its calls"
@@ -558,3 +560,35 @@ def test_finalizers_on_any_thread_while_others_hold_the_kv_cache_lock():
     cache.check_invariants()
     assert sorted(cache.seq_ids()) == sorted(victims)
     assert cache.pool.num_free == cache.num_pages - len(victims)
+
+
+def test_cache_lock_contended_by_threads_that_release_the_gil_while_holding_it():
+    # The holder sleeps (without the GIL) inside the lock, so the others find it
+    # held and block in the lock's waiting path; each release must wake one of
+    # them, and hand the lock over rather than let the holder's thread take it
+    # again at once (which would keep the others waiting until it is done).
+    lock = CacheLock("Probe", "do not")
+    inside = []
+    holders = []
+    start = threading.Barrier(4)
+
+    def worker(index):
+        def run():
+            start.wait()
+            for step in range(300):
+                with lock:
+                    assert not inside, "two threads hold the lock at once"
+                    inside.append(index)
+                    if step % 3 == 0:
+                        time.sleep(1e-4)
+                    holders.append(index)
+                    inside.pop()
+        return run
+
+    run_threads(*[worker(i) for i in range(4)])
+    assert sorted(holders) == sorted(list(range(4)) * 300)
+    switches = sum(a != b for a, b in zip(holders, holders[1:]))
+    assert switches >= 100, f"the lock changed hands {switches} times in 1200 holds"
+    assert "held=False" in repr(lock)
+    with lock, pytest.raises(RuntimeError, match=REENTERED):
+        lock.__enter__()
