@@ -96,3 +96,26 @@ def test_perplexity_plot_of_a_single_segment_says_so_before_scoring(tmp_path, mo
 
     assert main(common + ["--segment-tokens", "4", "--plot", str(tmp_path / "three.png")]) == 0
     assert "single" not in capsys.readouterr().err  # three segments: a curve, no note
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["replay", "mooncake-conversation", "--no-progress"]])
+@pytest.mark.parametrize("url", ["foo://bar", "redis://", "127.0.0.1:6379"])
+def test_a_tier_url_of_another_form_is_a_usage_error_before_any_work(command, url, monkeypatch, capsys):
+    from pagedkv.commands import generate
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before --tier was checked")
+
+    monkeypatch.setattr(generate, "load_model", no_model, raising=False)
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--tier", url])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --tier: expected redis://HOST:PORT/DB" in err and repr(url) in err
+
+
+def test_replay_instances_without_a_tier_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["replay", "mooncake-conversation", "--instances", "4", "--no-progress"])
+    assert info.value.code == 2
+    assert "argument --instances: only used with --tier URL" in capsys.readouterr().err

@@ -39,6 +39,21 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1)
 
 
+_TIER_SCHEMES = ("redis://", "rediss://", "redis+cluster://")
+
+
+def tier_url(text: str) -> str:
+    """argparse type of ``--tier``: a URL of a scheme the tier takes, checked before any work starts.
+
+    The rest of the URL (hosts, ports) is checked by :class:`pagedkv.tiers.RedisTier`.
+    """
+    if not any(text.startswith(scheme) and len(text) > len(scheme) for scheme in _TIER_SCHEMES):
+        raise argparse.ArgumentTypeError(
+            f"expected redis://HOST:PORT/DB, rediss://HOST:PORT/DB or redis+cluster://HOST:PORT[,HOST:PORT...], "
+            f"got {text!r}")
+    return text
+
+
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     return _int_at_least(text, 0)

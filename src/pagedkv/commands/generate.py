@@ -16,11 +16,12 @@ from pagedkv.commands._model_options import (
     load_model,
     non_negative_float,
     non_negative_int,
-    probability,
     peak_rss_bytes,
     positive_int,
+    probability,
     resolve_threads,
     run_reporting_errors,
+    tier_url,
 )
 
 DESCRIPTION = """\
@@ -123,7 +124,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "least P, 0 < P <= 1 (default 1; needs --temperature > 0)")
     parser.add_argument("--seed", type=non_negative_int, default=None, metavar="S",
                         help="seed of the sampler: the same seed gives the same text (default: random)")
-    parser.add_argument("--tier", default=None, metavar="URL",
+    parser.add_argument("--tier", type=tier_url, default=None, metavar="URL",
                         help="share prompt pages with other processes through Redis/Valkey: "
                              "redis://HOST:PORT/DB or redis+cluster://HOST:PORT[,HOST:PORT...] (needs "
                              "`pip install \"pagedkv[redis]\"`; full attention only)")

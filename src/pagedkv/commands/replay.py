@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from pagedkv.commands._metrics_options import RunMetrics, add_metrics_arguments
-from pagedkv.commands._model_options import CommandError, positive_int
+from pagedkv.commands._model_options import CommandError, positive_int, tier_url
 from pagedkv.commands._paths import dataset_or_path, not_a_dataset_hint, plot_file
 from pagedkv.replay import MAX_PAGES, MAX_PREFIX_PAGES, PREFIX_HASHES, ReplayResult, capacity_pages, replay
 from pagedkv.data import DataError
@@ -73,14 +73,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
                         help="with --kv-events: bind a ROUTER socket that replays missed batches (vLLM's replay)")
     parser.add_argument("--no-progress", action="store_true", help="do not show the tqdm progress bar")
-    parser.add_argument("--tier", default=None, metavar="URL",
+    parser.add_argument("--tier", type=tier_url, default=None, metavar="URL",
                         help="a shared prefix tier (redis://HOST:PORT/DB or redis+cluster://HOST:PORT,...; needs "
                              "the redis extra): deal the trace round-robin over --instances caches that share it "
                              "(served in file order, each request's tier writes landing before the next one), and "
                              "compare with isolated caches and one cache of the total capacity")
-    parser.add_argument("--instances", type=positive_int, default=4, metavar="N",
-                        help="caches sharing the --tier, each of --capacity-tokens (default 4)")
+    parser.add_argument("--instances", type=positive_int, default=None, metavar="N",
+                        help="with --tier: caches sharing the tier, each of --capacity-tokens (default 4)")
     add_metrics_arguments(parser)
+    parser.set_defaults(parser=parser)
     return parser
 
 
@@ -134,6 +135,8 @@ def plot_hit_rate(results: list[ReplayResult], path: str, title: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the trace, replay it at every capacity, print the table; return the exit status."""
     capacities = args.capacity_tokens or DEFAULT_CAPACITIES
+    if args.instances is not None and args.tier is None:
+        args.parser.error("argument --instances: only used with --tier URL")
     try:
         args.trace = dataset_or_path(args.trace)
     except DataError as exc:
@@ -294,7 +297,7 @@ def _run_shared(args: argparse.Namespace, trace, capacities) -> int:
     except (TypeError, ValueError) as exc:
         print(f"pagedkv replay: --tier: {exc}", file=sys.stderr)
         return 2
-    n = args.instances
+    n = args.instances if args.instances is not None else 4
     print(f"{trace.format} trace {args.trace}: {len(trace):,} requests dealt round-robin over {n} instances; "
           f"page size {args.page_size}. Requests are served in file order, each one's tier writes landing "
           f"before the next starts. The tier stores page headers only: a replay has no K/V bytes. "
