@@ -11,10 +11,12 @@ kernels both use it):
   rotating order so that load from other processes falls on all alike; decode tokens/s
   from the median step time, and the ratio against DynamicCache timed in the same run.
   The K/V bytes each cache holds at the end are reported beside the process's peak RSS.
-* beam search: ``generate`` with ``--beams`` beams and ``--beam-tokens`` new tokens from
-  a chat prompt, DynamicCache against PagedCache: tokens/s (new tokens of all beams per
-  second) and the K/V bytes held at the end (DynamicCache: its tensors; PagedCache: the
-  peak pages in use).
+* beam search: ``generate`` with each of ``--beams`` beam counts and ``--beam-tokens``
+  new tokens from a chat prompt, DynamicCache against PagedCache in ``--beam-repeats``
+  interleaved pairs (after a warm-up pair; the pairs alternate which cache runs first and
+  must generate the same tokens): median seconds and tokens/s (new tokens of all beams
+  per second), the median over pairs of DynamicCache's time over PagedCache's, and the
+  K/V bytes held at the end (DynamicCache: its tensors; PagedCache: the peak pages in use).
 * peak RSS (Linux; ``--skip-rss`` leaves it out): at the largest context, for each
   candidate alone, the peak RSS that building it and 8 decode steps add on top of the
   model and the kept prefill (the RSS high-water mark reset through
@@ -207,7 +209,13 @@ def bench_decode(model, context, steps, threads):
     return rows
 
 
-def bench_beams(model, tokenizer, beams, new_tokens, threads):
+def bench_beams(model, tokenizer, beams, new_tokens, threads, repeats):
+    """Beam search through ``generate``: DynamicCache against PagedCache, paired and interleaved.
+
+    One warm-up pair, then ``repeats`` pairs, the two caches alternating which runs first;
+    every pair must generate the same tokens. Seconds are medians over the pairs, and
+    ``paired_ratio`` is the median over pairs of DynamicCache's time over PagedCache's.
+    """
     import torch
     from transformers import DynamicCache
 
@@ -216,8 +224,8 @@ def bench_beams(model, tokenizer, beams, new_tokens, threads):
     messages = [{"role": "user", "content": "Write a short poem about the sea."}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                         return_dict=True)["input_ids"]
-    rows = []
-    for name in ("DynamicCache", "PagedCache"):
+
+    def run(name):
         if name == "PagedCache":
             model.set_attn_implementation("pagedkv")
             cache = pt.PagedCache(model.config, num_pages=beams * (-(-(ids.shape[1] + new_tokens) // 16) + 2))
@@ -232,9 +240,27 @@ def bench_beams(model, tokenizer, beams, new_tokens, threads):
         seconds = time.perf_counter() - start
         held = (cache.stats()["pages_peak"] * cache.stats()["bytes_per_page"] if name == "PagedCache"
                 else cache_bytes(cache))
-        rows.append({"threads": threads, "cache": name, "beams": beams, "new_tokens": out.shape[1] - ids.shape[1],
-                     "seconds": seconds, "tokens_per_s": beams * (out.shape[1] - ids.shape[1]) / seconds,
-                     "kv_bytes_peak": held})
+        return seconds, out, held
+
+    names = ("DynamicCache", "PagedCache")
+    seconds = {name: [] for name in names}
+    held = {}
+    for pair in range(repeats + 1):
+        results = {name: run(name) for name in (names if pair % 2 else names[::-1])}
+        if not torch.equal(results["DynamicCache"][1], results["PagedCache"][1]):
+            raise AssertionError(f"beam search with {beams} beams: PagedCache generated other tokens than DynamicCache")
+        if pair:  # the first pair warms up
+            for name in names:
+                seconds[name].append(results[name][0])
+        held = {name: results[name][2] for name in names}
+        generated = results["PagedCache"][1].shape[1] - ids.shape[1]
+    ratio = statistics.median(d / p for d, p in zip(seconds["DynamicCache"], seconds["PagedCache"]))
+    rows = []
+    for name in names:
+        median = statistics.median(seconds[name])
+        rows.append({"threads": threads, "cache": name, "beams": beams, "new_tokens": generated,
+                     "seconds": median, "tokens_per_s": beams * generated / median, "repeats": repeats,
+                     "paired_ratio": ratio if name == "PagedCache" else 1.0, "kv_bytes_peak": held[name]})
     model.set_attn_implementation("sdpa")
     return rows
 
@@ -285,8 +311,10 @@ def main():
     parser.add_argument("--context", type=int, nargs="+", default=[512, 4096, 16384], help="context lengths, tokens")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch and kernel threads")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per candidate")
-    parser.add_argument("--beams", type=int, default=4)
-    parser.add_argument("--beam-tokens", type=int, default=48, help="new tokens per beam")
+    parser.add_argument("--beams", type=int, nargs="+", default=[4], help="beam counts")
+    parser.add_argument("--beam-tokens", type=int, nargs="+", default=[48], help="new tokens per beam")
+    parser.add_argument("--beam-repeats", type=int, default=5, help="timed DynamicCache/PagedCache pairs per setting")
+    parser.add_argument("--skip-decode", action="store_true", help="skip the decode steps")
     parser.add_argument("--skip-beams", action="store_true")
     parser.add_argument("--skip-turn", action="store_true")
     parser.add_argument("--skip-rss", action="store_true",
@@ -301,26 +329,29 @@ def main():
     decode_rows, beam_rows, turn_rows, rss_rows = [], [], [], []
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for context in args.context:
+        for context in [] if args.skip_decode else args.context:
             decode_rows += bench_decode(model, context, args.steps, threads)
             print(f"threads {threads}, context {context}: done", flush=True)
         if not args.skip_rss and not rss_rows and os.path.exists("/proc/self/clear_refs"):
             rss_rows = bench_peak_rss(model, max(args.context), 8, threads)
         if not args.skip_beams:
-            beam_rows += bench_beams(model, tokenizer, args.beams, args.beam_tokens, threads)
+            for beams in args.beams:
+                for new_tokens in args.beam_tokens:
+                    beam_rows += bench_beams(model, tokenizer, beams, new_tokens, threads, args.beam_repeats)
         if not args.skip_turn:
             turn_rows += bench_second_turn(model, tokenizer, threads)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    print(format_table(
-        ["threads", "context", "cache", "step ms", "tokens/s", "vs Dynamic", "K/V MiB"],
-        [[r["threads"], r["context"], r["cache"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:.1f}",
-          f"{r['speedup_vs_dynamic']:.2f}x", f"{r['kv_bytes'] / 2**20:.0f}"] for r in decode_rows]))
+    if decode_rows:
+        print(format_table(
+            ["threads", "context", "cache", "step ms", "tokens/s", "vs Dynamic", "K/V MiB"],
+            [[r["threads"], r["context"], r["cache"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:.1f}",
+              f"{r['speedup_vs_dynamic']:.2f}x", f"{r['kv_bytes'] / 2**20:.0f}"] for r in decode_rows]))
     if beam_rows:
         print(format_table(
-            ["threads", "cache", "beams", "tokens/s", "K/V peak MiB"],
-            [[r["threads"], r["cache"], r["beams"], f"{r['tokens_per_s']:.1f}", f"{r['kv_bytes_peak'] / 2**20:.1f}"]
-             for r in beam_rows]))
+            ["threads", "cache", "beams", "new tokens", "median s", "tokens/s", "paired ratio", "K/V peak MiB"],
+            [[r["threads"], r["cache"], r["beams"], r["new_tokens"], f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}",
+              f"{r['paired_ratio']:.3f}x", f"{r['kv_bytes_peak'] / 2**20:.1f}"] for r in beam_rows]))
     if turn_rows:
         print(format_table(
             ["threads", "second turn", "prompt tokens", "computed", "TTFT s"],

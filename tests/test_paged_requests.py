@@ -128,8 +128,61 @@ def test_select_rows_forks_and_checks_indices_first():
     requests.select_rows(np.array([1, 1, 0]))
     assert requests.pages is None
     assert [requests.kv_cache.seq_len(s) for s in requests.seq_ids] == [2, 2, 3]
-    assert not set(requests.seq_ids) & set(ids)
+    # Row 0 keeps row 1's sequence, row 1 forks it, row 2 keeps row 0's sequence.
+    assert requests.seq_ids[0] == ids[1] and requests.seq_ids[2] == ids[0]
+    assert requests.seq_ids[1] not in ids
     requests.kv_cache.check_invariants()
+
+
+def _store_step(requests, num_new, rng, batch_size=None):
+    """One forward of ``num_new`` tokens on every row, with random K/V; returns what was stored."""
+    requests.begin_step(batch_size or len(requests.seq_ids), num_new, None, never_same)
+    kv = requests.kv_cache
+    n = len(requests.slots)
+    keys = rng.standard_normal((kv.num_layers, n, kv.num_kv_heads, kv.head_dim)).astype(kv.dtype)
+    for layer in range(kv.num_layers):
+        kv.store(layer, requests.slots, keys[layer], -keys[layer])
+    return keys.reshape(kv.num_layers, len(requests.seq_ids), num_new, kv.num_kv_heads, kv.head_dim)
+
+
+@pytest.mark.parametrize("indices", [
+    [2, 0, 1],      # permutation: no fork, no removal
+    [1, 1, 1],      # one source for every row
+    [0, 1, 2, 2],   # identity prefix, then a repeat
+    [2, 2, 0],      # a repeat, a dropped row
+    [1],            # fewer rows
+    [],             # no rows
+])
+def test_select_rows_keeps_each_rows_tokens_like_a_dense_index_select(indices):
+    """The rows after select_rows hold the K/V of their sources, also after copy-on-write appends.
+
+    The dense reference is what DynamicCache does: ``index_select`` of the rows.
+    """
+    rng = np.random.default_rng(0)
+    requests = make_requests(num_pages=64)
+    kv = requests.kv_cache
+    dense = _store_step(requests, 6, rng, batch_size=3)  # [L, rows, tokens, H, D]; 6 tokens leave the last page half full
+    source = np.array(indices, dtype=np.int64)
+    added = kv.stats()["sequences_added"]
+    requests.select_rows(source)
+    forks = len(indices) - len(set(indices))
+    assert kv.stats()["sequences_added"] - added == forks  # only repeated sources fork
+    assert kv.stats()["num_sequences"] == len(indices)
+    dense = dense[:, source]
+    for _ in range(3):  # appends into pages shared by forks copy them first
+        if not indices:
+            break
+        dense = np.concatenate([dense, _store_step(requests, 1, rng)], axis=2)
+        for _ in range(2):
+            requests.select_rows(source := rng.integers(0, len(indices), len(indices)))
+            dense = dense[:, source]
+    for row, seq_id in enumerate(requests.seq_ids):
+        for layer in range(kv.num_layers):
+            k, v, positions = kv.gather(layer, seq_id)
+            np.testing.assert_array_equal(k, dense[layer, row])
+            np.testing.assert_array_equal(v, -dense[layer, row])
+            assert positions.tolist() == list(range(dense.shape[2]))
+    kv.check_invariants()
 
 
 def test_add_prompts_truncates_every_row_to_the_smallest_prefix_hit():

@@ -368,6 +368,10 @@ class PagedRequests:
     def select_rows(self, source_rows: np.ndarray) -> None:
         """Make row ``i`` a fork of current row ``source_rows[i]`` (pages shared, copy-on-write).
 
+        The first new row of each source keeps the source's sequence; only its further
+        rows fork it, and sources that no row takes are removed. A permutation of the
+        rows (the common beam-search step) forks and removes nothing.
+
         Raises ValueError for an index out of range, before any change.
         """
         if self.kv_cache is None or not self.seq_ids:
@@ -381,11 +385,21 @@ class PagedRequests:
             return
         kv = self.kv_cache
         self.pages = None
+        old_ids = self.seq_ids
+        # A fork is an exact copy of its parent's table (pages, ring, hashes), so the
+        # first taker may keep the parent itself: the same ref counts and copy-on-write
+        # copies as forking every row and removing every source, without the calls.
+        taken = [False] * len(old_ids)
         new_ids = []
         for src in source_rows.tolist():
-            child = self._new_seq_id()
-            kv.fork(self.seq_ids[src], child)
-            new_ids.append(child)
-        for seq_id in self.seq_ids:
-            kv.remove_sequence(seq_id)
+            if taken[src]:
+                child = self._new_seq_id()
+                kv.fork(old_ids[src], child)
+                new_ids.append(child)
+            else:
+                taken[src] = True
+                new_ids.append(old_ids[src])
+        for seq_id, kept in zip(old_ids, taken):
+            if not kept:
+                kv.remove_sequence(seq_id)
         self.seq_ids = new_ids
