@@ -190,7 +190,7 @@ def publisher(**kw):
 
 
 def tier(**kw):
-    pytest.importorskip("redis")
+    pytest.importorskip("redis", reason="pagedkv.tiers needs redis-py: pip install \"pagedkv[redis]\"")
     from pagedkv.tiers import RedisTier
 
     t = RedisTier("redis://127.0.0.1:1/0", namespace="scalars", **kw)  # nothing connects yet
@@ -588,7 +588,7 @@ def test_flags_take_bools_only(name, arg, setup, call, state):
 
 
 def tier_wait(method, timeout):
-    pytest.importorskip("redis")
+    pytest.importorskip("redis", reason="pagedkv.tiers needs redis-py: pip install \"pagedkv[redis]\"")
     from pagedkv.tiers import RedisTier
 
     t = RedisTier("redis://127.0.0.1:1/0", namespace="scalars")  # no writer yet: nothing to wait for

@@ -21,7 +21,7 @@ from test_tier import _prompt_keys, fresh_cache, namespace, offload_prompt, stan
 from pagedkv import KVCache
 from pagedkv.tiers import RedisTier
 
-redis = pytest.importorskip("redis")
+redis = pytest.importorskip("redis", reason="pagedkv.tiers needs redis-py: pip install \"pagedkv[redis]\"")
 
 # Bytes of one page value of worker.LAYOUT (header, 16 token ids, 3 layers of K and V in float32).
 VALUE_BYTES = 64 + 4 * 16 + 3 * 2 * 16 * 2 * 8 * 4
