@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The API reference as Markdown, readable where the repository is browsed: builds the Sphinx
 # sources of docs/ with sphinx-markdown-builder (the `docs` extra pins it and Sphinx, so the
-# output depends only on the docstrings) and writes docs/reference/api.md.
+# output depends only on the docstrings), adds the anchors its in-page links need
+# (scripts/api_markdown_anchors.py) and writes docs/reference/api.md.
 #
 # Usage: bash scripts/api_markdown.sh           regenerate docs/reference/api.md
 #        bash scripts/api_markdown.sh --check   fail if it differs from the docstrings (CI)
@@ -15,8 +16,9 @@ sphinx-build -W --keep-going -q -b markdown docs "$out"
 {
     echo "<!-- Generated from the docstrings by scripts/api_markdown.sh: do not edit by hand. -->"
     echo
-    # The other pages of docs/ are one directory up from docs/reference/.
-    sed -E 's/\]\(([a-z_]+\.md)/](..\/\1/g' "$out/api.md"
+    # The other pages of docs/ are one directory up from docs/reference/; every object
+    # heading gets the anchor its links name (the builder writes them for modules only).
+    sed -E 's/\]\(([a-z_]+\.md)/](..\/\1/g' "$out/api.md" | python scripts/api_markdown_anchors.py
 } > "$out/reference.md"
 if [ "${1:-}" = "--check" ]; then
     if ! diff -u docs/reference/api.md "$out/reference.md" > "$out/diff"; then
