@@ -92,6 +92,7 @@ def test_perplexity_plot_of_a_single_segment_says_so_before_scoring(tmp_path, mo
     assert ("note: 12 tokens make a single 512-token segment, so --plot draws one point per setting; "
             "for a curve give --tokens above 512 or a smaller --segment-tokens") in err
     assert err.index("note: 12 tokens") < err.index("full cache: perplexity")  # before the scoring
+    assert f"{str(ids)!r} holds 12 tokens, fewer than --tokens {perplexity.DEFAULT_NUM_TOKENS:,}: scoring all" in err
     assert (tmp_path / "one.png").is_file()
 
     assert main(common + ["--segment-tokens", "4", "--plot", str(tmp_path / "three.png")]) == 0

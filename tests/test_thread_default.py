@@ -230,7 +230,11 @@ def test_the_commands_report_the_thread_count_and_its_reason(monkeypatch, capsys
     try:
         assert resolve_threads("auto") == 1
         assert capsys.readouterr().err == f"threads: 1 (auto: {reason}; --threads N sets it)\n"
+        monkeypatch.setattr(threads, "_affinity", lambda: {0, 1})
         assert resolve_threads(2) == 2
         assert capsys.readouterr().err == "threads: 2 (--threads)\n"
+        assert resolve_threads(99) == 99  # accepted, but the user learns it oversubscribes the CPUs
+        assert capsys.readouterr().err == ("threads: 99 (--threads; more than the 2 usable CPUs: threads will "
+                                           "share cores and run slower)\n")
     finally:
         threads._default_choice.cache_clear()

@@ -168,10 +168,16 @@ def resolve_threads(option: int | str) -> int:
     int
         Threads for NumPy's BLAS and the attention kernels, >= 1.
     """
-    from pagedkv.models.threads import default_num_threads
+    import os
+
+    from pagedkv.models.threads import _affinity, default_num_threads
 
     if option != "auto":
-        print(f"threads: {option} (--threads)", file=sys.stderr)
+        cpus = _affinity()
+        num_cpus = len(cpus) if cpus else os.cpu_count()
+        over = (f"; more than the {num_cpus} usable CPUs: threads will share cores and run slower"
+                if num_cpus and int(option) > num_cpus else "")
+        print(f"threads: {option} (--threads{over})", file=sys.stderr)
         return int(option)
     choice = default_num_threads()
     print(f"threads: {choice.num_threads} (auto: {choice.reason}; --threads N sets it)", file=sys.stderr)

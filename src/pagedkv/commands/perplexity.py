@@ -482,6 +482,9 @@ def _run(args: argparse.Namespace) -> int:
     from pagedkv.models.threads import blas_threads
 
     num_tokens = int(token_ids.size)
+    if num_tokens < args.tokens:
+        print(f"pagedkv perplexity: {args.file!r} holds {num_tokens:,} tokens, fewer than --tokens "
+              f"{args.tokens:,}: scoring all of them", file=sys.stderr)
     if args.num_pages is not None:
         # Every setting is checked before the first is scored (which may take minutes).
         for setting in settings:
