@@ -120,3 +120,20 @@ def test_replay_instances_without_a_tier_is_a_usage_error(capsys):
         main(["replay", "mooncake-conversation", "--instances", "4", "--no-progress"])
     assert info.value.code == 2
     assert "argument --instances: only used with --tier URL" in capsys.readouterr().err
+
+
+def test_tier_warnings_wait_until_the_streamed_answer_ends(caplog):
+    import logging
+
+    from pagedkv.commands.generate import held_tier_warnings
+
+    log = logging.getLogger("pagedkv.tiers")
+    with caplog.at_level(logging.WARNING, logger="pagedkv.tiers"):
+        with held_tier_warnings(True):
+            log.warning("ConnectionError from RedisTier: %s", "refused")
+            assert not caplog.records  # held: printed now it would land inside the streamed line
+        assert [r.getMessage() for r in caplog.records] == ["ConnectionError from RedisTier: refused"]
+        assert log.propagate and not log.handlers  # the logger is as it was
+        with held_tier_warnings(False):
+            log.warning("at once")
+            assert caplog.records[-1].getMessage() == "at once"

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 from pathlib import Path
 
@@ -190,6 +192,34 @@ def run(args: argparse.Namespace) -> int:
     return run_reporting_errors("generate", _run, args)
 
 
+@contextlib.contextmanager
+def held_tier_warnings(hold: bool):
+    """While the answer streams to stdout, keep the shared tier's warnings and print them after it.
+
+    The tier's writer thread logs its faults (``pagedkv.tiers``) whenever they happen;
+    printed at once they would land inside the streamed line. With ``hold`` the
+    records wait and go to stderr, each on its own line, when the block ends
+    (also when it raises); without it nothing changes.
+    """
+    if not hold:
+        yield
+        return
+    logger = logging.getLogger("pagedkv.tiers")
+    held: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = held.append  # type: ignore[method-assign]
+    propagate = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+        for record in held:
+            logger.handle(record)  # now through the usual handlers (stderr by default)
+
+
 def _run(args: argparse.Namespace) -> int:
     check_window_arguments(args.parser, args)
     _check_sampling_arguments(args)
@@ -276,19 +306,23 @@ def _generate(args: argparse.Namespace, prompts: list[str], line_numbers: list[i
             print(format_completion(i, line_numbers[i], prompts[i], streams[i].text()), flush=True)
 
     try:
-        result = generate(model, backend, prompt_ids, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          stop_token_ids=stop, prefill_chunk_size=args.prefill_chunk,
-                          on_token=on_token, release=False)
+        with held_tier_warnings(single and tier is not None):  # the streamed answer stays whole
+            try:
+                result = generate(model, backend, prompt_ids, max_new_tokens=args.max_new_tokens,
+                                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  seed=args.seed, stop_token_ids=stop, prefill_chunk_size=args.prefill_chunk,
+                                  on_token=on_token, release=False)
+            except OutOfPagesError:
+                if line_open:  # end the streamed line, so that the error message starts on its own
+                    sys.stdout.write("\n")
+                    sys.stdout.flush()
+                raise
+            if single:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
     except OutOfPagesError as exc:
-        if line_open:  # end the streamed line, so that the error message starts on its own
-            sys.stdout.write("\n")
-            sys.stdout.flush()
         raise CommandError(f"the pool of {num_pages} pages ran out ({exc}); the run needs at most {needed} "
                            "pages: omit --num-pages or raise it") from exc
-    if single:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
     stats = backend.stats()  # before the sequences are released
     metrics.detach()  # --metrics-file reports this point too
     for seq_id in backend.seq_ids:
