@@ -168,15 +168,12 @@ def resolve_threads(option: int | str) -> int:
     int
         Threads for NumPy's BLAS and the attention kernels, >= 1.
     """
-    import os
-
-    from pagedkv.models.threads import _affinity, default_num_threads
+    from pagedkv.models.threads import _affinity, default_num_threads, usable_cpus
 
     if option != "auto":
-        cpus = _affinity()
-        num_cpus = len(cpus) if cpus else os.cpu_count()
+        num_cpus = usable_cpus(_affinity())
         over = (f"; more than the {num_cpus} usable CPUs: threads will share cores and run slower"
-                if num_cpus and int(option) > num_cpus else "")
+                if int(option) > num_cpus else "")
         print(f"threads: {option} (--threads{over})", file=sys.stderr)
         return int(option)
     choice = default_num_threads()

@@ -92,6 +92,14 @@ def _affinity() -> set[int] | None:
         return None
 
 
+def usable_cpus(cpus: set[int] | None, cpu_count: Callable[[], int | None] = os.cpu_count) -> int:
+    """CPUs this process may run on: those of its affinity mask ``cpus``, else the machine's; at least 1.
+
+    The cgroup CPU quota is not applied here (see :func:`choose_num_threads`).
+    """
+    return len(cpus) if cpus else max(cpu_count() or 1, 1)
+
+
 def _cgroup_dirs(root: str, path: str) -> list[str]:
     """``root + path`` and each of its ancestors up to ``root`` (the nearest first)."""
     parts = [p for p in path.strip().split("/") if p and p != ".."]
@@ -257,7 +265,7 @@ def choose_num_threads(*, read_text: Callable[[str], str | None] = _read_text,
     if not (isinstance(sample_seconds, (int, float)) and 0 < sample_seconds < math.inf):
         raise ValueError(f"Invalid value of sample_seconds: expected a finite number > 0, got {sample_seconds!r}")
     cpus = affinity()
-    usable = len(cpus) if cpus else max(cpu_count() or 1, 1)
+    usable = usable_cpus(cpus, cpu_count)
     where = f"{usable} CPU{'s' * (usable != 1)}" + (" in the affinity mask" if cpus else "")
     quota = cgroup_cpu_limit(read_text)
     if quota is not None and math.floor(quota) < usable:
