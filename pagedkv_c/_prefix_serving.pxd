@@ -3,7 +3,7 @@
 cimport cython
 from pagedkv_c._types cimport int32_t, int64_t, page_id_t
 from pagedkv_c._pool cimport PagePool
-from pagedkv_c._prefix cimport PrefixIndex, SequenceHashes
+from pagedkv_c._prefix cimport PrefixIndex, SequenceHashes, pkv_index_insert
 from pagedkv_c._page_table cimport PageTable
 from pagedkv_c._kv_events cimport KVEventLog
 
@@ -36,8 +36,18 @@ cdef class PrefixServer:
     cdef int reserve_tokens(self, list tables, const int64_t* counts) except -1
     cdef int record_tokens(self, list tables, list first_positions, const int64_t* counts, object ids) except -1
     cdef int64_t leading_hits(self, SequenceHashes hashes, const int32_t* tokens, int64_t servable) except -1
-    @cython.final
-    cdef void index_page(self, SequenceHashes hashes, int64_t logical, page_id_t page_id) noexcept
+    # Inline (body here): registration calls it once per page of every prompt, the tier once per fetched page.
+    cdef inline void index_page(self, SequenceHashes hashes, int64_t logical, page_id_t page_id) noexcept:
+        """Index ``page_id`` under the hash of logical page ``logical`` of ``hashes``, with its token ids.
+
+        Nothing happens when another page is cached under that hash already.
+        """
+        cdef Py_ssize_t t, ps = self.page_size
+        if pkv_index_insert(&self.index.ix, hashes.chain[logical].lo, hashes.chain[logical].hi, page_id) \
+                and not hashes.external:
+            for t in range(ps):
+                self.index.tokens[page_id, t] = hashes.token_ids[logical * ps + t]
+            self.index.has_tokens[page_id] = 1
     cdef bint reset(self) except -1
     cdef dict stats(self, bint with_metrics)
     cdef dict event_stats(self)
@@ -47,3 +57,9 @@ cdef class PrefixServer:
 
 cdef PrefixServer new_prefix_server(PagePool pool, int32_t page_size, object window, object algorithm,
                                     bint enable_kv_events, int64_t kv_events_capacity)
+
+
+cdef inline int64_t servable_pages(int64_t prompt_len, int64_t page_size, int64_t num_hashable) noexcept nogil:
+    """Pages of a prompt that prefix caching may serve: its full pages but never the last token's, at most
+    ``num_hashable`` (the pages whose hash can be computed)."""
+    return min((prompt_len - 1) // page_size if prompt_len > 0 else 0, num_hashable)

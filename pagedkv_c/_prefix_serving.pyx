@@ -16,7 +16,7 @@ from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 from pagedkv_c._types cimport sat_add
 from pagedkv_c._pool cimport pkv_incref, pkv_queue_remove, pkv_ref, pkv_set_ref
-from pagedkv_c._prefix cimport (hash_salt, pkv_index_find, pkv_index_insert, pkv_index_is_cached,
+from pagedkv_c._prefix cimport (hash_salt, pkv_index_find, pkv_index_is_cached,
                                 pkv_index_prefetch, pkv_index_remove)
 from pagedkv_c._kv_events cimport pkv_kv_events_stored_run, pkv_kv_events_cleared, pkv_kv_events_total_recorded
 
@@ -78,7 +78,7 @@ cdef class PrefixServer:
         is counted in the hit histogram.
         """
         cdef int64_t ps = self.page_size
-        cdef int64_t servable = min((prompt_len - 1) // ps if prompt_len > 0 else 0, table.hashes.num_hashable)
+        cdef int64_t servable = servable_pages(prompt_len, ps, table.hashes.num_hashable)
         cdef int64_t served
         if servable <= 0:
             self.queries = sat_add(self.queries, prompt_len)
@@ -171,7 +171,6 @@ cdef class PrefixServer:
         cdef int64_t upto = min(table.length // self.page_size, hashes.num_hashable)
         cdef int64_t k
         cdef page_id_t page_id
-        cdef Py_ssize_t t
         cdef int64_t run_first = 0, run_end = 0  # KV events: pages [run_first, run_end) stored in a row
         for k in range(hashes.num_registered, upto):
             _look_ahead(index, hashes, k, upto)
@@ -183,11 +182,7 @@ cdef class PrefixServer:
             page_id = table.page_at(k)
             if pkv_index_is_cached(&index.ix, page_id):
                 continue
-            # index_page's body, written out: this loop runs once per page of every prompt
-            if pkv_index_insert(&index.ix, hashes.chain[k].lo, hashes.chain[k].hi, page_id) and not hashes.external:
-                for t in range(self.page_size):
-                    index.tokens[page_id, t] = hashes.token_ids[k * self.page_size + t]
-                index.has_tokens[page_id] = 1
+            self.index_page(hashes, k, page_id)
             if self.events is not None and pkv_index_is_cached(&index.ix, page_id):  # inserted
                 if k != run_end:
                     _record_stored_run(self.events, hashes, run_first, run_end, self.page_size)
@@ -198,19 +193,6 @@ cdef class PrefixServer:
         if upto > hashes.num_registered:
             hashes.num_registered = upto
         return 0
-
-    cdef void index_page(self, SequenceHashes hashes, int64_t logical, page_id_t page_id) noexcept:
-        """Index ``page_id`` under the hash of logical page ``logical`` of ``hashes``, with its token ids.
-
-        Nothing happens when another page is cached under that hash already.
-        """
-        cdef PrefixIndex index = self.index
-        cdef Py_ssize_t t, ps = self.page_size
-        if pkv_index_insert(&index.ix, hashes.chain[logical].lo, hashes.chain[logical].hi, page_id) \
-                and not hashes.external:
-            for t in range(ps):
-                index.tokens[page_id, t] = hashes.token_ids[logical * ps + t]
-            index.has_tokens[page_id] = 1
 
     cdef int reserve_tokens(self, list tables, const int64_t* counts) except -1:
         """Grow the token buffers of the token-keyed chains for the ``counts`` tokens an append brings.

@@ -13,6 +13,7 @@ cimport numpy as cnp
 from libc.stdint cimport uint8_t, uint64_t
 from pagedkv_c._types cimport page_id_t, int32_t
 from pagedkv_c._prefix cimport SequenceHashes
+from pagedkv_c._prefix_serving cimport servable_pages
 from pagedkv_c._checks cimport check_int, check_array
 
 cnp.import_array()
@@ -33,7 +34,7 @@ cdef class TierLink:
         """
         cdef SequenceHashes hashes = table.hashes
         cdef int64_t ps = self.store.page_size
-        cdef int64_t servable = min((prompt_len - 1) // ps if prompt_len > 0 else 0, hashes.num_hashable)
+        cdef int64_t servable = servable_pages(prompt_len, ps, hashes.num_hashable)
         cdef int64_t first = 0, n = 0
         cdef const int32_t* tokens = <const int32_t*>cnp.PyArray_DATA(prompt) if prompt is not None else NULL
         if servable <= 0:
