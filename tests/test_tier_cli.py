@@ -55,3 +55,15 @@ def test_tier_info_refuses_a_url_that_is_not_redis(capsys):
         main(["tier", "info", "http://127.0.0.1:6379"])
     assert exc.value.code == 2
     assert "argument URL: expected redis://HOST:PORT/DB, rediss://... or redis+cluster://" in capsys.readouterr().err
+
+
+def test_tier_info_on_one_cluster_node_says_the_counts_are_its_share(cluster, capsys):
+    node = cluster.nodes[0]
+    assert main(["tier", "info", f"redis://{node}/0"]) == 0
+    out = capsys.readouterr().out
+    assert "one node of a Redis Cluster" in out and f"redis+cluster://{node}" in out, out
+
+
+def test_tier_info_on_a_standalone_server_adds_no_cluster_note(standalone, capsys):
+    assert main(["tier", "info", standalone]) == 0
+    assert "Redis Cluster" not in capsys.readouterr().out

@@ -116,7 +116,23 @@ def tier_info(url: str, namespaces: list[str], timeout: float, out=None) -> int:
     for ns in namespaces:
         if ns not in marked:
             print(f"  namespace {ns!r}: no pages here (for any layout found on this tier)", file=out)
+    if not is_cluster and _is_cluster_node(client):
+        print(f"  note: this server is one node of a Redis Cluster, and these counts are only its share "
+              f"of the keys; count every primary with redis+cluster://{_host_port(client)}", file=out)
     return sum(pages.values())
+
+
+def _is_cluster_node(client) -> bool:
+    """True when a plain ``redis://`` connection reached a node with cluster mode enabled."""
+    try:
+        return int(client.info("cluster").get("cluster_enabled", 0)) == 1
+    except Exception:  # an INFO section a proxy or an older server does not answer: no note
+        return False
+
+
+def _host_port(client) -> str:
+    kwargs = client.connection_pool.connection_kwargs
+    return f"{kwargs.get('host', '127.0.0.1')}:{kwargs.get('port', 6379)}"
 
 
 def _scan(node):
