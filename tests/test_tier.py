@@ -769,6 +769,37 @@ def test_shared_replay_serves_what_any_instance_sealed(standalone):
         replay_shared(trace, 1 << 16, [])
 
 
+def test_tier_replay_command_prints_the_table_and_shows_progress(standalone, tmp_path, capsys, monkeypatch):
+    """`pagedkv replay TRACE --tier URL`: its three replays per capacity advance one progress bar
+    to its total, and the table has a row per capacity."""
+    import tqdm
+
+    from pagedkv.cli import main
+
+    bars = []
+
+    class RecordingBar(tqdm.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(tqdm, "tqdm", RecordingBar)
+
+    lines = []
+    for i in range(30):  # 3 conversations of 10 turns, each turn extending its conversation's blocks
+        conversation = i % 3
+        blocks = [100 * conversation + j for j in range(i // 3 + 1)]
+        lines.append(f'{{"timestamp": {i}, "input_length": {512 * len(blocks)}, "output_length": 1, '
+                     f'"hash_ids": {blocks}}}')
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    assert main(["replay", str(trace), "--tier", standalone, "--instances", "2",
+                 "--capacity-tokens", "8192"]) == 0
+    captured = capsys.readouterr()
+    assert [(bar.total, bar.n) for bar in bars] == [(90, 90)]  # 3 replays of the 30 requests
+    assert "8,192" in captured.out and "2 sharing the tier" in captured.out, captured.out
+
+
 def test_every_sealed_page_is_accounted_for_while_the_store_is_down(tmp_path):
     """Writes to a server that died: the first batch fails (counted), later ones are skipped while
     the server is taken as down, and every sealed page lands in exactly one outcome counter."""

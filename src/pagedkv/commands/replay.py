@@ -194,16 +194,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedkv replay: --plot needs a trace with block ids (mooncake); {trace.format} has none",
               file=sys.stderr)
         return 2
+    progress_bar = _progress_bar_class(args)
     if args.tier is not None:
-        return _run_shared(args, trace, capacities)
-    progress_bar = None
-    if not args.no_progress:
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            print("pagedkv replay: tqdm is not installed, no progress bar (pip install tqdm)", file=sys.stderr)
-        else:
-            progress_bar = tqdm
+        return _run_shared(args, trace, capacities, progress_bar)
     publishers: list = []
     attach_publisher = None
     if args.kv_events:
@@ -253,6 +246,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_bar_class(args: argparse.Namespace):
+    """tqdm, or None with --no-progress or when tqdm is not installed (said on stderr)."""
+    if args.no_progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print("pagedkv replay: tqdm is not installed, no progress bar (pip install tqdm)", file=sys.stderr)
+        return None
+    return tqdm
+
+
 def _replay_all(args: argparse.Namespace, trace, capacities: list[int], progress_bar,
                 metrics: RunMetrics, kv_events=None) -> list[ReplayResult]:
     """Replay ``trace`` at every capacity, in order; return the results (``kv_events``: see ``replay``)."""
@@ -277,7 +282,7 @@ def _replay_all(args: argparse.Namespace, trace, capacities: list[int], progress
     return results
 
 
-def _run_shared(args: argparse.Namespace, trace, capacities) -> int:
+def _run_shared(args: argparse.Namespace, trace, capacities, progress_bar=None) -> int:
     """``--tier``: isolated caches, the same caches sharing the tier, one cache of the total capacity."""
     import uuid
 
@@ -306,26 +311,37 @@ def _run_shared(args: argparse.Namespace, trace, capacities) -> int:
               f"one cache of {n}x"]
     rows = [header]
     for capacity in capacities:
+        # Each capacity replays the trace three times: dealt over isolated caches, over
+        # caches sharing the tier, and into one cache of n times the capacity.
+        bar = None
+        if progress_bar is not None:
+            bar = progress_bar(total=3 * len(trace), unit="req", desc=f"{capacity:,} tokens", leave=False)
+        update = bar.update if bar is not None else None
         isolated_hits = prompt_tokens = 0
-        for part in range(n):
-            result = replay(split_round_robin(trace, n, part), capacity, page_size=args.page_size,
-                            prefix_hash=args.prefix_hash)
-            isolated_hits += result.hit_tokens
-            prompt_tokens += result.prompt_tokens
-        namespace = f"pagedkv-replay-{uuid.uuid4().hex}"
-        tiers = [RedisTier(args.tier, namespace=namespace) for _ in range(n)]
+        tiers = []
         try:
-            results = replay_shared(trace, capacity, tiers, page_size=args.page_size, prefix_hash=args.prefix_hash)
+            for part in range(n):
+                result = replay(split_round_robin(trace, n, part), capacity, page_size=args.page_size,
+                                prefix_hash=args.prefix_hash, progress=update)
+                isolated_hits += result.hit_tokens
+                prompt_tokens += result.prompt_tokens
+            namespace = f"pagedkv-replay-{uuid.uuid4().hex}"
+            tiers = [RedisTier(args.tier, namespace=namespace) for _ in range(n)]
+            results = replay_shared(trace, capacity, tiers, page_size=args.page_size,
+                                    prefix_hash=args.prefix_hash, progress=update)
+            single = replay(trace, n * capacity, page_size=args.page_size, prefix_hash=args.prefix_hash,
+                            progress=update)
         finally:
             for tier in tiers:
                 tier.close()
+            if bar is not None:
+                bar.close()
         tier_stats = [tier.stats() for tier in tiers]
         shared_hits = sum(r.hit_tokens for r in results)
         tier_hits = sum(r.tier_hit_tokens for r in results)
         shared_prompt = sum(r.prompt_tokens for r in results)
         errors = sum(t["fetch_errors"] for t in tier_stats)
         lost_writes = sum(t["dropped_writes"] + t["write_errors"] for t in tier_stats)
-        single = replay(trace, n * capacity, page_size=args.page_size, prefix_hash=args.prefix_hash)
         rows.append([f"{capacity:,}", f"{100 * isolated_hits / max(prompt_tokens, 1):.2f}%",
                      f"{100 * shared_hits / max(shared_prompt, 1):.2f}%",
                      f"{100 * tier_hits / max(shared_prompt, 1):.2f}%", f"{100 * single.hit_rate:.2f}%"])
