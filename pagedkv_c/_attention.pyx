@@ -552,7 +552,6 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
         raise TypeError(f"Invalid type of return_lse: expected bool, got {type(return_lse).__name__}")
 
     cdef int64_t layer_index
-    view = None
     hook = getattr(cache, "layer_attention_view", None)
     if hook is not None:
         # Caches whose layers differ (per-layer windows, chunks, page groups)
@@ -653,7 +652,7 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
     if not pkv_have_openmp():
         p.num_threads = 1
 
-    if view is None:
+    if hook is None:
         view = cache.page_table(seq_ids)
     p.indptr = check_array(view.indptr, "page_table(seq_ids).indptr", np.int32, (-1,))
     batch_size = p.indptr.shape[0] - 1
