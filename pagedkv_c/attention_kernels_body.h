@@ -41,6 +41,8 @@
  * gives: a NaN or +inf score among a row's admitted keys makes its output and
  * LSE NaN, -inf scores weigh 0, and inf or NaN in V reach the output through
  * the weighted sum. Keys the mask excludes take no part, whatever they hold.
+ * The softcap's tanh makes +-inf scores finite (only NaN stays); a finite
+ * sink logit keeps a row with no positive sum finite (its keys weigh 0).
  */
 
 #define PKV_CAT2_(a, b) a##_##b
@@ -336,9 +338,10 @@ typedef struct {
     int64_t window, sink_tokens;
     int64_t chunk_size;      /* <= 0: no chunk mask */
     float softcap2;          /* softcap * log2(e), or 0: no softcap */
-    float *qs;               /* [rows, dim_pad] q * scale * log2(e) */
-    float *qs_sink;          /* [rows, dim_pad] q_sink * scale * log2(e) for the
-                                keys below sink_tokens, or NULL: qs for all */
+    float *qs;               /* [rows, dim_pad] q * scale * log2(e) (with a softcap:
+                                q * scale / softcap) */
+    float *qs_sink;          /* [rows, dim_pad] q_sink scaled as qs, for the keys
+                                below sink_tokens, or NULL: qs for all */
     float *acc;              /* [rows, dim_pad] running sum of p * v */
     float *s;                /* [rows, PKV_CHUNK_TOKENS] scores, then probabilities */
     float *m;                /* [rows] running max (log2 domain) */
