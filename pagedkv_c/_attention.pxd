@@ -20,7 +20,12 @@ cdef int paged_decode(
     const int64_t* seq_lens,         # shape (B,): tokens appended so far, >= 1
     int64_t window,                  # W in tokens; <= 0 means full attention
     int64_t sink_tokens,             # S in tokens, used only with a window
+    int64_t chunk_size,              # C in tokens (chunked attention); <= 0: none
     float scale,                     # multiplies q.k before the softmax
+    float softcap,                   # > 0: scores become softcap * tanh(score / softcap);
+                                     # <= 0: no cap
+    const float* sink_logits,        # shape (Hq,): natural-log sink logit per query head
+                                     # (-inf: none), or NULL
     const float* q,                  # shape (B, Hq, D): one query per sequence
     const float* q_sink,             # shape (B, Hq, D): queries for the keys at positions
                                      # < sink_tokens, or NULL (q for every key)
@@ -45,7 +50,10 @@ cdef int paged_prefill(
                                      # qo_indptr[b] .. qo_indptr[b+1]-1, its last positions
     int64_t window,
     int64_t sink_tokens,
+    int64_t chunk_size,
     float scale,
+    float softcap,
+    const float* sink_logits,        # shape (Hq,) or NULL, as in paged_decode
     const float* q,                  # shape (T, Hq, D), T = qo_indptr[B]
     const float* q_sink,             # shape (T, Hq, D) or NULL, as in paged_decode
     float* out,                      # shape (T, Hq, D): written

@@ -22,7 +22,12 @@ class _PageTableLike(Protocol):
     def seq_lens(self) -> NDArray[np.int64]: ...
 
 class _AttentionCache(Protocol):
-    """What the kernels read from a cache (``pagedkv.KVCache`` has it all)."""
+    """What the kernels read from a cache (``pagedkv.KVCache`` has it all).
+
+    Optional, read when present: ``chunk_size`` (int or None), or a method
+    ``layer_attention_view(layer, seq_ids) -> (pages, view, window,
+    sink_tokens, chunk_size)`` that replaces everything below.
+    """
     @property
     def kv(self) -> NDArray[np.floating[Any]]: ...
     @property
@@ -35,27 +40,33 @@ def kernel_info() -> dict[str, Any]: ...
 @overload
 def decode(q: _Query, cache: _AttentionCache, layer: _Int, seq_ids: Sequence[Hashable],
            scale: float | None = None, num_threads: _Int | None = None,
-           return_lse: Literal[False] = False, *, q_sink: _Query | None = None) -> _F32: ...
+           return_lse: Literal[False] = False, *, q_sink: _Query | None = None,
+           sink_logits: ArrayLike | None = None, softcap: float | None = None) -> _F32: ...
 @overload
 def decode(q: _Query, cache: _AttentionCache, layer: _Int, seq_ids: Sequence[Hashable],
            scale: float | None, num_threads: _Int | None, return_lse: Literal[True], *,
-           q_sink: _Query | None = None) -> tuple[_F32, _F32]: ...
+           q_sink: _Query | None = None,
+           sink_logits: ArrayLike | None = None, softcap: float | None = None) -> tuple[_F32, _F32]: ...
 @overload
 def decode(q: _Query, cache: _AttentionCache, layer: _Int, seq_ids: Sequence[Hashable],
            scale: float | None = None, num_threads: _Int | None = None, *,
-           return_lse: Literal[True], q_sink: _Query | None = None) -> tuple[_F32, _F32]: ...
+           return_lse: Literal[True], q_sink: _Query | None = None,
+           sink_logits: ArrayLike | None = None, softcap: float | None = None) -> tuple[_F32, _F32]: ...
 @overload
 def prefill(q: _Query, cache: _AttentionCache, layer: _Int, seq_ids: Sequence[Hashable],
             qo_indptr: Sequence[_Int] | NDArray[np.integer[Any]], scale: float | None = None,
             num_threads: _Int | None = None, return_lse: Literal[False] = False, *,
-            q_sink: _Query | None = None) -> _F32: ...
+            q_sink: _Query | None = None,
+            sink_logits: ArrayLike | None = None, softcap: float | None = None) -> _F32: ...
 @overload
 def prefill(q: _Query, cache: _AttentionCache, layer: _Int, seq_ids: Sequence[Hashable],
             qo_indptr: Sequence[_Int] | NDArray[np.integer[Any]], scale: float | None,
             num_threads: _Int | None, return_lse: Literal[True], *,
-            q_sink: _Query | None = None) -> tuple[_F32, _F32]: ...
+            q_sink: _Query | None = None,
+            sink_logits: ArrayLike | None = None, softcap: float | None = None) -> tuple[_F32, _F32]: ...
 @overload
 def prefill(q: _Query, cache: _AttentionCache, layer: _Int, seq_ids: Sequence[Hashable],
             qo_indptr: Sequence[_Int] | NDArray[np.integer[Any]], scale: float | None = None,
             num_threads: _Int | None = None, *, return_lse: Literal[True],
-            q_sink: _Query | None = None) -> tuple[_F32, _F32]: ...
+            q_sink: _Query | None = None,
+            sink_logits: ArrayLike | None = None, softcap: float | None = None) -> tuple[_F32, _F32]: ...

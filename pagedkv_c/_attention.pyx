@@ -46,7 +46,10 @@ cdef extern from "attention_kernels.h" nogil:
         const int64_t* seq_lens
         int64_t window
         int64_t sink_tokens
+        int64_t chunk_size
         float scale
+        float softcap
+        const float* sink_logits
         const float* q
         const float* q_sink
         float* out
@@ -75,6 +78,7 @@ cdef extern from "attention_kernels.h" nogil:
     void pkv_merge_partitions(const pkv_attention_args* args, int64_t token, int64_t head,
                               int64_t first_partial, int64_t num_partials)
     float pkv_half_to_float_portable(uint16_t h)
+    void pkv_tanh_array(pkv_isa isa, const float* x, float* y, int64_t n)
 
 
 cdef extern from *:
@@ -100,6 +104,8 @@ _MAX_THREADS_ARG = 1024
 _MAX_QO_HEADS = 2**20
 # Largest |scale|: the kernels compute scale * log2(e) in float32 (max 3.4e38).
 _MAX_SCALE = 1e38
+# Smallest softcap: float32's normal range (about 1.2e-38), so that it never rounds to 0.
+_MIN_SOFTCAP = 1e-38
 # Bytes of K/V each thread should read before num_threads=None adds a thread.
 cdef int64_t _BYTES_PER_THREAD = 2 * 1024 * 1024
 # Split decode (Flash-Decoding): a batch of at most _SPLIT_MAX_ITEMS (sequence,
@@ -207,6 +213,17 @@ def _set_decode_partition(tokens):
     return previous
 
 
+def _tanh(x):
+    """tanh of float32 values as the selected path computes it for the softcap (tests)."""
+    cdef float[::1] src = check_array(x, "x", np.float32, (-1,))
+    out = np.empty(src.shape[0], dtype=np.float32)
+    cdef float[::1] dst = out
+    if src.shape[0] > 0:
+        with nogil:
+            pkv_tanh_array(_isa, &src[0], &dst[0], src.shape[0])
+    return out
+
+
 def _half_to_float_portable(bits):
     """Convert uint16 float16 bit patterns with the portable C conversion (tests)."""
     cdef uint16_t[::1] src = check_array(bits, "bits", np.uint16, (-1,))
@@ -252,7 +269,8 @@ cdef void _fill_args(pkv_attention_args* args, const void* pool_layer, bint pool
                      int64_t page_size, int64_t num_kv_heads, int64_t head_dim,
                      int64_t num_qo_heads, const int32_t* indptr, const int32_t* indices,
                      const int64_t* page_positions, const int64_t* seq_lens, int64_t window,
-                     int64_t sink_tokens, float scale, const float* q, const float* q_sink,
+                     int64_t sink_tokens, int64_t chunk_size, float scale, float softcap,
+                     const float* sink_logits, const float* q, const float* q_sink,
                      float* out, float* lse) noexcept nogil:
     args.pool = pool_layer
     args.pool_is_f16 = 1 if pool_is_f16 else 0
@@ -266,7 +284,10 @@ cdef void _fill_args(pkv_attention_args* args, const void* pool_layer, bint pool
     args.seq_lens = seq_lens
     args.window = window
     args.sink_tokens = sink_tokens
+    args.chunk_size = chunk_size
     args.scale = scale
+    args.softcap = softcap
+    args.sink_logits = sink_logits
     args.q = q
     args.q_sink = q_sink
     args.out = out
@@ -280,7 +301,8 @@ cdef int paged_decode(
     const void* pool_layer, bint pool_is_f16, int64_t page_size, int64_t num_kv_heads,
     int64_t head_dim, int64_t num_qo_heads, int64_t batch_size, const int32_t* indptr,
     const int32_t* indices, const int64_t* page_positions, const int64_t* seq_lens,
-    int64_t window, int64_t sink_tokens, float scale, const float* q, const float* q_sink,
+    int64_t window, int64_t sink_tokens, int64_t chunk_size, float scale, float softcap,
+    const float* sink_logits, const float* q, const float* q_sink,
     float* out, float* lse, int num_threads,
 ) except -1 nogil:
     """One query per sequence at position seq_len - 1.
@@ -300,7 +322,7 @@ cdef int paged_decode(
     cdef pkv_attention_args args
     _fill_args(&args, pool_layer, pool_is_f16, page_size, num_kv_heads, head_dim,
                num_qo_heads, indptr, indices, page_positions, seq_lens, window, sink_tokens,
-               scale, q, q_sink, out, lse)
+               chunk_size, scale, softcap, sink_logits, q, q_sink, out, lse)
     if batch_size == 0:
         return 0
     # Pages per partition at least (0: no split) and partitions per sequence at most (0: any).
@@ -439,7 +461,8 @@ cdef int paged_prefill(
     const void* pool_layer, bint pool_is_f16, int64_t page_size, int64_t num_kv_heads,
     int64_t head_dim, int64_t num_qo_heads, int64_t batch_size, const int32_t* indptr,
     const int32_t* indices, const int64_t* page_positions, const int64_t* seq_lens,
-    const int64_t* qo_indptr, int64_t window, int64_t sink_tokens, float scale,
+    const int64_t* qo_indptr, int64_t window, int64_t sink_tokens, int64_t chunk_size,
+    float scale, float softcap, const float* sink_logits,
     const float* q, const float* q_sink, float* out, float* lse, int num_threads,
 ) except -1 nogil:
     """Ragged causal prefill; work item = (sequence, KV head, tile of consecutive queries).
@@ -450,7 +473,7 @@ cdef int paged_prefill(
     cdef pkv_attention_args args
     _fill_args(&args, pool_layer, pool_is_f16, page_size, num_kv_heads, head_dim,
                num_qo_heads, indptr, indices, page_positions, seq_lens, window, sink_tokens,
-               scale, q, q_sink, out, lse)
+               chunk_size, scale, softcap, sink_logits, q, q_sink, out, lse)
     cdef int64_t group = args.group_size
     cdef int64_t tile = PREFILL_ROWS // group if PREFILL_ROWS // group > 1 else 1
     cdef Py_ssize_t num_items = 0
@@ -508,7 +531,10 @@ cdef class _Problem:
     cdef bint pool_is_f16
     cdef int64_t page_size, num_kv_heads, head_dim, num_qo_heads, batch_size
     cdef int64_t window, sink_tokens
+    cdef int64_t chunk_size      # 0: no chunk mask
     cdef float scale
+    cdef float softcap           # 0: no softcap
+    cdef object sink_logits      # float32 (Hq,), or None
     cdef int num_threads
     cdef bint auto_threads       # num_threads=None: choose from the amount of work
     cdef object q                # float32 C-contiguous
@@ -525,35 +551,78 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"Invalid type of return_lse: expected bool, got {type(return_lse).__name__}")
 
-    kv = getattr(cache, "kv", None)
-    if not isinstance(kv, np.ndarray):
-        raise TypeError(f"Invalid type of cache.kv: expected numpy.ndarray, got {type(kv).__name__}")
-    if kv.dtype != np.float32 and kv.dtype != np.float16:
-        raise TypeError(f"Invalid dtype of cache.kv: expected float16 or float32, got {kv.dtype}")
-    if kv.ndim != 6 or kv.shape[2] != 2:
+    cdef int64_t layer_index
+    hook = getattr(cache, "layer_attention_view", None)
+    if hook is not None:
+        # Caches whose layers differ (per-layer windows, chunks, page groups)
+        # answer for one layer: its pool, page table and mask settings.
+        source = "cache.layer_attention_view(layer, seq_ids)"
+        cache_layers = getattr(cache, "num_layers", None)
+        if cache_layers is None:
+            layer_index = check_int(layer, "layer", 0, MAX_POSITION)
+        else:
+            layer_index = check_index(layer, "layer", cache_layers)
+        answer = hook(layer_index, seq_ids)
+        if not isinstance(answer, tuple) or len(answer) != 5:
+            raise TypeError(
+                f"Invalid type of {source}: expected a tuple (pages, view, window, sink_tokens, "
+                f"chunk_size), got {type(answer).__name__}"
+                + (f" of length {len(answer)}" if isinstance(answer, tuple) else "")
+            )
+        pages, view, window, sink_tokens, chunk_size = answer
+        pool_name = f"{source}.pages"
+        pool_shape = "(num_pages, 2, page_size, num_kv_heads, head_dim)"
+        pool_ndim = 5
+    else:
+        source = "cache"
+        pages = getattr(cache, "kv", None)
+        window = getattr(cache, "window", None)
+        sink_tokens = getattr(cache, "sink_tokens", 0)
+        chunk_size = getattr(cache, "chunk_size", None)
+        pool_name = "cache.kv"
+        pool_shape = "(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)"
+        pool_ndim = 6
+    if not isinstance(pages, np.ndarray):
+        raise TypeError(f"Invalid type of {pool_name}: expected numpy.ndarray, got {type(pages).__name__}")
+    if pages.dtype != np.float32 and pages.dtype != np.float16:
+        raise TypeError(f"Invalid dtype of {pool_name}: expected float16 or float32, got {pages.dtype}")
+    dims = tuple(pages.shape)
+    if len(dims) != pool_ndim or dims[len(dims) - 4] != 2:
+        raise ValueError(f"Invalid shape of {pool_name}: expected {pool_shape}, got {pages.shape}")
+    if not pages.flags.c_contiguous:
         raise ValueError(
-            "Invalid shape of cache.kv: expected (num_layers, num_pages, 2, page_size, "
-            f"num_kv_heads, head_dim), got {kv.shape}"
+            f"Invalid layout of {pool_name}: expected a C-contiguous array, got strides {pages.strides}"
         )
-    if not kv.flags.c_contiguous:
-        raise ValueError(f"Invalid layout of cache.kv: expected a C-contiguous array, got strides {kv.strides}")
-    num_layers, num_pages, _, page_size, num_kv_heads, head_dim = kv.shape
-    for name, expected in (("num_layers", num_layers), ("page_size", page_size),
-                           ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+    num_pages, page_size, num_kv_heads, head_dim = (dims[pool_ndim - 5], dims[pool_ndim - 3],
+                                                    dims[pool_ndim - 2], dims[pool_ndim - 1])
+    num_layers = dims[0] if pool_ndim == 6 else 1
+    checked = (("page_size", page_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim))
+    if pool_ndim == 6:
+        checked = (("num_layers", num_layers),) + checked
+    for name, expected in checked:
         got = getattr(cache, name, expected)
         if got != expected:
-            raise ValueError(f"Invalid value of cache.{name}: expected {expected} (from cache.kv.shape), got {got}")
+            raise ValueError(
+                f"Invalid value of cache.{name}: expected {expected} (from {pool_name}.shape), got {got}"
+            )
     if head_dim < 1 or head_dim > PKV_MAX_HEAD_DIM:
         raise ValueError(
             f"Invalid value of cache.head_dim: expected 1 <= head_dim <= {PKV_MAX_HEAD_DIM}, got {head_dim}"
         )
     if num_pages < 1 or page_size < 1 or num_kv_heads < 1 or num_layers < 1:
-        raise ValueError(f"Invalid shape of cache.kv: expected every dimension >= 1, got {kv.shape}")
-    window = getattr(cache, "window", None)
-    p.window = 0 if window is None else check_int(window, "cache.window", 1, MAX_POSITION)
-    p.sink_tokens = check_int(getattr(cache, "sink_tokens", 0), "cache.sink_tokens", 0, MAX_POSITION)
+        raise ValueError(f"Invalid shape of {pool_name}: expected every dimension >= 1, got {pages.shape}")
+    p.window = 0 if window is None else check_int(window, f"{source}.window", 1, MAX_POSITION)
+    p.sink_tokens = check_int(sink_tokens, f"{source}.sink_tokens", 0, MAX_POSITION)
+    p.chunk_size = 0 if chunk_size is None else check_int(chunk_size, f"{source}.chunk_size", 1, MAX_POSITION)
+    if p.chunk_size > 0 and p.window > 0:
+        raise ValueError(
+            f"Invalid value of {source}.chunk_size: expected None with a window (chunked attention "
+            f"and a sliding window do not combine), got chunk_size={p.chunk_size} with window={p.window}"
+        )
 
-    cdef int64_t layer_index = check_index(layer, "layer", num_layers)
+    if hook is None:
+        layer_index = check_index(layer, "layer", num_layers)
+        pages = pages[layer_index]
     num_qo_heads = q.shape[1]
     if q.shape[2] != head_dim:
         raise ValueError(
@@ -583,7 +652,8 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
     if not pkv_have_openmp():
         p.num_threads = 1
 
-    view = cache.page_table(seq_ids)
+    if hook is None:
+        view = cache.page_table(seq_ids)
     p.indptr = check_array(view.indptr, "page_table(seq_ids).indptr", np.int32, (-1,))
     batch_size = p.indptr.shape[0] - 1
     if batch_size < 0:
@@ -593,8 +663,8 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
                                    np.int64, (p.indices.shape[0],))
     p.seq_lens = check_array(view.seq_lens, "page_table(seq_ids).seq_lens", np.int64, (batch_size,))
     p.num_pages = num_pages
-    p.pool_layer = kv[layer_index]
-    p.pool_is_f16 = kv.dtype == np.float16
+    p.pool_layer = pages
+    p.pool_is_f16 = pages.dtype == np.float16
     p.page_size = page_size
     p.num_kv_heads = num_kv_heads
     p.head_dim = head_dim
@@ -602,7 +672,43 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
     p.batch_size = batch_size
     p.q = q
     p.q_sink = None
+    p.softcap = 0.0
+    p.sink_logits = None
     return p
+
+
+cdef int _validate_score_options(_Problem p, object sink_logits, object softcap) except -1:
+    """Check sink_logits (shape (Hq,), finite or -inf) and softcap (a float32-safe range)."""
+    if softcap is not None:
+        if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+            raise TypeError(
+                f"Invalid type of softcap: expected a real number or None, got {type(softcap).__name__}"
+            )
+        cap = float(softcap)
+        # float32 math: softcap and softcap * log2(e) stay normal and finite
+        if not math.isfinite(cap) or cap < _MIN_SOFTCAP or cap > _MAX_SCALE:
+            raise ValueError(
+                f"Invalid value of softcap: expected None or a finite number with "
+                f"{_MIN_SOFTCAP:g} <= softcap <= {_MAX_SCALE:g}, got {softcap}"
+            )
+        # q is scaled by scale / softcap in float32
+        if abs(p.scale) / cap > _MAX_SCALE:
+            raise ValueError(
+                f"Invalid value of softcap: expected |scale| / softcap <= {_MAX_SCALE:g} (the kernels "
+                f"scale q by it in float32), got scale={p.scale:g} and softcap={softcap}"
+            )
+        p.softcap = cap
+    if sink_logits is not None:
+        logits = check_float_array(sink_logits, "sink_logits", (p.num_qo_heads,), np.float64, "(Hq,)")
+        bad = np.isnan(logits) | (logits > _MAX_SCALE) | ((logits < -_MAX_SCALE) & (logits != -np.inf))
+        if bad.any():
+            h = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"Invalid value of sink_logits: expected for every query head a finite logit with "
+                f"|logit| <= {_MAX_SCALE:g}, or -inf (no sink term), got {float(logits[h])} for head {h}"
+            )
+        p.sink_logits = logits.astype(np.float32)
+    return 0
 
 
 cdef int _validate_q_sink(_Problem p, object q_sink) except -1:
@@ -659,7 +765,8 @@ cdef bint _table_ok(_Problem p, const int64_t* qo, int64_t num_tokens) noexcept:
     and that each sequence holds every
     position its queries (decode: the last token; prefill, with ``qo``: its
     last ``qo_len`` tokens) attend to, the queries' own positions included:
-    the window range and the sinks below it (see ``_explain_missing_keys``).
+    the window range and the sinks below it, or the chunk of the first query
+    onwards (see ``_explain_missing_keys``).
     Only when this fails do the NumPy checks of ``_explain_table_error`` run,
     to name what is wrong.
     """
@@ -698,7 +805,12 @@ cdef bint _table_ok(_Problem p, const int64_t* qo, int64_t num_tokens) noexcept:
         first = seq_lens[b] - need
         # every key a query admits, [key_lo, seq_len) (the queries' positions
         # included) and the sinks [0, sink_hi)
-        key_lo = max(first - p.window + 1, 0) if p.window > 0 else 0
+        if p.window > 0:
+            key_lo = max(first - p.window + 1, 0)
+        elif p.chunk_size > 0:
+            key_lo = first - first % p.chunk_size
+        else:
+            key_lo = 0
         sink_hi = min(p.sink_tokens, key_lo) if p.window > 0 else 0
         held = (_held_in(starts, indptr[b], indptr[b + 1], p.page_size, key_lo, seq_lens[b])
                 + _held_in(starts, indptr[b], indptr[b + 1], p.page_size, 0, sink_hi))
@@ -786,12 +898,16 @@ cdef int _explain_missing_keys(_Problem p, object seq_ids, object first_position
     """Raise if a sequence whose queries start at first_positions[b] lacks a key they admit.
 
     The queries admit positions [key_lo, seq_len) and, with a window, the
-    sinks below key_lo; the kernels read only the listed pages, so a released
+    sinks below key_lo; with chunks, key_lo is the start of the first query's
+    chunk; the kernels read only the listed pages, so a released
     page would silently drop keys from the softmax.
     """
     if p.window > 0:
         key_lo = np.maximum(first_positions - p.window + 1, 0)
         sink_hi = np.minimum(key_lo, p.sink_tokens)
+    elif p.chunk_size > 0:
+        key_lo = first_positions - first_positions % p.chunk_size
+        sink_hi = np.zeros(p.batch_size, dtype=np.int64)
     else:
         key_lo = np.zeros(p.batch_size, dtype=np.int64)
         sink_hi = key_lo
@@ -800,9 +916,15 @@ cdef int _explain_missing_keys(_Problem p, object seq_ids, object first_position
     if missing.any():
         b = int(np.flatnonzero(missing)[0])
         sinks = f" and the sink positions 0..{int(sink_hi[b]) - 1}" if sink_hi[b] > 0 else ""
-        why = ("the sliding window releases them once later tokens are appended, so run attention "
-               "over new tokens before appending more" if p.window > 0 else
-               "the page table must list every cached position")
+        if p.window > 0:
+            why = ("the sliding window releases them once later tokens are appended, so run attention "
+                   "over new tokens before appending more")
+        elif p.chunk_size > 0:
+            why = (f"chunked attention reads every key from the start of the query's chunk (a multiple "
+                   f"of chunk_size={p.chunk_size}); a cache holds only the last chunk_size positions, so "
+                   f"run attention over new tokens before appending more")
+        else:
+            why = "the page table must list every cached position"
         raise ValueError(
             f"Invalid value of {argument}: sequence {_describe(seq_ids, b)} does not hold every key "
             f"its queries attend to (positions {int(key_lo[b])}..{int(p.seq_lens[b]) - 1}{sinks}); {why}"
@@ -866,7 +988,8 @@ cdef int _explain_prefill(_Problem p, object seq_ids, object qo) except -1:
     return 0
 
 
-def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=False, *, q_sink=None):
+def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=False, *, q_sink=None,
+           sink_logits=None, softcap=None):
     """Paged decode attention. See ``pagedkv.attention.decode``."""
     cdef _Problem p = _validate_common(q, cache, layer, seq_ids, scale, num_threads, return_lse)
     if p.q.shape[0] != p.batch_size:
@@ -874,6 +997,7 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
             f"Invalid shape of q: expected ({p.batch_size}, Hq, D) (one query per sequence), got {p.q.shape}"
         )
     _validate_q_sink(p, q_sink)
+    _validate_score_options(p, sink_logits, softcap)
     if not _table_ok(p, NULL, 0):
         _explain_table_error(p, seq_ids, None)
     _cap_threads(p, 1)
@@ -893,20 +1017,25 @@ cdef int _call_decode(_Problem p, object out, object lse) except -1:
     cdef const float* q_sink = NULL
     if p.q_sink is not None:
         q_sink = <const float*>cnp.PyArray_DATA(p.q_sink)
+    cdef const float* sink_logits = NULL
+    if p.sink_logits is not None:
+        sink_logits = <const float*>cnp.PyArray_DATA(p.sink_logits)
     cdef float* out_ptr = <float*>cnp.PyArray_DATA(out)
     cdef float* lse_ptr = NULL if lse is None else <float*>cnp.PyArray_DATA(lse)
     with nogil:
         paged_decode(pool, p.pool_is_f16, p.page_size, p.num_kv_heads, p.head_dim,
                      p.num_qo_heads, p.batch_size, indptr, indices, positions, seq_lens,
-                     p.window, p.sink_tokens, p.scale, q, q_sink, out_ptr, lse_ptr, p.num_threads)
+                     p.window, p.sink_tokens, p.chunk_size, p.scale, p.softcap, sink_logits, q,
+                     q_sink, out_ptr, lse_ptr, p.num_threads)
     return 0
 
 
 def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, return_lse=False, *,
-            q_sink=None):
+            q_sink=None, sink_logits=None, softcap=None):
     """Paged prefill attention. See ``pagedkv.attention.prefill``."""
     cdef _Problem p = _validate_common(q, cache, layer, seq_ids, scale, num_threads, return_lse)
     _validate_q_sink(p, q_sink)
+    _validate_score_options(p, sink_logits, softcap)
     qo = as_int_array(qo_indptr, "qo_indptr", np.int64)
     num_tokens = p.q.shape[0]
     if qo.shape[0] != p.batch_size + 1:
@@ -933,10 +1062,14 @@ cdef int _call_prefill(_Problem p, object qo, object out, object lse) except -1:
     cdef const float* q_sink = NULL
     if p.q_sink is not None:
         q_sink = <const float*>cnp.PyArray_DATA(p.q_sink)
+    cdef const float* sink_logits = NULL
+    if p.sink_logits is not None:
+        sink_logits = <const float*>cnp.PyArray_DATA(p.sink_logits)
     cdef float* out_ptr = <float*>cnp.PyArray_DATA(out)
     cdef float* lse_ptr = NULL if lse is None else <float*>cnp.PyArray_DATA(lse)
     with nogil:
         paged_prefill(pool, p.pool_is_f16, p.page_size, p.num_kv_heads, p.head_dim,
                       p.num_qo_heads, p.batch_size, indptr, indices, positions, seq_lens, qo_ptr,
-                      p.window, p.sink_tokens, p.scale, q, q_sink, out_ptr, lse_ptr, p.num_threads)
+                      p.window, p.sink_tokens, p.chunk_size, p.scale, p.softcap, sink_logits, q,
+                      q_sink, out_ptr, lse_ptr, p.num_threads)
     return 0

@@ -61,6 +61,9 @@ void pkv_merge_partitions(const pkv_attention_args *a, int64_t token, int64_t he
 {
     const int64_t D = a->head_dim, Hq = a->num_kv_heads * a->group_size;
     float *out = a->out + (token * Hq + head) * D;
+    /* the sink logit in the log2 domain; -inf: no sink term */
+    const double sink = a->sink_logits == NULL ? -INFINITY
+                                               : a->sink_logits[head] * 1.4426950408889634;
     double acc[PKV_MAX_HEAD_DIM];
     double max_score = -INFINITY, total = 0.0;
     int has_nan = 0, has_sum = 0, has_blocked = 0;
@@ -76,6 +79,27 @@ void pkv_merge_partitions(const pkv_attention_args *a, int64_t token, int64_t he
         } else if (signbit(l)) {
             has_blocked = 1; /* admitted keys, every score -inf */
         }
+    }
+    if (!has_nan && sink != -INFINITY) {
+        /* The sink term joins once: M = max(m_i, sink), L = sum l_i 2**(m_i - M)
+         * + 2**(sink - M). Partitions without a positive sum weigh 0 (their
+         * zeros, or the NaN of 0 * inf in V, reach the output as in dense
+         * softmax, whose weights are then all 0 but the sink's). */
+        if (sink > max_score) max_score = sink;
+        for (d = 0; d < D; d++) acc[d] = 0.0;
+        for (i = 0; i < num_partials; i++) {
+            const int64_t row = (first_partial + i) * Hq + head;
+            const float l = a->part_sum[row];
+            const float *part = a->part_acc + row * D;
+            const double w = l > 0.0f ? exp2((double)a->part_max[row] - max_score) : 0.0;
+            total += (double)l * w;
+            for (d = 0; d < D; d++) acc[d] += (double)part[d] * w;
+        }
+        total += exp2(sink - max_score);
+        for (d = 0; d < D; d++) out[d] = (float)(acc[d] / total);
+        if (a->lse != NULL)
+            a->lse[token * Hq + head] = (float)((max_score + log2(total)) * 0.6931471805599453);
+        return;
     }
     if (has_nan || (!has_sum && has_blocked)) {
         /* dense softmax: exp(s - max) is NaN, or 0/0 */
@@ -147,6 +171,20 @@ static inline float pkv_h2f(uint16_t h)
 
 /* ------------------------------------------------------------ portable path */
 
+/* y = VTANH(x) over n floats with the path's vectors (the tail padded with
+ * zeros): the softcap's tanh as the kernels compute it, for tests. */
+#define PKV_TANH_ARRAY(path)                                                          \
+    PKV_TARGET static void pkv_tanh_array_##path(const float *x, float *y, int64_t n) \
+    {                                                                                 \
+        float buf[VW];                                                                \
+        int64_t i, j;                                                                 \
+        for (i = 0; i < n; i += VW) {                                                 \
+            for (j = 0; j < VW; j++) buf[j] = i + j < n ? x[i + j] : 0.0f;            \
+            VSTORE(buf, VTANH(VLOAD(buf)));                                           \
+            for (j = 0; j < VW && i + j < n; j++) y[i + j] = buf[j];                  \
+        }                                                                             \
+    }
+
 typedef struct {
     float v[8];
 } pkv_v8;
@@ -208,6 +246,12 @@ static inline pkv_v8 v8_exp2(pkv_v8 a)
     for (i = 0; i < 8; i++) a.v[i] = a.v[i] < -126.0f ? 0.0f : exp2f(a.v[i]);
     return a;
 }
+static inline pkv_v8 v8_tanh(pkv_v8 a)
+{
+    int i;
+    for (i = 0; i < 8; i++) a.v[i] = tanhf(a.v[i]);
+    return a;
+}
 static inline float v8_hsum(pkv_v8 a)
 {
     return ((a.v[0] + a.v[4]) + (a.v[1] + a.v[5])) + ((a.v[2] + a.v[6]) + (a.v[3] + a.v[7]));
@@ -233,6 +277,7 @@ static inline float v8_hmax(pkv_v8 a)
 #define VFMA(a, b, c) v8_fma((a), (b), (c))
 #define VMULS(a, x) v8_muls((a), (x))
 #define VEXP2(a) v8_exp2(a)
+#define VTANH(a) v8_tanh(a)
 #define VHSUM(a) v8_hsum(a)
 #define VHMAX(a) v8_hmax(a)
 #define VHSUM8(a0, a1, a2, a3, a4, a5, a6, a7, out)                                  \
@@ -252,6 +297,7 @@ static inline float v8_hmax(pkv_v8 a)
 #define KV_CHUNK (PKV_CHUNK_TOKENS / 2)
 #define VLOAD_KV(p) v8_load(p)
 #include "attention_kernels_body.h"
+PKV_TANH_ARRAY(scalar)
 #undef PKV_SUFFIX
 #undef KV_T
 #undef KV_TO_F
@@ -283,6 +329,7 @@ static inline float v8_hmax(pkv_v8 a)
 #undef VFMA
 #undef VMULS
 #undef VEXP2
+#undef VTANH
 #undef VHSUM
 #undef VHMAX
 #undef VHSUM8
@@ -317,6 +364,35 @@ PKV_AVX2 static inline __m256 pkv_exp2_avx2(__m256 x)
     const __m256i e = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+/* tanh for the softcap, from pkv_exp2_avx2, on a = |x| with the sign of x
+ * put back last (so tanh(-0) = -0): a < 0.55: a + a**3 P(a**2), P of degree 4
+ * fitted for relative error (2e-7 measured in float32); else (1 - e) / (1 + e)
+ * with e = exp(-2a) <= 1, which is 1 at inf and loses no digits there (tanh
+ * >= 0.5). NaN: the compare is false and e is NaN. */
+#define PKV_TANH_SMALL 0.55f
+#define PKV_TANH_C0 -0.33333318650020005f
+#define PKV_TANH_C1 0.13332616787408744f
+#define PKV_TANH_C2 -0.053855110696790214f
+#define PKV_TANH_C3 0.02108201861700994f
+#define PKV_TANH_C4 -0.006287600914951862f
+#define PKV_MINUS_2_LOG2E -2.8853900817779268f
+PKV_AVX2 static inline __m256 pkv_tanh_avx2(__m256 x)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 ax = _mm256_andnot_ps(sign, x);
+    const __m256 e = pkv_exp2_avx2(_mm256_mul_ps(ax, _mm256_set1_ps(PKV_MINUS_2_LOG2E)));
+    const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    const __m256 x2 = _mm256_mul_ps(ax, ax);
+    __m256 p = _mm256_set1_ps(PKV_TANH_C4);
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(PKV_TANH_C3));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(PKV_TANH_C2));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(PKV_TANH_C1));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(PKV_TANH_C0));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(ax, x2), p, ax);
+    const __m256 mag = _mm256_blendv_ps(big, small,
+                                        _mm256_cmp_ps(ax, _mm256_set1_ps(PKV_TANH_SMALL), _CMP_LT_OQ));
+    return _mm256_or_ps(mag, _mm256_and_ps(x, sign));
 }
 PKV_AVX2 static inline float pkv_hsum_avx2(__m256 v)
 {
@@ -368,6 +444,7 @@ PKV_AVX2 static inline void pkv_hsum8_avx2(__m256 a0, __m256 a1, __m256 a2, __m2
 #define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define VMULS(a, x) _mm256_mul_ps((a), _mm256_set1_ps(x))
 #define VEXP2(a) pkv_exp2_avx2(a)
+#define VTANH(a) pkv_tanh_avx2(a)
 #define VHSUM(a) pkv_hsum_avx2(a)
 #define VHMAX(a) pkv_hmax_avx2(a)
 #define VHSUM8(a0, a1, a2, a3, a4, a5, a6, a7, out) pkv_hsum8_avx2(a0, a1, a2, a3, a4, a5, a6, a7, out)
@@ -381,6 +458,7 @@ PKV_AVX2 static inline void pkv_hsum8_avx2(__m256 a0, __m256 a1, __m256 a2, __m2
 #define KV_CHUNK (PKV_CHUNK_TOKENS / 2)
 #define VLOAD_KV(p) _mm256_loadu_ps(p)
 #include "attention_kernels_body.h"
+PKV_TANH_ARRAY(avx2)
 #undef PKV_SUFFIX
 #undef KV_T
 #undef KV_TO_F
@@ -412,6 +490,7 @@ PKV_AVX2 static inline void pkv_hsum8_avx2(__m256 a0, __m256 a1, __m256 a2, __m2
 #undef VFMA
 #undef VMULS
 #undef VEXP2
+#undef VTANH
 #undef VHSUM
 #undef VHMAX
 #undef VHSUM8
@@ -440,6 +519,26 @@ PKV_AVX512 static inline __m512 pkv_exp2_avx512(__m512 x)
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+/* As pkv_tanh_avx2 (AVX-512F integer ops for the sign, no AVX-512DQ). */
+PKV_AVX512 static inline __m512 pkv_tanh_avx512(__m512 x)
+{
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 ax = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(x)));
+    const __m512 e = pkv_exp2_avx512(_mm512_mul_ps(ax, _mm512_set1_ps(PKV_MINUS_2_LOG2E)));
+    const __m512 big = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512 x2 = _mm512_mul_ps(ax, ax);
+    __m512 p = _mm512_set1_ps(PKV_TANH_C4);
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(PKV_TANH_C3));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(PKV_TANH_C2));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(PKV_TANH_C1));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(PKV_TANH_C0));
+    const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(ax, x2), p, ax);
+    const __m512 mag = _mm512_mask_blend_ps(
+        _mm512_cmp_ps_mask(ax, _mm512_set1_ps(PKV_TANH_SMALL), _CMP_LT_OQ), big, small);
+    return _mm512_castsi512_ps(
+        _mm512_or_si512(_mm512_castps_si512(mag), _mm512_and_si512(_mm512_castps_si512(x), sign)));
 }
 PKV_AVX512 static inline float pkv_hsum_avx512(__m512 v)
 {
@@ -528,6 +627,7 @@ PKV_AVX512 static inline void pkv_hsum8_avx512(__m512 a0, __m512 a1, __m512 a2, 
 #define VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define VMULS(a, x) _mm512_mul_ps((a), _mm512_set1_ps(x))
 #define VEXP2(a) pkv_exp2_avx512(a)
+#define VTANH(a) pkv_tanh_avx512(a)
 #define VHSUM(a) pkv_hsum_avx512(a)
 #define VHMAX(a) pkv_hmax_avx512(a)
 #define VHSUM8(a0, a1, a2, a3, a4, a5, a6, a7, out) pkv_hsum8_avx512(a0, a1, a2, a3, a4, a5, a6, a7, out)
@@ -541,6 +641,7 @@ PKV_AVX512 static inline void pkv_hsum8_avx512(__m512 a0, __m512 a1, __m512 a2, 
 #define KV_CHUNK (PKV_CHUNK_TOKENS / 2)
 #define VLOAD_KV(p) _mm512_loadu_ps(p)
 #include "attention_kernels_body.h"
+PKV_TANH_ARRAY(avx512)
 #undef PKV_SUFFIX
 #undef KV_T
 #undef KV_TO_F
@@ -586,6 +687,7 @@ PKV_AVX512 static inline void pkv_hsum8_avx512(__m512 a0, __m512 a1, __m512 a2, 
 #undef VFMA
 #undef VMULS
 #undef VEXP2
+#undef VTANH
 #undef VHSUM
 #undef VHMAX
 #undef VHSUM8
@@ -647,6 +749,22 @@ const char *pkv_isa_name(pkv_isa isa)
         return "avx512";
     default:
         return "scalar";
+    }
+}
+
+void pkv_tanh_array(pkv_isa isa, const float *x, float *y, int64_t n)
+{
+    switch (isa) {
+#if PKV_X86_DISPATCH
+    case PKV_ISA_AVX512:
+        pkv_tanh_array_avx512(x, y, n);
+        return;
+    case PKV_ISA_AVX2:
+        pkv_tanh_array_avx2(x, y, n);
+        return;
+#endif
+    default:
+        pkv_tanh_array_scalar(x, y, n);
     }
 }
 

@@ -11,7 +11,17 @@
  *   is K, 1 is V; float32 or IEEE float16 (stored as uint16_t).
  *
  * Mask: the query at position p attends to the cached key at position k iff
- *   k <= p and (window <= 0 or k >= p - window + 1 or k < sink_tokens).
+ *   k <= p and (window <= 0 or k >= p - window + 1 or k < sink_tokens)
+ *   and (chunk_size <= 0 or k >= p - p % chunk_size)
+ * (chunked attention, Llama 4: the keys of the query's own chunk of
+ * chunk_size positions; never together with a window).
+ *
+ * Softcap (Gemma 2): with softcap > 0, every score scale * q.k becomes
+ * softcap * tanh(scale * q.k / softcap) before the softmax.
+ *
+ * Sink logits (gpt-oss): with sink_logits set, query head h adds
+ * exp(sink_logits[h]) to its softmax denominator (a key without a value
+ * row); the LSE includes it.
  *
  * Sink queries: with q_sink set (and a window), the keys at positions
  * k < sink_tokens are scored with the row of q_sink instead of the row of q;
@@ -62,7 +72,12 @@ typedef struct {
     const int64_t *seq_lens;       /* [B] tokens appended so far */
     int64_t window;                /* W in tokens; <= 0 means full attention */
     int64_t sink_tokens;           /* S in tokens, used only with a window */
+    int64_t chunk_size;            /* C in tokens; <= 0 means no chunk mask */
     float scale;                   /* multiplies q.k before the softmax */
+    float softcap;                 /* > 0: scores capped by softcap * tanh(s / softcap);
+                                      <= 0: no cap */
+    const float *sink_logits;      /* [Hq] natural-log sink logit per query head (-inf:
+                                      none), or NULL */
     const float *q;                /* [num_tokens, Hq, D] float32 queries */
     const float *q_sink;           /* [num_tokens, Hq, D] queries for the keys at
                                       positions < sink_tokens, or NULL: q for all */
@@ -120,7 +135,8 @@ int64_t pkv_scratch_floats(int64_t max_rows, int64_t head_dim);
  * double. The result is what one pass over all the partitions' keys gives:
  * NaN if a partition met a NaN or +inf score or if the admitted keys all
  * score -inf, zeros and LSE -inf if no key is admitted; the inf and NaN that
- * V rows brought into a partition's sums reach the output. */
+ * V rows brought into a partition's sums reach the output. With sink_logits,
+ * the row's sink term joins the denominator here, once, after the merge. */
 void pkv_merge_partitions(const pkv_attention_args *args, int64_t token, int64_t head,
                           int64_t first_partial, int64_t num_partials);
 
@@ -132,6 +148,9 @@ int pkv_isa_available(pkv_isa isa);
 const char *pkv_isa_name(pkv_isa isa);
 /* Item kernel of a path for a pool dtype (path must be available). */
 pkv_item_kernel pkv_get_kernel(pkv_isa isa, int pool_is_f16);
+
+/* y[i] = tanh(x[i]) as the path's kernels compute it for the softcap (tests). */
+void pkv_tanh_array(pkv_isa isa, const float *x, float *y, int64_t n);
 
 /* Portable IEEE float16 -> float32 conversion (exact, all 65536 inputs). */
 float pkv_half_to_float_portable(uint16_t h);

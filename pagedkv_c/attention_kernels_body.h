@@ -13,6 +13,7 @@
  *   VADD VSUB VMAX VFMA(a, b, c) = a * b + c, VMULS(v, x) = v * x
  *   VEXP2(x)     2**x lane-wise for x <= 0, exactly 0 where x < -126 or -inf,
  *                NaN where x is NaN
+ *   VTANH(x)     tanh lane-wise (the softcap), NaN where x is NaN, +-1 at +-inf
  *   VHSUM(v) VHMAX(v)   horizontal sum / max, fixed order
  *   VHSUM8(a0, ..., a7, out)  out[i] = horizontal sum of ai, fixed order
  *   VHSUM4X4(a00, ..., a33, s, stride)  (with PKV_DOT_WIDE) s[i * stride + j]
@@ -32,10 +33,16 @@
  * chunk's probability-weighted V rows. Scores live in the log2 domain (q is
  * pre-scaled by scale * log2(e)) so that the exponentials are exp2.
  *
+ * Softcap (Gemma 2): q is pre-scaled by scale / softcap instead, and each
+ * chunk's scores x become softcap * log2(e) * tanh(x) before the mask.
+ * Sink logits (gpt-oss) join the denominator once, when a row is finished.
+ *
  * Non-finite values give what dense softmax attention over the admitted keys
  * gives: a NaN or +inf score among a row's admitted keys makes its output and
  * LSE NaN, -inf scores weigh 0, and inf or NaN in V reach the output through
  * the weighted sum. Keys the mask excludes take no part, whatever they hold.
+ * The softcap's tanh makes +-inf scores finite (only NaN stays); a finite
+ * sink logit keeps a row with no positive sum finite (its keys weigh 0).
  */
 
 #define PKV_CAT2_(a, b) a##_##b
@@ -329,9 +336,12 @@ typedef struct {
     int64_t dim, dim_vec, dim_pad;
     int64_t first_position;  /* position of the item's first query */
     int64_t window, sink_tokens;
-    float *qs;               /* [rows, dim_pad] q * scale * log2(e) */
-    float *qs_sink;          /* [rows, dim_pad] q_sink * scale * log2(e) for the
-                                keys below sink_tokens, or NULL: qs for all */
+    int64_t chunk_size;      /* <= 0: no chunk mask */
+    float softcap2;          /* softcap * log2(e), or 0: no softcap */
+    float *qs;               /* [rows, dim_pad] q * scale * log2(e) (with a softcap:
+                                q * scale / softcap) */
+    float *qs_sink;          /* [rows, dim_pad] q_sink scaled as qs, for the keys
+                                below sink_tokens, or NULL: qs for all */
     float *acc;              /* [rows, dim_pad] running sum of p * v */
     float *s;                /* [rows, PKV_CHUNK_TOKENS] scores, then probabilities */
     float *m;                /* [rows] running max (log2 domain) */
@@ -344,7 +354,8 @@ typedef struct {
  * of attention_kernels.h). */
 static inline int FN(admits)(const FN(pkv_state) *st, int64_t p, int64_t k)
 {
-    return k <= p && (st->window <= 0 || k >= p - st->window + 1 || k < st->sink_tokens);
+    return k <= p && (st->window <= 0 || k >= p - st->window + 1 || k < st->sink_tokens) &&
+           (st->chunk_size <= 0 || k >= p - p % st->chunk_size);
 }
 
 /* 1 if a token of the chunk that some row's mask excludes has an inf or NaN
@@ -452,12 +463,22 @@ PKV_TARGET static void FN(finish_chunk)(const FN(pkv_state) *st, const KV_T *con
     const int64_t n_pad = (n + VW - 1) / VW * VW;
     int64_t r, t;
 
+    /* softcap: before the mask, which sets -inf (tanh would make it finite) */
+    if (st->softcap2 > 0.0f) {
+        for (r = 0; r < rows; r++) {
+            float *s = st->s + r * ch;
+            for (t = 0; t < n_pad; t += VW)
+                VSTORE(s + t, VMULS(VTANH(VLOAD(s + t)), st->softcap2));
+        }
+    }
+
     /* mask, only where some token may fall outside some row's range */
     const int64_t pmin = st->first_position;
     const int64_t pmax = st->first_position + rows / st->group_size - 1;
     const int64_t first = positions[0], last = positions[n - 1];
     const int all_valid = last <= pmin && (st->window <= 0 || first >= pmax - st->window + 1 ||
-                                           last < st->sink_tokens);
+                                           last < st->sink_tokens) &&
+                          (st->chunk_size <= 0 || first >= pmax - pmax % st->chunk_size);
     if (!all_valid) {
         for (r = 0; r < rows; r++) {
             const int64_t p = st->first_position + r / st->group_size;
@@ -585,7 +606,7 @@ PKV_TARGET static void FN(process_heads)(const FN(pkv_state) *heads, int64_t num
 typedef struct {
     int64_t j, j_end, pos;
     int64_t last;      /* last position any query of the item may attend to */
-    int64_t lo;        /* first window position of the item's first query (0: none) */
+    int64_t lo;        /* first window or chunk position of the item's first query (0: none) */
     int64_t sink_end;  /* positions below it are sinks (0 without a window) */
     const KV_T *base;  /* pool + the item's first KV head */
 } FN(pkv_cursor);
@@ -599,7 +620,9 @@ PKV_TARGET static void FN(cursor_init)(FN(pkv_cursor) *c, const pkv_attention_ar
     c->j_end = item->end_page;
     c->pos = 0;
     c->last = pmax < seq_len - 1 ? pmax : seq_len - 1;
-    c->lo = a->window > 0 ? item->first_position - a->window + 1 : 0;
+    c->lo = a->window > 0       ? item->first_position - a->window + 1
+            : a->chunk_size > 0 ? item->first_position - item->first_position % a->chunk_size
+                                : 0;
     c->sink_end = a->window > 0 ? a->sink_tokens : 0;
     c->base = (const KV_T *)a->pool + item->kv_head * a->head_dim;
 }
@@ -650,7 +673,10 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
     const int64_t num_heads = item->num_kv_heads;
     const int64_t rows = item->num_tokens * G; /* per KV head */
     const int64_t dim_pad = (D + 15) / 16 * 16;
-    const float qscale = a->scale * 1.4426950408889634f; /* log2(e) */
+    /* log2(e) goes into the scores' factor: with a softcap it follows the tanh */
+    const float qscale = a->softcap > 0.0f ? (float)((double)a->scale / a->softcap)
+                                           : a->scale * 1.4426950408889634f;
+    const float softcap2 = a->softcap > 0.0f ? a->softcap * 1.4426950408889634f : 0.0f;
     int64_t r, d, hh;
 
     /* Per-head state; heads[] lives at the end of the scratch block. */
@@ -667,6 +693,8 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
         st->first_position = item->first_position;
         st->window = a->window;
         st->sink_tokens = a->window > 0 ? a->sink_tokens : 0;
+        st->chunk_size = a->chunk_size;
+        st->softcap2 = softcap2;
         st->qs = next_free;
         st->acc = st->qs + rows * dim_pad;
         st->s = st->acc + rows * dim_pad;
@@ -760,8 +788,24 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
                 continue;
             }
             float *out = a->out + (item->first_token + i) * Hq * D + (kv_head * G + g) * D;
+            /* the sink logit in the log2 domain; -inf: no sink term */
+            const float sink = a->sink_logits == NULL
+                                   ? -INFINITY
+                                   : a->sink_logits[kv_head * G + g] * 1.4426950408889634f;
             float row_lse;
-            if (l > 0.0f) {
+            if (sink != -INFINITY && !isnan(l)) {
+                /* M = max(m, sink), L = l 2**(m - M) + 2**(sink - M); a row
+                 * without a positive sum (l = +-0: no key, or only -inf
+                 * scores) weighs its keys 0, and 0 * (inf or NaN in V) is NaN */
+                const float m = st->m[r];
+                const float top = l > 0.0f && m > sink ? m : sink;
+                const float alpha = l > 0.0f ? exp2f(m - top) : 0.0f;
+                const float total = l * alpha + exp2f(sink - top);
+                const float w = alpha / total;
+                for (d = 0; d < D; d++)
+                    out[d] = acc[d] * w;
+                row_lse = (top + log2f(total)) * 0.6931471805599453f;
+            } else if (l > 0.0f) {
                 const float inv = 1.0f / l;
                 for (d = 0; d < D; d++)
                     out[d] = acc[d] * inv;

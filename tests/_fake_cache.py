@@ -6,7 +6,8 @@ read from a cache, with the same names and types as ``pagedkv.KVCache``:
 - ``kv``: C-contiguous pool ``(num_layers, num_pages, 2, page_size,
   num_kv_heads, head_dim)``, float16 or float32, K at index 0 of axis 2;
 - ``num_layers``, ``num_kv_heads``, ``head_dim``, ``page_size``, ``window``
-  (int or None), ``sink_tokens``;
+  (int or None), ``sink_tokens``, ``chunk_size`` (int or None: chunked
+  attention, never with a window);
 - ``page_table(seq_ids)`` -> view with ``indptr`` int32[B+1], ``indices``
   int32[nnz], ``last_page_len`` int32[B], ``page_positions`` int64[nnz],
   ``seq_lens`` int64[B]; unknown id -> KeyError;
@@ -41,13 +42,14 @@ class FakeCache:
     """Pool plus per-sequence page lists; see the module docstring."""
 
     def __init__(self, num_layers, num_kv_heads, head_dim, num_pages, page_size=16,
-                 dtype=np.float16, window=None, sink_tokens=0, seed=0):
+                 dtype=np.float16, window=None, sink_tokens=0, seed=0, chunk_size=None):
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.page_size = page_size
         self.window = window
         self.sink_tokens = sink_tokens
+        self.chunk_size = chunk_size
         self._rng = np.random.default_rng(seed)
         shape = (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)
         self.kv = self._rng.standard_normal(shape, dtype=np.float32).astype(dtype)
@@ -68,7 +70,12 @@ class FakeCache:
         ps = self.page_size
         last = (length - 1) // ps
         if hold_from is None:
-            hold_from = max(0, length - self.window) if self.window is not None else 0
+            if self.window is not None:
+                hold_from = max(0, length - self.window)
+            elif self.chunk_size is not None:
+                hold_from = (length - 1) - (length - 1) % self.chunk_size
+            else:
+                hold_from = 0
         first = min(max(0, hold_from) // ps, last)
         sinks = range((self.sink_tokens + ps - 1) // ps) if self.window is not None else range(0)
         return sorted(set(i for i in sinks if i <= last) | set(range(first, last + 1)))
@@ -77,7 +84,8 @@ class FakeCache:
         """Add a sequence of ``length`` random tokens.
 
         ``hold_from``: first position whose page must still be held (default:
-        what a decode query needs, ``length - window``; 0 without a window).
+        what a decode query needs, ``length - window``, or the start of the
+        last token's chunk; 0 without a window or chunks).
         """
         if seq_id in self._seqs:
             raise ValueError(f"duplicate seq id {seq_id!r}")

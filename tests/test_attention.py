@@ -27,19 +27,27 @@ TOLERANCE = {np.float32: 1e-5, np.float16: 2e-3}
 
 # ---------------------------------------------------------------- reference
 
-def attends(key_positions, p, window, sink_tokens):
-    """Window and sink mask: k <= p and (k >= p - W + 1 or k < S); no window: k <= p."""
+def attends(key_positions, p, window, sink_tokens, chunk_size=None):
+    """Window and sink mask: k <= p and (k >= p - W + 1 or k < S); no window: k <= p.
+
+    With ``chunk_size`` C (chunked attention, no window): floor(p / C) * C <= k <= p.
+    """
     mask = key_positions <= p
     if window is not None:
         mask &= (key_positions >= p - window + 1) | (key_positions < sink_tokens)
+    if chunk_size is not None:
+        mask &= key_positions >= p - p % chunk_size
     return mask
 
 
-def reference(cache, layer, seq_id, q, positions, scale, q_sink=None):
+def reference(cache, layer, seq_id, q, positions, scale, q_sink=None, sink_logits=None, softcap=None):
     """Dense float64 attention of queries q[n, Hq, D] at ``positions`` over the gathered K/V.
 
     With ``q_sink`` (shape of q), the keys at positions < sink_tokens are
-    scored with its rows instead of q's.
+    scored with its rows instead of q's. ``softcap`` c maps every score s to
+    c * tanh(s / c) (Gemma 2); ``sink_logits`` (Hq,) adds exp(sink_logits[h])
+    to the denominator of query head h (gpt-oss), the LSE included; the
+    cache's ``chunk_size`` (if any) masks by chunks.
     """
     k, v, key_pos = cache.gather(layer, seq_id)
     k, v = k.astype(np.float64), v.astype(np.float64)
@@ -47,14 +55,20 @@ def reference(cache, layer, seq_id, q, positions, scale, q_sink=None):
     num_kv_heads = cache.num_kv_heads
     group = num_qo_heads // num_kv_heads
     window, sinks = cache.window, cache.sink_tokens
+    chunk = getattr(cache, "chunk_size", None)
+    sink_term = None
+    if sink_logits is not None:
+        sink_term = np.asarray(sink_logits, np.float64).reshape(num_kv_heads, group, 1)
     out = np.empty((n, num_qo_heads, dim))
     lse = np.empty((n, num_qo_heads))
     for i, p in enumerate(positions):
-        mask = attends(key_pos, p, window, sinks)
-        if window is None:
-            expected = p + 1
-        else:
+        mask = attends(key_pos, p, window, sinks, chunk)
+        if window is not None:
             expected = min(p + 1, window) + min(sinks, max(0, p - window + 1))
+        elif chunk is not None:
+            expected = p % chunk + 1
+        else:
+            expected = p + 1
         assert mask.sum() == expected, "the test cache lost a key that the query needs"
         qh = q[i].astype(np.float64).reshape(num_kv_heads, group, dim)
         scores = np.einsum("hgd,mhd->hgm", qh, k[mask]) * scale
@@ -62,9 +76,15 @@ def reference(cache, layer, seq_id, q, positions, scale, q_sink=None):
             sink_h = q_sink[i].astype(np.float64).reshape(num_kv_heads, group, dim)
             is_sink = key_pos[mask] < sinks
             scores[..., is_sink] = np.einsum("hgd,mhd->hgm", sink_h, k[mask][is_sink]) * scale
-        top = scores.max(axis=-1, keepdims=True)
+        if softcap is not None:
+            scores = softcap * np.tanh(scores / softcap)
+        top = scores.max(axis=-1, keepdims=True, initial=-np.inf)
+        if sink_term is not None:
+            top = np.maximum(top, sink_term)
         weights = np.exp(scores - top)
         total = weights.sum(axis=-1, keepdims=True)
+        if sink_term is not None:
+            total = total + np.exp(sink_term - top)
         out[i] = (np.einsum("hgm,mhd->hgd", weights, v[mask]) / total).reshape(num_qo_heads, dim)
         lse[i] = (top + np.log(total)).reshape(num_qo_heads)
     return out, lse
@@ -87,7 +107,8 @@ def poison_unread_slots(cache, query_positions):
             pos = view.page_positions[j] + np.arange(ps)
             cached = pos < seq_len
             for p in query_positions[seq_id]:
-                needed[view.indices[j]] |= cached & attends(pos, p, cache.window, cache.sink_tokens)
+                needed[view.indices[j]] |= cached & attends(pos, p, cache.window, cache.sink_tokens,
+                                                            getattr(cache, "chunk_size", None))
     pages, slots = np.nonzero(~needed)
     cache.kv[:, pages, :, slots] = np.nan
 
@@ -123,13 +144,13 @@ def random_q(rng, n, num_qo_heads, dim):
 
 
 def check_decode(cache, seq_ids, num_qo_heads, rng, layer=0, scale=None, threads=(1, 2),
-                 sink_queries=False):
+                 sink_queries=False, sink_logits=None, softcap=None):
     lens = [cache.seq_len(s) for s in seq_ids]
     poison_unread_slots(cache, {s: [n - 1] for s, n in zip(seq_ids, lens)})
     q = random_q(rng, len(seq_ids), num_qo_heads, cache.head_dim)
     q_sink = random_q(rng, len(seq_ids), num_qo_heads, cache.head_dim) if sink_queries else None
     results = [attention.decode(q, cache, layer, seq_ids, scale=scale, num_threads=t, return_lse=True,
-                                q_sink=q_sink)
+                                q_sink=q_sink, sink_logits=sink_logits, softcap=softcap)
                for t in threads]
     out, lse = results[0]
     for other_out, other_lse in results[1:]:
@@ -139,14 +160,14 @@ def check_decode(cache, seq_ids, num_qo_heads, rng, layer=0, scale=None, threads
     dtype = cache.kv.dtype.type
     for b, (seq_id, n) in enumerate(zip(seq_ids, lens)):
         ref_out, ref_lse = reference(cache, layer, seq_id, q[b:b + 1], [n - 1], used_scale,
-                                     None if q_sink is None else q_sink[b:b + 1])
+                                     None if q_sink is None else q_sink[b:b + 1], sink_logits, softcap)
         assert_close(out[b], ref_out[0], dtype)
         assert_close(lse[b], ref_lse[0], dtype)
     return out
 
 
 def check_prefill(cache, seq_ids, qo_lens, num_qo_heads, rng, layer=0, threads=(1, 2),
-                  sink_queries=False):
+                  sink_queries=False, sink_logits=None, softcap=None, scale=None):
     lens = [cache.seq_len(s) for s in seq_ids]
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int64)
     queries = {}
@@ -155,19 +176,19 @@ def check_prefill(cache, seq_ids, qo_lens, num_qo_heads, rng, layer=0, threads=(
     poison_unread_slots(cache, queries)
     q = random_q(rng, int(qo_indptr[-1]), num_qo_heads, cache.head_dim)
     q_sink = random_q(rng, int(qo_indptr[-1]), num_qo_heads, cache.head_dim) if sink_queries else None
-    results = [attention.prefill(q, cache, layer, seq_ids, qo_indptr, num_threads=t, return_lse=True,
-                                 q_sink=q_sink)
+    results = [attention.prefill(q, cache, layer, seq_ids, qo_indptr, scale=scale, num_threads=t,
+                                 return_lse=True, q_sink=q_sink, sink_logits=sink_logits, softcap=softcap)
                for t in threads]
     out, lse = results[0]
     for other_out, other_lse in results[1:]:
         np.testing.assert_array_equal(out, other_out)
         np.testing.assert_array_equal(lse, other_lse)
-    scale = 1.0 / np.sqrt(cache.head_dim)
+    used_scale = 1.0 / np.sqrt(cache.head_dim) if scale is None else scale
     dtype = cache.kv.dtype.type
     for b, (seq_id, n, m) in enumerate(zip(seq_ids, lens, qo_lens)):
         rows = slice(qo_indptr[b], qo_indptr[b + 1])
-        ref_out, ref_lse = reference(cache, layer, seq_id, q[rows], list(range(n - m, n)), scale,
-                                     None if q_sink is None else q_sink[rows])
+        ref_out, ref_lse = reference(cache, layer, seq_id, q[rows], list(range(n - m, n)), used_scale,
+                                     None if q_sink is None else q_sink[rows], sink_logits, softcap)
         assert_close(out[rows], ref_out, dtype)
         assert_close(lse[rows], ref_lse, dtype)
     return out
@@ -537,17 +558,20 @@ def set_kv(cache, seq_id, position, half, kv_head, value, dims=slice(None)):
     cache.kv[0, view.indices[j], half, offset, kv_head, dims] = value
 
 
-def attend_and_compare(cache, seq_ids, qo_lens, q, threads=(1, 2)):
+def attend_and_compare(cache, seq_ids, qo_lens, q, threads=(1, 2), sink_logits=None, softcap=None):
     """Decode (every qo_len 1) or prefill, compared NaN for NaN with the reference.
 
     Returns (out, lse, ref_out, ref_lse) over all query rows.
     """
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int64)
     decode = all(m == 1 for m in qo_lens) and len(q) == len(seq_ids)
+    options = dict(sink_logits=sink_logits, softcap=softcap)
     if decode:
-        results = [attention.decode(q, cache, 0, seq_ids, num_threads=t, return_lse=True) for t in threads]
+        results = [attention.decode(q, cache, 0, seq_ids, num_threads=t, return_lse=True, **options)
+                   for t in threads]
     else:
-        results = [attention.prefill(q, cache, 0, seq_ids, qo_indptr, num_threads=t, return_lse=True)
+        results = [attention.prefill(q, cache, 0, seq_ids, qo_indptr, num_threads=t, return_lse=True,
+                                     **options)
                    for t in threads]
     out, lse = results[0]
     for other_out, other_lse in results[1:]:
@@ -560,7 +584,7 @@ def attend_and_compare(cache, seq_ids, qo_lens, q, threads=(1, 2)):
         rows = slice(qo_indptr[b], qo_indptr[b + 1])
         with np.errstate(invalid="ignore"):  # inf - inf and 0 * inf are the point here
             ref_out[rows], ref_lse[rows] = reference(cache, 0, seq_id, q[rows],
-                                                     list(range(n - qo_lens[b], n)), scale)
+                                                     list(range(n - qo_lens[b], n)), scale, **options)
     tol = TOLERANCE[cache.kv.dtype.type]
     np.testing.assert_allclose(out, ref_out, rtol=0, atol=tol, equal_nan=True)
     np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=tol, equal_nan=True)
@@ -1033,3 +1057,448 @@ def test_q_sink_bad_input(change, cache_args, exc, match, kind):
         else:
             attention.prefill(qo_indptr=[0, 1, 2], **args)
     np.testing.assert_array_equal(cache.kv, kv_before)
+
+
+# ------------------------------------ chunked attention, sink logits, softcap
+#
+# Chunked attention (Llama 4: the query at p sees the keys of its own chunk,
+# floor(p / C) * C <= k <= p), sink logits (gpt-oss: exp(logit_h) joins the
+# softmax denominator of query head h, no value row) and the softcap (Gemma 2:
+# scores become c * tanh(s / c)), against the dense reference above.
+
+HYBRID_SHAPES = [
+    # (num_kv_heads, group, head_dim, page_size, window, sinks, chunk_size)
+    (2, 4, 128, 16, None, 0, None),  # GQA, full attention
+    (1, 8, 64, 16, 40, 4, None),     # MQA, window + sinks
+    (4, 1, 32, 3, 7, 2, None),       # window not a multiple of the page size
+    (2, 3, 80, 16, None, 0, 5),      # chunks smaller than a page
+    (1, 4, 40, 4, None, 0, 10),      # chunks larger than a page, not a multiple of it
+    (3, 2, 100, 16, None, 0, 32),    # chunks of two pages, head dim with a vector tail
+    (1, 2, 24, 3, None, 0, 7),       # page size 3, chunks of 7
+    (2, 2, 16, 1, None, 0, 1),       # chunks of 1: each query sees only its own key
+]
+CHUNK_SHAPES = [shape for shape in HYBRID_SHAPES if shape[6] is not None]
+SCORE_OPTIONS = ["none", "sink_logits", "softcap", "both"]
+
+
+def score_options(option, num_qo_heads, rng):
+    """(sink_logits, softcap, scale factor) of an option name.
+
+    Sink logits around the scores' range (one head without a sink, -inf, when
+    there are several) and a softcap that scores of 3 / sqrt(D) * q.k (about
+    N(0, 9)) reach well into tanh's bend.
+    """
+    sink_logits = softcap = None
+    if option in ("sink_logits", "both"):
+        sink_logits = rng.normal(1.0, 2.0, num_qo_heads).astype(np.float32)
+        if num_qo_heads > 1:
+            sink_logits[num_qo_heads // 2] = -np.inf
+    if option in ("softcap", "both"):
+        softcap = 2.5
+    return sink_logits, softcap, (3.0 if softcap is not None else 1.0)
+
+
+def hybrid_cases(shapes):
+    return [(shape, option) for shape in shapes for option in SCORE_OPTIONS
+            if option != "none" or shape[6] is not None]
+
+
+def held_from(window, chunk, first, slack):
+    """First position a sequence must hold for queries from ``first`` on, minus ``slack``."""
+    if window is not None:
+        return first - window + 1 - slack
+    if chunk is not None:
+        return first - first % chunk - slack
+    return None
+
+
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("shape, option", hybrid_cases(HYBRID_SHAPES))
+@pytest.mark.parametrize("split", [False, True])
+def test_decode_with_chunks_sink_logits_and_softcap_matches_reference(isa, dtype, shape, option, split):
+    num_kv_heads, group, dim, ps, window, sinks, chunk = shape
+    rng = np.random.default_rng(61)
+    cache = FakeCache(2, num_kv_heads, dim, 200, ps, dtype, window, sinks, seed=62, chunk_size=chunk)
+    lengths = [1, ps, 3 * ps, 2 * ps + 1, 70, 129]
+    if chunk is not None:
+        lengths += [chunk, chunk + 1, 2 * chunk - 1, 3 * chunk]
+    for i, n in enumerate(lengths):
+        # up to 2 pages more than the last query needs, as a cache that keeps C or W tokens
+        cache.add_sequence(i, n, hold_from=held_from(window, chunk, n - 1, (i % 3) * ps))
+    sink_logits, softcap, scale = score_options(option, num_kv_heads * group, rng)
+    with kernel_path(isa), decode_partition(1 if split else 0):
+        check_decode(cache, list(range(len(lengths))), num_kv_heads * group, rng, layer=1,
+                     scale=scale / np.sqrt(dim), threads=(1, 2, 3), sink_queries=sinks > 0 and option == "both",
+                     sink_logits=sink_logits, softcap=softcap)
+
+
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("shape, option", hybrid_cases(HYBRID_SHAPES))
+def test_prefill_with_chunks_sink_logits_and_softcap_matches_reference(isa, dtype, shape, option):
+    num_kv_heads, group, dim, ps, window, sinks, chunk = shape
+    rng = np.random.default_rng(63)
+    cache = FakeCache(1, num_kv_heads, dim, 300, ps, dtype, window, sinks, seed=64, chunk_size=chunk)
+    # whole prompts, an empty chunk, chunks after context that cross chunk boundaries
+    span = chunk or window or 10
+    lengths = [1, 2 * ps, 50, 70, 33, 3 * span + 5]
+    qo_lens = [1, 2 * ps, 50, 0, 9, 2 * span + 3]
+    for i, (n, m) in enumerate(zip(lengths, qo_lens)):
+        cache.add_sequence(i, n, hold_from=held_from(window, chunk, n - m, (i % 2) * ps))
+    sink_logits, softcap, scale = score_options(option, num_kv_heads * group, rng)
+    with kernel_path(isa):
+        check_prefill(cache, list(range(len(lengths))), qo_lens, num_kv_heads * group, rng,
+                      scale=scale / np.sqrt(dim), sink_queries=sinks > 0 and option == "both",
+                      sink_logits=sink_logits, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_long_sequence_split_by_default_with_sink_logits_and_softcap(dtype):
+    rng = np.random.default_rng(65)
+    cache = FakeCache(1, 3, 64, 200, 16, dtype, seed=66)
+    cache.add_sequence("long", 2950)  # split by the default rule (see above)
+    cache.add_sequence("short", 30)
+    sink_logits = np.array([0.5, 3.0, -np.inf, 8.0, -2.0, 1.0, 0.0, 4.0, -1.0], np.float32)
+    options = dict(scale=0.4, sink_logits=sink_logits, softcap=3.0)
+    split = check_decode(cache, ["short", "long"], 9, rng, threads=(1, 2, 3, 4), **options)
+    with decode_partition(0):
+        whole = check_decode(cache, ["short", "long"], 9, np.random.default_rng(65), threads=(1, 2), **options)
+    np.testing.assert_array_equal(split[0], whole[0])
+    assert not np.array_equal(split[1], whole[1])  # the merge rounds differently
+
+
+def test_chunks_sink_logits_and_softcap_identical_for_any_thread_count():
+    rng = np.random.default_rng(67)
+    cache = FakeCache(1, 4, 64, 400, 16, np.float16, seed=68, chunk_size=90)
+    qo_lens = [40, 17, 33, 1, 5, 40]
+    for i, n in enumerate([300, 17, 1000, 64, 5, 450]):
+        cache.add_sequence(i, n, hold_from=held_from(None, 90, n - qo_lens[i], 16))
+    options = dict(sink_logits=rng.normal(size=8).astype(np.float32), softcap=1.5)
+    check_prefill(cache, list(range(6)), qo_lens, 8, rng, threads=(1, 2, 3, 7), **options)
+    check_decode(cache, list(range(6)), 8, rng, threads=(1, 2, 3, 7), **options)
+    with decode_partition(40):
+        check_decode(cache, list(range(6)), 8, rng, threads=(1, 2, 3, 7), **options)
+
+
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS)
+def test_vector_tanh_matches_numpy(isa):
+    # Both branches (polynomial below |x| = 0.55, exp above) and their seam,
+    # subnormals, the float32 extremes, signed zeros, infinities and NaN.
+    x = np.concatenate([
+        np.linspace(-20, 20, 200_001), np.linspace(0.5, 0.6, 10_001),
+        np.geomspace(1e-45, 3.4e38, 20_000), -np.geomspace(1e-45, 3.4e38, 20_000),
+        [0.0, -0.0, np.inf, -np.inf, np.nan, np.finfo(np.float32).max, np.finfo(np.float32).tiny],
+    ]).astype(np.float32)
+    with kernel_path(isa):
+        got = _attention._tanh(x)
+    want = np.tanh(x.astype(np.float64))
+    finite = ~np.isnan(want)
+    rel = np.abs(got[finite] - want[finite]) / np.maximum(np.abs(want[finite]), np.finfo(np.float64).tiny)
+    assert rel.max() <= 5e-7, f"relative error {rel.max():.3g} at x={x[finite][np.argmax(rel)]!r}"
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(x))
+    assert np.isnan(got[~finite]).all()
+    assert (np.abs(got) <= 1).all() or np.isnan(got).any()
+
+
+def test_minus_infinite_sink_logits_give_the_plain_result():
+    rng = np.random.default_rng(69)
+    cache = windowed_batch()
+    q = random_q(rng, 6, 8, 64)
+    no_sinks = np.full(8, -np.inf, np.float32)
+    for split in (0, 1):
+        with decode_partition(split):
+            plain = attention.decode(q, cache, 0, list(range(6)), return_lse=True)
+            got = attention.decode(q, cache, 0, list(range(6)), return_lse=True, sink_logits=no_sinks)
+        np.testing.assert_array_equal(got[0], plain[0])
+        np.testing.assert_array_equal(got[1], plain[1])
+    qp = random_q(rng, 10, 8, 64)
+    np.testing.assert_array_equal(
+        attention.prefill(qp, cache, 0, [0, 1], [0, 5, 10], sink_logits=no_sinks),
+        attention.prefill(qp, cache, 0, [0, 1], [0, 5, 10]))
+
+
+def test_sink_logits_shrink_the_weights_and_lse_includes_them():
+    # One key per query head: out = v * e^s / (e^s + e^sink), lse = log(e^s + e^sink).
+    cache = FakeCache(1, 1, 8, 4, 4, np.float32, seed=70)
+    cache.add_sequence(0, 1)
+    q = np.zeros((1, 2, 8), np.float32)  # score 0 for both heads
+    logits = np.array([0.0, np.log(3.0)], np.float32)
+    out, lse = attention.decode(q, cache, 0, [0], return_lse=True, sink_logits=logits)
+    _, v, _ = cache.gather(0, 0)
+    np.testing.assert_allclose(out[0, 0], v[0, 0] / 2, rtol=1e-6)
+    np.testing.assert_allclose(out[0, 1], v[0, 0] / 4, rtol=1e-6)
+    np.testing.assert_allclose(lse[0], [np.log(2.0), np.log(4.0)], rtol=1e-6)
+
+
+def test_chunk_of_one_reads_only_the_query_token():
+    cache = FakeCache(1, 1, 8, 16, 4, np.float32, seed=71, chunk_size=1)
+    cache.add_sequence(0, 10, hold_from=7)
+    _, v, positions = cache.gather(0, 0)
+    q = np.random.default_rng(72).standard_normal((3, 2, 8), dtype=np.float32)
+    np.testing.assert_allclose(attention.prefill(q, cache, 0, [0], [0, 3]),
+                               np.repeat(v[positions >= 7], 2, axis=1), rtol=1e-6)
+
+
+# Non-finite values with the new options: a sink term keeps a row whose
+# admitted keys all score -inf finite (its keys weigh 0, the sink takes all
+# the weight); a softcap maps +-inf scores to +-softcap, so only NaN scores
+# make a row NaN; NaN stays NaN.
+
+@pytest.mark.parametrize("isa, dtype, mode", NONFINITE_CASES)
+def test_sink_logits_give_rows_of_minus_infinite_scores_zero_weight(isa, dtype, mode):
+    u = ("u", 1, 1) if mode != "prefill" else ("u", 3, 3)
+    cache, seq_ids, qo_lens = nonfinite_cache(dtype, mode, extra=[u])
+    set_kv(cache, "u", 0, 0, 0, -np.inf)  # q > 0: score -inf for heads 0..2
+    for position in range(32):  # "s": a first chunk of -inf scores only
+        set_kv(cache, "s", position, 0, 0, -np.inf)
+    set_kv(cache, "s", 66, 1, 1, np.nan, dims=2)
+    rng = np.random.default_rng(73)
+    q = np.abs(random_q(rng, sum(qo_lens), 6, 40))
+    logits = np.array([0.5, -1.0, 2.0, -np.inf, 1.0, 0.0], np.float32)
+    with kernel_path(isa), split_decode_for(mode):
+        out, lse, _, _ = attend_and_compare(cache, seq_ids, qo_lens, q, sink_logits=logits)
+    u_first = len(q) - qo_lens[-1]
+    np.testing.assert_array_equal(out[u_first, :3], 0.0)  # the sink takes all the weight
+    np.testing.assert_allclose(lse[u_first, :3], logits[:3], rtol=1e-6)
+    s_last = 0 if mode != "prefill" else 11
+    assert np.isnan(out[s_last, 3:, 2]).all()  # weight > 0 times NaN in V
+    assert np.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("isa, dtype, mode", NONFINITE_CASES)
+def test_softcap_turns_infinite_scores_finite_and_keeps_nan(isa, dtype, mode):
+    cache, seq_ids, qo_lens = nonfinite_cache(dtype, mode)
+    set_kv(cache, "t", 30, 0, 0, np.inf, dims=11)  # q > 0: score +inf for heads 0..2: softcap
+    set_kv(cache, "t", 31, 0, 1, -np.inf, dims=11)  # -inf for heads 3..5: -softcap
+    set_kv(cache, "s", 62, 0, 1, np.nan, dims=9)  # a NaN score stays NaN
+    rng = np.random.default_rng(74)
+    q = np.abs(random_q(rng, sum(qo_lens), 6, 40))
+    with kernel_path(isa), split_decode_for(mode):
+        out, lse, _, _ = attend_and_compare(cache, seq_ids, qo_lens, q, softcap=0.75,
+                                            sink_logits=np.zeros(6, np.float32))
+    t_rows = slice(1, 2) if mode != "prefill" else slice(12, 24)
+    assert np.isfinite(out[t_rows]).all() and np.isfinite(lse[t_rows]).all()
+    s_last = 0 if mode != "prefill" else 11
+    assert np.isnan(out[s_last, 3:]).all() and np.isnan(lse[s_last, 3:]).all()
+    assert np.isfinite(out[s_last, :3]).all()
+
+
+# The cache contract of per-layer settings: a cache with layer_attention_view
+# answers for one layer (its pool, page table, window, sinks, chunks); the
+# kernels must take all of it from there and nothing from cache.kv.
+
+class TwoGroupCache:
+    """Layer 0 full attention, layer 1 chunked, each in a pool of its own (no ``kv``)."""
+
+    def __init__(self, dtype, chunk_size):
+        self.full = FakeCache(1, 2, 32, 64, 4, dtype, seed=75)
+        self.chunked = FakeCache(1, 2, 32, 64, 4, dtype, seed=76, chunk_size=chunk_size)
+        self.num_layers, self.num_kv_heads, self.head_dim, self.page_size = 2, 2, 32, 4
+        self.calls = []
+
+    def add_sequence(self, seq_id, n, first_query):
+        self.full.add_sequence(seq_id, n)
+        c = self.chunked.chunk_size
+        self.chunked.add_sequence(seq_id, n, hold_from=first_query - first_query % c)
+
+    def layer_attention_view(self, layer, seq_ids):
+        self.calls.append(layer)
+        group = (self.full, self.chunked)[layer]  # IndexError past the last layer
+        return (group.kv[0], group.page_table(seq_ids), group.window, group.sink_tokens,
+                group.chunk_size)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_layer_attention_view_supplies_pool_table_and_chunks(dtype):
+    rng = np.random.default_rng(77)
+    cache = TwoGroupCache(dtype, chunk_size=6)
+    lengths, qo_lens = [30, 13, 1], [9, 13, 1]
+    for i, (n, m) in enumerate(zip(lengths, qo_lens)):
+        cache.add_sequence(i, n, n - m)
+    seq_ids = [0, 1, 2]
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
+    q = random_q(rng, int(qo_indptr[-1]), 4, 32)
+    logits = np.array([0.0, 1.0, -np.inf, 2.0], np.float32)
+    for layer, group in enumerate((cache.full, cache.chunked)):
+        queries = {s: range(n - m, n) for s, n, m in zip(seq_ids, lengths, qo_lens)}
+        poison_unread_slots(group, queries)
+        out = attention.prefill(q, cache, layer, seq_ids, qo_indptr, sink_logits=logits, softcap=4.0)
+        dec = attention.decode(q[qo_indptr[1:] - 1], cache, layer, seq_ids, sink_logits=logits)
+        for b, (n, m) in enumerate(zip(lengths, qo_lens)):
+            rows = slice(qo_indptr[b], qo_indptr[b + 1])
+            want, _ = reference(group, 0, b, q[rows], list(range(n - m, n)), 1 / np.sqrt(32),
+                                sink_logits=logits, softcap=4.0)
+            assert_close(out[rows], want, group.kv.dtype.type)
+            want, _ = reference(group, 0, b, q[rows][-1:], [n - 1], 1 / np.sqrt(32), sink_logits=logits)
+            assert_close(dec[b], want[0], group.kv.dtype.type)
+    assert cache.calls == [0, 0, 1, 1]
+    with pytest.raises(IndexError, match=r"layer: expected 0 <= layer < 2, got 2"):
+        attention.decode(q[:3], cache, 2, seq_ids)
+    with pytest.raises(KeyError):
+        attention.decode(q[:1], cache, 0, ["missing"])
+
+
+def test_chunked_cache_that_lacks_a_key_of_the_chunk_is_refused():
+    cache = FakeCache(1, 1, 8, 32, 4, np.float32, seed=78, chunk_size=10)
+    cache.add_sequence("short", 27, hold_from=24)  # the query at 26 reads 20..26
+    cache.add_sequence("ok", 27)
+    q = np.zeros((1, 1, 8), np.float32)
+    with pytest.raises(ValueError, match=r"seq_ids: sequence 'short' does not hold every key .*20\.\.26\); "
+                                         r"chunked attention reads every key from the start"):
+        attention.decode(q, cache, 0, ["short"])
+    attention.decode(q, cache, 0, ["ok"])
+    # prefill of 25..26 needs 20..26 too; of 30..? the chunk 20..29 and no more
+    with pytest.raises(ValueError, match=r"qo_indptr: sequence 'short' does not hold every key"):
+        attention.prefill(np.zeros((2, 1, 8), np.float32), cache, 0, ["short"], [0, 2])
+    cache.add_sequence("next", 33, hold_from=28)  # queries 30..32 read 30..32 only
+    check_prefill(cache, ["next"], [3], 1, np.random.default_rng(79))
+
+
+# ------------------------------------------------ hypothesis, new options
+
+@st.composite
+def hybrid_problems(draw, prefill):
+    ps = draw(st.sampled_from([1, 3, 4, 16]))
+    num_kv_heads = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    dim = draw(st.sampled_from([1, 8, 24, 40, 64]))
+    dtype = draw(st.sampled_from([np.float32, np.float16]))
+    window = draw(st.one_of(st.none(), st.integers(1, 40)))
+    sinks = draw(st.integers(0, 12)) if window is not None else 0
+    chunk = draw(st.one_of(st.none(), st.integers(1, 50))) if window is None else None
+    isa = draw(st.sampled_from(AVAILABLE_ISAS))
+    num_qo_heads = num_kv_heads * group
+    logits = draw(st.none() | st.lists(st.sampled_from([-np.inf, -3.0, 0.0, 1.5, 6.0]) | st.floats(-8, 8),
+                                       min_size=num_qo_heads, max_size=num_qo_heads))
+    softcap = draw(st.none() | st.sampled_from([0.5, 1.0, 2.5, 30.0]))
+    scale = draw(st.sampled_from([None, 0.05, 0.5]))
+    sink_queries = sinks > 0 and draw(st.booleans())
+    seed = draw(st.integers(0, 2**16))
+    cache = FakeCache(2, num_kv_heads, dim, 400, ps, dtype, window, sinks, seed=seed, chunk_size=chunk)
+    qo_lens = []
+    for i in range(draw(st.integers(1, 4))):
+        n = draw(st.integers(1, 120))
+        m = draw(st.integers(0, n)) if prefill else 1
+        cache.add_sequence(i, n, hold_from=held_from(window, chunk, n - m, draw(st.integers(0, 2)) * ps))
+        qo_lens.append(m)
+    options = dict(sink_logits=None if logits is None else np.array(logits, np.float32),
+                   softcap=softcap, scale=scale, sink_queries=sink_queries, layer=seed % 2)
+    return cache, num_qo_heads, isa, seed, qo_lens, options
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hybrid_problems(prefill=False), st.sampled_from([0, 1, 2, 7, 40]))
+def test_decode_with_new_options_hypothesis(problem, partition_tokens):
+    cache, num_qo_heads, isa, seed, qo_lens, options = problem
+    with kernel_path(isa), decode_partition(partition_tokens):
+        check_decode(cache, list(range(len(qo_lens))), num_qo_heads, np.random.default_rng(seed),
+                     threads=(1, 2, 3), **options)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hybrid_problems(prefill=True))
+def test_prefill_with_new_options_hypothesis(problem):
+    cache, num_qo_heads, isa, seed, qo_lens, options = problem
+    with kernel_path(isa):
+        check_prefill(cache, list(range(len(qo_lens))), qo_lens, num_qo_heads,
+                      np.random.default_rng(seed), **options)
+
+
+# ----------------------------------------------- bad input, new options
+
+NEW_OPTIONS_BAD = [
+    (dict(sink_logits=np.zeros(3)), ValueError, r"shape of sink_logits: expected \(Hq,\) = \(4,\)"),
+    (dict(sink_logits=np.zeros((1, 4))), ValueError, "shape of sink_logits"),
+    (dict(sink_logits=[0.0, np.nan, 0.0, 0.0]), ValueError,
+     r"value of sink_logits: expected .* or -inf \(no sink term\), got nan for head 1"),
+    (dict(sink_logits=[0.0, 0.0, np.inf, 0.0]), ValueError, "value of sink_logits: .* got inf for head 2"),
+    (dict(sink_logits=[0.0, 0.0, 0.0, 1e39]), ValueError, r"sink_logits: .*\|logit\| <= 1e\+38"),
+    (dict(sink_logits=[-1e39, 0.0, 0.0, 0.0]), ValueError, "sink_logits"),
+    (dict(sink_logits=np.zeros(4, np.complex64)), TypeError, "dtype of sink_logits"),
+    (dict(sink_logits=np.zeros(4, bool)), TypeError, "dtype of sink_logits"),
+    (dict(sink_logits="0000"), TypeError, "sink_logits"),
+    (dict(softcap=0.0), ValueError, r"value of softcap: expected None or a finite number with 1e-38 <= "),
+    (dict(softcap=-1.0), ValueError, "value of softcap"),
+    (dict(softcap=1e-39), ValueError, "value of softcap"),
+    (dict(softcap=float("nan")), ValueError, "value of softcap"),
+    (dict(softcap=float("inf")), ValueError, "value of softcap"),
+    (dict(softcap=1e39), ValueError, "value of softcap"),
+    (dict(softcap=1e-20, scale=1e30), ValueError, r"softcap: expected \|scale\| / softcap <= 1e\+38"),
+    (dict(softcap=True), TypeError, "type of softcap"),
+    (dict(softcap="1"), TypeError, "type of softcap"),
+]
+
+
+@pytest.mark.parametrize("change, exc, match", NEW_OPTIONS_BAD)
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_sink_logits_and_softcap_bad_input(change, exc, match, kind):
+    cache = make_cache()
+    args = dict(q=GOOD_Q, cache=cache, layer=0, seq_ids=["a", "b"])
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        if kind == "decode":
+            attention.decode(**args)
+        else:
+            attention.prefill(qo_indptr=[0, 1, 2], **args)
+
+
+def test_good_edge_values_of_the_new_options_are_accepted():
+    cache = make_cache()
+    for options in (dict(sink_logits=[-np.inf] * 4), dict(sink_logits=[1e38, -1e38, 0, 0]),
+                    dict(softcap=1e38), dict(softcap=1e-38, scale=1e-3), dict(softcap=np.float16(30))):
+        assert np.isfinite(attention.decode(GOOD_Q, cache, 0, ["a", "b"], **options)).all()
+
+
+class AttrCache(FakeCache):
+    """A fake cache whose chunk_size attribute is set after construction, unchecked."""
+
+
+@pytest.mark.parametrize("settings_, exc, match", [
+    (dict(chunk_size=0), ValueError, r"value of cache.chunk_size: expected 1 <= .*, got 0"),
+    (dict(chunk_size=2**62 + 1), ValueError, "value of cache.chunk_size"),
+    (dict(chunk_size=2.0), TypeError, "cache.chunk_size"),
+    (dict(chunk_size=4, window=3), ValueError,
+     r"cache.chunk_size: expected None with a window .* got chunk_size=4 with window=3"),
+])
+def test_bad_chunk_sizes(settings_, exc, match):
+    cache = make_cache()
+    for name, value in settings_.items():
+        setattr(cache, name, value)
+    with pytest.raises(exc, match=match):
+        attention.decode(GOOD_Q, cache, 0, ["a", "b"])
+    cache.chunk_size = 2**62
+    cache.window = None
+    attention.decode(GOOD_Q, cache, 0, ["a", "b"])
+
+
+def view_cache(answer):
+    """A cache whose layer_attention_view returns ``answer(cache, seq_ids)``."""
+    cache = make_cache()
+
+    class Hooked:
+        num_layers = 2
+
+        def layer_attention_view(self, layer, seq_ids):
+            return answer(cache, seq_ids)
+
+    return Hooked()
+
+
+@pytest.mark.parametrize("answer, exc, match", [
+    (lambda c, s: [c.kv[0], c.page_table(s), None, 0, None], TypeError,
+     r"type of cache.layer_attention_view\(layer, seq_ids\): expected a tuple"),
+    (lambda c, s: (c.kv[0], c.page_table(s), None, 0), TypeError, "of length 4"),
+    (lambda c, s: (c.kv, c.page_table(s), None, 0, None), ValueError,
+     r"shape of cache.layer_attention_view\(layer, seq_ids\).pages: expected \(num_pages, 2, page_size"),
+    (lambda c, s: (c.kv[0].astype(np.float64), c.page_table(s), None, 0, None), TypeError,
+     r"dtype of cache.layer_attention_view\(layer, seq_ids\).pages"),
+    (lambda c, s: (np.asfortranarray(c.kv[0]), c.page_table(s), None, 0, None), ValueError, "layout of"),
+    (lambda c, s: (c.kv[0], c.page_table(s), 0, 0, None), ValueError,
+     r"value of cache.layer_attention_view\(layer, seq_ids\).window"),
+    (lambda c, s: (c.kv[0], c.page_table(s), 4, 0, 4), ValueError, r"\.chunk_size: expected None with a window"),
+    (lambda c, s: (c.kv[0], None, None, 0, None), AttributeError, "indptr"),
+])
+def test_bad_layer_attention_views(answer, exc, match):
+    with pytest.raises(exc, match=match):
+        attention.decode(GOOD_Q, view_cache(answer), 0, ["a", "b"])

@@ -106,3 +106,18 @@ def test_bad_layer_and_dtype_raise_as_kvcache_does():
         cache.store(0, slots, k.astype(bool), k)
     with pytest.raises(TypeError, match=f"^Invalid dtype of q: {real}, got complex128$"):
         attention.decode(q[:1].astype(complex), cache, 0, [0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("window, sinks", [(None, 0), (20, 3)])
+def test_sink_logits_and_softcap_over_kvcache_page_tables(dtype, window, sinks):
+    rng = np.random.default_rng(11)
+    cache = KVCache(2, 2, 32, num_pages=64, page_size=4, dtype=dtype, window=window, sink_tokens=sinks)
+    for seq_id in (0, 1):
+        cache.add_sequence(seq_id)
+    grow(cache, [0, 1], [37, 5], rng)
+    grow(cache, [0, 1], [6, 9], rng)
+    options = dict(sink_logits=np.array([0.5, -np.inf, 2.0, -1.0, 1.0, 0.0], np.float32), softcap=1.5,
+                   sink_queries=sinks > 0)
+    check_prefill(cache, [0, 1], [6, 9], 6, rng, layer=1, **options)
+    check_decode(cache, [0, 1], 6, rng, layer=1, **options)

@@ -127,6 +127,9 @@ def use_attention() -> None:
     chunk = pagedkv.attention.prefill(q_chunk, cache, 0, [0, 1], qo_indptr=[0, 3, 8], num_threads=1)
     assert_type(chunk, NDArray[np.float32])
     assert chunk.dtype == np.float32 and chunk.shape == (8, 4, 8)
+    capped = pagedkv.attention.prefill(q_chunk, cache, 0, [0, 1], [0, 3, 8], softcap=30.0,
+                                       sink_logits=[0.0, 1.0, -np.inf, 2.0])
+    assert_type(capped, NDArray[np.float32])
     info = pagedkv.attention.kernel_info()
     assert info["openmp"] is pagedkv.openmp_enabled()
 

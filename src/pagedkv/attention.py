@@ -8,8 +8,9 @@ kernels do on GPUs. They work on any object with the attention contract of
 - ``cache.kv``: C-contiguous ndarray of shape ``(num_layers, num_pages, 2,
   page_size, num_kv_heads, head_dim)``, float16 or float32; ``kv[layer]`` is
   FlashInfer's NHD paged layout, index 0 of axis 2 is K, 1 is V;
-- ``cache.window`` (tokens, or None for full attention) and
-  ``cache.sink_tokens`` (tokens);
+- ``cache.window`` (tokens, or None for full attention),
+  ``cache.sink_tokens`` (tokens) and, if the cache has it,
+  ``cache.chunk_size`` (tokens, or None: no chunks; read with ``getattr``);
 - ``cache.page_table(seq_ids)``: FlashInfer CSR arrays ``indptr`` int32[B+1]
   and ``indices`` int32[nnz] (the pages each sequence holds, in position
   order), ``page_positions`` int64[nnz] (first token position of each listed
@@ -17,7 +18,18 @@ kernels do on GPUs. They work on any object with the attention contract of
   past the one before) and ``seq_lens`` int64[B] (tokens appended so far,
   at most ``2**62``).
 
-Positions, lengths, ``cache.window`` and ``cache.sink_tokens`` are limited to
+A cache whose layers differ (per-layer windows or chunks, each layer group
+in a pool of its own) has a method ``cache.layer_attention_view(layer,
+seq_ids)`` instead; when it exists, the kernels call it, once per call, and
+take everything from its answer, a tuple ``(pages, view, window,
+sink_tokens, chunk_size)``: ``pages`` the C-contiguous pool of that layer,
+shape ``(num_pages, 2, page_size, num_kv_heads, head_dim)`` (as ``kv[layer]``
+above), ``view`` its page table for ``seq_ids`` (as ``page_table`` returns,
+page ids indexing ``pages``), ``window`` and ``chunk_size`` None or tokens,
+``sink_tokens`` tokens. ``cache.kv``, ``cache.page_table`` and the
+attributes above are then not read.
+
+Positions, lengths, the window, the sink tokens and the chunk size are limited to
 ``2**62`` tokens, so that every position plus a page or a window fits int64;
 ``indptr`` being int32, a batch lists at most ``2**31 - 1`` pages
 (``KVCache.page_table`` refuses larger batches).
@@ -28,6 +40,30 @@ The query at position ``p`` attends to the cached key at position ``k`` iff
 ``k <= p`` and, with a window ``W``, ``k >= p - W + 1`` or ``k < S`` (the
 ``S = sink_tokens`` attention-sink positions). This is FlashInfer's
 ``window_left = W - 1`` and Hugging Face's ``sliding_window = W``.
+
+With a chunk size ``C`` (chunked attention, as Llama 4's local layers use
+it: ``attention_chunk_size`` in Hugging Face transformers), the query at
+``p`` attends to the keys of its own chunk, ``floor(p / C) * C <= k <= p``.
+A chunk size never comes with a window. A cache may hold more than the chunk
+(``pagedkv`` stores a chunked layer as a window of ``C`` tokens, which covers
+every chunk a query can be in); the kernels apply the chunk mask, and refuse
+a page table that lacks a key some query's chunk admits.
+
+Sink logits and softcap
+-----------------------
+``sink_logits`` (gpt-oss's learned attention sinks, OpenAI 2025, "gpt-oss-120b
+& gpt-oss-20b Model Card"; the ``sinks`` of its attention layers) gives each
+query head ``h`` one logit that joins the softmax denominator with no value
+row: ``out = sum_k w_k v_k`` with ``w_k = exp(s_k) / (sum_j exp(s_j) +
+exp(sink_logits[h]))``, and the LSE is ``log(sum_j exp(s_j) +
+exp(sink_logits[h]))``. A logit of ``-inf`` means no sink term for that head.
+These sinks are not the sink tokens of the mask above, which are cached keys.
+
+``softcap`` (Gemma 2: Gemma Team 2024, "Gemma 2: Improving Open Language
+Models at a Practical Size", section 2, logit soft-capping) maps every score
+``s = scale * q . k`` to ``softcap * tanh(s / softcap)`` before the softmax
+(and before the mask: a masked key stays excluded). The SIMD paths compute
+tanh from their exp2 (relative error about 2e-7).
 
 Sink queries
 ------------
@@ -56,6 +92,12 @@ score ``-inf`` is NaN (0/0). An inf or NaN in the V row of an admitted key
 reaches the output through the weighted sum, also at weight 0 (``0 * NaN``
 is NaN), in the columns it occupies. Other rows and heads are unaffected.
 
+With ``softcap``, an infinite score becomes ``+-softcap`` (``tanh(+-inf) =
++-1``): only a NaN score makes a row NaN. With a finite sink logit, a row
+whose admitted keys all score ``-inf`` (or that admits no key) is not NaN:
+its keys weigh 0, the output is 0 (NaN where an admitted V row holds an inf
+or NaN, as ``0 * inf``) and the LSE is the sink logit.
+
 Algorithm
 ---------
 One pass over the pages with the online softmax of FlashAttention (Dao et
@@ -79,7 +121,8 @@ hold 1 MiB each, computes each partition as an item of its own
 (its running maximum, sum and weighted V), and merges the partitions of each
 query row with the log-sum-exp rescaling, in a fixed order and in float64:
 Flash-Decoding (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for
-long-context inference"), as vLLM's ``paged_attention_v2`` does on GPUs. The
+long-context inference"), as vLLM's ``paged_attention_v2`` does on GPUs; the sink logit joins a
+row once, after its partitions are merged. The
 partitions follow from the batch and its page tables, never from the thread
 count, so results stay bit-identical for any ``num_threads``; they differ
 from an unsplit pass only by rounding.
@@ -95,7 +138,8 @@ from pagedkv_c import _attention
 __all__ = ["decode", "prefill", "kernel_info"]
 
 
-def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=False, *, q_sink=None):
+def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=False, *, q_sink=None,
+           sink_logits=None, softcap=None):
     """Attention of one new query per sequence over its cached tokens (decode step).
 
     Parameters
@@ -138,6 +182,17 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
         with ``q``. See "Sink queries" in the module docstring. Only for a
         cache with a window and ``sink_tokens >= 1``. Default: ``q`` scores
         every key.
+    sink_logits : array-like of real numbers, shape ``(Hq,)``, optional
+        One natural-log logit per query head that joins its softmax
+        denominator with no value row (gpt-oss's attention sinks; see "Sink
+        logits and softcap" in the module docstring); each finite with
+        ``|logit| <= 1e38``, or ``-inf`` (no sink term for that head; NaN and
+        ``+inf`` are refused). Converted to float32. Default: no sink term.
+    softcap : float, optional
+        Soft cap of the scores (Gemma 2): each score ``s = scale * q . k``
+        becomes ``softcap * tanh(s / softcap)`` before the softmax; finite,
+        ``1e-38 <= softcap <= 1e38``, and ``|scale| / softcap <= 1e38`` (q is
+        scaled by it in float32). Default: no cap.
 
     Returns
     -------
@@ -146,32 +201,44 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
         attention over the admitted keys is: a NaN or ``+inf`` score, or only
         ``-inf`` scores (see "Non-finite values" in the module docstring).
     lse : numpy.ndarray, shape ``(B, Hq)``, float32
-        Only if ``return_lse``: natural-log ``log(sum_k exp(scale * q . k))``
-        over the attended keys, as FlashInfer returns it (in natural log, not
-        base 2); NaN wherever the row of ``out`` is NaN because of its scores.
+        Only if ``return_lse``: natural-log ``log(sum_k exp(s_k))`` of the
+        (capped) scores ``s_k`` over the attended keys, plus
+        ``exp(sink_logits[h])`` inside the sum when given, as FlashInfer
+        returns it (in natural log, not base 2); NaN wherever the row of
+        ``out`` is NaN because of its scores.
 
     Raises
     ------
     KeyError
         A sequence id is unknown (raised by ``cache.page_table``).
     IndexError
-        ``layer`` is out of range (as in ``KVCache.store``/``gather``).
+        ``layer`` is out of range (as in ``KVCache.store``/``gather``; with
+        ``layer_attention_view``, checked against ``cache.num_layers`` when
+        the cache has it, else raised by the cache).
     ValueError
         ``q`` has the wrong shape or is a ragged nesting (``B`` not ``len(seq_ids)``, ``D`` not
         ``head_dim``, ``Hq`` not a multiple of ``num_kv_heads`` or above
         ``2**20``), ``q_sink`` is given and its shape differs from ``q``'s
-        or the cache has no window or no sink tokens,
+        or the cache has no window or no sink tokens, ``sink_logits`` has a
+        shape other than ``(Hq,)`` or holds NaN, ``+inf`` or a finite value
+        past ``1e38`` in magnitude, ``softcap`` is outside ``[1e-38, 1e38]``
+        (or not finite) or ``|scale| / softcap > 1e38``,
         ``cache.head_dim > 256``, ``scale`` is not finite or
-        ``|scale| > 1e38``, ``num_threads`` is out of range, a sequence
-        holds no cached token, the page table the
+        ``|scale| > 1e38``, ``num_threads`` is out of range, the cache's
+        window, sink tokens or chunk size is out of range (window and chunk
+        size ``1 .. 2**62``, sink tokens ``0 .. 2**62``) or it has both a
+        window and a chunk size, the pool has the wrong shape or layout, a
+        sequence holds no cached token, the page table the
         cache returned is malformed (positions or lengths past ``2**62``
         included), or it no longer lists a key the query attends to (a
-        position in its window or a sink).
+        position in its window or its chunk, or a sink).
     TypeError
-        ``q`` or a given ``q_sink`` is not real numbers (bools, complex
-        numbers, strings, objects),
-        ``cache.kv`` is neither float32 nor float16, or ``layer``,
-        ``num_threads``, ``scale`` or ``return_lse`` has the wrong type.
+        ``q``, a given ``q_sink`` or ``sink_logits`` is not real numbers
+        (bools, complex numbers, strings, objects), the pool (``cache.kv``
+        or the ``pages`` of ``layer_attention_view``) is neither float32 nor
+        float16, ``layer_attention_view`` does not return a tuple of 5, or
+        ``layer``, ``num_threads``, ``scale``, ``softcap``, ``return_lse``,
+        the window, the sink tokens or the chunk size has the wrong type.
 
     Every check runs before any work: nothing is computed when one fails.
 
@@ -181,17 +248,20 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
     mask admits exactly once per KV head, so its cost follows the number of
     tokens in the window (plus sinks), not the sequence length.
     """
-    return _attention.decode(q, cache, layer, seq_ids, scale, num_threads, return_lse, q_sink=q_sink)
+    return _attention.decode(q, cache, layer, seq_ids, scale, num_threads, return_lse, q_sink=q_sink,
+                             sink_logits=sink_logits, softcap=softcap)
 
 
 def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, return_lse=False, *,
-            q_sink=None):
+            q_sink=None, sink_logits=None, softcap=None):
     """Causal attention of a ragged chunk of new tokens per sequence (prefill / extend).
 
     The new tokens must already be appended and stored in the cache. The
     ``qo_len_b = qo_indptr[b+1] - qo_indptr[b]`` queries of sequence ``b``
     are its last ``qo_len_b`` tokens, at positions ``seq_len_b - qo_len_b ...
-    seq_len_b - 1``; each attends under its own causal, window and sink mask.
+    seq_len_b - 1``; each attends under its own causal, window and sink, or
+    chunk mask (a chunk of new tokens may cross chunk boundaries: each query
+    sees its own chunk).
 
     Parameters
     ----------
@@ -215,6 +285,8 @@ def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, r
         As in :func:`decode`, row for row with ``q``: each query row has its
         own sink query (for StreamingLLM positions, rotated to
         ``min(p, S + W - 1)`` for the row's own position ``p``).
+    sink_logits, softcap
+        As in :func:`decode`.
 
     Returns
     -------
@@ -236,7 +308,7 @@ def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, r
         not start at 0, decreases, does not end at ``T``, or gives a sequence
         more new tokens than it has (``qo_len_b > seq_len_b``) or than it
         still holds in its page table; a sequence with queries holds no
-        cached token; a query's window reaches a position the sequence no
+        cached token; a query's window or chunk reaches a position the sequence no
         longer holds (the window released it when later tokens were appended:
         run prefill over each append's tokens before appending more).
     TypeError
@@ -252,7 +324,7 @@ def prefill(q, cache, layer, seq_ids, qo_indptr, scale=None, num_threads=None, r
     every query of the tile.
     """
     return _attention.prefill(q, cache, layer, seq_ids, qo_indptr, scale, num_threads, return_lse,
-                              q_sink=q_sink)
+                              q_sink=q_sink, sink_logits=sink_logits, softcap=softcap)
 
 
 def kernel_info():
