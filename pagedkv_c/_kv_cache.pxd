@@ -37,6 +37,7 @@ cdef class KVCache:
     cdef int _offload_sealed(self) except -1
     cdef str _over_pool_text(self, object seq_ids, object counts)
     cdef list _tables_of_groups(self, object seq_ids)
+    cdef list _all_tables(self)
     cdef int _refuse_groups(self, str feature) except -1
     cdef object _append_groups(self, object seq_ids, object counts, int64_t total, bint want_slots)
     cdef str _groups_out_of_pages_text(self, list tables, object counts, int64_t total, Py_ssize_t batch)

@@ -36,7 +36,7 @@ from pagedkv_c._checks cimport check_bool, check_int, check_index, check_float_a
 from pagedkv_c._checks import check_sink_window
 from pagedkv_c._lock cimport CacheLock
 from pagedkv_c._page_store cimport PageStore, new_page_store, check_layer_bytes
-from pagedkv_c._page_group cimport PageGroup, PageTableView, new_page_group, seq_key, cached_tokens, check_truncate
+from pagedkv_c._page_group cimport PageGroup, new_page_group, seq_key, cached_tokens, check_truncate
 from pagedkv_c._page_group import AttentionSetting, layer_groups, layer_settings
 from pagedkv_c._page_table cimport pages_needed_for
 from pagedkv_c._prefix_serving cimport PrefixServer, new_prefix_server
@@ -519,6 +519,14 @@ cdef class KVCache:
             group = self._groups[g]
             tables.extend([group.tables[key] for key in keys])
         return tables
+
+    cdef list _all_tables(self):
+        """``(seq_id, table)`` of every page group, group after group."""
+        cdef list pairs = []
+        cdef PageGroup group
+        for group in self._groups:
+            pairs.extend(group.tables.items())
+        return pairs
 
     cdef int _refuse_groups(self, str feature) except -1:
         """Raise ValueError when a feature that needs one page group is called on a cache with more."""
@@ -1823,7 +1831,7 @@ cdef class KVCache:
             if seq_ids is not None:
                 tables = self._tables_of_groups(seq_ids)
             else:
-                tables = [table for group in self._groups for table in group.tables.values()]
+                tables = [pair[1] for pair in self._all_tables()]
             for table in tables:
                 with nogil:
                     n += self._seals.seal_table(table)
@@ -1878,7 +1886,7 @@ cdef class KVCache:
         self._lock.acquire()
         try:
             held = None if seq_ids is None else [table.pages()[0] for table in self._tables_of_groups(seq_ids)]
-            return self._seals.verify(held, [pair for group in self._groups for pair in group.tables.items()])
+            return self._seals.verify(held, self._all_tables())
         finally:
             self._lock.leave()
 

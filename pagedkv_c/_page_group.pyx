@@ -98,8 +98,8 @@ class AttentionSetting:
         return self._chunk_size
 
     def _key(self):
-        return (self._window is not None, self._window or 0, self._sink_tokens,
-                self._chunk_size is not None, self._chunk_size or 0)
+        return (self._chunk_size is not None, self._chunk_size or 0, self._window is not None, self._window or 0,
+                self._sink_tokens)
 
     def __setattr__(self, name, value):
         raise AttributeError("AttentionSetting is immutable")
