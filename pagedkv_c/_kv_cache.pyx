@@ -801,7 +801,8 @@ cdef class KVCache:
         KeyError
             Unknown ``seq_id``.
         ValueError
-            ``new_len`` out of range, or with a window, the query at position
+            ``new_len`` out of range, or with a window (in any page group:
+            all are checked before any changes), the query at position
             ``new_len`` would need keys the window already released, or the
             window's ring would have to move back onto a released page (a
             window of 1 needs no cached key, yet only lengths inside the sink
@@ -845,18 +846,35 @@ cdef class KVCache:
         finally:
             self._lock.leave()
 
-    def num_cached_tokens(self, seq_id):
+    def num_cached_tokens(self, seq_id, *, group=None):
         """Tokens of a sequence stored in pages it still holds.
+
+        Parameters
+        ----------
+        seq_id : int
+        group : int, optional
+            The page group whose pages count, ``0 <= group < num_groups``;
+            required with more than one group, optional (0) with one.
 
         Raises
         ------
         KeyError
             Unknown ``seq_id``.
+        ValueError
+            ``group`` missing with more than one page group.
+        IndexError
+            ``group`` out of range.
         """
         cdef PageTable table
+        cdef PageGroup chosen = self._group
+        if group is not None:
+            chosen = self._groups[check_index(group, "group", self.num_groups)]
+        elif self.num_groups != 1:
+            raise ValueError(f"Invalid value of group: expected the page group whose pages count, 0 <= group < "
+                             f"{self.num_groups} (see layer_group), got None")
         self._lock.acquire()
         try:
-            table = self._group.table(seq_id)
+            table = chosen.table(seq_id)
             return cached_tokens(table)
         finally:
             self._lock.leave()
@@ -1076,7 +1094,11 @@ cdef class KVCache:
             if len(tables) != counts.shape[0]:
                 raise ValueError(f"Invalid shape of num_tokens: expected ({len(tables)},) to match seq_ids, "
                                  f"got ({counts.shape[0]},)")
-            return self._group.over_pool_text(tables, counts)
+            text = self._group.over_pool_text(tables, counts)
+            if self.num_groups != 1:
+                text += (f" (Counted for page group 0 alone: each of the cache's {self.num_groups} page groups "
+                         f"takes pages of its own from the pool.)")
+            return text
         finally:
             self._lock.leave()
 

@@ -87,6 +87,8 @@ def test_features_refused_at_call_with_more_than_one_group():
         assert feature in str(info.value)
     with pytest.raises(ValueError, match="group"):
         cache.page_table([1])
+    with pytest.raises(ValueError, match="group"):
+        cache.num_cached_tokens(1)
     with pytest.raises(IndexError, match="group"):
         cache.page_table([1], group=2)
     cache.check_invariants()
@@ -371,6 +373,8 @@ class HybridCacheMachine(RuleBasedStateMachine):
             view = self.cache.page_table(ids, group=g)
             used += view.indices.shape[0]
             assert view.seq_lens.tolist() == [self.lengths[s] for s in ids]
+            for s in ids:
+                assert self.cache.num_cached_tokens(s, group=g) == model.held(s, self.lengths[s]).shape[0]
         for seq_id, length in self.lengths.items():
             assert self.cache.seq_len(seq_id) == length
             for layer in range(self.num_layers):
