@@ -578,3 +578,95 @@ def test_a_version_1_file_may_not_carry_layer_attention():
     assert _read_config(section, 8, 2)["layer_attention"] == ((4, 0, -1), (-1, 0, -1))
     with pytest.raises(SnapshotError, match="version 1"):
         _read_config(section, 8, 1)
+
+
+@pytest.mark.parametrize("edit", ["groups order", "groups missing", "two groups share a page", "group lengths",
+                                  "layer_attention shape", "layer_attention invalid", "window with layers"])
+def test_forged_hybrid_snapshots_are_refused(tmp_path, edit):
+    from _snapshot_forge import forge_file
+    from pagedkv import snapshot
+
+    cache = _hybrid_cache()
+    path = tmp_path / "forged.pkv"
+    cache.save(path)
+
+    def change(sections):
+        tables, config = sections["tables"], sections["config"]
+        rows = tables["seq_ids"].shape[0] // 3
+        if edit == "groups order":
+            tables["groups"] = tables["groups"][::-1].copy()
+        elif edit == "groups missing":
+            del tables["groups"]
+        elif edit == "two groups share a page":  # group 1's first page replaced by group 0's first page
+            first_of_group_1 = int(tables["fields"][:rows, 4].sum())
+            tables["pages"][first_of_group_1] = tables["pages"][0]
+        elif edit == "group lengths":
+            tables["fields"][rows, 0] -= 1
+        elif edit == "layer_attention shape":
+            config["layer_attention"] = config["layer_attention"][:5].copy()
+        elif edit == "layer_attention invalid":
+            config["layer_attention"][0, 2] = 4  # a window and a chunk size on one layer
+        elif edit == "window with layers":
+            config["window"] = np.array(8, dtype=np.int64)
+
+    forge_file(path, change)
+    with pytest.raises(SnapshotError):
+        KVCache.load(path)
+    with pytest.raises(SnapshotError):
+        snapshot.verify(path)
+
+
+def test_pages_seal_when_their_own_group_moves_past_them():
+    cache = KVCache(2, 1, 2, 32, page_size=2, dtype=np.float32, page_checksums=True,
+                    layer_attention=[A(window=3), None])
+    cache.add_sequence(1)
+    slots = cache.append([1], [3])  # pages: positions 0-1 full, 2 partial, in both groups
+    for layer in range(2):
+        cache.store(layer, slots, np.full((3, 1, 2), layer + 1.0), np.zeros((3, 1, 2)))
+    sealed = lambda: set(np.flatnonzero(cache._sealed_state()["sealed"]).tolist())  # noqa: E731
+    assert sealed() == set()
+    cache.append([1], [1])  # moves past the full page of each group: both seal
+    full_pages = {int(cache.page_table([1], group=g).indices[0]) for g in range(2)}
+    window_page = int(slots[0, 0] // 2)
+    assert window_page in full_pages and sealed() == full_pages
+    assert cache.seal() == 1 + 1  # the pages of positions 2-3, one per group
+    assert not cache.verify_pages()
+    # A changed byte in one group's page is found, with the sequence holding it.
+    page = int(cache.page_table([1], group=1).indices[1])
+    cache.layer_pages(1)[page, 0, 0, 0, 0] += 1
+    report = cache.verify_pages([1])
+    assert [bad.page_id for bad in report.bad_pages] == [page] and report.bad_pages[0].seq_ids == [1]
+
+
+def test_a_removal_deferred_from_a_finalizer_removes_every_group():
+    from test_threads import _GarbageStream, run_threads
+
+    cache = KVCache(2, 1, 2, 32, page_size=2, layer_attention=[A(window=3), None])
+    for seq_id in range(3):
+        cache.add_sequence(seq_id)
+    cache.append([0, 1, 2], [5, 5, 5])
+    victims = [1, 2]
+    log = []
+
+    def finalize():
+        if not victims:
+            return
+        try:
+            cache.seq_len(0)
+            return  # not inside a call of the cache
+        except RuntimeError:
+            pass
+        seq_id = victims.pop()
+        cache.remove_sequence(seq_id)
+        log.append("deferred" if seq_id in cache else "removed")
+
+    def scenario():
+        with _GarbageStream(finalize):
+            while victims:
+                cache.page_table([0, 0, 0], group=1)
+
+    run_threads(scenario, timeout=60)
+    assert log == ["deferred", "deferred"]
+    assert cache.seq_ids() == [0]
+    cache.check_invariants()
+    assert cache.stats()["pages_in_use"] == sum(cache.page_table([0], group=g).indices.shape[0] for g in range(2))
