@@ -682,7 +682,6 @@ def _check_before_build(state: dict, parsed: _Parsed, size: int) -> None:
     """
     config = state["config"]
     num_pages, page_size = config["num_pages"], config["page_size"]
-    windowed = config["window"] != -1
     # The two allocations a file's sections do not bound by their own length.
     tokens_bytes = 4 * num_pages * page_size if config["prefix_caching"] else 0
     allowed = max(2 * size, _EXTRA_ALLOCATION_FLOOR)
@@ -691,7 +690,6 @@ def _check_before_build(state: dict, parsed: _Parsed, size: int) -> None:
             f"section 'config': {num_pages} pages of page_size {page_size} need {tokens_bytes} bytes of kept "
             f"token ids for prefix caching, more than a file of {size} bytes may make the loader allocate "
             f"({allowed} bytes besides the pool)")
-    del windowed  # each page group has its own window (one group: the cache's)
     geometry = []  # per page group: (its config, sink pages, initial ring capacity, its tables)
     windows, _ = _page_groups(config)
     group_tables = [[(seq_id, table) for seq_id, table, _ in state["sequences"]]] + list(state["group_tables"])
