@@ -670,3 +670,30 @@ def test_a_removal_deferred_from_a_finalizer_removes_every_group():
     assert cache.seq_ids() == [0]
     cache.check_invariants()
     assert cache.stats()["pages_in_use"] == sum(cache.page_table([0], group=g).indices.shape[0] for g in range(2))
+
+
+def test_append_and_store_arguments_with_page_groups():
+    cache = KVCache(3, 1, 2, 16, page_size=2, dtype=np.float32, layer_attention=[A(window=2), None, None])
+    assert cache.num_groups == 3
+    cache.add_sequence(1)
+    assert cache.append([1], [2], return_slot_mapping=False) is None
+    empty = cache.append([], [])
+    assert empty.shape == (3, 0)
+    slots = cache.append([1], [1])
+    k = np.ones((1, 1, 2))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cache.store(0, slots[:2], k, k)  # two rows: neither one group's slots nor every group's
+    with pytest.raises(ValueError, match="k"):
+        cache.store(0, slots, np.ones((2, 1, 2)), k)
+    with pytest.raises(IndexError, match="layer"):
+        cache.store(3, slots, k, k)
+    for layer in range(3):
+        cache.store(layer, slots[cache.layer_group(layer)], k * layer, -k)
+    for layer in range(3):
+        keys, _, positions = cache.gather(layer, 1)
+        assert positions[-1] == 2 and keys[-1, 0, 0] == layer
+    with pytest.raises(KeyError):
+        cache.append([2], [1])
+    with pytest.raises(ValueError, match="num_tokens"):
+        cache.append([1], [1, 1])
+    cache.check_invariants()
