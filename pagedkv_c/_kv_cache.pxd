@@ -20,7 +20,14 @@ cdef class KVCache:
     cdef readonly int64_t sink_tokens     # in tokens
     cdef CacheLock _lock                  # serializes every call that reads or changes page tables
     cdef PageStore _store                 # the pool array (K/V bytes) and its layout
-    cdef PageGroup _group                 # the page tables of the cache's one group of layers
+    cdef PageGroup _group                 # the page tables of group 0 (the only group of a uniform cache)
+    cdef list _groups                     # PageGroup per group, [_group] for a uniform cache
+    cdef readonly int32_t num_groups      # page groups (1: one attention setting for every layer)
+    cdef tuple _layer_group               # per layer: its group
+    cdef tuple _layer_slot                # per layer: its index in its group = its slot on axis 0 of the pool
+    cdef tuple _layer_settings            # per layer: its AttentionSetting
+    cdef object _layer_attention          # the layer_attention given (tuple of AttentionSetting), or None
+    cdef object _chunk_size               # chunk size of a uniform chunked cache, else None
     cdef PrefixServer _prefix             # prefix caching, or None when disabled
     cdef SealTracker _seals               # seal flags, page checksums, sealed-page log
     cdef TierLink _tier                   # the shared tier, or None
@@ -29,5 +36,11 @@ cdef class KVCache:
 
     cdef int _offload_sealed(self) except -1
     cdef str _over_pool_text(self, object seq_ids, object counts)
+    cdef list _tables_of_groups(self, object seq_ids)
+    cdef list _all_tables(self)
+    cdef int _refuse_groups(self, str feature) except -1
+    cdef object _append_groups(self, object seq_ids, object counts, int64_t total, bint want_slots)
+    cdef str _groups_out_of_pages_text(self, list tables, object counts, int64_t total, Py_ssize_t batch)
+    cdef int _store_rows_of_slot(self, int64_t slot_index, object slots, object k, object v) except -1
     cdef int _gather_rows(self, int64_t layer, int32_t[::1] page_ids, int64_t[::1] firsts, Py_ssize_t num_pages,
                           int64_t length, object keys, object values, int64_t[::1] positions) except -1

@@ -36,7 +36,9 @@ from pagedkv_c._checks cimport check_bool, check_int, check_index, check_float_a
 from pagedkv_c._checks import check_sink_window
 from pagedkv_c._lock cimport CacheLock
 from pagedkv_c._page_store cimport PageStore, new_page_store, check_layer_bytes
-from pagedkv_c._page_group cimport PageGroup, new_page_group, seq_key, cached_tokens
+from pagedkv_c._page_group cimport PageGroup, new_page_group, seq_key, cached_tokens, check_truncate
+from pagedkv_c._page_group import AttentionSetting, layer_groups, layer_settings
+from pagedkv_c._page_table cimport pages_needed_for
 from pagedkv_c._prefix_serving cimport PrefixServer, new_prefix_server
 from pagedkv_c._seals cimport SealTracker, new_seal_tracker
 from pagedkv_c._tier_link cimport TierLink, new_tier_link, check_tier
@@ -44,7 +46,7 @@ from pagedkv_c._kv_state cimport note_usage, state_of, snapshot, restore_state
 from pagedkv_c cimport _kv_state
 
 # Names other modules import from here; they live with the unit that owns them.
-from pagedkv_c._page_group import PageTableView
+from pagedkv_c._page_group import PageTableView, AttentionSetting
 from pagedkv_c._prefix_serving import PREFIX_HIT_BUCKETS
 from pagedkv_c._seals import BadPage, PageCheckReport
 from pagedkv_c._kv_state import StateError
@@ -125,13 +127,20 @@ cdef class KVCache:
         kv_events_capacity <= 2**31`` (default 2**20); further events are
         dropped and counted. The log grows as needed up to it: 40 bytes per
         event plus ``4 * page_size`` bytes of token ids per stored page.
+    layer_attention : sequence of AttentionSetting or None, optional
+        Keyword only. Per-layer attention settings (hybrid models), one
+        entry per layer, None meaning full attention; needs ``window=None``
+        and ``sink_tokens=0``. None (the default): every layer has
+        ``window`` and ``sink_tokens``. See *Page groups* below.
 
     Attributes
     ----------
     kv : numpy.ndarray
-        The pool, C-contiguous, shape ``(num_layers, num_pages, 2, page_size,
-        num_kv_heads, head_dim)``; ``kv[layer]`` is FlashInfer's NHD paged
-        layout, index 0 of axis 2 is K and 1 is V.
+        The pool, C-contiguous, shape ``(G, num_pages, 2, page_size,
+        num_kv_heads, head_dim)`` with ``G = num_layers`` for a cache with
+        one page group (see *Page groups*); ``kv[layer]`` is then
+        FlashInfer's NHD paged layout, index 0 of axis 2 is K and 1 is V.
+        :meth:`layer_pages` gives any layer's view.
     pool : PagePool
         The page allocator, read-only here (``pool.owner == "KVCache"``):
         ``num_free``, ``ref_count``, ``free_pages`` and ``check_invariants``
@@ -149,7 +158,11 @@ cdef class KVCache:
         <= 2**31 - 2``; ``sink_tokens > 0`` without a ``window``; a ``tier``
         without prefix caching, with a window, or already serving caches of
         another layout. (``enable_prefix_caching`` and ``page_checksums``
-        that are not bools raise TypeError.)
+        that are not bools raise TypeError.) ``layer_attention`` of another
+        length than ``num_layers``, or given with a ``window`` or sink
+        tokens; with more than one page group, ``enable_prefix_caching``,
+        ``enable_kv_events`` or a ``tier`` (not supported with per-layer
+        attention settings).
     MemoryError
         The pool array cannot be allocated, or one layer of it (``num_pages
         * 2 * page_size * num_kv_heads * head_dim * itemsize`` bytes) would
@@ -157,6 +170,25 @@ cdef class KVCache:
 
     Notes
     -----
+    *Page groups.* Layers with equal attention settings are one kind. With
+    ``G`` the greatest common divisor of the kinds' layer counts, each kind
+    of ``n`` layers is split into ``n / G`` *page groups* of ``G`` layers
+    (ascending), ordered by their first layer (vLLM's hybrid KV cache
+    manager); e.g. 15 sliding-window and 3 full-attention layers give 6
+    groups of 3 layers, 7 and 5 layers give 12 groups of 1. Each group has
+    its own page tables (its window releases its pages); all groups draw
+    from the one pool and free queue, and a page id belongs to one group at
+    a time: slot ``i`` of the pool's axis 0 holds the ``i``-th layer of the
+    group owning the page. A cache whose layers all have one setting (or
+    ``layer_attention=None``) has one group of every layer, ``G =
+    num_layers``, and behaves as without groups. A chunked layer (``chunk_size
+    C``) is stored as a sliding window of ``C`` tokens: a superset of what a
+    chunk's query sees; attention kernels apply the chunk mask. With more
+    than one group, :meth:`append` returns one row of slots per group,
+    :meth:`page_table` needs ``group=``, and prefix caching, KV events, the
+    shared tier and :meth:`export_sequence` / :meth:`import_sequence` are
+    refused (ValueError: not supported with per-layer attention settings).
+
     *Cached tokens.* A sequence holds whole pages; its cached tokens are the
     positions below its length that lie in pages it holds. The window
     releases pages by the release rule of :class:`PageTable` (all positions
@@ -218,7 +250,7 @@ cdef class KVCache:
     def __cinit__(self, num_layers, num_kv_heads, head_dim, num_pages, page_size=16,
                   dtype=np.float16, window=None, sink_tokens=0, enable_prefix_caching=False,
                   prefix_hash="xxh3_128", page_checksums=False, tier=None, enable_kv_events=False,
-                  kv_events_capacity=2**20):
+                  kv_events_capacity=2**20, *, layer_attention=None):
         self.num_layers = <int32_t>check_int(num_layers, "num_layers", 0, 2**20)
         self.num_kv_heads = <int32_t>check_int(num_kv_heads, "num_kv_heads", 1, 2**16)
         self.head_dim = <int32_t>check_int(head_dim, "head_dim", 1, 2**16)
@@ -249,12 +281,61 @@ cdef class KVCache:
             raise ValueError("Invalid value of enable_kv_events: KV events report the prefix cache, "
                              "expected enable_prefix_caching=True with it")
         cdef int64_t events_capacity = check_int(kv_events_capacity, "kv_events_capacity", 1, 2**31)
+        cdef list groups
+        cdef PageGroup group
+        cdef int32_t slots_per_page = self.num_layers
+        self._chunk_size = None
+        self._layer_attention = None
+        if layer_attention is None:
+            groups = [(AttentionSetting(window, self.sink_tokens, None), tuple(range(self.num_layers)))]
+        else:
+            if window is not None:
+                raise ValueError(f"Invalid value of window: expected None with layer_attention (each layer's "
+                                 f"AttentionSetting has its window), got {window}")
+            if self.sink_tokens:
+                raise ValueError(f"Invalid value of sink_tokens: expected 0 with layer_attention (each layer's "
+                                 f"AttentionSetting has its sink tokens), got {self.sink_tokens}")
+            self._layer_attention = layer_settings(layer_attention, self.num_layers)
+            groups = layer_groups(self._layer_attention)
+            if len(groups) == 1:  # one setting for every layer: the uniform cache of that setting
+                setting = groups[0][0]
+                self._chunk_size = setting.chunk_size
+                window = setting.window if setting.chunk_size is None else setting.chunk_size
+                self._window = window
+                self.sink_tokens = setting.sink_tokens
+            else:
+                slots_per_page = <int32_t>len(groups[0][1])
+                self._window = None
+                for name, wanted in (("tier", tier is not None), ("enable_kv_events", enable_kv_events),
+                                     ("enable_prefix_caching", enable_prefix_caching)):
+                    if wanted:
+                        feature = {"tier": "the shared tier", "enable_kv_events": "KV events",
+                                   "enable_prefix_caching": "prefix caching"}[name]
+                        raise ValueError(f"Invalid value of {name}: {feature} is not supported with per-layer "
+                                         f"attention settings ({len(groups)} page groups); leave it off")
+        self.num_groups = <int32_t>len(groups)
         check_layer_bytes(pages, self.page_size, self.num_kv_heads, self.head_dim, np_dtype)
         self.pool = PagePool(pages)
         self.pool.owner = "KVCache"
-        self._store = new_page_store(self.num_layers, pages, self.page_size, self.num_kv_heads, self.head_dim,
+        self._store = new_page_store(slots_per_page, pages, self.page_size, self.num_kv_heads, self.head_dim,
                                      np_dtype)
-        self._group = new_page_group(self.pool, self.page_size, window, self.sink_tokens)
+        self._groups = []
+        layer_group = [0] * self.num_layers
+        layer_slot = [0] * self.num_layers
+        for g, (setting, layers) in enumerate(groups):
+            group = new_page_group(self.pool, self.page_size,
+                                   setting.window if setting.chunk_size is None else setting.chunk_size,
+                                   setting.sink_tokens)
+            group.setting = setting
+            group.layers = layers
+            self._groups.append(group)
+            for i, layer in enumerate(layers):
+                layer_group[layer] = g
+                layer_slot[layer] = i
+        self._group = self._groups[0]
+        self._layer_group = tuple(layer_group)
+        self._layer_slot = tuple(layer_slot)
+        self._layer_settings = tuple([(<PageGroup>self._groups[g]).setting for g in layer_group])
         self._lock = CacheLock(
             "KVCache", "only remove_sequence may be called there (it is deferred until the running call returns)"
         )
@@ -283,9 +364,13 @@ cdef class KVCache:
     # ----------------------------------------------------------- properties
     @property
     def kv(self):
-        """The pool, C-contiguous, shape ``(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)``.
+        """The pool, C-contiguous, shape ``(G, num_pages, 2, page_size, num_kv_heads, head_dim)``.
 
-        ``kv[layer]`` is FlashInfer's NHD paged layout, index 0 of axis 2 is K and 1 is V.
+        ``G = num_layers`` for a cache with one page group, where ``kv[layer]``
+        is FlashInfer's NHD paged layout, index 0 of axis 2 is K and 1 is V.
+        With more than one group, ``G`` is the layers per group and slot
+        ``i`` holds the ``i``-th layer of the group owning each page: use
+        :meth:`layer_pages`.
         """
         return self._store.kv
 
@@ -301,8 +386,154 @@ cdef class KVCache:
 
     @property
     def window(self):
-        """Sliding window in tokens, or None for full attention."""
-        return self._window
+        """Sliding window in tokens, or None for full attention.
+
+        None also for a cache with more than one page group (see
+        :meth:`layer_setting`) and for a chunked cache (see :attr:`chunk_size`).
+        """
+        return self._window if self._chunk_size is None else None
+
+    @property
+    def chunk_size(self):
+        """Chunk size in tokens of a cache whose every layer is chunked, else None (see :meth:`layer_setting`)."""
+        return self._chunk_size
+
+    # ---------------------------------------------------------- page groups
+    def layer_group(self, layer):
+        """The page group of a layer (int, ``0 <= group < num_groups``).
+
+        Raises
+        ------
+        IndexError
+            ``layer`` out of range.
+        """
+        return self._layer_group[check_index(layer, "layer", self.num_layers)]
+
+    def layer_setting(self, layer):
+        """The :class:`AttentionSetting` of a layer.
+
+        A cache made without ``layer_attention`` answers
+        ``AttentionSetting(window, sink_tokens, None)`` for every layer.
+
+        Raises
+        ------
+        IndexError
+            ``layer`` out of range.
+        """
+        return self._layer_settings[check_index(layer, "layer", self.num_layers)]
+
+    def group_layers(self, group):
+        """The layers of a page group, ascending (tuple of int); layer ``i`` of it lives in pool slot ``i``.
+
+        Raises
+        ------
+        IndexError
+            ``group`` out of range.
+        """
+        return (<PageGroup>self._groups[check_index(group, "group", self.num_groups)]).layers
+
+    def group_setting(self, group):
+        """The :class:`AttentionSetting` of a page group's layers.
+
+        Raises
+        ------
+        IndexError
+            ``group`` out of range.
+        """
+        return (<PageGroup>self._groups[check_index(group, "group", self.num_groups)]).setting
+
+    def layer_pages(self, layer):
+        """The view of the pool that holds a layer's pages (no copy).
+
+        Returns
+        -------
+        numpy.ndarray
+            Pool dtype, shape ``(num_pages, 2, page_size, num_kv_heads,
+            head_dim)``, FlashInfer's NHD paged layout: the page ids of the
+            layer's group's page tables index axis 0. ``kv[layer]`` for a
+            cache with one group.
+
+        Raises
+        ------
+        IndexError
+            ``layer`` out of range.
+        """
+        return self._store.kv[self._layer_slot[check_index(layer, "layer", self.num_layers)]]
+
+    def layer_attention_view(self, layer, seq_ids):
+        """What attention over one layer reads: its pages, its group's page tables and its mask.
+
+        Parameters
+        ----------
+        layer : int
+            ``0 <= layer < num_layers``.
+        seq_ids : sequence of int, shape ``[B]``
+            Known sequence ids (repeats allowed).
+
+        Returns
+        -------
+        pages : numpy.ndarray
+            As :meth:`layer_pages`.
+        view : PageTableView
+            The page tables of the layer's group for ``seq_ids``, as
+            :meth:`page_table` returns them.
+        window : int or None
+            The layer's sliding window in tokens.
+        sink_tokens : int
+            The layer's attention-sink tokens.
+        chunk_size : int or None
+            The layer's chunk size in tokens (the group stores a window of
+            ``chunk_size`` tokens; the kernel applies the chunk mask).
+
+        Raises
+        ------
+        IndexError
+            ``layer`` out of range.
+        KeyError
+            Unknown sequence id.
+        ValueError
+            As :meth:`page_table`.
+        """
+        cdef int64_t layer_index = check_index(layer, "layer", self.num_layers)
+        cdef PageGroup group = self._groups[self._layer_group[layer_index]]
+        cdef object ids = as_int_array(seq_ids, "seq_ids", np.int64)
+        setting = group.setting
+        self._lock.acquire()
+        try:
+            view = group.view([group.table(seq_id) for seq_id in ids.tolist()])
+        finally:
+            self._lock.leave()
+        return (self._store.kv[self._layer_slot[layer_index]], view, setting.window, setting.sink_tokens,
+                setting.chunk_size)
+
+    cdef list _tables_of_groups(self, object seq_ids):
+        """Tables of a batch of distinct, known sequence ids in every group: group 0's, then group 1's, ..."""
+        cdef list tables = self._group.tables_for(seq_ids)
+        cdef list keys
+        cdef PageGroup group
+        cdef Py_ssize_t g
+        if self.num_groups == 1:
+            return tables
+        keys = as_int_array(seq_ids, "seq_ids", np.int64).tolist()
+        for g in range(1, self.num_groups):
+            group = self._groups[g]
+            tables.extend([group.tables[key] for key in keys])
+        return tables
+
+    cdef list _all_tables(self):
+        """``(seq_id, table)`` of every page group, group after group."""
+        cdef list pairs = []
+        cdef PageGroup group
+        for group in self._groups:
+            pairs.extend(group.tables.items())
+        return pairs
+
+    cdef int _refuse_groups(self, str feature) except -1:
+        """Raise ValueError when a feature that needs one page group is called on a cache with more."""
+        if self.num_groups > 1:
+            raise ValueError(f"{feature} is not supported with per-layer attention settings (this cache has "
+                             f"{self.num_groups} page groups)")
+        return 0
 
     @property
     def prefix_caching(self):
@@ -464,6 +695,8 @@ cdef class KVCache:
                     cached += self._tier.install(table, fetched, cached // self.page_size)
                 note_usage(&self._counters, self.pool)
             self._group.tables[key] = table
+            for g in range(1, self.num_groups):
+                (<PageGroup>self._groups[g]).tables[key] = (<PageGroup>self._groups[g]).new_table()
             self._counters.sequences_added = sat_add(self._counters.sequences_added, 1)
         finally:
             self._lock.leave()
@@ -495,13 +728,17 @@ cdef class KVCache:
             if key not in self._group.tables or not self._lock.defer(_remove_deferred, (self, key)):
                 raise KeyError(f"unknown sequence id {seq_id!r}") from None
             return
+        cdef PageGroup group
         self._lock.acquire()
         try:
             table = self._group.table(seq_id)
-            with nogil:
-                self._seals.seal_table(table)  # removal declares the stored K/V complete
-            table.drop_tail(0)
-            del self._group.tables[seq_key(seq_id)]
+            key = seq_key(seq_id)
+            for group in self._groups:
+                table = group.tables[key]
+                with nogil:
+                    self._seals.seal_table(table)  # removal declares the stored K/V complete
+                table.drop_tail(0)
+                del group.tables[key]
         finally:
             self._lock.leave()
         self._offload_sealed()
@@ -525,15 +762,27 @@ cdef class KVCache:
         """
         cdef int64_t key = check_int(child_id, "child_id", INT64_MIN, INT64_MAX)
         cdef PageTable parent, child
+        cdef PageGroup group
+        cdef list children = []
         self._lock.acquire()
         try:
             parent = self._group.table(parent_id, "parent_id")
             if key in self._group.tables:
                 raise ValueError(f"Invalid value of child_id: sequence {key} already exists")
-            child = self._group.new_table()
-            child.copy_from(parent)
-            child.num_sealed = parent.num_sealed
-            self._group.tables[key] = child
+            parent_key = seq_key(parent_id, "parent_id")
+            try:
+                for group in self._groups:
+                    parent = group.tables[parent_key]
+                    child = group.new_table()
+                    child.copy_from(parent)  # all or nothing per table
+                    child.num_sealed = parent.num_sealed
+                    children.append(child)
+            except ValueError:
+                for child in children:  # shared pages keep a reference: nothing is freed
+                    child.drop_tail(0)
+                raise
+            for group, child in zip(self._groups, children):
+                group.tables[key] = child
             self._counters.sequences_added = sat_add(self._counters.sequences_added, 1)
         finally:
             self._lock.leave()
@@ -552,7 +801,8 @@ cdef class KVCache:
         KeyError
             Unknown ``seq_id``.
         ValueError
-            ``new_len`` out of range, or with a window, the query at position
+            ``new_len`` out of range, or with a window (in any page group:
+            all are checked before any changes), the query at position
             ``new_len`` would need keys the window already released, or the
             window's ring would have to move back onto a released page (a
             window of 1 needs no cached key, yet only lengths inside the sink
@@ -560,11 +810,23 @@ cdef class KVCache:
             allowed; the message names them).
         """
         cdef PageTable table
+        cdef PageGroup group
+        cdef int64_t n
         self._lock.acquire()
         try:
             table = self._group.table(seq_id)
-            table.truncate(new_len)
-            table.num_sealed = min(table.num_sealed, table.length // self.page_size)
+            if self.num_groups == 1:
+                table.truncate(new_len)
+                table.num_sealed = min(table.num_sealed, table.length // self.page_size)
+            else:
+                n = check_int(new_len, "new_len", 0, table.length)
+                key = seq_key(seq_id)
+                for group in self._groups:  # every group's window allows it before any changes
+                    check_truncate(<PageTable>group.tables[key], n)
+                for group in self._groups:
+                    table = group.tables[key]
+                    table.drop_tail(n)
+                    table.num_sealed = min(table.num_sealed, table.length // self.page_size)
         finally:
             self._lock.leave()
 
@@ -584,18 +846,35 @@ cdef class KVCache:
         finally:
             self._lock.leave()
 
-    def num_cached_tokens(self, seq_id):
+    def num_cached_tokens(self, seq_id, *, group=None):
         """Tokens of a sequence stored in pages it still holds.
+
+        Parameters
+        ----------
+        seq_id : int
+        group : int, optional
+            The page group whose pages count, ``0 <= group < num_groups``;
+            required with more than one group, optional (0) with one.
 
         Raises
         ------
         KeyError
             Unknown ``seq_id``.
+        ValueError
+            ``group`` missing with more than one page group.
+        IndexError
+            ``group`` out of range.
         """
         cdef PageTable table
+        cdef PageGroup chosen = self._group
+        if group is not None:
+            chosen = self._groups[check_index(group, "group", self.num_groups)]
+        elif self.num_groups != 1:
+            raise ValueError(f"Invalid value of group: expected the page group whose pages count, 0 <= group < "
+                             f"{self.num_groups} (see layer_group), got None")
         self._lock.acquire()
         try:
-            table = self._group.table(seq_id)
+            table = chosen.table(seq_id)
             return cached_tokens(table)
         finally:
             self._lock.leave()
@@ -631,7 +910,10 @@ cdef class KVCache:
             int64, shape ``[sum(num_tokens)]``: the slot mapping,
             ``page_id * page_size + offset`` for each new token in sequence
             order (vLLM's ``slot_mapping``). Pass it to :meth:`store`. None
-            when ``return_slot_mapping`` is False.
+            when ``return_slot_mapping`` is False. With more than one page
+            group, shape ``[num_groups, sum(num_tokens)]``: row ``g`` holds
+            the slots in group ``g``'s pages (pass the whole array or the
+            layer's row to :meth:`store`).
 
         Raises
         ------
@@ -646,9 +928,10 @@ cdef class KVCache:
             that is not a bool (True, False or a NumPy bool).
         OutOfPagesError
             The pool cannot supply the pages the whole batch needs (new pages
-            and copy-on-write copies), counting the pages this call's own
-            window releases free. The message names the tokens and pages
-            asked for and the pages free. Nothing changed.
+            and copy-on-write copies) in every page group, counting the pages
+            this call's own windows release free. The message names the tokens
+            and pages asked for and the pages free. Nothing changed, in any
+            group.
 
         Notes
         -----
@@ -686,6 +969,8 @@ cdef class KVCache:
                 raise ValueError(
                     f"Invalid shape of token_ids: expected ({total},) = sum(num_tokens), got ({ids.shape[0]},)"
                 )
+        if self.num_groups != 1:
+            return self._append_groups(seq_ids, counts, total, want_slots)
         cdef list tables
         cdef int32_t* cow = NULL  # copy-on-write pairs: sources, then destinations
         cdef Py_ssize_t num_seals = 0
@@ -733,6 +1018,71 @@ cdef class KVCache:
         self._offload_sealed()
         return slots
 
+    cdef object _append_groups(self, object seq_ids, object counts, int64_t total, bint want_slots):
+        """append for a cache with more than one page group (arguments checked by append).
+
+        One ``append_batch`` over the tables of every group (group 0's, then
+        group 1's, ...) with the counts repeated per group: one plan over the
+        one pool, so the append is all or nothing across groups, pages one
+        group's window releases serve another, and the slots come out as the
+        rows of a ``(num_groups, total)`` array.
+        """
+        cdef Py_ssize_t batch = counts.shape[0], num_groups = self.num_groups, i
+        cdef Py_ssize_t num_cow = 0, num_seals = 0, num_tables = batch * num_groups
+        cdef list tables
+        cdef object slots = None
+        cdef const int64_t* count_view
+        cdef page_id_t* cow_pairs
+        self._lock.acquire()
+        try:
+            tables = self._tables_of_groups(seq_ids)
+            if len(tables) != num_tables:
+                raise ValueError(f"Invalid shape of num_tokens: expected ({len(tables) // num_groups},) to match "
+                                 f"seq_ids, got ({batch},)")
+            counts = np.tile(counts, num_groups)
+            count_view = <const int64_t*>cnp.PyArray_DATA(counts)
+            for i in range(batch):
+                if count_view[i] > MAX_POSITION - (<PageTable>tables[i]).length:
+                    raise ValueError(
+                        f"Invalid value of num_tokens: the sequence at index {i} would pass 2**62 "
+                        f"tokens, the length limit of a sequence; got {count_view[i]} more after "
+                        f"{(<PageTable>tables[i]).length}"
+                    )
+            if want_slots:
+                slots = np.empty((num_groups, total), dtype=np.int64)
+            cow = np.empty(2 * (num_tables + 1), dtype=np.int32)  # copy-on-write pairs: sources, then destinations
+            num_seals = self._seals.list_seals(tables, count_view)  # the seal moment: see seal()
+            try:
+                self._group.reserve(tables, count_view,
+                                    <slot_t*>cnp.PyArray_DATA(slots) if want_slots else NULL,
+                                    <page_id_t*>cnp.PyArray_DATA(cow),
+                                    <page_id_t*>cnp.PyArray_DATA(cow) + num_tables + 1, &num_cow)
+            except OutOfPagesError:
+                self._counters.out_of_pages = sat_add(self._counters.out_of_pages, 1)
+                raise OutOfPagesError(self._groups_out_of_pages_text(tables, counts, total, batch)) from None
+            self._seals.after_append(tables, count_view, num_seals)  # before copies overwrite pages
+            cow_pairs = <page_id_t*>cnp.PyArray_DATA(cow)
+            with nogil:
+                self._store.copy_pages(cow_pairs, cow_pairs + num_tables + 1, num_cow)
+            note_usage(&self._counters, self.pool)
+            self._counters.tokens_appended = sat_add(self._counters.tokens_appended, total)
+        finally:
+            self._lock.leave()
+        return slots
+
+    cdef str _groups_out_of_pages_text(self, list tables, object counts, int64_t total, Py_ssize_t batch):
+        """Message of the OutOfPagesError of an append to every page group (nothing changed yet)."""
+        needed, available = pages_needed_for(self.pool, tables, <const int64_t*>cnp.PyArray_DATA(counts))
+        num_seqs = int(np.count_nonzero(counts[:batch]))
+        free_pages = self.pool.q.num_free
+        return (f"Cannot append {total} token{'s' if total != 1 else ''} to {num_seqs} "
+                f"sequence{'s' if num_seqs != 1 else ''}: the cache's {self.num_groups} page groups need "
+                f"{needed} new pages of {self.page_size} tokens in all (copy-on-write copies included), but only "
+                f"{free_pages} of the {self.pool.num_pages} pages are free, plus {available - free_pages} that "
+                f"the windows release in this call. Nothing was changed. Free pages by removing or truncating "
+                f"sequences (remove_sequence, truncate), append fewer tokens per call, or create the cache with "
+                f"num_pages >= {self.pool.num_pages + needed - available}.")
+
     cdef str _over_pool_text(self, object seq_ids, object counts):
         """Message of append's OutOfPagesError for a call larger than the whole pool (see PageGroup)."""
         negative = np.flatnonzero(counts < 0)
@@ -744,7 +1094,11 @@ cdef class KVCache:
             if len(tables) != counts.shape[0]:
                 raise ValueError(f"Invalid shape of num_tokens: expected ({len(tables)},) to match seq_ids, "
                                  f"got ({counts.shape[0]},)")
-            return self._group.over_pool_text(tables, counts)
+            text = self._group.over_pool_text(tables, counts)
+            if self.num_groups != 1:
+                text += (f" (Counted for page group 0 alone: each of the cache's {self.num_groups} page groups "
+                         f"takes pages of its own from the pool.)")
+            return text
         finally:
             self._lock.leave()
 
@@ -757,6 +1111,9 @@ cdef class KVCache:
             Layer index, ``0 <= layer < num_layers``.
         slot_mapping : numpy.ndarray or sequence of int, shape ``[T]``
             Slots from :meth:`append`; -1 marks padding (the token is skipped).
+            With more than one page group: the slots of the layer's group
+            (row ``layer_group(layer)`` of what :meth:`append` returned), or
+            that whole int64 ndarray of shape ``[num_groups, T]``.
         k, v : array-like of real numbers, shape ``[T, num_kv_heads, head_dim]``
             float16, float32, float64 or integers, ndarray or nested lists;
             converted to the pool dtype when they differ (see *Array
@@ -780,6 +1137,15 @@ cdef class KVCache:
         and streaming them skips reading those lines first.
         """
         cdef int64_t layer_index = check_index(layer, "layer", self.num_layers)
+        if self.num_groups != 1:
+            if isinstance(slot_mapping, np.ndarray) and slot_mapping.ndim == 2:
+                if slot_mapping.shape[0] != self.num_groups:
+                    raise ValueError(f"Invalid shape of slot_mapping: expected (T,) or ({self.num_groups}, T), one "
+                                     f"row per page group, got {slot_mapping.shape}")
+                slot_mapping = slot_mapping[self._layer_group[layer_index]]
+            self._store_rows_of_slot(self._layer_slot[layer_index],
+                                     as_int_array(slot_mapping, "slot_mapping", np.int64), k, v)
+            return
         cdef object slots = as_int_array(slot_mapping, "slot_mapping", np.int64)
         cdef Py_ssize_t num_tokens = slots.shape[0]
         shape = (num_tokens, self.num_kv_heads, self.head_dim)
@@ -805,6 +1171,33 @@ cdef class KVCache:
             self._store.store_rows(layer_index, slot_view, num_tokens, key_data, value_data)
         self._lock.leave()
 
+    cdef int _store_rows_of_slot(self, int64_t slot_index, object slots, object k, object v) except -1:
+        """store's body for pool slot ``slot_index`` (a cache with more than one page group): check, then copy."""
+        cdef Py_ssize_t num_tokens = slots.shape[0]
+        shape = (num_tokens, self.num_kv_heads, self.head_dim)
+        keys = check_float_array(k, "k", shape, self._store.kv.dtype)
+        values = check_float_array(v, "v", shape, self._store.kv.dtype)
+        cdef const int64_t* slot_view = <const int64_t*>cnp.PyArray_DATA(slots)
+        cdef const char* key_data = <const char*>cnp.PyArray_DATA(keys)
+        cdef const char* value_data = <const char*>cnp.PyArray_DATA(values)
+        cdef int64_t num_slots = <int64_t>self.pool.num_pages * self.page_size
+        cdef Py_ssize_t t, bad = -1
+        with nogil:
+            for t in range(num_tokens):
+                if slot_view[t] < PAD_SLOT or slot_view[t] >= num_slots:
+                    bad = t
+                    break
+        if bad >= 0:
+            raise ValueError(
+                f"Invalid value of slot_mapping: expected slots in [-1, {num_slots - 1}], "
+                f"got {slot_view[bad]} at index {bad}"
+            )
+        self._lock.acquire()
+        with nogil:
+            self._store.store_rows(slot_index, slot_view, num_tokens, key_data, value_data)
+        self._lock.leave()
+        return 0
+
     def gather(self, layer, seq_id):
         """Copy out the cached tokens of one sequence in position order.
 
@@ -817,7 +1210,8 @@ cdef class KVCache:
         Returns
         -------
         k, v : numpy.ndarray
-            Pool dtype, shape ``[n, num_kv_heads, head_dim]``.
+            Pool dtype, shape ``[n, num_kv_heads, head_dim]``: the rows the
+            layer's page group holds (keys its window released are gone).
         positions : numpy.ndarray
             int64, shape ``[n]``: the token position of each row, increasing.
 
@@ -831,9 +1225,13 @@ cdef class KVCache:
         cdef int64_t layer_index = check_index(layer, "layer", self.num_layers)
         cdef PageTable table
         cdef Py_ssize_t num_pages, n
+        cdef PageGroup group = self._group
+        if self.num_groups != 1:
+            group = self._groups[self._layer_group[layer_index]]
+            layer_index = self._layer_slot[layer_index]  # the layer's slot on the pool's axis 0
         self._lock.acquire()
         try:
-            table = self._group.table(seq_id)
+            table = group.table(seq_id)
             num_pages = table.num_held()
             n = cached_tokens(table)
             page_ids = np.empty(num_pages, dtype=np.int32)
@@ -860,13 +1258,17 @@ cdef class KVCache:
                                     &positions[0])
         return 0
 
-    def page_table(self, seq_ids):
+    def page_table(self, seq_ids, *, group=None):
         """Export the page tables of a batch in FlashInfer's CSR form.
 
         Parameters
         ----------
         seq_ids : sequence of int, shape ``[B]``
             Known sequence ids (repeats allowed).
+        group : int, optional
+            The page group whose tables to export, ``0 <= group <
+            num_groups``; required with more than one group (see
+            :meth:`layer_group`), optional (0) with one.
 
         Returns
         -------
@@ -882,12 +1284,21 @@ cdef class KVCache:
         ValueError
             The page tables of the batch list more than ``2**31 - 1`` pages
             in total (repeats counted each time), the int32 limit of the CSR
-            ``indptr``; nothing is allocated.
+            ``indptr``; nothing is allocated. ``group`` missing with more
+            than one page group.
+        IndexError
+            ``group`` out of range.
         """
         cdef object ids = as_int_array(seq_ids, "seq_ids", np.int64)
+        cdef PageGroup chosen = self._group
+        if group is not None:
+            chosen = self._groups[check_index(group, "group", self.num_groups)]
+        elif self.num_groups != 1:
+            raise ValueError(f"Invalid value of group: expected the page group to export, 0 <= group < "
+                             f"{self.num_groups} (see layer_group), got None")
         self._lock.acquire()
         try:
-            return self._group.view([self._group.table(seq_id) for seq_id in ids.tolist()])
+            return chosen.view([chosen.table(seq_id) for seq_id in ids.tolist()])
         finally:
             self._lock.leave()
 
@@ -907,10 +1318,12 @@ cdef class KVCache:
         Returns
         -------
         dict
-            ``pages_in_use``, ``pages_free``, ``pages_peak`` (pages);
+            ``pages_in_use``, ``pages_free``, ``pages_peak`` (pages, every
+            page group's);
             ``evictions`` (page-table entries released by the window);
             ``cow_copies`` (pages copied on write); ``bytes_per_page`` (bytes
-            of one page id across all layers, K and V); ``bytes_in_use``;
+            of one page id across the layers it spans, K and V: all layers,
+            or a page group's with more than one); ``bytes_in_use``;
             ``num_sequences``; ``tokens_appended``. With prefix caching also
             ``prefix_queries`` and ``prefix_hits`` (prompt tokens looked up
             and served from cache), ``prefix_hit_rate`` (hits / queries),
@@ -953,7 +1366,12 @@ cdef class KVCache:
             ``metrics`` is not a bool (True, False or a NumPy bool).
         """
         cdef bint with_metrics = check_bool(metrics, "metrics")
-        cdef int64_t page_bytes = self.num_layers * self._store.page_bytes
+        cdef int64_t page_bytes = self._store.num_layers * self._store.page_bytes
+        cdef int64_t evictions = 0, cow_copies = 0
+        cdef PageGroup group
+        for group in self._groups:
+            evictions = sat_add(evictions, group.evictions)
+            cow_copies = sat_add(cow_copies, group.cow_copies)
         self._lock.acquire()
         try:
             in_use = self.pool.num_pages - self.pool.q.num_free
@@ -967,8 +1385,8 @@ cdef class KVCache:
                 "pages_in_use": in_use,
                 "pages_free": self.pool.q.num_free,
                 "pages_peak": self._counters.pages_peak,
-                "evictions": self._group.evictions,
-                "cow_copies": self._group.cow_copies,
+                "evictions": evictions,
+                "cow_copies": cow_copies,
                 "bytes_per_page": page_bytes,
                 "bytes_in_use": in_use * page_bytes,
                 "num_sequences": len(self._group.tables),
@@ -986,15 +1404,40 @@ cdef class KVCache:
 
         Checks the PagePool invariants; each table's geometry (sink pages,
         one run of window pages, the page of the last token held, the ring
-        bound); that every page's ref count equals the number of page-table
-        entries referring to it and free pages are unreferenced; the prefix
-        index; and that no unsealed page keeps a recorded checksum.
+        bound), in every page group; that every group has the same sequences
+        and lengths and no page is held by two groups; that every page's ref
+        count equals the number of page-table entries (of all groups)
+        referring to it and free pages are unreferenced; the prefix index;
+        and that no unsealed page keeps a recorded checksum.
         """
+        cdef PageGroup group
+        cdef PageTable table
         self._lock.acquire()
         try:
             self.pool.check_invariants()
             counts = np.zeros(self.pool.num_pages, dtype=np.int64)
-            self._group.count_references(counts)
+            if self.num_groups == 1:
+                self._group.count_references(counts)
+            else:
+                owner = np.full(self.pool.num_pages, -1, dtype=np.int64)
+                lengths = {key: table.length for key, table in self._group.tables.items()}
+                for g, group in enumerate(self._groups):
+                    if list(group.tables) != list(lengths):
+                        raise AssertionError(f"page group {g}: sequences {list(group.tables)}, group 0 has "
+                                             f"{list(lengths)}")
+                    for key, table in group.tables.items():
+                        if table.length != lengths[key]:
+                            raise AssertionError(f"sequence {key}: length {table.length} in page group {g}, "
+                                                 f"{lengths[key]} in group 0")
+                    mine = np.zeros(self.pool.num_pages, dtype=np.int64)
+                    group.count_references(mine)
+                    held = np.flatnonzero(mine)
+                    shared = held[owner[held] >= 0]
+                    if shared.size:
+                        p = int(shared[0])
+                        raise AssertionError(f"page {p}: held by page groups {int(owner[p])} and {g}")
+                    owner[held] = g
+                    counts += mine
             refs = np.asarray(self.pool._ref_count)
             bad = np.flatnonzero(refs != counts)
             if bad.size:
@@ -1092,6 +1535,11 @@ cdef class KVCache:
             self._lock.leave()
 
     def __repr__(self):
+        if self._layer_attention is not None:
+            return (f"KVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
+                    f"head_dim={self.head_dim}, num_pages={self.pool.num_pages}, page_size={self.page_size}, "
+                    f"dtype={self._store.kv.dtype}, num_groups={self.num_groups}, "
+                    f"layer_attention={list(self._layer_attention)})")
         return (f"KVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, num_pages={self.pool.num_pages}, page_size={self.page_size}, "
                 f"dtype={self._store.kv.dtype}, window={self._window}, sink_tokens={self.sink_tokens})")
@@ -1190,7 +1638,11 @@ cdef class KVCache:
         ------
         KeyError
             Unknown ``seq_id``.
+        ValueError
+            The cache has more than one page group (not supported with
+            per-layer attention settings).
         """
+        self._refuse_groups("export_sequence")
         from pagedkv.snapshot import export_sequence
         return export_sequence(self, seq_id)
 
@@ -1220,10 +1672,12 @@ cdef class KVCache:
             Fewer free pages than the sequence holds (or fewer pages in the
             whole pool); nothing changed.
         ValueError
-            ``seq_id`` already exists.
+            ``seq_id`` already exists, or the cache has more than one page
+            group (not supported with per-layer attention settings).
         TypeError
             ``extra_key`` is not a str, bytes, int or None.
         """
+        self._refuse_groups("import_sequence")
         from pagedkv.snapshot import import_sequence
         import_sequence(self, seq_id, data, extra_key=extra_key)
 
@@ -1231,16 +1685,24 @@ cdef class KVCache:
     # Snapshots (pagedkv.snapshot) write and read these plain values (see _kv_state);
     # the K/V bytes are the pool array itself.
     def _config(self):
-        """The construction arguments (a dict of ints and strs; window -1 = None)."""
+        """The construction arguments (a dict of ints and strs; window -1 = None).
+
+        ``layer_attention`` is None or a tuple of ``(window, sink_tokens,
+        chunk_size)`` per layer (-1 = None); with it, ``window`` is -1 and
+        ``sink_tokens`` 0.
+        """
         return {
             "num_layers": int(self.num_layers), "num_kv_heads": int(self.num_kv_heads),
             "head_dim": int(self.head_dim), "num_pages": int(self.pool.num_pages),
             "page_size": int(self.page_size), "dtype": str(self._store.kv.dtype),
-            "window": -1 if self._window is None else int(self._window),
-            "sink_tokens": int(self.sink_tokens),
+            "window": -1 if self._window is None or self._layer_attention is not None else int(self._window),
+            "sink_tokens": int(self.sink_tokens) if self._layer_attention is None else 0,
             "prefix_caching": int(self._prefix is not None),
             "prefix_hash": self._prefix.index.algorithm_name if self._prefix is not None else "xxh3_128",
             "page_checksums": int(self._seals.checksums != NULL),
+            "layer_attention": None if self._layer_attention is None else tuple(
+                (-1 if a.window is None else a.window, a.sink_tokens, -1 if a.chunk_size is None else a.chunk_size)
+                for a in self._layer_attention),
         }
 
     def _export_state(self):
@@ -1250,7 +1712,7 @@ cdef class KVCache:
         """
         self._lock.acquire()
         try:
-            return state_of(self.pool, self._group, self._prefix, &self._counters, self._config())
+            return state_of(self.pool, self._groups, self._prefix, &self._counters, self._config())
         finally:
             self._lock.leave()
 
@@ -1259,7 +1721,7 @@ cdef class KVCache:
 
         See ``pagedkv_c._kv_state.snapshot`` for the arguments, the result and the errors.
         """
-        return snapshot(kv_out, self._store, self.pool, self._group, self._prefix, self._seals, &self._counters,
+        return snapshot(kv_out, self._store, self.pool, self._groups, self._prefix, self._seals, &self._counters,
                         self._config(), self._lock)
 
     def _restore_state(self, dict state):
@@ -1271,7 +1733,7 @@ cdef class KVCache:
         try:
             if self._group.tables or self.pool.q.num_free != self.pool.num_pages:
                 raise RuntimeError("KVCache._restore_state needs a new cache without sequences")
-            restore_state(state, self.pool, self._group, self._prefix, &self._counters, self._config())
+            restore_state(state, self.pool, self._groups, self._prefix, &self._counters, self._config())
         finally:
             self._lock.leave()
 
@@ -1316,6 +1778,7 @@ cdef class KVCache:
 
         See ``pagedkv_c._kv_state.export_sequence`` for the arguments, the result and the errors.
         """
+        self._refuse_groups("export_sequence")
         self._lock.acquire()
         try:
             return _kv_state.export_sequence(self._group.table(seq_id), self._store)
@@ -1327,6 +1790,7 @@ cdef class KVCache:
 
         See ``pagedkv_c._kv_state.import_sequence`` for the arguments, the result and the errors.
         """
+        self._refuse_groups("import_sequence")
         _kv_state.import_sequence(seq_id, table_state, hash_state, kv, extra_key, self.pool, self._group,
                                   self._prefix, self._seals, self._store, &self._counters, self._lock)
 
@@ -1383,9 +1847,13 @@ cdef class KVCache:
         """
         cdef int64_t n = 0
         cdef PageTable table
+        cdef PageGroup group
         self._lock.acquire()
         try:
-            tables = list(self._group.tables.values()) if seq_ids is None else self._group.tables_for(seq_ids)
+            if seq_ids is not None:
+                tables = self._tables_of_groups(seq_ids)
+            else:
+                tables = [pair[1] for pair in self._all_tables()]
             for table in tables:
                 with nogil:
                     n += self._seals.seal_table(table)
@@ -1439,8 +1907,8 @@ cdef class KVCache:
             )
         self._lock.acquire()
         try:
-            held = None if seq_ids is None else [table.pages()[0] for table in self._group.tables_for(seq_ids)]
-            return self._seals.verify(held, self._group.tables)
+            held = None if seq_ids is None else [table.pages()[0] for table in self._tables_of_groups(seq_ids)]
+            return self._seals.verify(held, self._all_tables())
         finally:
             self._lock.leave()
 
@@ -1451,6 +1919,7 @@ cdef class KVCache:
         """
         if not isinstance(enabled, (bool, np.bool_)):
             raise TypeError(f"Invalid type of enabled: expected a bool, got {type(enabled).__name__}")
+        self._refuse_groups("the sealed-page log")
         cdef int64_t entries = check_int(capacity, "capacity", 1, 2**24)
         self._lock.acquire()
         try:
@@ -1496,10 +1965,15 @@ cdef class KVCache:
 
         See ``pagedkv_c._seals.SealTracker.checked_state`` for the arguments, the result and the errors.
         """
+        cdef PageGroup group
+        cdef PageTable table
         checked = self._seals.checked_state(sealed, checksums, pages_sealed)
         self._lock.acquire()
         try:
             self._seals.apply_state(checked, self._group.tables)
+            for group in self._groups[1:]:
+                for table in group.tables.values():
+                    table.num_sealed = 0  # the flags no longer follow from this table's history
         finally:
             self._lock.leave()
 
@@ -1520,11 +1994,15 @@ cdef class KVCache:
 def _remove_deferred(tuple cache_and_key):
     """Remove a sequence whose removal a re-entrant remove_sequence deferred (under the lock)."""
     cdef KVCache cache = cache_and_key[0]
-    cdef PageTable table = cache._group.tables.get(cache_and_key[1])
-    if table is not None:  # the running call may have removed it already
+    cdef PageGroup group
+    cdef PageTable table
+    if cache_and_key[1] not in cache._group.tables:  # the running call may have removed it already
+        return
+    for group in cache._groups:
+        table = group.tables[cache_and_key[1]]
         cache._seals.seal_table(table)
         table.drop_tail(0)
-        del cache._group.tables[cache_and_key[1]]
+        del group.tables[cache_and_key[1]]
 
 
 cdef object _block_ids(object block_hashes):

@@ -24,11 +24,11 @@ cdef inline void note_usage(CacheCounters* counters, PagePool pool) noexcept nog
         counters.pages_peak = in_use
 
 
-cdef dict state_of(PagePool pool, PageGroup group, PrefixServer prefix, const CacheCounters* counters,
+cdef dict state_of(PagePool pool, list groups, PrefixServer prefix, const CacheCounters* counters,
                    dict config)
-cdef tuple snapshot(object kv_out, PageStore store, PagePool pool, PageGroup group, PrefixServer prefix,
+cdef tuple snapshot(object kv_out, PageStore store, PagePool pool, list groups, PrefixServer prefix,
                     SealTracker seals, const CacheCounters* counters, dict config, CacheLock lock)
-cdef int restore_state(dict state, PagePool pool, PageGroup group, PrefixServer prefix, CacheCounters* counters,
+cdef int restore_state(dict state, PagePool pool, list groups, PrefixServer prefix, CacheCounters* counters,
                        dict config) except -1
 cdef tuple export_sequence(PageTable table, PageStore store)
 cdef int import_sequence(object seq_id, dict table_state, object hash_state, object kv, object extra_key,

@@ -12,7 +12,7 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport INT64_MAX, INT64_MIN
 from libc.string cimport memcpy
-from pagedkv_c._types cimport page_id_t
+from pagedkv_c._types cimport page_id_t, sat_add
 from pagedkv_c._pool import OutOfPagesError
 from pagedkv_c._prefix cimport SequenceHashes, hash128, hash_salt
 from pagedkv_c._prefix_serving cimport NUM_PREFIX_HIT_BUCKETS
@@ -39,7 +39,7 @@ _COUNTER_NAMES = ("pages_peak", "evictions", "cow_copies", "tokens_appended", "p
                   "out_of_pages_errors", "sequences_added", "pages_allocated", "ring_reuses")
 
 
-cdef dict state_of(PagePool pool, PageGroup group, PrefixServer prefix, const CacheCounters* counters,
+cdef dict state_of(PagePool pool, list groups, PrefixServer prefix, const CacheCounters* counters,
                    dict config):
     """Everything but the K/V bytes, as plain NumPy arrays and ints.
 
@@ -54,20 +54,29 @@ cdef dict state_of(PagePool pool, PageGroup group, PrefixServer prefix, const Ca
         ``free_queue`` int32 ``(num_free,)`` (hand-out order);
         ``prefix`` (the index's ``_export_state()``, or None);
         ``sequences``: a list of ``(seq_id, table state, hash chain
-        state or None)`` in insertion order.
+        state or None)`` in insertion order (page group 0's tables);
+        ``group_tables``: for each further page group, a list of ``(seq_id,
+        table state)`` in the same order (empty with one group).
     """
     cdef PageTable table
+    cdef PageGroup group = groups[0]
+    cdef int64_t evictions = 0, cow_copies = 0
     ref_counts, free_queue = pool._export_state()
     sequences = []
     for seq_id, table in group.tables.items():
         sequences.append((int(seq_id), table._export_state(),
                           table.hashes._export_state() if table.hashes is not None else None))
+    group_tables = [[(int(seq_id), table._export_state()) for seq_id, table in (<PageGroup>g).tables.items()]
+                    for g in groups[1:]]
+    for group in groups:
+        evictions = sat_add(evictions, group.evictions)
+        cow_copies = sat_add(cow_copies, group.cow_copies)
     prefix_counters = prefix.counters() if prefix is not None else {
         "prefix_queries": 0, "prefix_hits": 0, "prefix_hit_counts": np.zeros(NUM_PREFIX_HIT_BUCKETS, dtype=np.int64)}
     return {
         "config": config,
-        "counters": {"pages_peak": int(counters.pages_peak), "evictions": int(group.evictions),
-                     "cow_copies": int(group.cow_copies), "tokens_appended": int(counters.tokens_appended),
+        "counters": {"pages_peak": int(counters.pages_peak), "evictions": int(evictions),
+                     "cow_copies": int(cow_copies), "tokens_appended": int(counters.tokens_appended),
                      "prefix_queries": prefix_counters["prefix_queries"],
                      "prefix_hits": prefix_counters["prefix_hits"],
                      "out_of_pages_errors": int(counters.out_of_pages),
@@ -79,10 +88,11 @@ cdef dict state_of(PagePool pool, PageGroup group, PrefixServer prefix, const Ca
         "free_queue": free_queue,
         "prefix": prefix.index._export_state() if prefix is not None else None,
         "sequences": sequences,
+        "group_tables": group_tables,
     }
 
 
-cdef tuple snapshot(object kv_out, PageStore store, PagePool pool, PageGroup group, PrefixServer prefix,
+cdef tuple snapshot(object kv_out, PageStore store, PagePool pool, list groups, PrefixServer prefix,
                     SealTracker seals, const CacheCounters* counters, dict config, CacheLock lock):
     """A point-in-time copy for a snapshot: state, seal state and K/V bytes from one hold of the lock.
 
@@ -127,7 +137,7 @@ cdef tuple snapshot(object kv_out, PageStore store, PagePool pool, PageGroup gro
                              "apart from the pool")
         nbytes = <size_t>kv.nbytes
         dst = <char*>cnp.PyArray_DATA(kv_out)
-        state = state_of(pool, group, prefix, counters, config)
+        state = state_of(pool, groups, prefix, counters, config)
         sealed = seals.state()
         if nbytes:
             with nogil:  # no Python code runs here, so no finalizer can queue a deferred call
@@ -137,7 +147,7 @@ cdef tuple snapshot(object kv_out, PageStore store, PagePool pool, PageGroup gro
         lock.leave()
 
 
-cdef int restore_state(dict state, PagePool pool, PageGroup group, PrefixServer prefix, CacheCounters* counters,
+cdef int restore_state(dict state, PagePool pool, list groups, PrefixServer prefix, CacheCounters* counters,
                        dict config) except -1:
     """Make this new, empty cache the one ``state`` (from ``_export_state``) describes.
 
@@ -149,7 +159,10 @@ cdef int restore_state(dict state, PagePool pool, PageGroup group, PrefixServer 
     must equal this cache's, every table must cover exactly the pages
     its length, window and sinks say, every page's ref count must equal
     the page-table entries that hold it, the free queue must be exactly
-    the pages without references, every hash chain must follow from its
+    the pages without references, no page may be held by two page groups,
+    every page group must list the same sequences with the same lengths
+    (``group_tables``, absent or empty with one group), every hash chain
+    must follow from its
     salt and kept token (or block) ids, and the prefix index must hold
     each registered page a sequence holds under that sequence's hash.
 
@@ -164,6 +177,8 @@ cdef int restore_state(dict state, PagePool pool, PageGroup group, PrefixServer 
         holding it. Nothing changed.
     """
     cdef PageTable table
+    cdef PageGroup group = groups[0]
+    cdef Py_ssize_t g
     if state["config"] != config:
         raise StateError("config", f"Invalid value of config: expected {config}, got {state['config']}")
     state_counters = state["counters"]
@@ -216,6 +231,36 @@ cdef int restore_state(dict state, PagePool pool, PageGroup group, PrefixServer 
     counts = np.zeros(pool.num_pages, dtype=np.int64)
     for pages in held:
         np.add.at(counts, pages, 1)
+    # Further page groups: the same sequences and lengths, their own tables, pages of their own.
+    extra = state.get("group_tables") or []
+    if len(extra) != len(groups) - 1:
+        raise StateError("tables", f"Invalid value of group_tables: expected the tables of {len(groups) - 1} "
+                                   f"further page groups, got {len(extra)}")
+    owner = np.where(counts > 0, 0, -1)
+    more = []  # (group, key, table, table state)
+    for g in range(1, len(groups)):
+        listed = extra[g - 1]
+        if [seq_id for seq_id, _ in listed] != list(tables):
+            raise StateError("tables", f"Invalid value of group_tables: page group {g} lists sequences "
+                                       f"{[seq_id for seq_id, _ in listed]}, group 0 {list(tables)}")
+        mine = np.zeros(pool.num_pages, dtype=np.int64)
+        for seq_id, table_state in listed:
+            if table_state["length"] != tables[seq_id][1]["length"]:
+                raise StateError("tables", f"sequence {seq_id}: length {table_state['length']} in page group "
+                                           f"{g}, {tables[seq_id][1]['length']} in group 0")
+            table = (<PageGroup>groups[g]).new_table()
+            try:
+                table._check_state(table_state)
+            except ValueError as exc:
+                raise StateError("tables", f"sequence {seq_id} in page group {g}: {exc}") from None
+            np.add.at(mine, table_state["pages"], 1)
+            more.append((g, seq_id, table, table_state))
+        both = np.flatnonzero((mine > 0) & (owner >= 0))
+        if both.size:
+            raise StateError("tables", f"Invalid value of pages: page {int(both[0])} is held by page groups "
+                                       f"{int(owner[both[0]])} and {g}")
+        owner[mine > 0] = g
+        counts += mine
     bad = np.flatnonzero(counts != ref_counts)
     if bad.size:
         p = int(bad[0])
@@ -234,6 +279,9 @@ cdef int restore_state(dict state, PagePool pool, PageGroup group, PrefixServer 
     for key, (table, table_state) in tables.items():
         table._apply_state(table_state)
         group.tables[key] = table
+    for g, key, table, table_state in more:
+        table._apply_state(table_state)
+        (<PageGroup>groups[g]).tables[key] = table
     counters.pages_peak = state_counters["pages_peak"]
     group.evictions = state_counters["evictions"]
     group.cow_copies = state_counters["cow_copies"]

@@ -18,6 +18,8 @@ cdef class PageGroup:
     cdef int32_t page_size                # tokens per page
     cdef object window                    # None or int, in tokens
     cdef int64_t sink_tokens              # in tokens
+    cdef object setting                   # the AttentionSetting of the group's layers (chunks stored as a window)
+    cdef tuple layers                     # the group's layers, ascending; pool slot i holds layers[i]
     cdef dict tables                      # seq_id (int) -> PageTable, in insertion order
     # Counters reported by KVCache.stats(), since construction.
     cdef int64_t evictions                # page-table entries released by the window
@@ -34,5 +36,6 @@ cdef class PageGroup:
 
 
 cdef PageGroup new_page_group(PagePool pool, int32_t page_size, object window, int64_t sink_tokens)
+cdef int check_truncate(PageTable table, int64_t new_len) except -1
 cdef object seq_key(object seq_id, str name=*)
 cdef int64_t cached_tokens(PageTable table) noexcept

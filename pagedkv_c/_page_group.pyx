@@ -1,13 +1,22 @@
 """PageGroup: the page tables of one group of layers, and their window policy.
 
-A group is the set of layers that share one attention setting (full
-attention, or a sliding window of ``W`` tokens with ``S`` sink tokens) and so
-one page table per sequence. Every group of a cache draws its pages from the
-cache's one :class:`~pagedkv_c._pool.PagePool`. A uniform model has one group.
+A group is a set of layers that share one attention setting
+(:class:`AttentionSetting`: full attention, a sliding window of ``W`` tokens
+with ``S`` sink tokens, or chunks of ``C`` tokens) and so one page table per
+sequence. Every group of a cache draws its pages from the cache's one
+:class:`~pagedkv_c._pool.PagePool`. A uniform model has one group.
 The group owns its sequences' tables, appends to them all or nothing
 (``append_batch``), exports them (CSR, block tables) and checks them; K/V
 bytes, seals and prefix caching belong to other units of the cache.
+
+How layers become groups (:func:`layer_groups`) follows vLLM's hybrid KV
+cache manager: layers with equal settings are one *kind*; with ``G`` the
+greatest common divisor of the kinds' layer counts, each kind of ``n``
+layers is split into ``n / G`` groups of ``G`` layers, so that a page id,
+owned by one group at a time, spans exactly ``G`` layers whatever its group.
 """
+import math
+
 import numpy as np
 
 cimport numpy as cnp
@@ -15,12 +24,174 @@ from libc.stdint cimport INT64_MAX, INT64_MIN
 from pagedkv_c._types cimport sat_add
 from pagedkv_c._page_table cimport append_batch, owner_key, pages_needed_for
 from pagedkv_c._checks cimport check_int, as_int_array
+from pagedkv_c._checks import check_sink_window
 
 cnp.import_array()
 
 # Largest sequence length in tokens (as PageTable and attention).
 cdef int64_t MAX_POSITION = 2**62
 cdef int64_t MAX_NUM_PAGES = 2**31 - 2  # page ids are int32 (see PagePool)
+
+
+class AttentionSetting:
+    """The attention setting of a layer: full attention, a sliding window (with sinks), or chunks.
+
+    An immutable, hashable value; two settings are equal when their three
+    attributes are. Masks of the query at position ``p`` over key positions
+    ``k``: full attention ``k <= p``; a window of ``W`` tokens ``p - W + 1 <=
+    k <= p``, plus the sink positions ``k < S``; chunks of ``C`` tokens
+    ``floor(p / C) * C <= k <= p`` (Llama 4's chunked local attention).
+
+    Parameters
+    ----------
+    window : int or None
+        Sliding window ``W`` in tokens, ``1 <= W <= 2**62``; None: no window.
+    sink_tokens : int
+        Attention-sink tokens ``0 <= S <= 2**62``; above 0 only with a window.
+    chunk_size : int or None
+        Chunk ``C`` in tokens, ``1 <= C <= 2**62``; None: no chunks. Not
+        together with a window.
+
+    Raises
+    ------
+    TypeError
+        A value that is not an integer (or None where allowed).
+    ValueError
+        A value out of range, sinks without a window, or a window and a
+        chunk size together; the message names the argument.
+
+    Notes
+    -----
+    A :class:`KVCache` stores a chunked layer's keys as a sliding window of
+    ``C`` tokens: a superset of what a chunk's query sees, whose exact mask
+    the attention kernels apply.
+    """
+    __slots__ = ("_window", "_sink_tokens", "_chunk_size")
+
+    def __init__(self, window=None, sink_tokens=0, chunk_size=None):
+        if window is not None:
+            window = int(check_int(window, "window", 1, MAX_POSITION))
+        cdef int64_t sinks = check_int(sink_tokens, "sink_tokens", 0, MAX_POSITION)
+        check_sink_window(window, sinks)
+        if chunk_size is not None:
+            chunk_size = int(check_int(chunk_size, "chunk_size", 1, MAX_POSITION))
+            if window is not None:
+                raise ValueError(f"Invalid value of chunk_size: expected None with a sliding window "
+                                 f"(window={window}), a layer has one or the other, got {chunk_size}")
+        object.__setattr__(self, "_window", window)
+        object.__setattr__(self, "_sink_tokens", int(sinks))
+        object.__setattr__(self, "_chunk_size", chunk_size)
+
+    @property
+    def window(self):
+        """Sliding window in tokens, or None."""
+        return self._window
+
+    @property
+    def sink_tokens(self):
+        """Attention-sink tokens (0 without a window)."""
+        return self._sink_tokens
+
+    @property
+    def chunk_size(self):
+        """Chunk size in tokens, or None."""
+        return self._chunk_size
+
+    def _key(self):
+        return (self._chunk_size is not None, self._chunk_size or 0, self._window is not None, self._window or 0,
+                self._sink_tokens)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("AttentionSetting is immutable")
+
+    def __delattr__(self, name):
+        raise AttributeError("AttentionSetting is immutable")
+
+    def __eq__(self, other):
+        if not isinstance(other, AttentionSetting):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __ne__(self, other):
+        if not isinstance(other, AttentionSetting):
+            return NotImplemented
+        return self._key() != other._key()
+
+    # An order (full attention first, then windows, then chunks) so that settings sort.
+    def __lt__(self, other):
+        if not isinstance(other, AttentionSetting):
+            return NotImplemented
+        return self._key() < other._key()
+
+    def __le__(self, other):
+        if not isinstance(other, AttentionSetting):
+            return NotImplemented
+        return self._key() <= other._key()
+
+    def __gt__(self, other):
+        if not isinstance(other, AttentionSetting):
+            return NotImplemented
+        return self._key() > other._key()
+
+    def __ge__(self, other):
+        if not isinstance(other, AttentionSetting):
+            return NotImplemented
+        return self._key() >= other._key()
+
+    def __hash__(self):
+        return hash(("AttentionSetting",) + self._key())
+
+    def __reduce__(self):
+        return (AttentionSetting, (self._window, self._sink_tokens, self._chunk_size))
+
+    def __repr__(self):
+        return (f"AttentionSetting(window={self._window}, sink_tokens={self._sink_tokens}, "
+                f"chunk_size={self._chunk_size})")
+
+
+FULL_ATTENTION = AttentionSetting()
+
+
+def layer_settings(layer_attention, num_layers):
+    """``layer_attention`` checked: a tuple of ``num_layers`` :class:`AttentionSetting` (None -> full attention).
+
+    Raises TypeError for a value that is not a sequence of settings or None,
+    ValueError for another length; both name ``layer_attention``.
+    """
+    if isinstance(layer_attention, (str, bytes, AttentionSetting)) or not hasattr(layer_attention, "__len__"):
+        raise TypeError(f"Invalid type of layer_attention: expected a sequence of AttentionSetting or None per "
+                        f"layer, got {type(layer_attention).__name__}")
+    settings = tuple(layer_attention)
+    if len(settings) != num_layers:
+        raise ValueError(f"Invalid value of layer_attention: expected one entry per layer ({num_layers}), "
+                         f"got {len(settings)}")
+    for i, setting in enumerate(settings):
+        if setting is not None and not isinstance(setting, AttentionSetting):
+            raise TypeError(f"Invalid type of layer_attention[{i}]: expected an AttentionSetting or None, "
+                            f"got {type(setting).__name__}")
+    return tuple(FULL_ATTENTION if setting is None else setting for setting in settings)
+
+
+def layer_groups(settings):
+    """Split layers into page groups: a list of ``(AttentionSetting, layers)``, ``layers`` a tuple of int.
+
+    ``settings`` has one :class:`AttentionSetting` per layer. Layers with
+    equal settings are one kind; with ``G`` the greatest common divisor of
+    the kinds' layer counts, each kind's layers, in ascending order, are cut
+    into runs of ``G`` (vLLM's hybrid KV cache manager). The groups are
+    ordered by their first layer. One kind (or no layer) gives one group of
+    every layer.
+    """
+    kinds = {}
+    for layer, setting in enumerate(settings):
+        kinds.setdefault(setting, []).append(layer)
+    if len(kinds) <= 1:
+        return [(settings[0] if settings else FULL_ATTENTION, tuple(range(len(settings))))]
+    size = math.gcd(*(len(layers) for layers in kinds.values()))
+    groups = [(setting, tuple(layers[i:i + size])) for setting, layers in kinds.items()
+              for i in range(0, len(layers), size)]
+    groups.sort(key=lambda group: group[1][0])
+    return groups
 
 
 cdef class PageTableView:
@@ -256,6 +427,24 @@ cdef PageGroup new_page_group(PagePool pool, int32_t page_size, object window, i
     group.sink_tokens = sink_tokens
     group.tables = {}
     return group
+
+
+cdef int check_truncate(PageTable table, int64_t new_len) except -1:
+    """Raise ValueError, changing nothing, unless ``table`` can be truncated to ``new_len`` (0 <= new_len <= length).
+
+    The rule of ``PageTable.truncate``: with a window, the query at
+    ``new_len`` must not need keys the window already released.
+    """
+    cdef int64_t low = table.min_truncate_len()
+    cdef int64_t sink_end = <int64_t>table.num_sink_pages * table.page_size
+    if new_len > sink_end and new_len < low:
+        raise ValueError(
+            f"Invalid value of new_len: the window of {table._window} tokens already released keys that a query "
+            f"at position {new_len} needs; expected "
+            f"{'new_len == 0' if sink_end == 0 else f'new_len <= {sink_end}'} or "
+            f"{low} <= new_len <= {table.length}, got {new_len}"
+        )
+    return 0
 
 
 cdef object seq_key(object seq_id, str name="seq_id"):

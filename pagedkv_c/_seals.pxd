@@ -66,7 +66,7 @@ cdef class SealTracker:
     cdef void after_append(self, list tables, const int64_t* counts, Py_ssize_t num_listed)
     cdef void seal_written(self, page_id_t page_id, uint64_t checksum) noexcept nogil
     cdef bint has_pending(self) noexcept
-    cdef object verify(self, list held, dict tables)
+    cdef object verify(self, list held, object tables)
     cdef int enable_log(self, bint enabled, int64_t entries) except -1
     cdef tuple take_pages(self)
     cdef dict log_stats(self)

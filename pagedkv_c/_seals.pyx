@@ -235,12 +235,12 @@ cdef class SealTracker:
         """True when the sealed-page log holds entries (most decode steps seal nothing)."""
         return self.log_enabled and pkv_sealed_log_count(&self.log) > 0
 
-    cdef object verify(self, list held, dict tables):
+    cdef object verify(self, list held, object tables):
         """Recompute the checksums of sealed pages; a :class:`PageCheckReport`.
 
         ``held`` lists the int32 page-id arrays of the sequences to check, or
-        is None for every sealed page of the pool; ``tables`` (seq_id ->
-        PageTable) names the holders of a bad page. Needs ``checksums``.
+        is None for every sealed page of the pool; ``tables`` (``(seq_id,
+        PageTable)`` pairs) names the holders of a bad page. Needs ``checksums``.
         """
         cdef cnp.ndarray pages, actual
         cdef Py_ssize_t n
@@ -262,7 +262,7 @@ cdef class SealTracker:
         bad_pages = []
         if bad.size:
             holders = {int(p): [] for p in pages[bad]}
-            for seq_id, table in tables.items():
+            for seq_id, table in tables:
                 for p in set(table.pages()[0].tolist()) & holders.keys():
                     holders[p].append(seq_id)
             bad_pages = [BadPage(int(pages[i]), int(expected[i]), int(actual[i]), holders[int(pages[i])])

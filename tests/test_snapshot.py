@@ -339,7 +339,7 @@ def test_newer_format_version_is_refused(tmp_path, small_file):
     struct.pack_into("<Q", data, 56, snap._checksum(bytes(data[:56])))  # a valid header otherwise
     path = tmp_path / "newer.pkv"
     path.write_bytes(data)
-    with pytest.raises(SnapshotError, match="format version 2 is newer"):
+    with pytest.raises(SnapshotError, match=f"format version {snap.FORMAT_VERSION + 1} is newer"):
         KVCache.load(path)
 
 

@@ -5,6 +5,9 @@ Public API
 KVCache
     Paged K/V storage for many sequences and layers (page tables, sliding
     window with attention sinks, copy-on-write forks, FlashInfer/vLLM exports).
+AttentionSetting
+    One layer's attention setting (full, sliding window with sinks, or
+    chunks), for ``KVCache(..., layer_attention=...)`` (hybrid models).
 PageTableView
     A batch of page tables in FlashInfer's CSR form (``KVCache.page_table``).
 PageCheckReport, BadPage
@@ -38,11 +41,11 @@ if "numpy" not in _sys.modules:
 
 from pagedkv_c._build_info import build_info, openmp_enabled
 from pagedkv_c._classic import PagedKVCache
-from pagedkv_c._kv_cache import BadPage, KVCache, PageCheckReport, PageTableView
+from pagedkv_c._kv_cache import AttentionSetting, BadPage, KVCache, PageCheckReport, PageTableView
 from pagedkv_c._pool import OutOfPagesError, PagePool
 from pagedkv import attention
 from pagedkv.snapshot import SnapshotError
 
-__all__ = ["BadPage", "KVCache", "OutOfPagesError", "PageCheckReport", "PagePool", "PageTableView",
+__all__ = ["AttentionSetting", "BadPage", "KVCache", "OutOfPagesError", "PageCheckReport", "PagePool", "PageTableView",
            "PagedKVCache", "SnapshotError", "attention", "build_info", "openmp_enabled"]
 __version__ = "0.1.0"

@@ -20,7 +20,8 @@ import numpy as np
 from pagedkv_c._file_io import start_writeback
 from pagedkv_c._prefix import xxh3_128_intdigest
 
-FORMAT_VERSION = 1  # written, and the only version read (pagedkv.snapshot documents it)
+FORMAT_VERSION = 2  # written (pagedkv.snapshot documents it)
+OLDEST_FORMAT_VERSION = 1  # the oldest version read: versions OLDEST_FORMAT_VERSION .. FORMAT_VERSION load
 MAGIC_CACHE = b"PKVSNAP\x00"
 MAGIC_SEQUENCE = b"PKVSEQ\x00\x00"
 MAGIC_CLASSIC = b"PKVCLAS\x00"
@@ -189,8 +190,9 @@ class _Parsed:
     """A verified container: its metadata sections and where its pages lie."""
 
     def __init__(self, magic: bytes, sections: dict[str, dict[str, np.ndarray]], checksums: np.ndarray,
-                 pages_offset: int, pages_length: int):
+                 pages_offset: int, pages_length: int, version: int = FORMAT_VERSION):
         self.magic = magic
+        self.version = version
         self.sections = sections
         self.checksums = checksums
         self.pages_offset = pages_offset
@@ -221,8 +223,9 @@ def _parse(read, size: int, expected: bytes, source: str) -> _Parsed:
     if version > FORMAT_VERSION:
         raise SnapshotError(f"section 'header': format version {version} is newer than this pagedkv reads "
                             f"({FORMAT_VERSION}); upgrade pagedkv to load it")
-    if version != FORMAT_VERSION:
-        raise SnapshotError(f"section 'header': unknown format version {version} (this pagedkv reads {FORMAT_VERSION})")
+    if version < OLDEST_FORMAT_VERSION:
+        raise SnapshotError(f"section 'header': unknown format version {version} (this pagedkv reads "
+                            f"{OLDEST_FORMAT_VERSION} to {FORMAT_VERSION})")
     if struct.unpack_from("<Q", head, 56)[0] != _checksum(head[:56]):
         raise SnapshotError("section 'header': checksum mismatch (the header is damaged)")
     layout = _LAYOUTS[expected]
@@ -263,7 +266,7 @@ def _parse(read, size: int, expected: bytes, source: str) -> _Parsed:
                 raise SnapshotError("section 'pages': the padding before it is not zeros (damaged)")
             if checksums is None or checksum != _checksum(checksums):
                 raise SnapshotError("section 'pages': checksum of the page checksum table does not match")
-            return _Parsed(expected, sections, checksums, start, length)
+            return _Parsed(expected, sections, checksums, start, length, version)
         if start != offset or length > size - start:
             raise SnapshotError(f"section {tag!r}: lies at [{start}, {start + length}), expected it to start at "
                                 f"{offset} inside the file's {size} bytes")

@@ -1,6 +1,6 @@
 """Snapshots: save a cache to a file, load it back, move one sequence between caches.
 
-File format (version 1, all integers little-endian)
+File format (version 2, all integers little-endian)
 ---------------------------------------------------
 A file is a 64-byte header, a section table, then the sections in table
 order. Every byte is covered by a checksum, so a flipped bit anywhere makes
@@ -23,6 +23,16 @@ metadata         named arrays (see below); checksum over the section's bytes
                  the ``checksums`` section's bytes, and each page is checked
                  against its own entry there
 ===============  =============================================================
+
+Version 2 adds per-layer attention settings (``KVCache(...,
+layer_attention=...)``): the ``config`` section may hold ``layer_attention``,
+int64 ``(num_layers, 3)``, per layer its window, sink tokens and chunk size
+(-1 for None), with ``window`` -1 and ``sink_tokens`` 0; the pool is then
+``(G, num_pages, ...)`` with ``G`` the layers per page group (all layers for
+one group), and with more than one group the ``tables`` section lists every
+group's tables, group after group (each in the same sequence order), with
+``groups``, int64 per row, its page group. Version 1 files, which have
+neither, still load.
 
 Sections follow each other without gaps (only the padding before
 ``pages``, which must be zeros) and end exactly at ``file_length``, the
@@ -104,10 +114,39 @@ _log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------ KVCache
 def _config_section(config: dict) -> bytes:
-    return _encode({key: value for key, value in config.items()})
+    arrays = {key: value for key, value in config.items() if key != "layer_attention"}
+    if config.get("layer_attention") is not None:
+        arrays["layer_attention"] = np.array(config["layer_attention"], dtype=np.int64).reshape(-1, 3)
+    return _encode(arrays)
 
 
-def _read_config(section: _Section, num_pages_bound: int | None) -> dict:
+def _layer_attention(config: dict):
+    """The ``layer_attention`` argument of a configuration: a tuple of AttentionSetting, or None."""
+    from pagedkv_c._page_group import AttentionSetting
+
+    if config.get("layer_attention") is None:
+        return None
+    return tuple(AttentionSetting(None if w == -1 else w, s, None if c == -1 else c)
+                 for w, s, c in config["layer_attention"])
+
+
+def _page_groups(config: dict) -> tuple[list[tuple[int, int]], int]:
+    """``([(window, sink_tokens)] per page group, layers per page)`` of a configuration (window -1 = None).
+
+    A chunked group's window is its chunk size (the cache stores chunks as a window of that many tokens).
+    """
+    from pagedkv_c._page_group import layer_groups
+
+    settings = _layer_attention(config)
+    if settings is None:
+        return [(config["window"], config["sink_tokens"])], config["num_layers"]
+    groups = layer_groups(settings)
+    windows = [(a.chunk_size if a.chunk_size is not None else (-1 if a.window is None else a.window), a.sink_tokens)
+               for a, _ in groups]
+    return windows, config["num_layers"] if len(groups) == 1 else len(groups[0][1])
+
+
+def _read_config(section: _Section, num_pages_bound: int | None, version: int = _format.FORMAT_VERSION) -> dict:
     config = {
         "num_layers": section.int("num_layers", 0, 2**20),
         "num_kv_heads": section.int("num_kv_heads", 1, 2**16),
@@ -125,11 +164,23 @@ def _read_config(section: _Section, num_pages_bound: int | None) -> dict:
         raise section.error(f"window {config['window']} with {config['sink_tokens']} sink tokens is not a valid cache")
     if num_pages_bound is not None and config["num_pages"] != num_pages_bound:
         raise section.error(f"num_pages {config['num_pages']} but the checksum table lists {num_pages_bound} pages")
+    config["layer_attention"] = None
+    if "layer_attention" in section.arrays:
+        if version < 2:
+            raise section.error(f"entry 'layer_attention' in a file of format version {version}")
+        table = section.array("layer_attention", np.int64, 2, (config["num_layers"], 3))
+        if config["window"] != -1 or config["sink_tokens"]:
+            raise section.error("layer_attention with a window or sink tokens")
+        config["layer_attention"] = tuple(tuple(int(x) for x in row) for row in table.tolist())
+        try:
+            _layer_attention(config)
+        except (TypeError, ValueError) as exc:
+            raise section.error(f"entry 'layer_attention': {exc}") from None
     return config
 
 
 def _pool_shape(config: dict, num_pages: int) -> tuple:
-    return (config["num_layers"], num_pages, 2, config["page_size"], config["num_kv_heads"], config["head_dim"])
+    return (_page_groups(config)[1], num_pages, 2, config["page_size"], config["num_kv_heads"], config["head_dim"])
 
 
 def _cache_kwargs(config: dict) -> dict:
@@ -138,7 +189,7 @@ def _cache_kwargs(config: dict) -> dict:
         "num_pages": config["num_pages"], "page_size": config["page_size"], "dtype": np.dtype(config["dtype"]),
         "window": None if config["window"] == -1 else config["window"], "sink_tokens": config["sink_tokens"],
         "enable_prefix_caching": bool(config["prefix_caching"]), "prefix_hash": config["prefix_hash"],
-        "page_checksums": bool(config["page_checksums"]),
+        "page_checksums": bool(config["page_checksums"]), "layer_attention": _layer_attention(config),
     }
 
 
@@ -147,13 +198,20 @@ _HASH_FIELDS = ("external", "num_hashed", "num_known", "num_blocks", "pages_per_
                 "num_registered")
 
 
-def _tables_section(sequences: list) -> bytes:
+def _tables_section(sequences: list, group_tables: list | None = None) -> bytes:
+    """The page tables: group 0's ``sequences``, then each further group's (with a ``groups`` entry)."""
+    rows = len(sequences)
+    if group_tables:
+        sequences = sequences + [(seq_id, table, None) for tables in group_tables for seq_id, table in tables]
     ids = np.array([seq_id for seq_id, _, _ in sequences], dtype=np.int64)
     fields = np.array([[t[key] if key != "num_pages" else t["pages"].shape[0] for key in _TABLE_FIELDS]
                        for _, t, _ in sequences], dtype=np.int64).reshape(len(sequences), len(_TABLE_FIELDS))
     pages = (np.concatenate([t["pages"] for _, t, _ in sequences]) if sequences
              else np.zeros(0, dtype=np.int32)).astype(np.int32)
-    return _encode({"seq_ids": ids, "fields": fields, "pages": pages})
+    arrays = {"seq_ids": ids, "fields": fields, "pages": pages}
+    if group_tables:
+        arrays["groups"] = np.repeat(np.arange(len(group_tables) + 1, dtype=np.int64), rows)
+    return _encode(arrays)
 
 
 def _hashes_section(sequences: list) -> bytes:
@@ -172,15 +230,32 @@ def _hashes_section(sequences: list) -> bytes:
                     "token_ids": joined("token_ids", np.int32), "block_ids": joined("block_ids", np.int64)})
 
 
-def _read_tables(section: _Section, num_pages: int) -> list[tuple[int, dict]]:
+def _read_tables(section: _Section, num_pages: int, num_groups: int = 1) -> list[tuple[int, dict]]:
+    """Group 0's ``(seq_id, table)`` pairs; with ``num_groups > 1``, a list of such lists, one per group."""
     ids = section.array("seq_ids", np.int64, 1)
     fields = section.array("fields", np.int64, 2, (ids.shape[0], len(_TABLE_FIELDS)))
     pages = section.array("pages", np.int32, 1)
     counts = fields[:, 4]
     if (counts < 0).any() or (counts > num_pages).any() or int(counts.sum()) != pages.shape[0]:
         raise section.error(f"page counts {counts.tolist()} do not add up to the {pages.shape[0]} pages listed")
+    if num_groups > 1 or "groups" in section.arrays:
+        groups = section.array("groups", np.int64, 1, (ids.shape[0],))
+        rows = ids.shape[0] // num_groups
+        if num_groups == 1 or ids.shape[0] % num_groups or not np.array_equal(
+                groups, np.repeat(np.arange(num_groups, dtype=np.int64), rows)):
+            raise section.error(f"entry 'groups' does not list {num_groups} page groups of equal length in order")
+        if np.unique(ids[:rows]).shape[0] != rows:
+            raise section.error("a sequence id appears twice")
+        if any(not np.array_equal(ids[:rows], ids[g * rows:(g + 1) * rows]) for g in range(1, num_groups)):
+            raise section.error("the page groups do not list the same sequences in the same order")
+        whole = _read_table_rows(section, ids, fields, pages)
+        return [whole[g * rows:(g + 1) * rows] for g in range(num_groups)]
     if np.unique(ids).shape[0] != ids.shape[0]:
         raise section.error("a sequence id appears twice")
+    return _read_table_rows(section, ids, fields, pages)
+
+
+def _read_table_rows(section: _Section, ids: np.ndarray, fields: np.ndarray, pages: np.ndarray) -> list:
     out, start = [], 0
     for seq_id, row in zip(ids.tolist(), fields.tolist()):
         n = row[4]
@@ -317,7 +392,7 @@ def save_cache(cache, path, *, num_threads: int | None = None) -> None:
                 ("pool", _encode({"ref_counts": state["ref_counts"], "free_queue": state["free_queue"]}))]
     if state["prefix"] is not None:
         sections.append(("prefix", _encode(state["prefix"])))
-    sections.append(("tables", _tables_section(sequences)))
+    sections.append(("tables", _tables_section(sequences, state["group_tables"])))
     if state["prefix"] is not None:
         sections.append(("hashes", _hashes_section(sequences)))
     sections.append(("sealed", _sealed_section(sealed_state)))
@@ -344,7 +419,9 @@ def save_cache(cache, path, *, num_threads: int | None = None) -> None:
         if recorded is not None:
             bad = np.flatnonzero((sealed_state["sealed"] != 0) & (checksums != recorded))
             if bad.size:
-                holders = [seq_id for seq_id, table, _ in sequences if (table["pages"] == bad[0]).any()]
+                holders = sorted({seq_id for seq_id, table, _ in sequences + [(k, t, None) for more in
+                                                                               state["group_tables"] for k, t in more]
+                                  if (table["pages"] == bad[0]).any()})
                 raise SnapshotError(
                     f"section 'pages': sealed page {int(bad[0])} (held by sequences {holders}) no longer has the "
                     f"checksum recorded at its seal" + (f", nor have {bad.size - 1} more sealed pages (first ids "
@@ -534,7 +611,7 @@ def _checked_cache_file(f, path) -> tuple[_Parsed, dict, list, tuple]:
 def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
     """The state dict of ``KVCache._restore_state`` from a verified container (shapes checked)."""
     num_pages = parsed.checksums.shape[0]
-    config = _read_config(parsed.section("config"), num_pages)
+    config = _read_config(parsed.section("config"), num_pages, parsed.version)
     itemsize = np.dtype(config["dtype"]).itemsize
     expected = int(np.prod(_pool_shape(config, num_pages), dtype=object)) * itemsize
     if parsed.pages_length != expected:
@@ -544,7 +621,11 @@ def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
     names = ("pages_peak", "evictions", "cow_copies", "tokens_appended", "prefix_queries", "prefix_hits",
              "out_of_pages_errors", "sequences_added", "pages_allocated", "ring_reuses")
     pool = parsed.section("pool")
-    tables = _read_tables(parsed.section("tables"), num_pages)
+    num_groups = len(_page_groups(config)[0])
+    tables = _read_tables(parsed.section("tables"), num_pages, num_groups)
+    group_tables = []
+    if num_groups > 1:
+        tables, group_tables = tables[0], tables[1:]
     prefix = None
     sequences = [(seq_id, table, None) for seq_id, table in tables]
     if config["prefix_caching"]:
@@ -574,8 +655,9 @@ def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
         "free_queue": pool.array("free_queue", np.int32, 1),
         "prefix": prefix,
         "sequences": sequences,
+        "group_tables": group_tables,
     }
-    return state, tables
+    return state, tables + [pair for more in group_tables for pair in more]
 
 
 # ------------------------------------------------- checks before building
@@ -600,7 +682,6 @@ def _check_before_build(state: dict, parsed: _Parsed, size: int) -> None:
     """
     config = state["config"]
     num_pages, page_size = config["num_pages"], config["page_size"]
-    windowed = config["window"] != -1
     # The two allocations a file's sections do not bound by their own length.
     tokens_bytes = 4 * num_pages * page_size if config["prefix_caching"] else 0
     allowed = max(2 * size, _EXTRA_ALLOCATION_FLOOR)
@@ -609,17 +690,24 @@ def _check_before_build(state: dict, parsed: _Parsed, size: int) -> None:
             f"section 'config': {num_pages} pages of page_size {page_size} need {tokens_bytes} bytes of kept "
             f"token ids for prefix caching, more than a file of {size} bytes may make the loader allocate "
             f"({allowed} bytes besides the pool)")
-    sink_pages = min(_ceil_div(config["sink_tokens"], page_size), num_pages) if windowed else 0
-    initial_ring = 8
-    if windowed:
-        initial_ring = 1
-        while initial_ring < min(_ceil_div(config["window"] - 1, page_size) + 1, 1 << 16):
-            initial_ring *= 2
+    geometry = []  # per page group: (its config, sink pages, initial ring capacity, its tables)
+    windows, _ = _page_groups(config)
+    group_tables = [[(seq_id, table) for seq_id, table, _ in state["sequences"]]] + list(state["group_tables"])
+    for (window, sink_tokens), tables in zip(windows, group_tables):
+        sink_pages = min(_ceil_div(sink_tokens, page_size), num_pages) if window != -1 else 0
+        initial_ring = 8
+        if window != -1:
+            initial_ring = 1
+            while initial_ring < min(_ceil_div(window - 1, page_size) + 1, 1 << 16):
+                initial_ring *= 2
+        geometry.append((dict(config, window=window, sink_tokens=sink_tokens), sink_pages, initial_ring, tables))
     sequences = state["sequences"]
-    ring_bytes = sum(4 * (initial_ring + sink_pages + table["ring_capacity"]) for _, table, _ in sequences)
+    all_tables = [pair for *_, tables in geometry for pair in tables]
+    ring_bytes = sum(4 * (initial_ring + sink_pages + table["ring_capacity"])
+                     for _, sink_pages, initial_ring, tables in geometry for _, table in tables)
     if tokens_bytes + ring_bytes > allowed:
         raise SnapshotError(
-            f"section 'tables': {len(sequences)} page tables (ring capacities and sink pages) need {ring_bytes} "
+            f"section 'tables': {len(all_tables)} page tables (ring capacities and sink pages) need {ring_bytes} "
             f"bytes, more than a file of {size} bytes may make the loader allocate ({allowed} bytes besides the "
             f"pool{', with the kept token ids' if tokens_bytes else ''})")
 
@@ -641,16 +729,29 @@ def _check_before_build(state: dict, parsed: _Parsed, size: int) -> None:
                             f"{'' if queued[page] else 'not '}in the free queue")
 
     held = np.zeros(num_pages, dtype=np.int64)
-    for seq_id, table, _ in sequences:
-        pages = table["pages"]
-        if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
-            raise SnapshotError(f"section 'tables': sequence {seq_id} holds a page id outside [0, {num_pages - 1}]")
-        np.add.at(held, pages, 1)
-        _check_table_geometry(seq_id, table, config, sink_pages, initial_ring)
+    owner = np.full(num_pages, -1, dtype=np.int64)
+    lengths = [table["length"] for _, table, _ in sequences]
+    for g, (group_config, sink_pages, initial_ring, tables) in enumerate(geometry):
+        mine = np.zeros(num_pages, dtype=np.int64)
+        if [table["length"] for _, table in tables] != lengths:
+            raise SnapshotError(f"section 'tables': page group {g} has other sequence lengths than group 0")
+        for seq_id, table in tables:
+            pages = table["pages"]
+            if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
+                raise SnapshotError(f"section 'tables': sequence {seq_id} holds a page id outside "
+                                    f"[0, {num_pages - 1}]")
+            np.add.at(mine, pages, 1)
+            _check_table_geometry(seq_id, table, group_config, sink_pages, initial_ring)
+        both = np.flatnonzero((mine > 0) & (owner >= 0))
+        if both.size:
+            raise SnapshotError(f"section 'tables': page {int(both[0])} is held by page groups "
+                                f"{int(owner[both[0]])} and {g}")
+        owner[mine > 0] = g
+        held += mine
     bad = np.flatnonzero(held != ref_counts)
     if bad.size:
         page = int(bad[0])
-        holders = [seq_id for seq_id, table, _ in sequences if (table["pages"] == page).any()]
+        holders = sorted({seq_id for seq_id, table in all_tables if (table["pages"] == page).any()})
         raise SnapshotError(f"section 'tables': page {page} has ref count {int(ref_counts[page])} in section "
                             f"'pool' but {int(held[page])} page-table entries (held by sequences {holders})")
 
@@ -773,12 +874,18 @@ def _check_state_without_pool(state: dict, parsed: _Parsed) -> None:
 
     The cache has ``num_layers`` 0, so only the page records, the prefix
     index and the page tables are allocated, as a load would; the K/V pool is
-    not. :func:`load_cache` and :func:`verify` both run it before they read
+    not. A cache with per-layer attention settings keeps its layers (its page
+    groups follow from them) with one KV head of one float16 element: a pool
+    of ``4 * G * num_pages * page_size`` bytes, never more than the file's
+    ``pages`` section. :func:`load_cache` and :func:`verify` both run it before they read
     a page, so they refuse the same files.
     """
     from pagedkv_c._kv_cache import KVCache
 
-    config = dict(state["config"], num_layers=0)
+    if state["config"]["layer_attention"] is None:
+        config = dict(state["config"], num_layers=0)
+    else:  # the page groups need their layers: the smallest pool of the same groups instead
+        config = dict(state["config"], num_kv_heads=1, head_dim=1, dtype="float16")
     throwaway = KVCache(**_cache_kwargs(config))
     _restore(throwaway, dict(state, config=config), parsed, invariants=True)
 
@@ -881,9 +988,10 @@ def import_sequence(cache, seq_id, data, *, extra_key=None) -> None:
     parsed = _parse(lambda offset, length: bytes(view[offset:offset + length]), len(view), MAGIC_SEQUENCE,
                     "the exported sequence")
     num_pages = parsed.checksums.shape[0]
-    source = _read_config(parsed.section("config"), None)
+    source = _read_config(parsed.section("config"), None, parsed.version)
     target = cache._config()
-    for key in ("num_layers", "num_kv_heads", "head_dim", "page_size", "dtype", "window", "sink_tokens"):
+    for key in ("num_layers", "num_kv_heads", "head_dim", "page_size", "dtype", "window", "sink_tokens",
+                "layer_attention"):
         if source[key] != target[key]:
             raise SnapshotError(f"section 'config': the sequence has {key} {source[key]!r}, this cache "
                                 f"{target[key]!r}; a sequence moves only between caches of the same geometry")
