@@ -33,9 +33,22 @@ length to keep (positive) in early releases and a count to remove (negative) lat
 
 Decoder-only models with standard multi-head or GQA attention whose attention layers
 call ``cache.update`` and then the configured attention function (the Llama code path
-of transformers). Tested family: Llama (SmolLM2-135M-Instruct loaded from GGUF).
-Mistral, Qwen2 and other Llama-like families follow the same code path but are not
-tested here.
+of transformers), and whose layers are all full attention or all sliding with the
+config's one ``sliding_window``. Tested: Llama (SmolLM2-135M-Instruct loaded from GGUF,
+and random-weight tiny configs), Mistral (random-weight, one window for every layer).
+
+The layer types are read as transformers reads them (``config.layer_types``, else
+``sliding_window`` / ``attention_chunk_size``, Qwen2's ``use_sliding_window`` and
+``max_window_layers``). ``PagedCache`` refuses at construction, with a ValueError
+naming the layer or the feature, every config it would serve differently from the
+model: mixed layer types (Gemma 2 and 3, gpt-oss, Qwen2 with ``max_window_layers``
+below the layer count), chunked attention (Llama 4), layers that hold no per-token K/V
+(linear attention, state-space, convolution, ``moe``-only layers) or follow another rule
+(sparse, compressed), layers that reuse another layer's K/V, per-layer config
+overrides, attention logit soft-capping (``attn_logit_softcapping``), learned attention
+sink logits (``s_aux``: gpt-oss and the other models that pass them), ALiBi,
+bidirectional attention and cross-attention. The default window is the config's
+``sliding_window`` only when every layer slides.
 
 How batches map to pages
 ------------------------
@@ -97,8 +110,9 @@ are not hashed (the cache sees their K/V, not their ids).
 
 Not supported
 -------------
-Encoder-decoder models and cross-attention; models with linear-attention, chunked or
-per-layer-type (hybrid sliding/full) caches; ``torch.compile`` and static-shape export;
+Everything refused at construction (see above): encoder-decoder models and
+cross-attention, mixed or chunked layer types, linear-attention and state-space layers,
+soft-capping, learned sink logits, ALiBi; ``torch.compile`` and static-shape export;
 devices other than the CPU; bfloat16 pools (bfloat16 models work with a float32 or
 float16 pool, at the cost of a conversion per step); ``crop`` of a windowed cache;
 attention weights output (``output_attentions``) with the pagedkv attention; dropout.
@@ -115,6 +129,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from pagedkv import KVCache
 from pagedkv_c._checks import checked_int
 from pagedkv import attention as paged_attention
+from pagedkv._hf_config import config_refusals, layer_types
 from pagedkv._paged_requests import PagedRequests, check_prompts, default_num_pages
 from pagedkv._paged_requests import StepPages as _StepPages
 from pagedkv.models.attention_backend import check_positions
@@ -290,8 +305,9 @@ class PagedCache(Cache):
     config : transformers.PretrainedConfig
         The model's config (``model.config``): ``num_hidden_layers``,
         ``num_key_value_heads`` (default ``num_attention_heads``), ``head_dim`` (default
-        ``hidden_size // num_attention_heads``), ``max_position_embeddings`` and, if
-        present, ``sliding_window`` are read; ``_attn_implementation`` is read at each step
+        ``hidden_size // num_attention_heads``), ``max_position_embeddings``, the layer
+        types (``layer_types``, ``sliding_window``, ``attention_chunk_size``, ...) and the
+        attention features are read; ``_attn_implementation`` is read at each step
         (``"pagedkv"`` selects the in-place attention path).
     num_pages : int, optional
         Pages in the pool, ``>= 1``. Default: enough for every row of the first batch to
@@ -308,7 +324,8 @@ class PagedCache(Cache):
     window : int, optional
         Sliding window ``W`` in tokens, ``>= 1`` (the query at position ``p`` attends to
         ``[p - W + 1, p]``, Hugging Face's ``sliding_window = W``). Default: the config's
-        ``sliding_window`` if set, else full attention. Needs ``attn_implementation="pagedkv"``.
+        ``sliding_window`` when every layer slides, else full attention. Needs
+        ``attn_implementation="pagedkv"``.
     sink_tokens : int
         Attention-sink tokens ``S >= 0`` kept in attention with a window (StreamingLLM,
         Xiao et al. 2023). Default 0.
@@ -347,7 +364,9 @@ class PagedCache(Cache):
     Raises
     ------
     ValueError
-        A size out of range, a config without the attention sizes, ``sink_tokens`` without
+        A config the cache cannot serve exactly (the message names the layer and its type,
+        or the feature: see the module docstring), a size out of range, a config without
+        the attention sizes, ``sink_tokens`` without
         a window, a dtype other than float32/float16, ``positions`` not ``"absolute"``
         or ``"cache"``, or ``"cache"`` without a window and sinks or with a rotary type
         whose frequencies change (``dynamic``, ``longrope``) or differ between layers.
@@ -368,12 +387,21 @@ class PagedCache(Cache):
                 "Invalid value of config: expected integer num_hidden_layers and num_attention_heads, "
                 f"got {num_layers!r} and {num_heads!r}"
             )
+        problems = config_refusals(config)
+        if problems:
+            raise ValueError(
+                "Invalid value of config: PagedCache cannot serve this model exactly: " + "; ".join(problems)
+                + ". Supported: decoder-only models whose attention layers are all full attention, or all "
+                "sliding with the config's one sliding_window, without logit soft-capping, attention sinks or ALiBi"
+            )
         num_kv_heads = _config_value(config, "num_key_value_heads") or num_heads
         head_dim = _config_value(config, "head_dim") or _config_value(config, "hidden_size") // num_heads
         self._num_pages = _check_size("num_pages", num_pages, 1)
         self._max_tokens = _check_size("max_tokens", max_tokens, 1)
         self._page_size = _check_size("page_size", page_size, 1, allow_none=False)
-        if window is None:
+        if window is None and set(layer_types(config)) == {"sliding_attention"}:
+            # Only a model whose layers all slide has a default window (a config may
+            # carry sliding_window while every layer attends to everything).
             window = _config_value(config, "sliding_window")
         self._window = _check_size("window", window, 1)
         self._sink_tokens = _check_size("sink_tokens", sink_tokens, 0, allow_none=False)
@@ -801,6 +829,15 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     if dropout:
         raise ValueError(f"Invalid value of dropout: expected 0 (inference only), got {dropout}")
     cache = step.cache
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or (
+            kwargs.get("sliding_window") is not None and cache._window is None):
+        # The construction checks of PagedCache refuse such models; a model whose layers
+        # differ from what its config says must not be served silently wrong either.
+        raise ValueError(
+            f"Invalid attention for layer {step.layer_idx}: the model passes softcap={kwargs.get('softcap')!r}, "
+            f"s_aux={'set' if kwargs.get('s_aux') is not None else None}, sliding_window={kwargs.get('sliding_window')!r}, "
+            f"which the pagedkv attention of this cache (window {cache._window}) does not apply"
+        )
     requests = step.requests
     if step.deferred:
         try:
