@@ -23,6 +23,7 @@ import transformers  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 import pagedkv.transformers as pt  # noqa: E402
+from pagedkv._hf_config import AttentionSetting  # noqa: E402  (pagedkv.AttentionSetting once the core has it)
 
 TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 CACHE_KWARG = "cache" if TRANSFORMERS_VERSION >= (5, 24) else "past_key_values"
@@ -193,3 +194,75 @@ def test_attention_keywords_the_cache_cannot_apply_are_refused():
         tagged_k, tagged_v = cache.update(keys, keys, 0, kwargs={"position_ids": torch.arange(3)[None]})
         with pytest.raises(ValueError, match="does not apply"):
             pt.paged_attention_forward(None, query, tagged_k, tagged_v, None, **extra)
+
+
+# ---------------------------------------------------------------------------------------
+# Reading each layer's attention from the config, as transformers reads it.
+
+S8 = AttentionSetting(window=8)
+C8 = AttentionSetting(chunk_size=8)
+
+PARSED = [
+    ("llama", llama_config, {}, [None, None]),
+    ("mistral", mistral_config, {}, [S8, S8]),
+    ("mistral_no_window", mistral_config, {"sliding_window": None}, [None, None]),
+    ("qwen2_max_window_layers", qwen2_config, {}, [None, None, S8, S8]),
+    ("qwen2_all_sliding", qwen2_config, {"max_window_layers": 0}, [S8] * 4),
+    ("qwen2_no_sliding", qwen2_config, {"use_sliding_window": False}, [None] * 4),
+    ("gemma2", gemma2_config, {}, [S8, None, S8, None]),
+    ("gemma3_pattern_6", gemma3_config, {"sliding_window_pattern": 6}, [S8] * 5 + [None]),
+    ("gemma3_pattern_3", gemma3_config, {}, [S8, S8, None, S8, S8, None]),
+    ("gpt_oss", gpt_oss_config, {"num_layers": 4}, [S8, None, S8, None]),
+    ("llama4_interval_4", llama4_config, {}, [C8, C8, C8, None]),
+    ("llama4_no_rope_layers", llama4_config, {"no_rope_layers": [1, 0, 1, 0]}, [C8, None, C8, None]),
+    ("llama4_no_chunks", llama4_config, {"attention_chunk_size": None}, [None] * 4),
+]
+
+
+@pytest.mark.parametrize("name, make_config, kwargs, expected", PARSED, ids=[p[0] for p in PARSED])
+def test_layer_attention_reads_each_model_config(name, make_config, kwargs, expected):
+    config = make_config(**kwargs)
+    settings = pt._layer_attention(config)
+    assert settings == expected
+    for setting in settings:
+        assert setting is None or isinstance(setting, AttentionSetting)
+    # The same windows and chunks as transformers' own DynamicCache layers get.
+    from transformers import cache_utils
+
+    if hasattr(cache_utils, "get_layer_types_and_kwargs"):
+        types, layer_kwargs = cache_utils.get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        for setting, layer_type, extra in zip(settings, types, layer_kwargs):
+            if setting is None:
+                assert layer_type == "full_attention"
+            else:
+                assert extra["sliding_window"] == (setting.window or setting.chunk_size)
+
+
+@pytest.mark.parametrize("name, make_config", [("qwen2", qwen2_config), ("gemma3", gemma3_config),
+                                               ("gpt_oss", gpt_oss_config)])
+def test_layer_attention_agrees_with_the_model_layers(name, make_config):
+    """The window each built attention layer passes to the attention function is the parsed one."""
+    config = make_config()
+    model = build(config, "eager")
+    settings = pt._layer_attention(config)
+    windows = [layer.self_attn.sliding_window for layer in model.model.layers]
+    assert windows == [None if s is None else s.window for s in settings]
+
+
+def test_layer_attention_without_layer_types_follows_transformers_inference():
+    config = llama_config(num_layers=3)
+    config.layer_types = None
+    config.sliding_window = 5
+    assert pt._layer_attention(config) == [AttentionSetting(window=5)] * 3
+    config.sliding_window = None
+    config.attention_chunk_size = 7
+    assert pt._layer_attention(config) == [AttentionSetting(chunk_size=7)] * 3
+    config.layer_types = ["attention", "full_attention", "chunked_attention"]  # legacy name first
+    assert pt._layer_attention(config) == [None, None, AttentionSetting(chunk_size=7)]
+    config.layer_types = ["full_attention", "linear_attention", "full_attention"]
+    with pytest.raises(ValueError, match="layer 1 is 'linear_attention'"):
+        pt._layer_attention(config)
+    config.layer_types = ["full_attention", "sliding_attention", "full_attention"]
+    config.sliding_window = None
+    with pytest.raises(ValueError, match="layer 1 is 'sliding_attention', so sliding_window"):
+        pt._layer_attention(config)

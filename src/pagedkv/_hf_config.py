@@ -11,7 +11,27 @@ silently wrong.
 """
 from __future__ import annotations
 
-__all__ = ["config_refusals", "layer_types", "text_config"]
+from typing import NamedTuple
+
+import pagedkv
+
+__all__ = ["AttentionSetting", "config_refusals", "layer_attention", "layer_types", "text_config"]
+
+
+class _AttentionSetting(NamedTuple):
+    """Stand-in for :class:`pagedkv.AttentionSetting` where the core does not define it.
+
+    The same fields, defaults, equality, hash and repr; no validation (the values come
+    from a config that transformers validated).
+    """
+
+    window: int | None = None
+    sink_tokens: int = 0
+    chunk_size: int | None = None
+
+
+#: :class:`pagedkv.AttentionSetting`, or a stand-in with its fields where the core has none.
+AttentionSetting = getattr(pagedkv, "AttentionSetting", None) or _AttentionSetting
 
 #: Layer types whose K/V rows a paged cache holds (one row per token and layer).
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -167,3 +187,45 @@ def config_refusals(config, *, per_layer: bool = False, softcap: bool = False,
                             f"(sliding_window={getattr(config, 'sliding_window', None)}): "
                             "mixed layers need per-layer attention settings")
     return problems
+
+
+def layer_attention(config) -> list:
+    """The attention setting of every decoder layer of a transformers config.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        The model's config or its text config.
+
+    Returns
+    -------
+    list of AttentionSetting or None
+        One entry per layer (``num_hidden_layers``), from :func:`layer_types`: None for
+        ``"full_attention"``; ``AttentionSetting(window=sliding_window)`` for
+        ``"sliding_attention"`` (transformers' ``sliding_window = W``: the query at ``p``
+        attends to ``[p - W + 1, p]``); ``AttentionSetting(chunk_size=attention_chunk_size)``
+        for ``"chunked_attention"`` (Llama 4: ``[floor(p / C) * C, p]``). Sinks are 0:
+        no transformers model keeps StreamingLLM sink tokens.
+
+    Raises
+    ------
+    ValueError
+        A layer whose type holds no per-token K/V or follows another rule (see
+        :func:`config_refusals`), or a sliding or chunked layer without its size.
+    """
+    config = text_config(config)
+    settings = []
+    for i, t in enumerate(layer_types(config)):
+        if t == "full_attention":
+            settings.append(None)
+            continue
+        name = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}.get(t)
+        if name is None:
+            raise ValueError(f"Invalid value of config: layer {i} is {t!r} "
+                             f"({_NOT_HELD.get(t, 'a layer type pagedkv does not know')})")
+        size = getattr(config, name, None)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"Invalid value of config: layer {i} is {t!r}, so {name} must be a positive integer, "
+                             f"got {size!r}")
+        settings.append(AttentionSetting(window=size) if name == "sliding_window" else AttentionSetting(chunk_size=size))
+    return settings

@@ -130,6 +130,7 @@ from pagedkv import KVCache
 from pagedkv_c._checks import checked_int
 from pagedkv import attention as paged_attention
 from pagedkv._hf_config import config_refusals, layer_types
+from pagedkv._hf_config import layer_attention as _layer_attention
 from pagedkv._paged_requests import PagedRequests, check_prompts, default_num_pages
 from pagedkv._paged_requests import StepPages as _StepPages
 from pagedkv.models.attention_backend import check_positions
