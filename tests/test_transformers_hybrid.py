@@ -101,7 +101,11 @@ def prompts(batch, length, seed=1):
 # ---------------------------------------------------------------------------------------
 # Refusals at construction: models the cache or the attention function would serve wrong.
 
-REFUSED = [
+# Whether the installed core and kernels serve per-layer attention settings, soft-capping
+# and sink logits: the models of MIXED are refused without them and served with them.
+PER_LAYER = pt._CORE_LAYER_ATTENTION and pt._KERNEL_LAYER_FEATURES
+
+MIXED = [
     ("gemma2", gemma2_config, [r"layer 1 is 'full_attention'", r"attn_logit_softcapping=50\.0"]),
     ("gemma3", gemma3_config, [r"layer 2 is 'full_attention'"]),
     ("gpt_oss", gpt_oss_config, [r"layer 1 is 'full_attention'", r"sink logits \(s_aux\)"]),
@@ -110,9 +114,13 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize("name, make_config, messages", REFUSED, ids=[r[0] for r in REFUSED])
-def test_unservable_configs_are_refused_at_construction(name, make_config, messages):
+@pytest.mark.parametrize("name, make_config, messages", MIXED, ids=[r[0] for r in MIXED])
+def test_mixed_models_are_served_only_with_per_layer_support(name, make_config, messages):
     config = make_config()
+    if PER_LAYER:
+        cache = pt.PagedCache(config, num_pages=16)
+        assert cache._layer_attention == pt._layer_attention(config)  # the model's own settings
+        return
     with pytest.raises(ValueError, match="cannot serve this model exactly") as raised:
         pt.PagedCache(config, num_pages=16)
     for message in messages:
@@ -132,8 +140,11 @@ def test_layers_without_held_kv_are_refused_by_index_and_type(layer_type, what):
 def test_attention_features_are_refused():
     config = llama_config()
     config.attn_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="soft-capping"):
-        pt.PagedCache(config, num_pages=16)
+    if PER_LAYER:
+        pt.PagedCache(config, num_pages=16)  # the kernels cap the scores
+    else:
+        with pytest.raises(ValueError, match="soft-capping"):
+            pt.PagedCache(config, num_pages=16)
     config = llama_config()
     config.alibi = True
     with pytest.raises(ValueError, match="ALiBi"):
@@ -145,6 +156,10 @@ def test_attention_features_are_refused():
     config = llama_config()
     config.use_bidirectional_attention = True
     with pytest.raises(ValueError, match="bidirectional"):
+        pt.PagedCache(config, num_pages=16)
+    config = llama_config(num_layers=3)
+    config.num_kv_shared_layers = 1
+    with pytest.raises(ValueError, match="reuse another layer's K/V"):
         pt.PagedCache(config, num_pages=16)
 
 
@@ -183,13 +198,14 @@ def test_uniform_models_generate_the_tokens_of_dynamic_cache(make_config):
 
 
 def test_attention_keywords_the_cache_cannot_apply_are_refused():
-    """A model whose layers pass soft-capping, sink logits or a window that the cache does
-    not apply is refused at the attention call, before any output."""
+    """A model whose layers pass a window the cache does not apply (or, without kernel
+    support, soft-capping or sink logits) is refused at the attention call, before any output."""
     config = llama_config(num_layers=1)
     config._attn_implementation = pt.ATTN_IMPLEMENTATION
     keys = torch.zeros((1, 2, 3, 16))
     query = torch.zeros((1, 4, 3, 16))
-    for extra in ({"softcap": 50.0}, {"s_aux": torch.zeros(4)}, {"sliding_window": 8}):
+    refused = [{"sliding_window": 8}] + ([] if PER_LAYER else [{"softcap": 50.0}, {"s_aux": torch.zeros(4)}])
+    for extra in refused:
         cache = pt.PagedCache(config, num_pages=8, page_size=4)
         tagged_k, tagged_v = cache.update(keys, keys, 0, kwargs={"position_ids": torch.arange(3)[None]})
         with pytest.raises(ValueError, match="does not apply"):
@@ -266,3 +282,253 @@ def test_layer_attention_without_layer_types_follows_transformers_inference():
     config.sliding_window = None
     with pytest.raises(ValueError, match="layer 1 is 'sliding_attention', so sliding_window"):
         pt._layer_attention(config)
+
+
+def test_user_window_and_sinks_apply_to_the_sliding_layers_only():
+    full, c8 = None, AttentionSetting(chunk_size=8)
+    model = [AttentionSetting(window=8), full, AttentionSetting(window=8), full]
+    assert pt._cache_layer_attention(model, None, 0) == (8, model)
+    assert pt._cache_layer_attention(model, 5, 2) == (5, [AttentionSetting(5, 2, None), full] * 2)
+    # One setting for every layer: the cache without per-layer settings, the window for all.
+    assert pt._cache_layer_attention([full] * 3, None, 0) == (None, None)
+    assert pt._cache_layer_attention([full] * 3, 6, 1) == (6, None)
+    assert pt._cache_layer_attention([AttentionSetting(window=8)] * 2, 4, 1) == (4, None)
+    # Chunked layers keep their chunks; a window has no sliding layer to apply to.
+    assert pt._cache_layer_attention([c8, full], None, 0) == (None, [c8, full])
+    assert pt._cache_layer_attention([c8, c8], None, 0) == (None, [c8, c8])
+    with pytest.raises(ValueError, match="none slides"):
+        pt._cache_layer_attention([c8, full], 4, 0)
+    with pytest.raises(ValueError, match="one sliding window"):
+        pt._cache_layer_attention([AttentionSetting(window=8), AttentionSetting(window=4)], None, 0)
+
+
+def test_page_groups_and_default_pages_follow_the_pool_layout():
+    s8, c8 = AttentionSetting(window=8), AttentionSetting(chunk_size=8)
+    assert pt._num_page_groups([s8, None, s8, None]) == 2             # G = 2: one group per kind
+    assert pt._num_page_groups([s8, s8, None, s8, s8, None]) == 3     # 4 sliding, 2 full: G = 2
+    assert pt._num_page_groups([c8, c8, c8, None]) == 4               # 3 and 1: G = 1
+    from pagedkv._paged_requests import default_group_num_pages
+
+    # 2 rows of 30 tokens in pages of 4: 8 pages a row and group, plus 1 for copy-on-write.
+    assert default_group_num_pages(2, 30, 4, 3) == 3 * 2 * 9
+
+
+# ---------------------------------------------------------------------------------------
+# Models whose layers differ: the same tokens and logits as DynamicCache. These need the
+# per-layer core (KVCache(layer_attention=...)) and kernels (softcap, sink_logits, chunks).
+# Windows and chunks of 8 tokens; prompts cross each of them at least three times.
+
+HYBRID = [
+    # sliding/full alternating; soft-capping at 5 (the weights below give scores up to about 10)
+    ("gemma2", lambda: gemma2_config(attn_logit_softcapping=5.0)),
+    ("gemma3", gemma3_config),     # two sliding layers per full one: 3 page groups of 2 layers
+    ("gpt_oss", gpt_oss_config),   # sliding/full alternating, learned sink logits
+    ("qwen2", qwen2_config),       # full below max_window_layers, sliding from it
+    ("llama4", llama4_config),     # three chunked layers per full one: 4 page groups of 1 layer
+]
+HYBRID_IDS = [h[0] for h in HYBRID]
+# The oracle: transformers' eager attention (the reference of soft-capping and sinks) on DynamicCache.
+ORACLE = "eager"
+
+
+def _hybrid_model(make_config, seed=0):
+    """A random-weight model whose attention is peaked enough for windows, chunks, caps and
+    sinks to change the tokens (weights of standard deviation 0.2 instead of 0.02)."""
+    config = make_config()
+    config.initializer_range = 0.2
+    return build(config, ORACLE, seed=seed)
+
+
+@pytest.mark.parametrize("name, make_config", HYBRID, ids=HYBRID_IDS)
+def test_hybrid_greedy_tokens_of_a_left_padded_batch_equal_dynamic_cache(name, make_config):
+    model = _hybrid_model(make_config)
+    ids = prompts(3, 34)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0   # 27 tokens: past three windows of 8
+    mask[2, :2] = 0
+    if name == "llama4":
+        # Llama 4's decoder layers do not pass position_ids on to attention: the cache
+        # cannot tell padding from tokens, so it refuses different rows, and serves one.
+        model.set_attn_implementation("pagedkv")
+        with pytest.raises(ValueError, match="no position_ids"):
+            greedy(model, ids, pt.PagedCache(model.config, num_pages=64), mask, max_new_tokens=2)
+        model.set_attn_implementation(ORACLE)
+        ids, mask = ids[1:2, 7:], None
+    expected = greedy(model, ids, DynamicCache(config=model.config), mask, max_new_tokens=12)
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, page_size=4, max_tokens=64)   # the default pool size
+    got = greedy(model, ids, cache, mask, max_new_tokens=12)
+    assert got.tolist() == expected.tolist()
+    kv = cache.kv_cache
+    assert kv.num_groups > 1
+    assert [kv.layer_setting(i) for i in range(kv.num_layers)] == [
+        AttentionSetting() if s is None else s for s in pt._layer_attention(model.config)]
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("name, make_config", HYBRID, ids=HYBRID_IDS)
+def test_hybrid_beam_search_equals_dynamic_cache(name, make_config):
+    model = _hybrid_model(make_config, seed=1)
+    ids = prompts(1, 30, seed=2)
+    kwargs = dict(num_beams=3, num_return_sequences=3, max_new_tokens=10)
+    expected = greedy(model, ids, DynamicCache(config=model.config), **kwargs)
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=512, page_size=4)
+    got = greedy(model, ids, cache, **kwargs)
+    assert got.tolist() == expected.tolist()
+    cache.kv_cache.check_invariants()
+
+
+def _logits(model, input_ids, cache):
+    with torch.no_grad():
+        return model(input_ids=input_ids, **{CACHE_KWARG: cache}, use_cache=True).logits.float().numpy()
+
+
+@pytest.mark.parametrize("name, make_config", HYBRID, ids=HYBRID_IDS)
+def test_hybrid_logits_within_1e4_through_prefill_decode_forks_and_long_chunks(name, make_config):
+    """float32 pool: every position's logits within 1e-4 of the largest magnitude, through a
+    prompt, decode steps, repeated and reordered rows, and a chunk longer than the window."""
+    model = _hybrid_model(make_config, seed=3)
+    dense = DynamicCache(config=model.config)
+    paged = pt.PagedCache(model.config, num_pages=512, page_size=4, dtype=torch.float32)
+    made = []
+
+    class CountingGroupStepPages(pt._GroupStepPages):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.views = {}  # group -> the page tables each of its layers read
+            made.append(self)
+
+        def layer_attention_view(self, layer, seq_ids):
+            answer = super().layer_attention_view(layer, seq_ids)
+            self.views.setdefault(self._kv_cache.layer_group(layer), []).append(answer[1])
+            return answer
+
+    rows = 1 if name == "llama4" else 2   # Llama 4 passes no position_ids: one prompt at a time
+    steps = [(None, prompts(rows, 26, seed=4))] + [(None, prompts(rows, 1, seed=10 + i)) for i in range(3)]
+    order = torch.tensor([2 * rows - 1, 0, 0, 1][:2 * rows])
+    steps += [(lambda c: c.batch_repeat_interleave(2), prompts(2 * rows, 1, seed=20)),
+              (lambda c: c.reorder_cache(order), prompts(2 * rows, 1, seed=21)),
+              (None, prompts(2 * rows, 19, seed=22))] + [(None, prompts(2 * rows, 1, seed=30 + i)) for i in range(3)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pt, "_GroupStepPages", CountingGroupStepPages)
+        for edit, ids in steps:
+            if edit is not None:
+                edit(dense)
+                edit(paged)
+            model.set_attn_implementation(ORACLE)
+            want = _logits(model, ids, dense)
+            model.set_attn_implementation("pagedkv")
+            got = _logits(model, ids, paged)
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
+    num_groups = paged.kv_cache.num_groups
+    # One page-table export per group per forward, shared by the group's layers.
+    assert len(made) == len(steps)
+    for step_pages in made:
+        assert sorted(step_pages.views) == list(range(num_groups))
+        for views in step_pages.views.values():
+            assert all(view is views[0] for view in views)
+    paged.kv_cache.check_invariants()
+
+
+def test_hybrid_sliding_groups_release_pages():
+    """Gemma 3's sliding groups hold a bounded number of pages; its full group holds the sequence."""
+    from pagedkv.models import decode_page_bound
+
+    model = _hybrid_model(gemma3_config)
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=256, page_size=4)
+    out = greedy(model, prompts(1, 20), cache, max_new_tokens=40, min_new_tokens=40)
+    kv = cache.kv_cache
+    length = out.shape[1] - 1
+    full = sum(1 for g in range(kv.num_groups) if kv.group_setting(g).window is None)
+    sliding = kv.num_groups - full
+    held = cache.stats()["pages_in_use"]
+    assert held <= full * -(-length // 4) + sliding * decode_page_bound(4, 8)
+    assert held < kv.num_groups * -(-length // 4)
+
+
+def test_hybrid_user_window_and_sinks_reach_the_sliding_layers_only():
+    config = gemma3_config()
+    cache = pt.PagedCache(config, num_pages=64, page_size=4, window=6, sink_tokens=2)
+    assert cache.window == 6
+    cache.begin(prompts(1, 5))  # makes the pool
+    kv = cache.kv_cache
+    for layer, layer_type in enumerate(config.layer_types):
+        setting = kv.layer_setting(layer)
+        if layer_type == "sliding_attention":
+            assert (setting.window, setting.sink_tokens) == (6, 2)
+        else:
+            assert (setting.window, setting.sink_tokens, setting.chunk_size) == (None, 0, None)
+
+
+def test_hybrid_cache_refuses_dense_attention_crop_and_prefix_caching():
+    model = _hybrid_model(gemma3_config)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="attn_implementation"):
+        greedy(model, prompts(1, 10), pt.PagedCache(model.config, num_pages=64), max_new_tokens=2)
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=64)
+    greedy(model, prompts(1, 10), cache, max_new_tokens=2)
+    with pytest.raises(ValueError, match="crop"):
+        cache.crop(-1)
+    with pytest.raises(ValueError, match="prefix caching is not supported with per-layer attention settings"):
+        pt.PagedCache(model.config, num_pages=64, enable_prefix_caching=True)
+
+
+def test_hybrid_cache_positions_turn_the_queries_of_sliding_layers_only():
+    """positions="cache" with sinks: the sliding layers score their sinks with the query turned
+    by their own rotary setting (Gemma 3: the local base 10,000); full layers get no sink query."""
+    config = gemma3_config()
+    model = _hybrid_model(gemma3_config)
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=128, page_size=4, window=6, sink_tokens=2, positions="cache")
+    head_dim = config.head_dim
+    np.testing.assert_allclose(cache._requests._inv_freq,
+                               10000.0 ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    calls = []
+    kernels = pt.paged_attention
+
+    def spy(name):
+        function = getattr(kernels, name)
+
+        def call(q, pages, layer, *args, q_sink=None, **kwargs):
+            calls.append((layer, q_sink is not None))
+            return function(q, pages, layer, *args, q_sink=q_sink, **kwargs)
+        return call
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "decode", spy("decode"))
+        patch.setattr(kernels, "prefill", spy("prefill"))
+        greedy(model, prompts(1, 12), cache, max_new_tokens=8)
+    turned = {layer for layer, q_sink in calls if q_sink}
+    assert turned == {i for i, t in enumerate(config.layer_types) if t == "sliding_attention"}
+
+
+def test_rows_without_position_ids_are_refused_unless_they_repeat_one_prompt():
+    """A model that passes no position_ids to attention (Llama 4) leaves padding unknowable:
+    a first forward of different rows is refused before anything is stored; repeated rows
+    (beams of one prompt) and single rows are served."""
+    config = llama_config(num_layers=1)
+    config._attn_implementation = pt.ATTN_IMPLEMENTATION
+    rng = np.random.default_rng(0)
+    keys = torch.from_numpy(rng.standard_normal((2, 2, 3, 16), dtype=np.float32))
+    query = torch.from_numpy(rng.standard_normal((2, 4, 3, 16), dtype=np.float32))
+    cache = pt.PagedCache(config, num_pages=8, page_size=4)
+    tagged_k, tagged_v = cache.update(keys, keys, 0)
+    with pytest.raises(ValueError, match="no position_ids"):
+        pt.paged_attention_forward(None, query, tagged_k, tagged_v, None)
+    assert cache.num_stored_tokens == 0
+    same = keys[:1].repeat(2, 1, 1, 1)
+    cache = pt.PagedCache(config, num_pages=8, page_size=4)
+    tagged_k, tagged_v = cache.update(same, same, 0)
+    out = pt.paged_attention_forward(None, query[:1].repeat(2, 1, 1, 1), tagged_k, tagged_v, None)[0]
+    assert torch.equal(out[0], out[1]) and cache.get_seq_length() == 3
+
+
+def test_rotary_frequencies_per_layer_type_are_read_for_the_sliding_layers():
+    config = gemma3_config()
+    got = pt._rotary_inverse_frequencies(config, 16, "sliding_attention")
+    np.testing.assert_allclose(got, 10000.0 ** (-np.arange(0, 16, 2, dtype=np.float64) / 16))
+    with pytest.raises(ValueError, match="per-layer-type"):
+        pt._rotary_inverse_frequencies(config, 16)
