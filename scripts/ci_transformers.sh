@@ -27,4 +27,4 @@ or prompt_lookup or streaming_oracle or random_edits"
 
 # Then the newest the extra resolves to (torch stays the CPU build), on every test.
 pip install --upgrade -r <(python scripts/extra_requirements.py transformers) "torch==2.13.0" huggingface-hub
-pytest -q tests/test_transformers.py
+pytest -q tests/test_transformers.py tests/test_transformers_hybrid.py

@@ -25,7 +25,8 @@ import numpy as np
 from pagedkv import KVCache
 from pagedkv.models.attention_backend import sink_query_positions
 
-__all__ = ["PagedRequests", "StepPages", "check_prompts", "default_num_pages"]
+__all__ = ["GroupStepPages", "PagedRequests", "StepPages", "check_prompts", "default_group_num_pages",
+           "default_num_pages"]
 
 
 def default_num_pages(batch_size: int, max_tokens: int, page_size: int, window: int | None,
@@ -42,6 +43,22 @@ def default_num_pages(batch_size: int, max_tokens: int, page_size: int, window: 
     else:
         per_sequence = -(-max_tokens // page_size)
     return batch_size * (per_sequence + 1)
+
+
+def default_group_num_pages(batch_size: int, max_tokens: int, page_size: int, num_groups: int) -> int:
+    """Pages for ``batch_size`` rows of ``max_tokens`` tokens in each of ``num_groups`` page groups.
+
+    A cache with per-layer attention settings gives every group its own page tables over
+    one pool. Each group needs ``ceil(max_tokens / page_size)`` pages per row at worst,
+    plus one per row for copy-on-write, whatever its setting: a full-attention group holds
+    the whole sequence; a sliding (or chunked) group holds at most
+    ``pagedkv.models.decode_page_bound`` pages once decoding, but a prompt chunk is held
+    whole until the next append, and its pages never exceed those of the same positions
+    under full attention (pages hold page-aligned positions). A prompt of ``max_tokens``
+    tokens reaches that worst case in every group at once, so the default does not count
+    on the window; pass ``num_pages`` to size the pool for known prompt lengths.
+    """
+    return num_groups * batch_size * (-(-max_tokens // page_size) + 1)
 
 
 def check_prompts(input_ids, attention_mask=None) -> tuple[np.ndarray, bool]:
@@ -110,20 +127,86 @@ class StepPages:
         return self._kv_cache.page_table(seq_ids)
 
 
+class GroupStepPages:
+    """The attention contract of a :class:`pagedkv.KVCache` with page groups, for one forward.
+
+    With per-layer attention settings each page group has its own page tables; the layers
+    of one group read the same export. The kernels call :meth:`layer_attention_view`
+    (the per-layer form of the cache contract), which exports a group's page tables at
+    the first layer of the group that asks in the forward and hands the same export to
+    the group's other layers: one export per group per forward. Valid until the rows
+    change, like :class:`StepPages`.
+
+    Parameters
+    ----------
+    kv_cache : pagedkv.KVCache
+        A cache made with ``layer_attention``.
+    seq_ids : numpy.ndarray
+        int64, shape ``[batch]``: the forward's rows, the array the kernels receive.
+    layers : list of tuple
+        Per layer ``(pages, group, window, sink_tokens, chunk_size)``: the layer's view
+        of the pool (``KVCache.layer_pages``), its group and its mask settings, made once
+        per pool by :func:`layer_layout`.
+    """
+
+    __slots__ = ("num_layers", "page_size", "num_kv_heads", "head_dim", "_kv_cache", "_seq_ids", "_layers",
+                 "_views", "_grouped")
+
+    def __init__(self, kv_cache: KVCache, seq_ids: np.ndarray, layers: list) -> None:
+        self.num_layers = kv_cache.num_layers
+        self.page_size = kv_cache.page_size
+        self.num_kv_heads = kv_cache.num_kv_heads
+        self.head_dim = kv_cache.head_dim
+        self._kv_cache = kv_cache
+        self._seq_ids = seq_ids
+        self._layers = layers
+        self._views = [None] * kv_cache.num_groups
+        self._grouped = kv_cache.num_groups > 1
+
+    def layer_attention_view(self, layer: int, seq_ids):
+        """``(pages, view, window, sink_tokens, chunk_size)`` of ``layer``, as ``KVCache.layer_attention_view``.
+
+        The step's own ``seq_ids`` array reads the step's export of the layer's group
+        (made at its first use); any other batch is answered by the cache anew.
+        """
+        if seq_ids is not self._seq_ids:
+            return self._kv_cache.layer_attention_view(layer, seq_ids)
+        pages, group, window, sink_tokens, chunk_size = self._layers[layer]
+        view = self._views[group]
+        if view is None:
+            kv = self._kv_cache
+            view = kv.page_table(seq_ids, group=group) if self._grouped else kv.page_table(seq_ids)
+            self._views[group] = view
+        return pages, view, window, sink_tokens, chunk_size
+
+
+def layer_layout(kv_cache: KVCache) -> list:
+    """Per layer ``(pages, group, window, sink_tokens, chunk_size)`` of a cache with page groups."""
+    layout = []
+    for layer in range(kv_cache.num_layers):
+        setting = kv_cache.layer_setting(layer)
+        layout.append((kv_cache.layer_pages(layer), kv_cache.layer_group(layer), setting.window,
+                       setting.sink_tokens, setting.chunk_size))
+    return layout
+
+
 class PagedRequests:
     """The rows of a batch as ``KVCache`` sequences, and what each forward stores of them.
 
     Parameters
     ----------
     window : int or None
-        Sliding window in tokens of the pool (None: full attention).
+        Sliding window in tokens of the layers that slide (None: none slides).
     sink_tokens : int
-        Attention-sink tokens of the pool.
+        Attention-sink tokens of the layers that slide.
     positions : str
         ``"absolute"`` or ``"cache"`` (validated by the caller).
     inv_freq : numpy.ndarray or None
         float64, shape ``[rotary_dim // 2]``: rotary inverse frequencies in radians per
         token, for ``positions="cache"``; None otherwise.
+    releases : bool
+        Whether some layer releases keys (a window or chunks): then ``crop`` is refused.
+        Default: whether ``window`` is set.
 
     Attributes
     ----------
@@ -136,7 +219,9 @@ class PagedRequests:
     num_stored_tokens : int
         Tokens appended to pages since creation (padding and duplicate rows excluded).
     slots : numpy.ndarray or None
-        Slot mapping of the forward's append, one per stored token, rows after rows.
+        Slot mapping of the forward's append, one per stored token, rows after rows:
+        int64 ``[stored_tokens]``, or ``[num_groups, stored_tokens]`` for a cache with
+        page groups (row ``g``: the slots in group ``g``'s pages).
     counts, stored, starts : numpy.ndarray
         int64, shape ``[batch]``, per row of the forward: new tokens that continue the
         row (the rest is left padding), tokens appended (``counts``, or 0 for a row that
@@ -148,14 +233,15 @@ class PagedRequests:
         ... and every row stores all its new tokens (no duplicate rows).
     step_seq_ids : numpy.ndarray
         int64, shape ``[batch]``: ``seq_ids`` as the array the kernels receive.
-    pages : StepPages or None
+    pages : StepPages or GroupStepPages or None
         The forward's page tables, made by the first attention call that needs them;
         None after every change of the rows.
     """
 
     def __init__(self, *, window: int | None, sink_tokens: int, positions: str,
-                 inv_freq: np.ndarray | None) -> None:
+                 inv_freq: np.ndarray | None, releases: bool | None = None) -> None:
         self._window = window
+        self._releases = window is not None if releases is None else bool(releases)
         self._sink_tokens = sink_tokens
         self._positions = positions
         self._inv_freq = inv_freq
@@ -349,7 +435,7 @@ class PagedRequests:
         keep = self.num_columns + tokens_to_remove if tokens_to_remove <= 0 else min(tokens_to_remove, self.num_columns)
         if keep >= self.num_columns or self.kv_cache is None:
             return
-        if self._window is not None:
+        if self._releases:
             raise ValueError("Invalid call of crop: a windowed PagedCache has released the positions it would need")
         if keep < 0:
             raise ValueError(f"Invalid value of tokens_to_remove: expected >= {-self.num_columns}, got {tokens_to_remove}")

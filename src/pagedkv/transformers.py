@@ -33,9 +33,32 @@ length to keep (positive) in early releases and a count to remove (negative) lat
 
 Decoder-only models with standard multi-head or GQA attention whose attention layers
 call ``cache.update`` and then the configured attention function (the Llama code path
-of transformers). Tested family: Llama (SmolLM2-135M-Instruct loaded from GGUF).
-Mistral, Qwen2 and other Llama-like families follow the same code path but are not
-tested here.
+of transformers), with full, sliding-window and chunked attention layers in any mix.
+Each layer's attention is read from the config as transformers reads it
+(``config.layer_types``, else ``sliding_window`` / ``attention_chunk_size``, Qwen2's
+``use_sliding_window`` and ``max_window_layers``): a model whose layers all share one
+setting (Llama, Mistral) has a cache as before per-layer settings; one whose layers
+differ (Gemma 2 and 3, gpt-oss, Qwen2 with ``max_window_layers`` below the layer count,
+Llama 4's chunked layers) gets a :class:`pagedkv.KVCache` with ``layer_attention``:
+page groups with their own page tables in one pool, a sliding group holding a bounded
+number of pages per row. The pagedkv attention passes each layer's ``scaling``, its
+attention logit soft-capping (``softcap``, Gemma 2) and its learned sink logits
+(``s_aux``, gpt-oss) to the kernels. Tested: Llama (SmolLM2-135M-Instruct loaded from
+GGUF), and random-weight tiny models of Llama, Mistral, Qwen2, Gemma 2, Gemma 3,
+gpt-oss and Llama 4 against ``DynamicCache`` (greedy, beam search, left padding, logits).
+
+``PagedCache`` refuses at construction, with a ValueError naming the layer (index and
+type) or the config field, every model it would serve differently from the model
+itself: layers that hold no per-token K/V (linear attention, state-space, convolution,
+``moe``-only layers) or follow another rule (sparse, compressed, non-overlapping
+windows), layers that reuse another layer's K/V, per-layer config overrides, ALiBi,
+bidirectional attention and cross-attention; and, where the installed core or kernels
+lack per-layer settings, soft-capping or sink logits, the models that need them. The
+attention function refuses, at its first call, a layer that passes a ``sliding_window``
+the cache does not apply. A model whose decoder layers do not pass ``position_ids`` on
+to attention (Llama 4) gives the cache no way to tell left padding from tokens: a first
+forward of different rows is refused for it (one prompt at a time works; beams repeat
+one prompt).
 
 How batches map to pages
 ------------------------
@@ -51,7 +74,10 @@ and no real token attends to them, as in the dense masked computation).
 Per forward, not per layer: layer 0 appends the new tokens (the slot mapping), and the
 first attention call exports the rows' page tables once (``KVCache.page_table``); the
 other layers store into the same slots and read the same export, which stays valid as
-stores never change a table. An edit between forwards (``crop``, forks) drops it.
+stores never change a table. An edit between forwards (``crop``, forks) drops it. With
+page groups the append returns one row of slots per group (each layer stores through
+its group's row), and the page tables are exported once per group per forward, by the
+group's first layer, through ``KVCache.layer_attention_view``'s contract.
 
 Beam search and ``num_return_sequences`` are forks: ``reorder_cache``,
 ``batch_select_indices`` and ``batch_repeat_interleave`` give each new row a
@@ -60,12 +86,14 @@ only when a beam writes into it (copy-on-write).
 
 Sliding window and attention sinks
 ----------------------------------
-``window=W`` (default: the config's ``sliding_window`` when it has one) and
+``window=W`` (default: the config's ``sliding_window`` for the layers that slide) and
 ``sink_tokens=S`` follow :class:`pagedkv.KVCache`: the query at position ``p`` attends to
 positions ``[p - W + 1, p]`` and ``[0, S)``, and a sequence holds a bounded number of
-pages (``pagedkv.models.decode_page_bound``). A window needs
+pages (``pagedkv.models.decode_page_bound``). They apply to the sliding layers only; a
+model whose layers are all full attention takes them for every layer, and one with
+chunked layers but no sliding one refuses a window. A window or chunked layers need
 ``attn_implementation="pagedkv"``: dense implementations would attend to positions the
-window has released.
+cache has released.
 
 Rotary positions, ``positions=``: with ``"absolute"`` (the default) queries and keys keep
 their positions in the sequence, as the model computes them, so the distance from a
@@ -80,8 +108,10 @@ are scored with a second query, the model's query turned by ``min(p, S + W - 1) 
 (the ``q_sink`` argument of :func:`pagedkv.attention.decode` and ``prefill``). This
 needs transformers' rotate-half rotary convention (Llama's ``apply_rotary_pos_emb``)
 with fixed frequencies (``default``, ``linear``, ``llama3``, ``yarn`` rope types; not
-``dynamic`` or ``longrope``). Same positions for every layer and every forked row; a
-prompt chunk longer than the window is handled per query.
+``dynamic`` or ``longrope``). Same positions for every sliding layer and every forked
+row (full and chunked layers keep absolute positions and have no sinks; a rotary
+setting per layer type, as Gemma 3's, is read for the sliding layers); a prompt chunk
+longer than the window is handled per query.
 
 Prefix reuse
 ------------
@@ -97,14 +127,18 @@ are not hashed (the cache sees their K/V, not their ids).
 
 Not supported
 -------------
-Encoder-decoder models and cross-attention; models with linear-attention, chunked or
-per-layer-type (hybrid sliding/full) caches; ``torch.compile`` and static-shape export;
-devices other than the CPU; bfloat16 pools (bfloat16 models work with a float32 or
-float16 pool, at the cost of a conversion per step); ``crop`` of a windowed cache;
-attention weights output (``output_attentions``) with the pagedkv attention; dropout.
+Everything refused at construction (see above): encoder-decoder models and
+cross-attention, linear-attention and state-space layers, K/V sharing, ALiBi;
+prefix caching for a model whose layers differ; ``torch.compile`` and static-shape
+export; devices other than the CPU; bfloat16 pools (bfloat16 models work with a float32
+or float16 pool, at the cost of a conversion per step); ``crop`` of a cache with a
+window or chunked layers; attention weights output (``output_attentions``) with the
+pagedkv attention; dropout.
 """
 from __future__ import annotations
 
+import inspect
+from math import gcd
 from typing import Any
 
 import numpy as np
@@ -112,11 +146,16 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+import pagedkv
 from pagedkv import KVCache
 from pagedkv_c._checks import checked_int
 from pagedkv import attention as paged_attention
-from pagedkv._paged_requests import PagedRequests, check_prompts, default_num_pages
+from pagedkv._hf_config import AttentionSetting, config_refusals
+from pagedkv._hf_config import layer_attention as _layer_attention
+from pagedkv._paged_requests import GroupStepPages as _GroupStepPages
+from pagedkv._paged_requests import PagedRequests, check_prompts, default_group_num_pages, default_num_pages
 from pagedkv._paged_requests import StepPages as _StepPages
+from pagedkv._paged_requests import layer_layout
 from pagedkv.models.attention_backend import check_positions
 
 __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "paged_attention_forward"]
@@ -125,6 +164,24 @@ __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "paged_attention_forward"]
 ATTN_IMPLEMENTATION = "pagedkv"
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+
+
+def _kernels_take_layer_features() -> bool:
+    """Whether the attention kernels take ``softcap`` and ``sink_logits`` (and with them
+    chunk masks and the ``layer_attention_view`` cache contract)."""
+    try:
+        parameters = inspect.signature(paged_attention.decode).parameters
+    except (TypeError, ValueError):
+        return False
+    return "softcap" in parameters and "sink_logits" in parameters
+
+
+#: The kernels apply logit soft-capping, sink logits and chunk masks, per layer.
+_KERNEL_LAYER_FEATURES = _kernels_take_layer_features()
+#: KVCache takes per-layer attention settings (``layer_attention``) and page groups.
+_CORE_LAYER_ATTENTION = hasattr(pagedkv, "AttentionSetting")
+# The kernel keywords of a layer without soft-capping or sink logits (shared, never changed).
+_NO_FEATURES: dict = {}
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -240,20 +297,26 @@ def _config_value(config, name: str, default=None):
     return getattr(text_config, name, default)
 
 
-def _rotary_inverse_frequencies(config, head_dim: int) -> np.ndarray:
+def _rotary_inverse_frequencies(config, head_dim: int, layer_type: str | None = None) -> np.ndarray:
     """Rotary inverse frequencies ``[rotary_dim // 2]`` (float64, radians per token) of a config.
 
     Only rotary types whose angle is ``position * inv_freq`` with fixed frequencies
     qualify: ``default``, ``linear``, ``llama3``, ``yarn`` and the like (their constant
     ``attention_factor`` scales queries and keys alike and commutes with a rotation).
-    ``dynamic`` and ``longrope`` change the frequencies with the sequence length, and
-    per-layer-type rotary settings differ between layers: both raise ValueError.
+    ``dynamic`` and ``longrope`` change the frequencies with the sequence length: ValueError.
+    Per-layer-type rotary settings (Gemma 3: ``{"sliding_attention": ..., "full_attention":
+    ...}``) are read for ``layer_type``; without one they differ between the layers that
+    would be turned: ValueError.
     """
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     params = getattr(text_config, "rope_parameters", None) or {}
+    extra = {}
     if params and "rope_type" not in params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError("Invalid value of positions: 'cache' needs one rotary setting for every layer, "
-                         f"got per-layer-type settings {sorted(params)}")
+        if layer_type not in params:
+            raise ValueError("Invalid value of positions: 'cache' needs one rotary setting for every layer, "
+                             f"got per-layer-type settings {sorted(params)}")
+        params = params[layer_type]
+        extra = {"layer_type": layer_type}
     rope_type = params.get("rope_type", "default")
     if rope_type in ("dynamic", "longrope"):
         raise ValueError(f"Invalid value of positions: 'cache' needs fixed rotary frequencies, got rope_type "
@@ -267,7 +330,7 @@ def _rotary_inverse_frequencies(config, head_dim: int) -> np.ndarray:
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"Invalid value of positions: 'cache' does not know rope_type {rope_type!r}")
-    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](text_config)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](text_config, **extra)
     return inv_freq.detach().cpu().double().numpy()
 
 
@@ -282,6 +345,66 @@ def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
+def _cache_layer_attention(model_settings: list, window: int | None, sink_tokens: int):
+    """The cache's window and per-layer settings from the model's settings and the user's window/sinks.
+
+    Parameters
+    ----------
+    model_settings : list of AttentionSetting or None
+        Per layer, as :func:`pagedkv._hf_config.layer_attention` reads the config.
+    window : int or None
+        The user's window (validated), or None for the config's.
+    sink_tokens : int
+        The user's sinks (validated).
+
+    Returns
+    -------
+    window : int or None
+        The window of the layers that slide: the user's, else the config's one
+        ``sliding_window`` of the sliding layers; for a model whose layers are all full
+        attention, the user's window for every layer (None without one).
+    layer_attention : list of AttentionSetting or None, or None
+        None when every layer has one setting without chunks (the cache is built with
+        ``window``/``sink_tokens`` as before per-layer settings); otherwise one entry per
+        layer, the sliding layers with ``(window, sink_tokens)``.
+
+    Raises
+    ------
+    ValueError
+        A window for a model with chunked layers and no sliding one, or sliding layers
+        with different windows.
+    """
+    sliding = {s.window for s in model_settings if s is not None and s.window is not None}
+    chunked = any(s is not None and s.chunk_size is not None for s in model_settings)
+    if len(sliding) > 1:
+        raise ValueError(f"Invalid value of config: expected one sliding window for every sliding layer, "
+                         f"got {sorted(sliding)}")
+    if not sliding and chunked and window is not None:
+        raise ValueError(f"Invalid value of window: this model's layers are full and chunked attention, none slides "
+                         f"(a window applies to the sliding layers only), got {window}")
+    if window is None and sliding:
+        window = next(iter(sliding))
+    if not chunked and (not sliding or all(s is not None for s in model_settings)):
+        return window, None  # one setting for every layer: the cache of today
+    sliding_setting = AttentionSetting(window, sink_tokens, None)
+    return window, [sliding_setting if s is not None and s.window is not None else s for s in model_settings]
+
+
+def _num_page_groups(layer_attention: list) -> int:
+    """Page groups of a cache with these per-layer settings (the pool layout of :class:`pagedkv.KVCache`).
+
+    Layers with one setting are a kind; with ``G`` the gcd of the kinds' layer counts, a
+    kind of ``n`` layers makes ``n / G`` groups.
+    """
+    counts = {}
+    for setting in layer_attention:
+        counts[setting] = counts.get(setting, 0) + 1
+    size = 0
+    for n in counts.values():
+        size = gcd(size, n)
+    return sum(n // size for n in counts.values())
+
+
 class PagedCache(Cache):
     """A transformers ``Cache`` whose K/V live in the pages of a :class:`pagedkv.KVCache`.
 
@@ -290,13 +413,17 @@ class PagedCache(Cache):
     config : transformers.PretrainedConfig
         The model's config (``model.config``): ``num_hidden_layers``,
         ``num_key_value_heads`` (default ``num_attention_heads``), ``head_dim`` (default
-        ``hidden_size // num_attention_heads``), ``max_position_embeddings`` and, if
-        present, ``sliding_window`` are read; ``_attn_implementation`` is read at each step
+        ``hidden_size // num_attention_heads``), ``max_position_embeddings``, the layer
+        types (``layer_types``, ``sliding_window``, ``attention_chunk_size``, ...) and the
+        attention features are read; ``_attn_implementation`` is read at each step
         (``"pagedkv"`` selects the in-place attention path).
     num_pages : int, optional
         Pages in the pool, ``>= 1``. Default: enough for every row of the first batch to
         hold ``max_tokens`` tokens (with a window: the windowed bound), plus one page per
-        row for copy-on-write; computed at the first forward, when the batch size is known.
+        row for copy-on-write; for a model whose layers differ, that much for every page
+        group (a group that slides holds a whole prompt until the next append, so the
+        default does not count on its window). Computed at the first forward, when the
+        batch size is known.
     max_tokens : int, optional
         Tokens per sequence used to size the default pool, ``>= 1``. Default:
         ``config.max_position_embeddings``. Ignored when ``num_pages`` is given.
@@ -307,11 +434,13 @@ class PagedCache(Cache):
         (float32 for a bfloat16 model).
     window : int, optional
         Sliding window ``W`` in tokens, ``>= 1`` (the query at position ``p`` attends to
-        ``[p - W + 1, p]``, Hugging Face's ``sliding_window = W``). Default: the config's
-        ``sliding_window`` if set, else full attention. Needs ``attn_implementation="pagedkv"``.
+        ``[p - W + 1, p]``, Hugging Face's ``sliding_window = W``), of the layers that
+        slide; for a model whose layers are all full attention, of every layer. Default:
+        the config's ``sliding_window`` for the sliding layers, none for the others.
+        Needs ``attn_implementation="pagedkv"``.
     sink_tokens : int
         Attention-sink tokens ``S >= 0`` kept in attention with a window (StreamingLLM,
-        Xiao et al. 2023). Default 0.
+        Xiao et al. 2023), in the layers the window applies to. Default 0.
     positions : str
         Rotary positions of a windowed cache with sinks. ``"absolute"`` (default): every
         query and key keeps its position in the sequence, so the distance from a query to
@@ -347,7 +476,10 @@ class PagedCache(Cache):
     Raises
     ------
     ValueError
-        A size out of range, a config without the attention sizes, ``sink_tokens`` without
+        A config the cache cannot serve exactly (the message names the layer and its type,
+        or the feature: see the module docstring), a window for a model with chunked
+        layers and no sliding one, prefix caching for a model whose layers differ, a
+        size out of range, a config without the attention sizes, ``sink_tokens`` without
         a window, a dtype other than float32/float16, ``positions`` not ``"absolute"``
         or ``"cache"``, or ``"cache"`` without a window and sinks or with a rotary type
         whose frequencies change (``dynamic``, ``longrope``) or differ between layers.
@@ -368,18 +500,35 @@ class PagedCache(Cache):
                 "Invalid value of config: expected integer num_hidden_layers and num_attention_heads, "
                 f"got {num_layers!r} and {num_heads!r}"
             )
+        per_layer = _CORE_LAYER_ATTENTION and _KERNEL_LAYER_FEATURES
+        problems = config_refusals(config, per_layer=per_layer, softcap=_KERNEL_LAYER_FEATURES,
+                                   sink_logits=_KERNEL_LAYER_FEATURES)
+        if problems:
+            supported = ("full, sliding-window and chunked attention layers in any mix, with logit soft-capping and "
+                         "learned sink logits" if per_layer else
+                         "attention layers that are all full attention, or all sliding with the config's one "
+                         "sliding_window, without logit soft-capping or attention sinks")
+            raise ValueError(
+                "Invalid value of config: PagedCache cannot serve this model exactly: " + "; ".join(problems)
+                + f". Supported: decoder-only models with {supported}; no ALiBi"
+            )
         num_kv_heads = _config_value(config, "num_key_value_heads") or num_heads
         head_dim = _config_value(config, "head_dim") or _config_value(config, "hidden_size") // num_heads
         self._num_pages = _check_size("num_pages", num_pages, 1)
         self._max_tokens = _check_size("max_tokens", max_tokens, 1)
         self._page_size = _check_size("page_size", page_size, 1, allow_none=False)
-        if window is None:
-            window = _config_value(config, "sliding_window")
-        self._window = _check_size("window", window, 1)
+        window = _check_size("window", window, 1)
         self._sink_tokens = _check_size("sink_tokens", sink_tokens, 0, allow_none=False)
+        # The window of the layers that slide (the user's, else the config's) and, for a
+        # model whose layers differ, every layer's setting (None: one setting for all).
+        model_settings = _layer_attention(config)
+        self._window, self._layer_attention = _cache_layer_attention(model_settings, window, self._sink_tokens)
         if self._sink_tokens and self._window is None:
             raise ValueError(f"Invalid value of sink_tokens: expected 0 without a window, got {sink_tokens}")
         self._positions = check_positions(positions, self._window, self._sink_tokens)
+        if self._layer_attention is not None and enable_prefix_caching and len(set(self._layer_attention)) > 1:
+            raise ValueError("Invalid value of enable_prefix_caching: prefix caching is not supported with per-layer "
+                             "attention settings (this model's layers differ)")
         self._num_threads = _check_size("num_threads", num_threads, 1)
         if dtype is not None:
             dtype = _NUMPY_DTYPES.get(dtype, dtype) if isinstance(dtype, torch.dtype) else dtype
@@ -395,10 +544,25 @@ class PagedCache(Cache):
         self._num_layers = num_layers
         self._num_kv_heads = int(num_kv_heads)
         self._head_dim = int(head_dim)
-        inv_freq = _rotary_inverse_frequencies(config, self._head_dim) if positions == "cache" else None
+        settings = self._layer_attention or [AttentionSetting(self._window, self._sink_tokens, None)] * num_layers
+        inv_freq = None
+        if positions == "cache":
+            # Only the layers the window applies to keep sinks: the sliding layers if the
+            # model has some, else every (full) layer; their rotary setting turns the queries.
+            slides = any(s is not None and s.window is not None for s in model_settings)
+            inv_freq = _rotary_inverse_frequencies(config, self._head_dim,
+                                                   "sliding_attention" if slides else "full_attention")
+        # Whether some layer releases keys (window or chunks): crop and dense attention are refused.
+        self._releases = any(s is not None and (s.window is not None or s.chunk_size is not None) for s in settings)
+        # Per layer: the window the attention function must see passed by the model (a
+        # model's sliding_window for a layer the cache holds whole is refused), and
+        # whether its sinks are scored with the rotated sink query (positions="cache").
+        self._layer_windows = [None if s is None else s.window for s in settings]
+        self._layer_sink_query = [s is not None and s.sink_tokens > 0 for s in settings]
+        self._layer_pages_layout: list | None = None  # per layer (pages, group, settings), with the pool
         # Rows, lengths and what each forward stores: NumPy bookkeeping apart from the glue.
         self._requests = PagedRequests(window=self._window, sink_tokens=self._sink_tokens,
-                                       positions=self._positions, inv_freq=inv_freq)
+                                       positions=self._positions, inv_freq=inv_freq, releases=self._releases)
         # With positions="cache": cos/sin [T, 1, R/2] that turn this forward's stored
         # queries into their sink queries (None when no query is past S + W - 1).
         self._sink_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -418,7 +582,7 @@ class PagedCache(Cache):
 
     @property
     def window(self) -> int | None:
-        """Sliding window in tokens, or None for full attention."""
+        """Sliding window in tokens of the layers that slide (every layer for a uniform model), or None."""
         return self._window
 
     @property
@@ -480,14 +644,26 @@ class PagedCache(Cache):
         if dtype is None:
             dtype = np.dtype(_NUMPY_DTYPES.get(key_dtype, np.float32))
         num_pages = self._num_pages
+        max_tokens = self._max_tokens or int(_config_value(self._config, "max_position_embeddings", 4096))
+        if self._layer_attention is None:
+            if num_pages is None:
+                num_pages = default_num_pages(batch_size, max_tokens, self._page_size, self._window,
+                                              self._sink_tokens)
+            return KVCache(
+                self._num_layers, self._num_kv_heads, self._head_dim, num_pages, page_size=self._page_size,
+                dtype=dtype, window=self._window, sink_tokens=self._sink_tokens,
+                enable_prefix_caching=self._prefix_caching, prefix_hash=self._prefix_hash,
+            )
         if num_pages is None:
-            max_tokens = self._max_tokens or int(_config_value(self._config, "max_position_embeddings", 4096))
-            num_pages = default_num_pages(batch_size, max_tokens, self._page_size, self._window, self._sink_tokens)
-        return KVCache(
+            num_pages = default_group_num_pages(batch_size, max_tokens, self._page_size,
+                                                _num_page_groups(self._layer_attention))
+        kv_cache = KVCache(
             self._num_layers, self._num_kv_heads, self._head_dim, num_pages, page_size=self._page_size,
-            dtype=dtype, window=self._window, sink_tokens=self._sink_tokens,
+            dtype=dtype, layer_attention=self._layer_attention,
             enable_prefix_caching=self._prefix_caching, prefix_hash=self._prefix_hash,
         )
+        self._layer_pages_layout = layer_layout(kv_cache)
+        return kv_cache
 
     def pool_tensor(self, layer: int | None = None) -> torch.Tensor:
         """The pool as a torch tensor sharing its memory (``torch.from_numpy``, no copy).
@@ -497,7 +673,9 @@ class PagedCache(Cache):
         layer : int, optional
             Return only this layer's pages: shape ``(num_pages, 2, page_size,
             num_kv_heads, head_dim)`` (FlashInfer's NHD layout). Default: the whole pool,
-            ``(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)``.
+            ``(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)``; for a model
+            whose layers differ, ``(G, num_pages, ...)`` with page groups of ``G`` layers
+            (see :class:`pagedkv.KVCache`).
 
         Raises
         ------
@@ -513,6 +691,8 @@ class PagedCache(Cache):
             return pool
         if not 0 <= layer < self._num_layers:
             raise IndexError(f"Invalid value of layer: expected 0 <= layer < {self._num_layers}, got {layer}")
+        if self._layer_attention is not None:
+            return torch.from_numpy(self.kv_cache.layer_pages(layer))
         return pool[layer]
 
     def stats(self) -> dict:
@@ -569,6 +749,15 @@ class PagedCache(Cache):
             requests.kv_cache = self._make_kv_cache(batch_size, key_states.dtype)
         position_ids = attn_kwargs.get("position_ids")
         positions = None if position_ids is None else position_ids.detach().cpu().numpy()
+        if (positions is None and self._step_paged and requests.num_columns == 0 and batch_size > 1
+                and not all(torch.equal(key_states[row], key_states[0]) for row in range(1, batch_size))):
+            # Without positions every new token counts as a token: left padding would be
+            # attended to. Rows that repeat one prompt (beams) cannot differ in padding.
+            raise ValueError(
+                "Invalid call of the pagedkv attention: the model passes no position_ids to its attention layers "
+                "(Llama 4's decoder layers keep them), so PagedCache cannot tell left padding from tokens in a "
+                f"first forward of {batch_size} different rows; generate one prompt at a time"
+            )
         rotation = requests.begin_step(batch_size, num_new, positions,
                                        lambda row, source: torch.equal(key_states[row], key_states[source]))
         self._sink_rotation = None if rotation is None else (torch.from_numpy(rotation[0]),
@@ -645,10 +834,10 @@ class PagedCache(Cache):
             self._step_paged = getattr(self._config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
             self._step_threads = self._num_threads or _kernel_threads()
         paged = self._step_paged
-        if not paged and self._window is not None:
+        if not paged and self._releases:
             raise ValueError(
-                f"Invalid attn_implementation {self._config._attn_implementation!r} for a PagedCache with a window: "
-                f"expected {ATTN_IMPLEMENTATION!r} (dense attention would read released positions)"
+                f"Invalid attn_implementation {self._config._attn_implementation!r} for a PagedCache with a window "
+                f"or chunked layers: expected {ATTN_IMPLEMENTATION!r} (dense attention would read released positions)"
             )
         if paged and attn_kwargs.get("position_ids") is None:
             # transformers < 5.24 passes no position_ids to update(), but it passes them to
@@ -765,9 +954,12 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     dropout : float
         Must be 0 (inference only).
     kwargs
-        The attention layer's keyword arguments; their ``position_ids`` are used when
-        :meth:`PagedCache.update` had none to store the layer's K/V with (transformers
-        before 5.24), the rest is ignored.
+        The attention layer's keyword arguments. ``softcap`` (float, Gemma 2's
+        ``attn_logit_softcapping``) and ``s_aux`` (tensor ``[heads]``, gpt-oss's learned
+        sink logits) go to the kernels as ``softcap`` and ``sink_logits``;
+        ``sliding_window`` is checked against the layer's window in the cache; the
+        ``position_ids`` are used when :meth:`PagedCache.update` had none to store the
+        layer's K/V with (transformers before 5.24); the rest is ignored.
 
     Returns
     -------
@@ -779,8 +971,11 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     ------
     ValueError
         ``key`` does not come from a :class:`PagedCache` (the model ran without one, or
-        with ``use_cache=False``), or ``dropout`` is not 0; when this call stores the
-        K/V, the errors of :meth:`PagedCache.update`.
+        with ``use_cache=False``), ``dropout`` is not 0, the layer passes a
+        ``sliding_window`` the cache does not apply (or ``softcap``/``s_aux`` kernels
+        without them cannot apply), or, when this call stores the K/V, the errors of
+        :meth:`PagedCache.update` and a first forward of different rows without
+        ``position_ids``.
     pagedkv.OutOfPagesError
         When this call stores the K/V and the pool has no room for them.
 
@@ -788,7 +983,9 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     -----
     One-token steps call :func:`pagedkv.attention.decode`; prompts and multi-token steps
     call :func:`pagedkv.attention.prefill` over the stored tokens of each row (ragged,
-    FlashInfer's ``qo_indptr`` layout). With ``positions="cache"`` the keys at positions
+    FlashInfer's ``qo_indptr`` layout). With page groups the kernels read the layer's
+    pages, page tables and mask settings (window, sinks, chunk size) through
+    ``layer_attention_view``. With ``positions="cache"`` the keys at positions
     below ``sink_tokens`` are scored with the query turned to ``min(p, S + W - 1)``
     (``q_sink``; StreamingLLM's positions, Xiao et al. 2023).
     """
@@ -801,6 +998,25 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     if dropout:
         raise ValueError(f"Invalid value of dropout: expected 0 (inference only), got {dropout}")
     cache = step.cache
+    layer = step.layer_idx
+    softcap = kwargs.get("softcap")
+    s_aux = kwargs.get("s_aux")
+    if ((softcap is not None or s_aux is not None) and not _KERNEL_LAYER_FEATURES) or (
+            kwargs.get("sliding_window") is not None and cache._layer_windows[layer] is None):
+        # The construction checks of PagedCache refuse such models; a model whose layers
+        # differ from what its config says must not be served silently wrong either.
+        raise ValueError(
+            f"Invalid attention for layer {layer}: the model passes softcap={softcap!r}, "
+            f"s_aux={'set' if s_aux is not None else None}, sliding_window={kwargs.get('sliding_window')!r}, "
+            f"which the pagedkv attention of this cache (window {cache._layer_windows[layer]}) does not apply"
+        )
+    features = _NO_FEATURES
+    if softcap is not None or s_aux is not None:
+        features = {}
+        if softcap is not None:
+            features["softcap"] = float(softcap)
+        if s_aux is not None:
+            features["sink_logits"] = _numpy_view(s_aux if s_aux.dtype == torch.float32 else s_aux.float())
     requests = step.requests
     if step.deferred:
         try:
@@ -812,19 +1028,25 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         step.deferred = False
     pages = requests.pages
     if pages is None:
-        pages = requests.pages = _StepPages(requests.kv_cache, requests.step_seq_ids)
+        if cache._layer_pages_layout is None:
+            pages = requests.pages = _StepPages(requests.kv_cache, requests.step_seq_ids)
+        else:  # page groups: one export per group, made by the group's first layer
+            pages = requests.pages = _GroupStepPages(requests.kv_cache, requests.step_seq_ids,
+                                                     cache._layer_pages_layout)
     seq_ids = requests.step_seq_ids
     batch_size, num_heads, num_new, head_dim = query.shape
     num_threads = cache._step_threads
     sink_rotation = cache._sink_rotation
+    if sink_rotation is not None and not cache._layer_sink_query[layer]:
+        sink_rotation = None  # a layer without sinks (full or chunked among sliding ones)
     unpadded = requests.unpadded
     if num_new == 1 and unpadded:
         # [B, Hq, 1, D] is [B, Hq, D] in memory: NumPy views in and out, no torch reshapes.
         q = _numpy_view(query if query.dtype == torch.float32 else query.float())[:, :, 0]
         q_sink = (None if sink_rotation is None
                   else _rotate_half(torch.from_numpy(q).double(), *sink_rotation).float().numpy())
-        out = paged_attention.decode(q, pages, step.layer_idx, seq_ids, scale=scaling, num_threads=num_threads,
-                                     q_sink=q_sink)
+        out = paged_attention.decode(q, pages, layer, seq_ids, scale=scaling, num_threads=num_threads,
+                                     q_sink=q_sink, **features)
         result = torch.from_numpy(out[:, None])
     else:
         rows = query.detach().transpose(1, 2)
@@ -839,8 +1061,8 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         qo_indptr = np.zeros(batch_size + 1, dtype=np.int64)
         np.cumsum(requests.counts, out=qo_indptr[1:])
         q_sink = None if sink_rotation is None else _rotate_half(q.double(), *sink_rotation).float().numpy()
-        out = paged_attention.prefill(q.contiguous().numpy(), pages, step.layer_idx, seq_ids, qo_indptr,
-                                      scale=scaling, num_threads=num_threads, q_sink=q_sink)
+        out = paged_attention.prefill(q.contiguous().numpy(), pages, layer, seq_ids, qo_indptr,
+                                      scale=scaling, num_threads=num_threads, q_sink=q_sink, **features)
         out = torch.from_numpy(out)
         if not padded:
             result = out.view(batch_size, num_new, num_heads, head_dim)
