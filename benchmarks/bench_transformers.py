@@ -306,9 +306,208 @@ def bench_second_turn(model, tokenizer, threads):
     return rows
 
 
+# ------------------------------------------------------------------ hybrid models (--hybrid)
+
+HYBRID_CANDIDATES = ("DynamicCache", "StaticCache", "PagedCache")
+
+
+def gemma3_random_model(vocab_size):
+    """A random-weight Gemma 3 text model at Gemma-3-270M's attention shapes, built offline.
+
+    18 layers, 5 sliding (window 512) per full layer, 4 query heads, 1 KV head of 256, hidden
+    640, MLP 2048: the K/V per token and layer of Gemma-3-270M. ``vocab_size`` replaces its
+    262,144 (the embedding and output layer hold no K/V; a smaller one keeps the run short).
+    """
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=640, intermediate_size=2048,
+                              num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                              sliding_window=512, max_position_embeddings=131072, query_pre_attn_scalar=256)
+    return Gemma3ForCausalLM(config).eval()
+
+
+def hybrid_kv_bounds(config, tokens, page_size, itemsize=4):
+    """K/V bytes after ``tokens`` tokens: (minimum in whole pages, every layer holding every token).
+
+    The minimum holds, per layer, the pages of the positions the last query (at ``tokens - 1``)
+    attends to: every position for a full layer, ``[tokens - W, tokens)`` for a window ``W``.
+    """
+    from pagedkv._hf_config import layer_attention
+
+    page = 2 * config.num_key_value_heads * config.head_dim * itemsize * page_size  # one page of one layer
+    minimum = 0
+    for setting in layer_attention(config):
+        window = None if setting is None else setting.window
+        if window is None or window >= tokens:
+            minimum += -(-tokens // page_size) * page
+        else:
+            minimum += ((tokens - 1) // page_size - (tokens - window) // page_size + 1) * page
+    return minimum, config.num_hidden_layers * -(-tokens // page_size) * page
+
+
+def hybrid_cache(model, name, max_tokens):
+    import torch
+    from transformers import DynamicCache, StaticCache
+
+    import pagedkv.transformers as pt
+
+    if name == "DynamicCache":
+        return DynamicCache(config=model.config)
+    if name == "StaticCache":
+        return StaticCache(config=model.config, max_cache_len=max_tokens)
+    return pt.PagedCache(model.config, max_tokens=max_tokens, dtype=torch.float32)
+
+
+HYBRID_IMPLEMENTATION = {"DynamicCache": "sdpa", "StaticCache": "sdpa", "PagedCache": "pagedkv"}
+
+
+def bench_hybrid(model, context, steps, threads, chunk):
+    """Prefill ``context`` random tokens into each candidate in chunks, then ``steps`` decode steps.
+
+    Each candidate is built and prefilled alone (the others kept), with the RSS high-water
+    mark reset before (Linux): peak RSS added is the cache plus the prefill's activations.
+    Decode steps then rotate over the candidates step by step, as in ``bench_decode``.
+    """
+    import ctypes
+    import gc
+
+    import torch
+
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(rng.integers(3, model.config.vocab_size, size=(1, context)))
+    libc = ctypes.CDLL("libc.so.6") if os.path.exists("/proc/self/clear_refs") else None
+    caches, peak_added, prefill_s = {}, {}, {}
+    for name in HYBRID_CANDIDATES:
+        gc.collect()
+        if libc is not None:
+            libc.malloc_trim(0)
+            before = _status_kib("VmRSS")
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                clear_refs.write("5")
+        model.set_attn_implementation(HYBRID_IMPLEMENTATION[name])
+        cache = hybrid_cache(model, name, context + steps + 1)
+        start = time.perf_counter()
+        for first in range(0, context, chunk):
+            part = ids[:, first:first + chunk]
+            position = torch.arange(first, first + part.shape[1])[None, :]
+            with torch.no_grad():
+                model(input_ids=part, cache=cache, position_ids=position, cache_position=position[0],
+                      use_cache=True, logits_to_keep=1)
+        prefill_s[name] = time.perf_counter() - start
+        if libc is not None:
+            peak_added[name] = (_status_kib("VmHWM") - before) * 1024
+        caches[name] = cache
+    times = {name: [] for name in HYBRID_CANDIDATES}
+    token = torch.tensor([[42]])
+    for step in range(steps + 1):
+        order = HYBRID_CANDIDATES[step % 3:] + HYBRID_CANDIDATES[:step % 3]
+        for name in order:
+            model.set_attn_implementation(HYBRID_IMPLEMENTATION[name])
+            position = torch.tensor([[context + step]])
+            start = time.perf_counter()
+            with torch.no_grad():
+                model(input_ids=token, cache=caches[name], position_ids=position, cache_position=position[0],
+                      use_cache=True)
+            if step:
+                times[name].append(time.perf_counter() - start)
+    model.set_attn_implementation("sdpa")
+    minimum, uniform = hybrid_kv_bounds(model.config, context + steps, 16)
+    medians = {name: statistics.median(times[name]) for name in HYBRID_CANDIDATES}
+    rows = []
+    for name in HYBRID_CANDIDATES:
+        held = cache_bytes(caches[name])
+        rows.append({"threads": threads, "context": context, "cache": name, "kv_bytes": held,
+                     "kv_minimum_bytes": minimum, "kv_uniform_bytes": uniform,
+                     "peak_rss_added_bytes": peak_added.get(name), "prefill_s": prefill_s[name],
+                     "step_ms": medians[name] * 1e3, "tokens_per_s": 1.0 / medians[name],
+                     "speedup_vs_dynamic": medians["DynamicCache"] / medians[name]})
+    return rows
+
+
+def bench_hybrid_second_turn(model, threads, first_tokens=700, answer_tokens=32, follow_tokens=40):
+    """Time to first token of a second turn on the hybrid model (random token ids).
+
+    The first turn (``first_tokens``, longer than the 512-token window) generates
+    ``answer_tokens`` on a PagedCache; the second turn appends ``follow_tokens`` and generates
+    one token on the same cache (only the new tokens are computed), against a cold PagedCache
+    and a cold DynamicCache.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    import pagedkv.transformers as pt
+
+    rng = np.random.default_rng(1)
+    first = torch.from_numpy(rng.integers(3, model.config.vocab_size, size=(1, first_tokens)))
+    follow = torch.from_numpy(rng.integers(3, model.config.vocab_size, size=(1, follow_tokens)))
+
+    def generate(ids, cache, tokens):
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
+                                  do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
+
+    model.set_attn_implementation("pagedkv")
+    warm = pt.PagedCache(model.config, max_tokens=2048, dtype=torch.float32)
+    second = torch.cat([generate(first, warm, answer_tokens), follow], dim=1)
+    rows = []
+    for name in ("PagedCache, same cache", "PagedCache, cold", "DynamicCache, cold"):
+        if name.startswith("DynamicCache"):
+            model.set_attn_implementation("sdpa")
+            cache = DynamicCache(config=model.config)
+        else:
+            model.set_attn_implementation("pagedkv")
+            cache = warm if "same" in name else pt.PagedCache(model.config, max_tokens=2048, dtype=torch.float32)
+        start = time.perf_counter()
+        generate(second, cache, 1)
+        rows.append({"threads": threads, "cache": name, "prompt_tokens": second.shape[1],
+                     "ttft_s": time.perf_counter() - start})
+    model.set_attn_implementation("sdpa")
+    return rows
+
+
+def run_hybrid(args):
+    """``--hybrid``: the random-weight Gemma 3 at every context and thread count; print and write JSON."""
+    import torch
+
+    model = gemma3_random_model(args.hybrid_vocab)
+    rows, turn_rows = [], []
+    contexts = args.context if args.context_given else [8192, 32768]
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for context in contexts:
+            rows += bench_hybrid(model, context, args.steps, threads, args.hybrid_chunk)
+            print(f"hybrid: threads {threads}, context {context}: done", flush=True)
+        if not args.skip_turn:
+            turn_rows += bench_hybrid_second_turn(model, threads)
+    print("random-weight Gemma 3 at Gemma-3-270M's attention shapes (15 sliding layers of window 512, "
+          "3 full; 1 KV head of 256; float32)")
+    print(format_table(
+        ["threads", "context", "cache", "K/V MiB", "of minimum", "of uniform", "peak RSS added MiB",
+         "prefill s", "step ms", "tokens/s", "vs Dynamic"],
+        [[r["threads"], r["context"], r["cache"], f"{r['kv_bytes'] / 2**20:.1f}",
+          f"{r['kv_bytes'] / r['kv_minimum_bytes']:.3f}x", f"{r['kv_bytes'] / r['kv_uniform_bytes']:.3f}x",
+          "-" if r["peak_rss_added_bytes"] is None else f"{r['peak_rss_added_bytes'] / 2**20:.0f}",
+          f"{r['prefill_s']:.1f}", f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:.1f}",
+          f"{r['speedup_vs_dynamic']:.2f}x"] for r in rows]))
+    if rows:
+        print(f"minimum (whole pages of what each layer attends to) at {rows[0]['context']} + {args.steps} tokens: "
+              f"{rows[0]['kv_minimum_bytes'] / 2**20:.1f} MiB; every layer holding every token: "
+              f"{rows[0]['kv_uniform_bytes'] / 2**20:.1f} MiB")
+    if turn_rows:
+        print(format_table(["threads", "second turn", "prompt tokens", "TTFT s"],
+                           [[r["threads"], r["cache"], r["prompt_tokens"], f"{r['ttft_s']:.3f}"]
+                            for r in turn_rows]))
+    path = write_json("bench_transformers_hybrid", {"machine": machine_info(), "args": vars(args),
+                                                    "decode": rows, "second_turn": turn_rows})
+    print(f"wrote {path}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--context", type=int, nargs="+", default=[512, 4096, 16384], help="context lengths, tokens")
+    parser.add_argument("--context", type=int, nargs="+", default=None,
+                        help="context lengths, tokens (default 512 4096 16384; with --hybrid 8192 32768)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch and kernel threads")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per candidate")
     parser.add_argument("--beams", type=int, nargs="+", default=[4], help="beam counts")
@@ -319,7 +518,18 @@ def main():
     parser.add_argument("--skip-turn", action="store_true")
     parser.add_argument("--skip-rss", action="store_true",
                         help="skip the peak RSS each cache adds at the largest context (Linux only)")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="run the hybrid-model benchmark instead: a random-weight Gemma 3 at Gemma-3-270M's "
+                             "attention shapes (resident K/V against the minimum, peak RSS, decode, second turn)")
+    parser.add_argument("--hybrid-vocab", type=int, default=32768, help="vocabulary of the hybrid model")
+    parser.add_argument("--hybrid-chunk", type=int, default=1024, help="prefill chunk of the hybrid run, tokens")
     args = parser.parse_args()
+    args.context_given = args.context is not None
+    if args.context is None:
+        args.context = [512, 4096, 16384]
+    if args.hybrid:
+        run_hybrid(args)
+        return
 
     import torch
 
