@@ -101,31 +101,20 @@ def prompts(batch, length, seed=1):
 # ---------------------------------------------------------------------------------------
 # Refusals at construction: models the cache or the attention function would serve wrong.
 
-# Whether the installed core and kernels serve per-layer attention settings, soft-capping
-# and sink logits: the models of MIXED are refused without them and served with them.
-PER_LAYER = pt._CORE_LAYER_ATTENTION and pt._KERNEL_LAYER_FEATURES
-
 MIXED = [
-    ("gemma2", gemma2_config, [r"layer 1 is 'full_attention'", r"attn_logit_softcapping=50\.0"]),
-    ("gemma3", gemma3_config, [r"layer 2 is 'full_attention'"]),
-    ("gpt_oss", gpt_oss_config, [r"layer 1 is 'full_attention'", r"sink logits \(s_aux\)"]),
-    ("qwen2_max_window_layers", qwen2_config, [r"layer 0 is 'full_attention', layer 2 is 'sliding_attention'"]),
-    ("llama4_chunked", llama4_config, [r"layer 0 is 'chunked_attention' \(attention_chunk_size=8\)"]),
+    ("gemma2", gemma2_config),
+    ("gemma3", gemma3_config),
+    ("gpt_oss", gpt_oss_config),
+    ("qwen2_max_window_layers", qwen2_config),
+    ("llama4_chunked", llama4_config),
 ]
 
 
-@pytest.mark.parametrize("name, make_config, messages", MIXED, ids=[r[0] for r in MIXED])
-def test_mixed_models_are_served_only_with_per_layer_support(name, make_config, messages):
+@pytest.mark.parametrize("name, make_config", MIXED, ids=[r[0] for r in MIXED])
+def test_mixed_models_get_every_layers_own_setting(name, make_config):
     config = make_config()
-    if PER_LAYER:
-        cache = pt.PagedCache(config, num_pages=16)
-        assert cache._layer_attention == pt._layer_attention(config)  # the model's own settings
-        return
-    with pytest.raises(ValueError, match="cannot serve this model exactly") as raised:
-        pt.PagedCache(config, num_pages=16)
-    for message in messages:
-        assert raised.match(message)
-    assert raised.match("Supported: ")
+    cache = pt.PagedCache(config, num_pages=16)
+    assert cache._layer_attention == pt._layer_attention(config)  # the model's own settings
 
 
 @pytest.mark.parametrize("layer_type, what", [("linear_attention", "linear attention"), ("conv", "convolution"),
@@ -140,11 +129,7 @@ def test_layers_without_held_kv_are_refused_by_index_and_type(layer_type, what):
 def test_attention_features_are_refused():
     config = llama_config()
     config.attn_logit_softcapping = 30.0
-    if PER_LAYER:
-        pt.PagedCache(config, num_pages=16)  # the kernels cap the scores
-    else:
-        with pytest.raises(ValueError, match="soft-capping"):
-            pt.PagedCache(config, num_pages=16)
+    pt.PagedCache(config, num_pages=16)  # the kernels cap the scores
     config = llama_config()
     config.alibi = True
     with pytest.raises(ValueError, match="ALiBi"):
@@ -198,14 +183,13 @@ def test_uniform_models_generate_the_tokens_of_dynamic_cache(make_config):
 
 
 def test_attention_keywords_the_cache_cannot_apply_are_refused():
-    """A model whose layers pass a window the cache does not apply (or, without kernel
-    support, soft-capping or sink logits) is refused at the attention call, before any output."""
+    """A model whose layers pass a window the cache does not apply is refused at the
+    attention call, before any output."""
     config = llama_config(num_layers=1)
     config._attn_implementation = pt.ATTN_IMPLEMENTATION
     keys = torch.zeros((1, 2, 3, 16))
     query = torch.zeros((1, 4, 3, 16))
-    refused = [{"sliding_window": 8}] + ([] if PER_LAYER else [{"softcap": 50.0}, {"s_aux": torch.zeros(4)}])
-    for extra in refused:
+    for extra in [{"sliding_window": 8}]:
         cache = pt.PagedCache(config, num_pages=8, page_size=4)
         tagged_k, tagged_v = cache.update(keys, keys, 0, kwargs={"position_ids": torch.arange(3)[None]})
         with pytest.raises(ValueError, match="does not apply"):

@@ -11,27 +11,10 @@ silently wrong.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from pagedkv import AttentionSetting
 
-import pagedkv
+__all__ = ["config_refusals", "layer_attention", "layer_types", "text_config"]
 
-__all__ = ["AttentionSetting", "config_refusals", "layer_attention", "layer_types", "text_config"]
-
-
-class _AttentionSetting(NamedTuple):
-    """Stand-in for :class:`pagedkv.AttentionSetting` where the core does not define it.
-
-    The same fields, defaults, equality, hash and repr; no validation (the values come
-    from a config that transformers validated).
-    """
-
-    window: int | None = None
-    sink_tokens: int = 0
-    chunk_size: int | None = None
-
-
-#: :class:`pagedkv.AttentionSetting`, or a stand-in with its fields where the core has none.
-AttentionSetting = getattr(pagedkv, "AttentionSetting", None) or _AttentionSetting
 
 #: Layer types whose K/V rows a paged cache holds (one row per token and layer).
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -54,14 +37,6 @@ _NOT_HELD = {
     "moe": "no attention",
     "mlp": "no attention",
 }
-
-# Models whose attention layers pass learned per-head sink logits (``s_aux``) to the
-# attention function; transformers has no config field for them (transformers 5.25).
-SINK_MODEL_TYPES = frozenset({
-    "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "flint", "openai_privacy_filter",
-    "deepseek_v4", "hy_v4", "hy_v4_vl",
-})
-
 
 def text_config(config):
     """The decoder's text config of ``config`` (itself for a plain causal LM)."""
@@ -123,7 +98,7 @@ def layer_types(config) -> list[str]:
     return ["full_attention"] * num_layers
 
 
-def _feature_refusals(config, *, softcap: bool, sink_logits: bool) -> list[str]:
+def _feature_refusals(config) -> list[str]:
     """The model features of ``config`` the attention function would not compute, as sentences."""
     problems = []
     model_type = getattr(config, "model_type", None)
@@ -131,11 +106,6 @@ def _feature_refusals(config, *, softcap: bool, sink_logits: bool) -> list[str]:
         problems.append("cross-attention (an encoder-decoder model): only decoder self-attention is held")
     if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
         problems.append("bidirectional attention (use_bidirectional_attention): the attention is causal only")
-    cap = getattr(config, "attn_logit_softcapping", None)
-    if cap and not softcap:
-        problems.append(f"attention logit soft-capping (attn_logit_softcapping={cap})")
-    if model_type in SINK_MODEL_TYPES and not sink_logits:
-        problems.append(f"learned attention sink logits (s_aux) of model_type {model_type!r}")
     attn_config = getattr(config, "attn_config", None)
     if (getattr(config, "alibi", False) or getattr(attn_config, "alibi", False) or model_type == "bloom"
             or getattr(config, "position_embedding_type", None) == "alibi"):
@@ -146,20 +116,13 @@ def _feature_refusals(config, *, softcap: bool, sink_logits: bool) -> list[str]:
     return problems
 
 
-def config_refusals(config, *, per_layer: bool = False, softcap: bool = False,
-                    sink_logits: bool = False) -> list[str]:
+def config_refusals(config) -> list[str]:
     """Why a paged cache cannot serve ``config`` exactly: one sentence per problem, empty if none.
 
     Parameters
     ----------
     config : transformers.PretrainedConfig
         The model's config.
-    per_layer : bool
-        Whether the cache can give layers different attention settings (full, one
-        sliding window, one chunk size); without it every layer must be full attention,
-        or every layer sliding with the config's one window.
-    softcap, sink_logits : bool
-        Whether the attention function applies logit soft-capping and learned sink logits.
 
     Returns
     -------
@@ -169,23 +132,11 @@ def config_refusals(config, *, per_layer: bool = False, softcap: bool = False,
     config = text_config(config)
     if getattr(config, "is_heterogeneous", False):
         return ["per-layer config overrides (per_layer_config): layers may differ in shape or attention"]
-    problems = _feature_refusals(config, softcap=softcap, sink_logits=sink_logits)
-    types = layer_types(config)
-    for i, t in enumerate(types):
+    problems = _feature_refusals(config)
+    for i, t in enumerate(layer_types(config)):
         if t not in ATTENTION_LAYER_TYPES:
             what = _NOT_HELD.get(t, "a layer type pagedkv does not know")
             problems.append(f"layer {i} is {t!r} ({what})")
-    if not per_layer:
-        held = [t for t in types if t in ATTENTION_LAYER_TYPES]
-        if "chunked_attention" in held:
-            problems.append(f"layer {held.index('chunked_attention')} is 'chunked_attention' "
-                            f"(attention_chunk_size={getattr(config, 'attention_chunk_size', None)}): "
-                            "chunked attention needs per-layer attention settings")
-        elif len(set(held)) > 1:
-            first = next(i for i, t in enumerate(types) if t != types[0])
-            problems.append(f"mixed layer types: layer 0 is {types[0]!r}, layer {first} is {types[first]!r} "
-                            f"(sliding_window={getattr(config, 'sliding_window', None)}): "
-                            "mixed layers need per-layer attention settings")
     return problems
 
 

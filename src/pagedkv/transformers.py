@@ -52,8 +52,7 @@ type) or the config field, every model it would serve differently from the model
 itself: layers that hold no per-token K/V (linear attention, state-space, convolution,
 ``moe``-only layers) or follow another rule (sparse, compressed, non-overlapping
 windows), layers that reuse another layer's K/V, per-layer config overrides, ALiBi,
-bidirectional attention and cross-attention; and, where the installed core or kernels
-lack per-layer settings, soft-capping or sink logits, the models that need them. The
+bidirectional attention and cross-attention. The
 attention function refuses, at its first call, a layer that passes a ``sliding_window``
 the cache does not apply. A model whose decoder layers do not pass ``position_ids`` on
 to attention (Llama 4) gives the cache no way to tell left padding from tokens: a first
@@ -137,7 +136,6 @@ pagedkv attention; dropout.
 """
 from __future__ import annotations
 
-import inspect
 from math import gcd
 from typing import Any
 
@@ -150,7 +148,8 @@ import pagedkv
 from pagedkv import KVCache
 from pagedkv_c._checks import checked_int
 from pagedkv import attention as paged_attention
-from pagedkv._hf_config import AttentionSetting, config_refusals
+from pagedkv import AttentionSetting
+from pagedkv._hf_config import config_refusals
 from pagedkv._hf_config import layer_attention as _layer_attention
 from pagedkv._paged_requests import GroupStepPages as _GroupStepPages
 from pagedkv._paged_requests import PagedRequests, check_prompts, default_group_num_pages, default_num_pages
@@ -166,20 +165,6 @@ ATTN_IMPLEMENTATION = "pagedkv"
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
 
 
-def _kernels_take_layer_features() -> bool:
-    """Whether the attention kernels take ``softcap`` and ``sink_logits`` (and with them
-    chunk masks and the ``layer_attention_view`` cache contract)."""
-    try:
-        parameters = inspect.signature(paged_attention.decode).parameters
-    except (TypeError, ValueError):
-        return False
-    return "softcap" in parameters and "sink_logits" in parameters
-
-
-#: The kernels apply logit soft-capping, sink logits and chunk masks, per layer.
-_KERNEL_LAYER_FEATURES = _kernels_take_layer_features()
-#: KVCache takes per-layer attention settings (``layer_attention``) and page groups.
-_CORE_LAYER_ATTENTION = hasattr(pagedkv, "AttentionSetting")
 # The kernel keywords of a layer without soft-capping or sink logits (shared, never changed).
 _NO_FEATURES: dict = {}
 
@@ -500,17 +485,12 @@ class PagedCache(Cache):
                 "Invalid value of config: expected integer num_hidden_layers and num_attention_heads, "
                 f"got {num_layers!r} and {num_heads!r}"
             )
-        per_layer = _CORE_LAYER_ATTENTION and _KERNEL_LAYER_FEATURES
-        problems = config_refusals(config, per_layer=per_layer, softcap=_KERNEL_LAYER_FEATURES,
-                                   sink_logits=_KERNEL_LAYER_FEATURES)
+        problems = config_refusals(config)
         if problems:
-            supported = ("full, sliding-window and chunked attention layers in any mix, with logit soft-capping and "
-                         "learned sink logits" if per_layer else
-                         "attention layers that are all full attention, or all sliding with the config's one "
-                         "sliding_window, without logit soft-capping or attention sinks")
             raise ValueError(
                 "Invalid value of config: PagedCache cannot serve this model exactly: " + "; ".join(problems)
-                + f". Supported: decoder-only models with {supported}; no ALiBi"
+                + ". Supported: decoder-only models with full, sliding-window and chunked attention layers in "
+                "any mix, with logit soft-capping and learned sink logits; no ALiBi"
             )
         num_kv_heads = _config_value(config, "num_key_value_heads") or num_heads
         head_dim = _config_value(config, "head_dim") or _config_value(config, "hidden_size") // num_heads
@@ -972,8 +952,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     ValueError
         ``key`` does not come from a :class:`PagedCache` (the model ran without one, or
         with ``use_cache=False``), ``dropout`` is not 0, the layer passes a
-        ``sliding_window`` the cache does not apply (or ``softcap``/``s_aux`` kernels
-        without them cannot apply), or, when this call stores the K/V, the errors of
+        ``sliding_window`` the cache does not apply, or, when this call stores the K/V, the errors of
         :meth:`PagedCache.update` and a first forward of different rows without
         ``position_ids``.
     pagedkv.OutOfPagesError
@@ -1001,8 +980,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     layer = step.layer_idx
     softcap = kwargs.get("softcap")
     s_aux = kwargs.get("s_aux")
-    if ((softcap is not None or s_aux is not None) and not _KERNEL_LAYER_FEATURES) or (
-            kwargs.get("sliding_window") is not None and cache._layer_windows[layer] is None):
+    if kwargs.get("sliding_window") is not None and cache._layer_windows[layer] is None:
         # The construction checks of PagedCache refuse such models; a model whose layers
         # differ from what its config says must not be served silently wrong either.
         raise ValueError(
