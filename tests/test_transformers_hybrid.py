@@ -432,6 +432,40 @@ def test_hybrid_sliding_groups_release_pages():
     assert held < kv.num_groups * -(-length // 4)
 
 
+def test_hybrid_resident_kv_is_the_minimum_in_whole_pages_per_group():
+    """After a long generation each group holds exactly the whole pages of what its layers'
+    last query attends to (full: every position; window W: positions [n - W, n)). Against
+    DynamicCache (every token of a full layer, the last W - 1 of a sliding one) the excess is
+    the rounding to whole pages: under a page per full layer, under two per sliding layer."""
+    from transformers import DynamicCache
+
+    page_size, window = 4, 8
+    model = _hybrid_model(gemma3_config)
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=256, page_size=page_size)
+    out = greedy(model, prompts(1, 30), cache, max_new_tokens=37, min_new_tokens=37)
+    kv = cache.kv_cache
+    n = out.shape[1] - 1  # the last token generated is not stored
+    assert kv.seq_len(cache.seq_ids[0]) == n
+    for group in range(kv.num_groups):
+        view = kv.page_table(cache.seq_ids, group=group)
+        if kv.group_setting(group).window is None:
+            expected = -(-n // page_size)
+        else:
+            expected = (n - 1) // page_size - (n - window) // page_size + 1
+        assert view.indptr[1] == expected, (group, kv.group_setting(group))
+    row_bytes = 2 * kv.num_kv_heads * kv.head_dim * kv.kv.itemsize  # K and V of one token and layer
+    paged = cache.stats()["pages_in_use"] * cache.stats()["bytes_per_page"]
+    model.set_attn_implementation(ORACLE)
+    dynamic = DynamicCache(config=model.config)
+    greedy(model, prompts(1, 30), dynamic, max_new_tokens=37, min_new_tokens=37)
+    dynamic_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
+    sliding_layers = sum(1 for t in model.config.layer_types if t == "sliding_attention")
+    full_layers = len(model.config.layer_types) - sliding_layers
+    rounding = full_layers * (page_size - 1) + sliding_layers * (2 * page_size - 1)
+    assert dynamic_bytes < paged <= dynamic_bytes + rounding * row_bytes
+
+
 def test_hybrid_user_window_and_sinks_reach_the_sliding_layers_only():
     config = gemma3_config()
     cache = pt.PagedCache(config, num_pages=64, page_size=4, window=6, sink_tokens=2)
