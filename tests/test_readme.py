@@ -35,6 +35,8 @@ def test_readme_python_example_runs(index, capsys):
     if "LlamaModel.from_gguf()" in blocks[index]:
         # The greedy answer the example's comment promises, then the speed line.
         assert "The capital of France is Paris." in printed and "decode: " in printed
+    if "layer_attention=" in blocks[index]:
+        assert "[5, 5, 5, 5, 5, 19]\n44\n" in printed, printed
     if "[ 0 10 20 30] [4 3 4]" in blocks[index]:
         # The output the example's comments promise.
         assert "[ 0 10 20 30] [4 3 4]" in printed and "\n20\n" in "\n" + printed
