@@ -169,6 +169,7 @@ def test_uniform_configs_are_accepted_with_the_right_default_window():
 @pytest.mark.parametrize("make_config", [llama_config, mistral_config], ids=["llama", "mistral"])
 def test_uniform_models_generate_the_tokens_of_dynamic_cache(make_config):
     config = make_config()
+    config.initializer_range = 0.2  # peaked attention: a wrong window changes the tokens
     model = build(config, "sdpa")
     ids = prompts(2, 27)
     mask = torch.ones_like(ids)
