@@ -66,7 +66,7 @@ def test_layer_attention_validation_names_the_argument(kwargs, error, name):
         KVCache(4, 1, 4, 8, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["enable_prefix_caching", "enable_kv_events", "tier"])
+@pytest.mark.parametrize("name", ["enable_kv_events", "tier"])
 def test_features_refused_at_construction_with_more_than_one_group(name):
     value = object() if name == "tier" else True
     extra = {"enable_prefix_caching": True} if name == "enable_kv_events" else {}
@@ -236,18 +236,34 @@ CONFIGS = [
 
 
 class HybridCacheMachine(RuleBasedStateMachine):
-    """A hybrid cache against the reference model, with K/V stored per layer."""
+    """A hybrid cache against the reference model, with K/V stored per layer, with or without prefix caching.
+
+    Every token has an id (from a small alphabet, so that prompts share
+    prefixes) and the K/V stored at a position is a value unique to the
+    layer and the token prefix up to it: a page served from the prefix cache
+    must hold exactly the values of its prompt's prefix in that layer. With
+    prefix caching the model keeps its own index: per group, the token
+    prefixes of the full pages registered (as the cache registers them: held
+    pages that fill, from the chain's registered point on, one page per
+    hash), each with the page id that holds it, dropped when the allocator
+    hands that page out again or an append writes into it; the pages it lists
+    must be exactly the cache's cached pages, and a prompt's hit is the
+    largest number of pages every group can serve from it.
+    """
 
     def __init__(self):
         super().__init__()
         self.cache = None
 
-    @initialize(config=st.sampled_from(CONFIGS), num_pages=st.integers(6, 24), rows=st.sampled_from([1, 2]))
-    def setup(self, config, num_pages, rows):
+    @initialize(config=st.sampled_from(CONFIGS), num_pages=st.integers(6, 24), rows=st.sampled_from([1, 2]),
+                prefix=st.sampled_from([None, "xxh3_128", "sha256"]))
+    def setup(self, config, num_pages, rows, prefix):
         layers, page_size = config
         self.page_size = page_size
+        self.prefix = prefix is not None
         self.cache = KVCache(len(layers), 1, 2, num_pages, page_size=page_size, dtype=np.float32,
-                             layer_attention=layers, page_checksums=True)
+                             layer_attention=layers, page_checksums=True, enable_prefix_caching=self.prefix,
+                             prefix_hash=prefix or "xxh3_128")
         self.num_layers = len(layers)
         self.models = []
         for g in range(self.cache.num_groups):
@@ -256,10 +272,25 @@ class HybridCacheMachine(RuleBasedStateMachine):
             self.models.append(GroupModel(window, s.sink_tokens, page_size))
         self.lengths = {}  # seq_id -> length
         self.kv = {}  # seq_id -> layer -> {position: value}
-        self.next_value = 1.0
+        self.tokens = {}  # seq_id -> known token ids (a prompt may run past the length)
+        self.values = {}  # (layer, token prefix) -> the K value stored for its last position
+        self.registry = {}  # (group, token prefix of a full page) -> page id cached under it
+        self.registered = {}  # (group, seq_id) -> leading pages of the chain already offered to the index
+        self.queries = self.hits = self.lookups = 0
         self.next_id = 0
         self.rows = rows  # 1: store the layer's row of the slot mapping, 2: the whole 2-D array
         self.add()
+
+    def _value(self, layer, prefix):
+        return self.values.setdefault((layer, tuple(prefix)), float(len(self.values) + 1))
+
+    def _start(self, seq_id, tokens):
+        self.lengths[seq_id] = 0
+        self.tokens[seq_id] = list(tokens)
+        self.kv[seq_id] = {layer: {} for layer in range(self.num_layers)}
+        for g, model in enumerate(self.models):
+            model.add(seq_id)
+            self.registered[g, seq_id] = 0
 
     # ------------------------------------------------------------ rules
     @rule()
@@ -267,31 +298,64 @@ class HybridCacheMachine(RuleBasedStateMachine):
         seq_id = self.next_id
         self.next_id += 1
         self.cache.add_sequence(seq_id)
-        self.lengths[seq_id] = 0
-        self.kv[seq_id] = {layer: {} for layer in range(self.num_layers)}
-        for model in self.models:
-            model.add(seq_id)
+        self._start(seq_id, [])
+
+    @rule(data=st.data())
+    def add_prompt(self, data):
+        """A new sequence whose prompt starts like a known one (or not): served as the reference says."""
+        source = data.draw(st.sampled_from(sorted(self.tokens) or [None]))
+        known = self.tokens[source] if source is not None else []
+        prompt = known[:data.draw(st.integers(0, len(known)))] + data.draw(st.lists(st.integers(0, 2), max_size=6))
+        seq_id = self.next_id
+        self.next_id += 1
+        expected = self._expected_hit(prompt) if self.prefix else 0
+        served = self.cache.add_sequence(seq_id, prompt)
+        assert served == expected * self.page_size, (prompt, served, expected)
+        event(f"add_prompt: {'hit' if expected else 'miss'}")
+        self._start(seq_id, prompt)
+        if self.prefix:
+            self.queries += len(prompt)
+            self.hits += served
+            self.lookups += 1
+        if expected:
+            ps = self.page_size
+            self.lengths[seq_id] = served
+            for g, model in enumerate(self.models):
+                self.registered[g, seq_id] = expected
+                if model.window is not None:
+                    model.ring_first[seq_id] = max(model.num_sink_pages, self._low(model, expected))
+            for layer in range(self.num_layers):
+                for pos in range(served):
+                    self.kv[seq_id][layer][pos] = self._value(layer, prompt[:pos + 1])
 
     @precondition(lambda self: self.lengths)
     @rule(data=st.data())
     def append(self, data):
         ids = data.draw(st.lists(st.sampled_from(sorted(self.lengths)), min_size=1, max_size=3, unique=True))
         counts = data.draw(st.lists(st.integers(0, 7), min_size=len(ids), max_size=len(ids)))
+        new_tokens = []
+        for seq_id, n in zip(ids, counts):
+            known = self.tokens[seq_id][self.lengths[seq_id]:self.lengths[seq_id] + n]
+            new_tokens.append(known + data.draw(st.lists(st.integers(0, 2), min_size=n - len(known),
+                                                         max_size=n - len(known))))
         before = self._state()
+        held_before = self._holdings() if self.prefix else None
         try:
-            slots = self.cache.append(ids, counts)
+            slots = self.cache.append(ids, counts, [t for tokens in new_tokens for t in tokens])
         except OutOfPagesError:
             event("append: OutOfPagesError")
             assert self._state() == before, "an OutOfPagesError changed the cache"
             return
         assert slots.shape == (self.cache.num_groups, sum(counts)) and slots.dtype == np.int64
-        for seq_id, n in zip(ids, counts):
+        for seq_id, n, tokens in zip(ids, counts, new_tokens):
             for model in self.models:
                 model.append(seq_id, self.lengths[seq_id], n)
+            length = self.lengths[seq_id]
+            self.tokens[seq_id] = self.tokens[seq_id][:length] + tokens + self.tokens[seq_id][length + n:]
         for layer in range(self.num_layers):
-            values = self.next_value + np.arange(sum(counts), dtype=np.float32)
-            self.next_value += sum(counts)
-            k = np.repeat(values[:, None, None], 2, axis=2)
+            values = np.array([self._value(layer, self.tokens[seq_id][:self.lengths[seq_id] + i + 1])
+                               for seq_id, n in zip(ids, counts) for i in range(n)], dtype=np.float32)
+            k = np.repeat(values.reshape(-1, 1, 1), 2, axis=2)
             mapping = slots if self.rows == 2 else slots[self.cache.layer_group(layer)]
             self.cache.store(layer, mapping, k, -k)
             t = 0
@@ -299,6 +363,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
                 for i in range(n):
                     self.kv[seq_id][layer][self.lengths[seq_id] + i] = values[t]
                     t += 1
+        old_lengths = {seq_id: self.lengths[seq_id] for seq_id in ids}
         for seq_id, n in zip(ids, counts):
             self.lengths[seq_id] += n
             # The window's resident pages after an append of n tokens (DESIGN.md).
@@ -306,6 +371,74 @@ class HybridCacheMachine(RuleBasedStateMachine):
                 if model.window is not None and n:
                     bound = -(-(model.window + n - 2) // self.page_size) + 1
                     assert model.window_pages(seq_id, self.lengths[seq_id]) <= max(bound, 1)
+        if self.prefix:
+            self._register(ids, counts, old_lengths, held_before)
+
+    # ------------------------------------------------------------ prefix model
+    def _holdings(self):
+        """``{(group, seq_id, logical page): page id}`` of every table."""
+        out = {}
+        ids = sorted(self.lengths)
+        for g in range(self.cache.num_groups):
+            view = self.cache.page_table(ids, group=g)
+            for b, seq_id in enumerate(ids):
+                for j in range(view.indptr[b], view.indptr[b + 1]):
+                    out[g, seq_id, int(view.page_positions[j]) // self.page_size] = int(view.indices[j])
+        return out
+
+    def _register(self, ids, counts, old_lengths, held_before):
+        """The model's index after an append: pages handed out or written into leave it, pages that filled join."""
+        ps = self.page_size
+        held = self._holdings()
+        gone = {page for key, page in held.items() if held_before.get(key) != page}  # taken from the pool
+        for seq_id, n in zip(ids, counts):
+            if n and old_lengths[seq_id] % ps:  # the append wrote into its partial last page
+                for g in range(self.cache.num_groups):
+                    key = (g, seq_id, old_lengths[seq_id] // ps)
+                    if held_before.get(key) == held.get(key):  # in place, not a copy-on-write copy
+                        gone.add(held[key])
+        self.registry = {key: page for key, page in self.registry.items() if page not in gone}
+        cached = set(self.registry.values())
+        for g in range(self.cache.num_groups):
+            for seq_id in ids:
+                tokens = self.tokens[seq_id]
+                upto = min(self.lengths[seq_id] // ps, len(tokens) // ps)
+                for k in range(self.registered[g, seq_id], upto):
+                    page = held.get((g, seq_id, k))
+                    if page is None or page in cached:
+                        continue  # released by the window, or cached already
+                    key = (g, tuple(tokens[:(k + 1) * ps]))
+                    if key not in self.registry:
+                        self.registry[key] = page
+                        cached.add(page)
+                self.registered[g, seq_id] = max(self.registered[g, seq_id], upto)
+
+    def _low(self, model, h):
+        """The first window page the query at ``h * page_size`` needs (sink pages excluded)."""
+        return max(model.num_sink_pages, max(0, h * self.page_size - model.window + 1) // self.page_size)
+
+    def _expected_hit(self, prompt):
+        """The largest number of pages every group can serve from the model's index (the last token computed)."""
+        ps = self.page_size
+        servable = (len(prompt) - 1) // ps if prompt else 0
+        best = 0
+        for h in range(1, servable + 1):
+            ok = True
+            for g, model in enumerate(self.models):
+                needed = range(h) if model.window is None else \
+                    list(range(min(model.num_sink_pages, h))) + list(range(self._low(model, h), h))
+                ok = ok and all((g, tuple(prompt[:(k + 1) * ps])) in self.registry for k in needed)
+            if ok:
+                best = h
+        return best
+
+    @precondition(lambda self: self.prefix)
+    @rule()
+    def reset_prefix_cache(self):
+        empty = self.cache.stats()["pages_in_use"] == 0
+        assert self.cache.reset_prefix_cache() == empty
+        if empty:
+            self.registry.clear()
 
     @precondition(lambda self: self.lengths)
     @rule(data=st.data())
@@ -316,8 +449,10 @@ class HybridCacheMachine(RuleBasedStateMachine):
         self.cache.fork(parent, child)
         self.lengths[child] = self.lengths[parent]
         self.kv[child] = {layer: dict(rows) for layer, rows in self.kv[parent].items()}
-        for model in self.models:
+        self.tokens[child] = list(self.tokens[parent])
+        for g, model in enumerate(self.models):
             model.ring_first[child] = model.ring_first[parent]
+            self.registered[g, child] = self.registered[g, parent]
 
     @precondition(lambda self: self.lengths)
     @rule(data=st.data())
@@ -337,6 +472,9 @@ class HybridCacheMachine(RuleBasedStateMachine):
         for model in self.models:
             model.truncate(seq_id, length, new_len)
         self.lengths[seq_id] = new_len
+        self.tokens[seq_id] = self.tokens[seq_id][:new_len]
+        for g in range(len(self.models)):
+            self.registered[g, seq_id] = min(self.registered[g, seq_id], new_len // self.page_size)
         for rows in self.kv[seq_id].values():
             for p in [p for p in rows if p >= new_len]:
                 del rows[p]
@@ -346,9 +484,9 @@ class HybridCacheMachine(RuleBasedStateMachine):
     def remove(self, data):
         seq_id = data.draw(st.sampled_from(sorted(self.lengths)))
         self.cache.remove_sequence(seq_id)
-        del self.lengths[seq_id], self.kv[seq_id]
-        for model in self.models:
-            del model.ring_first[seq_id]
+        del self.lengths[seq_id], self.kv[seq_id], self.tokens[seq_id]
+        for g, model in enumerate(self.models):
+            del model.ring_first[seq_id], self.registered[g, seq_id]
 
     # ------------------------------------------------------------ checks
     def _state(self):
@@ -390,6 +528,14 @@ class HybridCacheMachine(RuleBasedStateMachine):
         assert stats["bytes_per_page"] == self.cache.kv[:, 0].nbytes
         assert stats["num_sequences"] == len(self.lengths)
         assert self.cache.verify_pages().bad_pages == []
+        if self.prefix:
+            pages = sorted(self.registry.values())
+            assert len(set(pages)) == len(pages)
+            assert pages == sorted(self.cache.prefix_index.cached_pages()), "the index is not the model's"
+            stats = self.cache.stats(metrics=True)
+            assert (stats["prefix_queries"], stats["prefix_hits"], stats["prefix_lookups"]) == \
+                (self.queries, self.hits, self.lookups)
+            assert sum(stats["prefix_hit_histogram"]) == self.lookups
 
 
 TestHybridCacheMachine = HybridCacheMachine.TestCase
