@@ -843,3 +843,213 @@ def test_append_and_store_arguments_with_page_groups():
     with pytest.raises(ValueError, match="num_tokens"):
         cache.append([1], [1, 1])
     cache.check_invariants()
+
+
+# ----------------------------------------------------------------- prefix caching with page groups
+PROMPT = list(range(100, 113))  # 13 tokens: 6 full pages of 2 and one partial
+
+
+def _decoded(cache, seq_id, prompt):
+    """Append a prompt's remaining tokens one at a time, storing per layer a K unique to (layer, position)."""
+    for pos in range(cache.seq_len(seq_id), len(prompt)):
+        slots = cache.append([seq_id], [1])
+        for layer in range(cache.num_layers):
+            k = np.full((1, 1, 2), 1000.0 * layer + pos, dtype=np.float32)
+            cache.store(layer, slots, k, -k)
+    cache.check_invariants()
+
+
+def _positions(cache, seq_id, group):
+    return cache.page_table([seq_id], group=group).page_positions.tolist()
+
+
+def _same_kv_where_held(cache, a, b):
+    """Every row sequence ``b`` holds equals sequence ``a``'s at that position, in every layer."""
+    for layer in range(cache.num_layers):
+        ka, va, pa = cache.gather(layer, a)
+        kb, vb, pb = cache.gather(layer, b)
+        rows = {int(p): i for i, p in enumerate(pa)}
+        assert pb.size and all(int(p) in rows for p in pb)
+        index = [rows[int(p)] for p in pb]
+        assert np.array_equal(kb, ka[index]) and np.array_equal(vb, va[index])
+
+
+def test_a_sliding_group_serves_from_the_pages_it_still_holds_after_its_early_pages_were_evicted():
+    cache = KVCache(2, 1, 2, 16, page_size=2, dtype=np.float32, enable_prefix_caching=True,
+                    layer_attention=[A(window=4), None])
+    sliding, full = 0, 1
+    cache.add_sequence(1, PROMPT)
+    _decoded(cache, 1, PROMPT)
+    assert _positions(cache, 1, sliding) == [8, 10, 12]  # pages of positions < 8 released (cached, free)
+    # Another sequence takes every free page: the sliding group's released pages are evicted.
+    cache.add_sequence(9)
+    cache.append([9], [6])
+    assert cache.stats()["pages_free"] == 0 and cache.stats()["prefix_evictions"] == 4
+    # The whole prompt again: the full group has pages 0-5, the sliding group needs only pages 4-5
+    # (the query at 12 sees 9..12).
+    assert cache.add_sequence(2, PROMPT + [7]) == 12
+    assert _positions(cache, 2, full) == [0, 2, 4, 6, 8, 10] and _positions(cache, 2, sliding) == [8, 10]
+    for g in (sliding, full):
+        assert cache.page_table([2], group=g).seq_lens.tolist() == [12]
+    assert cache.num_cached_tokens(2, group=full) == 12 and cache.num_cached_tokens(2, group=sliding) == 4
+    _same_kv_where_held(cache, 1, 2)
+    # A prompt sharing only pages 0-3: the full group could serve 4 pages, but the sliding group
+    # would need pages 2-3 (for 4), 1-2 (for 3), ..., all evicted: nothing is served.
+    assert cache.add_sequence(3, PROMPT[:8] + [7, 7, 7]) == 0
+    assert cache.stats(metrics=True)["prefix_hit_histogram"][:2] == (2, 1)
+    cache.check_invariants()
+    # The served sequence goes on as a computed one would.
+    cache.remove_sequence(9)
+    _decoded(cache, 2, PROMPT + [7])
+    cache.check_invariants()
+
+
+def test_evicting_one_groups_page_limits_the_hit_of_every_group():
+    cache = KVCache(2, 1, 2, 16, page_size=2, dtype=np.float32, enable_prefix_caching=True,
+                    layer_attention=[None, A(window=4)])
+    full, sliding = 0, 1
+    cache.add_sequence(1, PROMPT)
+    _decoded(cache, 1, PROMPT)
+    pages = {g: dict(zip(_positions(cache, 1, g), cache.page_table([1], group=g).indices.tolist()))
+             for g in (full, sliding)}
+    cache.remove_sequence(1)  # every page free; the full pages stay cached
+    cache.add_sequence(9)
+    cache.append([9], [8])  # takes 8 pages from the front of the free queue
+    cached = set(cache.prefix_index.cached_pages().tolist())
+    assert {pages[full][p] for p in (0, 2, 4, 6, 8)} <= cached and pages[full][10] not in cached
+    # Cached: the full pages of positions 0-9, the sliding pages of 8-11; the sliding group's earlier
+    # (released while decoding) and the full page of 10-11 were evicted.
+    assert {pages[sliding][8], pages[sliding][10]} <= cached and len(cached) == 7
+    # Alone, the sliding group could serve 6 pages (it needs pages 4-5) and the full group 5; every
+    # smaller hit needs evicted pages of the sliding group: nothing is served.
+    assert cache.add_sequence(2, PROMPT + [7]) == 0
+    assert all(cache.page_table([2], group=g).indices.size == 0 for g in (full, sliding))
+    cache.check_invariants()
+
+
+def test_sink_pages_are_served_with_the_window_pages():
+    cache = KVCache(2, 1, 2, 32, page_size=2, dtype=np.float32, enable_prefix_caching=True,
+                    layer_attention=[A(window=4, sink_tokens=2), None])
+    sliding, full = 0, 1
+    cache.add_sequence(1, PROMPT)
+    _decoded(cache, 1, PROMPT)
+    assert _positions(cache, 1, sliding) == [0, 8, 10, 12]
+    assert cache.add_sequence(2, PROMPT + [7]) == 12
+    assert _positions(cache, 2, sliding) == [0, 8, 10] and _positions(cache, 2, full) == list(range(0, 12, 2))
+    _same_kv_where_held(cache, 1, 2)
+    # A prompt whose first page differs matches no sink page: nothing is served.
+    assert cache.add_sequence(3, [5] + PROMPT[1:] + [7]) == 0
+    cache.check_invariants()
+
+
+def test_a_chunked_group_is_served_as_the_window_of_its_chunk():
+    cache = KVCache(2, 1, 2, 32, page_size=2, dtype=np.float32, enable_prefix_caching=True,
+                    layer_attention=[A(chunk_size=4), None])
+    chunked, full = 0, 1
+    cache.add_sequence(1, PROMPT)
+    _decoded(cache, 1, PROMPT)
+    assert cache.add_sequence(2, PROMPT + [7]) == 12
+    # The query at 12 reads its chunk from 12 on; the group, stored as a window of 4, takes the pages
+    # that window needs (positions 9..12: pages of 8 and 10).
+    assert _positions(cache, 2, chunked) == [8, 10] and _positions(cache, 2, full) == list(range(0, 12, 2))
+    _same_kv_where_held(cache, 1, 2)
+    cache.check_invariants()
+
+
+def test_every_group_registers_its_own_pages_under_its_own_hashes():
+    cache = KVCache(4, 1, 2, 64, page_size=2, dtype=np.float32, enable_prefix_caching=True,
+                    layer_attention=[A(window=6), None, A(window=6), None])
+    assert cache.num_groups == 2
+    cache.add_sequence(1, PROMPT)
+    cache.append([1], [13])
+    index = cache.prefix_index
+    per_group = [cache.page_table([1], group=g).indices[:6].tolist() for g in range(2)]
+    assert sorted(index.cached_pages().tolist()) == sorted(per_group[0] + per_group[1])
+    hashes = [[index.page_hash(p) for p in pages] for pages in per_group]
+    assert not set(hashes[0]) & set(hashes[1])
+    # Group 0's chain is not the chain of a cache without groups either.
+    plain = KVCache(1, 1, 2, 64, page_size=2, enable_prefix_caching=True)
+    plain.add_sequence(1, PROMPT)
+    plain.append([1], [13])
+    plain_hashes = [plain.prefix_index.page_hash(p) for p in plain.page_table([1]).indices[:6].tolist()]
+    assert not set(plain_hashes) & (set(hashes[0]) | set(hashes[1]))
+    # Salts keep tenants apart in every group.
+    assert cache.add_sequence(2, PROMPT, extra_key="other") == 0
+    assert cache.add_sequence(3, PROMPT) == 12
+
+
+def test_reset_prefix_cache_and_stats_with_page_groups():
+    cache = KVCache(2, 1, 2, 32, page_size=2, enable_prefix_caching=True, layer_attention=[A(window=4), None])
+    cache.add_sequence(1, PROMPT)
+    cache.append([1], [13])
+    assert cache.reset_prefix_cache() is False  # pages in use
+    assert cache.add_sequence(2, PROMPT) == 12
+    stats = cache.stats(metrics=True)
+    assert (stats["prefix_queries"], stats["prefix_hits"], stats["prefix_lookups"]) == (26, 12, 2)
+    assert stats["prefix_cached_pages"] == 12
+    cache.remove_sequence(1)
+    cache.remove_sequence(2)
+    assert cache.stats()["prefix_cached_free_pages"] == 12
+    assert cache.reset_prefix_cache() is True
+    assert cache.stats()["prefix_cached_pages"] == 0
+    assert cache.add_sequence(3, PROMPT) == 0
+    cache.check_invariants()
+
+
+def _hybrid_prefix_cache(prefix_hash="xxh3_128"):
+    cache = KVCache(3, 1, 2, 40, page_size=2, dtype=np.float32, enable_prefix_caching=True, page_checksums=True,
+                    prefix_hash=prefix_hash, layer_attention=[A(window=4, sink_tokens=2), None, A(chunk_size=4)])
+    cache.add_sequence(1, PROMPT)
+    _decoded(cache, 1, PROMPT)
+    cache.add_sequence(2, PROMPT[:9], extra_key="tenant")
+    _decoded(cache, 2, PROMPT[:9])
+    assert cache.add_sequence(3, PROMPT + [1]) == 12
+    cache.append([3], [2], token_ids=[1, 2])
+    cache.fork(3, 4)
+    cache.truncate(4, 13)
+    cache.remove_sequence(1)
+    return cache
+
+
+@pytest.mark.parametrize("prefix_hash", ["xxh3_128", "sha256"])
+def test_snapshot_round_trip_with_a_populated_prefix_index(tmp_path, prefix_hash):
+    from pagedkv import snapshot
+
+    cache = _hybrid_prefix_cache(prefix_hash)
+    assert cache.stats()["prefix_cached_free_pages"] > 0
+    path = tmp_path / "prefix.pkv"
+    cache.save(path)
+    snapshot.verify(path)
+    loaded = KVCache.load(path)
+    loaded.check_invariants()
+    _same_cache(cache, loaded)
+    assert cache.stats(metrics=True) == loaded.stats(metrics=True)
+    for page in cache.prefix_index.cached_pages().tolist():
+        assert loaded.prefix_index.page_hash(page) == cache.prefix_index.page_hash(page)
+    # Both serve and register alike from here on.
+    for c in (cache, loaded):
+        assert c.add_sequence(5, PROMPT + [3]) == 12
+        assert c.add_sequence(6, PROMPT[:9] + [3], extra_key="tenant") == 8
+        c.append([4, 5], [3, 2], token_ids=[1, 2, 3, 4, 5])
+        c.check_invariants()
+    _same_cache(cache, loaded)
+    assert np.array_equal(cache.prefix_index.cached_pages(), loaded.prefix_index.cached_pages())
+
+
+def test_a_snapshot_whose_group_chain_is_salted_for_another_request_is_refused():
+    cache = _hybrid_prefix_cache()
+    state = cache._export_state()
+    fresh = KVCache(3, 1, 2, 40, page_size=2, dtype=np.float32, enable_prefix_caching=True, page_checksums=True,
+                    layer_attention=[A(window=4, sink_tokens=2), None, A(chunk_size=4)])
+    assert len(state["group_hashes"]) == 2
+    # Sequence 2's (salted "tenant") chain of group 1 given sequence 3's chain: wrong salt and hashes.
+    forged = dict(state, group_hashes=[list(state["group_hashes"][0]), list(state["group_hashes"][1])])
+    forged["group_hashes"][0][0] = state["group_hashes"][0][1]
+    with pytest.raises(ValueError):
+        fresh._restore_state(forged)
+    assert fresh.num_sequences == 0
+    missing = dict(state, group_hashes=[])
+    with pytest.raises(ValueError, match="group_hashes"):
+        fresh._restore_state(missing)
+    fresh._restore_state(state)
+    fresh.check_invariants()
