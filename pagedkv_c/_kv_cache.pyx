@@ -160,9 +160,8 @@ cdef class KVCache:
         another layout. (``enable_prefix_caching`` and ``page_checksums``
         that are not bools raise TypeError.) ``layer_attention`` of another
         length than ``num_layers``, or given with a ``window`` or sink
-        tokens; with more than one page group, ``enable_prefix_caching``,
-        ``enable_kv_events`` or a ``tier`` (not supported with per-layer
-        attention settings).
+        tokens; with more than one page group, ``enable_kv_events`` or a
+        ``tier`` (not supported with per-layer attention settings).
     MemoryError
         The pool array cannot be allocated, or one layer of it (``num_pages
         * 2 * page_size * num_kv_heads * head_dim * itemsize`` bytes) would
@@ -185,9 +184,26 @@ cdef class KVCache:
     C``) is stored as a sliding window of ``C`` tokens: a superset of what a
     chunk's query sees; attention kernels apply the chunk mask. With more
     than one group, :meth:`append` returns one row of slots per group,
-    :meth:`page_table` needs ``group=``, and prefix caching, KV events, the
-    shared tier and :meth:`export_sequence` / :meth:`import_sequence` are
-    refused (ValueError: not supported with per-layer attention settings).
+    :meth:`page_table` needs ``group=``, and KV events, the shared tier and
+    :meth:`export_sequence` / :meth:`import_sequence` are refused
+    (ValueError: not supported with per-layer attention settings).
+
+    *Prefix caching with page groups* (vLLM's hybrid KV cache manager).
+    Every group indexes its own full pages, registered as they fill, in the
+    one prefix index, under the sequence's chained page hash salted per
+    group (``s XOR m_g``, see ``pagedkv_c._prefix``), so a page is only ever
+    found by its own group. :meth:`add_sequence` serves the largest number
+    of pages ``h`` that every group can start on (each group as a cache of
+    its own setting would: a full-attention group needs its pages ``0 ..
+    h-1`` cached, a sliding group its sink pages and the pages the query at
+    ``h * page_size`` still sees, a chunked group those of its window of
+    ``C`` tokens); each group adopts only the pages it needs. Pages a
+    sliding group released stay in the index as cached free pages, findable
+    by their hash, until the allocator hands them out again (to any group),
+    like every freed cached page; evicting one group's page can shorten the
+    hit of every group. :meth:`stats` counts one lookup per
+    :meth:`add_sequence`; :meth:`reset_prefix_cache`, :meth:`check_invariants`
+    and snapshots cover every group.
 
     *Cached tokens.* A sequence holds whole pages; its cached tokens are the
     positions below its length that lie in pages it holds. The window
@@ -611,7 +627,12 @@ cdef class KVCache:
             exact multiple of ``page_size`` hits at most ``P - page_size``).
             With a window, a hit counts only when every page that the next
             query's window and sinks need is cached; pages before the window
-            are not taken. Token-keyed and block-keyed requests never share a
+            are not taken. With more than one page group, the hit is the
+            largest that every group can serve, each group starting on its
+            own pages (see *Prefix caching with page groups* in the class
+            notes): every group's table then has this length, and a sliding
+            group holds only the pages its window still needs
+            (:meth:`num_cached_tokens` per group counts those). Token-keyed and block-keyed requests never share a
             page (see ``pagedkv_c._prefix`` for the hashed bytes), and a page
             whose ref count reached ``2**31 - 1`` is not served. With a
             ``tier``, the pages after the leading local hits come from the
