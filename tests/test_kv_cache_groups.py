@@ -1053,3 +1053,33 @@ def test_a_snapshot_whose_group_chain_is_salted_for_another_request_is_refused()
         fresh._restore_state(missing)
     fresh._restore_state(state)
     fresh.check_invariants()
+
+
+@pytest.mark.parametrize("edit", ["group salt", "group chains missing"])
+def test_forged_hashes_of_a_hybrid_prefix_snapshot_are_refused(tmp_path, edit):
+    from _snapshot_forge import forge_file
+    from pagedkv import snapshot
+
+    cache = _hybrid_prefix_cache()
+    path = tmp_path / "forged.pkv"
+    cache.save(path)
+    rows = len(cache.seq_ids())
+
+    def change(sections):
+        hashes = sections["hashes"]
+        assert hashes["fields"].shape[0] == 3 * rows  # every group's chains
+        if edit == "group salt":
+            hashes["salts"][rows, 0] ^= 1  # group 1's chain of the first sequence
+        else:  # group 0's rows only, as a file of one group would have them
+            for key in ("fields", "salts"):
+                hashes[key] = hashes[key][:rows].copy()
+            num_chain, num_tokens, num_blocks = (int(hashes["fields"][:, j].sum()) for j in (1, 2, 3))
+            hashes["chain"] = hashes["chain"][:num_chain].copy()
+            hashes["token_ids"] = hashes["token_ids"][:num_tokens].copy()
+            hashes["block_ids"] = hashes["block_ids"][:num_blocks].copy()
+
+    forge_file(path, change)
+    with pytest.raises(SnapshotError):
+        KVCache.load(path)
+    with pytest.raises(SnapshotError):
+        snapshot.verify(path)
