@@ -318,7 +318,6 @@ class HybridCacheMachine(RuleBasedStateMachine):
             self.hits += served
             self.lookups += 1
         if expected:
-            ps = self.page_size
             self.lengths[seq_id] = served
             for g, model in enumerate(self.models):
                 self.registered[g, seq_id] = expected
