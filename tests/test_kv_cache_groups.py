@@ -273,6 +273,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         self.lengths = {}  # seq_id -> length
         self.kv = {}  # seq_id -> layer -> {position: value}
         self.tokens = {}  # seq_id -> known token ids (a prompt may run past the length)
+        self.history = []  # token ids of removed sequences and of truncated tails
         self.values = {}  # (layer, token prefix) -> the K value stored for its last position
         self.registry = {}  # (group, token prefix of a full page) -> page id cached under it
         self.registered = {}  # (group, seq_id) -> leading pages of the chain already offered to the index
@@ -303,8 +304,10 @@ class HybridCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def add_prompt(self, data):
         """A new sequence whose prompt starts like a known one (or not): served as the reference says."""
-        source = data.draw(st.sampled_from(sorted(self.tokens) or [None]))
-        known = self.tokens[source] if source is not None else []
+        # The tokens of a live sequence or of a removed or truncated one (whose freed pages may be
+        # cached, or evicted in one group and not in another).
+        sources = [self.tokens[seq_id] for seq_id in sorted(self.tokens)] + self.history[-8:]
+        known = data.draw(st.sampled_from(sources)) if sources else []
         prompt = known[:data.draw(st.integers(0, len(known)))] + data.draw(st.lists(st.integers(0, 2), max_size=6))
         seq_id = self.next_id
         self.next_id += 1
@@ -312,6 +315,9 @@ class HybridCacheMachine(RuleBasedStateMachine):
         served = self.cache.add_sequence(seq_id, prompt)
         assert served == expected * self.page_size, (prompt, served, expected)
         event(f"add_prompt: {'hit' if expected else 'miss'}")
+        if self.prefix and expected < self._expected_hit(prompt, groups=[g for g, m in enumerate(self.models)
+                                                                         if m.window is None]):
+            event("add_prompt: a sliding group limits the hit")
         self._start(seq_id, prompt)
         if self.prefix:
             self.queries += len(prompt)
@@ -416,14 +422,17 @@ class HybridCacheMachine(RuleBasedStateMachine):
         """The first window page the query at ``h * page_size`` needs (sink pages excluded)."""
         return max(model.num_sink_pages, max(0, h * self.page_size - model.window + 1) // self.page_size)
 
-    def _expected_hit(self, prompt):
-        """The largest number of pages every group can serve from the model's index (the last token computed)."""
+    def _expected_hit(self, prompt, groups=None):
+        """The largest number of pages every group (of ``groups``, default all) can serve from the model's
+        index (the last token computed)."""
         ps = self.page_size
         servable = (len(prompt) - 1) // ps if prompt else 0
         best = 0
         for h in range(1, servable + 1):
             ok = True
             for g, model in enumerate(self.models):
+                if groups is not None and g not in groups:
+                    continue
                 needed = range(h) if model.window is None else \
                     list(range(min(model.num_sink_pages, h))) + list(range(self._low(model, h), h))
                 ok = ok and all((g, tuple(prompt[:(k + 1) * ps])) in self.registry for k in needed)
@@ -471,6 +480,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         for model in self.models:
             model.truncate(seq_id, length, new_len)
         self.lengths[seq_id] = new_len
+        self.history.append(self.tokens[seq_id])
         self.tokens[seq_id] = self.tokens[seq_id][:new_len]
         for g in range(len(self.models)):
             self.registered[g, seq_id] = min(self.registered[g, seq_id], new_len // self.page_size)
@@ -483,6 +493,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
     def remove(self, data):
         seq_id = data.draw(st.sampled_from(sorted(self.lengths)))
         self.cache.remove_sequence(seq_id)
+        self.history.append(self.tokens[seq_id])
         del self.lengths[seq_id], self.kv[seq_id], self.tokens[seq_id]
         for g, model in enumerate(self.models):
             del model.ring_first[seq_id], self.registered[g, seq_id]
