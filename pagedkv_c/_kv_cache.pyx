@@ -160,9 +160,8 @@ cdef class KVCache:
         another layout. (``enable_prefix_caching`` and ``page_checksums``
         that are not bools raise TypeError.) ``layer_attention`` of another
         length than ``num_layers``, or given with a ``window`` or sink
-        tokens; with more than one page group, ``enable_prefix_caching``,
-        ``enable_kv_events`` or a ``tier`` (not supported with per-layer
-        attention settings).
+        tokens; with more than one page group, ``enable_kv_events`` or a
+        ``tier`` (not supported with per-layer attention settings).
     MemoryError
         The pool array cannot be allocated, or one layer of it (``num_pages
         * 2 * page_size * num_kv_heads * head_dim * itemsize`` bytes) would
@@ -185,9 +184,26 @@ cdef class KVCache:
     C``) is stored as a sliding window of ``C`` tokens: a superset of what a
     chunk's query sees; attention kernels apply the chunk mask. With more
     than one group, :meth:`append` returns one row of slots per group,
-    :meth:`page_table` needs ``group=``, and prefix caching, KV events, the
-    shared tier and :meth:`export_sequence` / :meth:`import_sequence` are
-    refused (ValueError: not supported with per-layer attention settings).
+    :meth:`page_table` needs ``group=``, and KV events, the shared tier and
+    :meth:`export_sequence` / :meth:`import_sequence` are refused
+    (ValueError: not supported with per-layer attention settings).
+
+    *Prefix caching with page groups* (vLLM's hybrid KV cache manager).
+    Every group indexes its own full pages, registered as they fill, in the
+    one prefix index, under the sequence's chained page hash salted per
+    group (``s XOR m_g``, see ``pagedkv_c._prefix``), so a page is only ever
+    found by its own group. :meth:`add_sequence` serves the largest number
+    of pages ``h`` that every group can start on (each group as a cache of
+    its own setting would: a full-attention group needs its pages ``0 ..
+    h-1`` cached, a sliding group its sink pages and the pages the query at
+    ``h * page_size`` still sees, a chunked group those of its window of
+    ``C`` tokens); each group adopts only the pages it needs. Pages a
+    sliding group released stay in the index as cached free pages, findable
+    by their hash, until the allocator hands them out again (to any group),
+    like every freed cached page; evicting one group's page can shorten the
+    hit of every group. :meth:`stats` counts one lookup per
+    :meth:`add_sequence`; :meth:`reset_prefix_cache`, :meth:`check_invariants`
+    and snapshots cover every group.
 
     *Cached tokens.* A sequence holds whole pages; its cached tokens are the
     positions below its length that lie in pages it holds. The window
@@ -306,11 +322,9 @@ cdef class KVCache:
             else:
                 slots_per_page = <int32_t>len(groups[0][1])
                 self._window = None
-                for name, wanted in (("tier", tier is not None), ("enable_kv_events", enable_kv_events),
-                                     ("enable_prefix_caching", enable_prefix_caching)):
+                for name, wanted in (("tier", tier is not None), ("enable_kv_events", enable_kv_events)):
                     if wanted:
-                        feature = {"tier": "the shared tier", "enable_kv_events": "KV events",
-                                   "enable_prefix_caching": "prefix caching"}[name]
+                        feature = {"tier": "the shared tier", "enable_kv_events": "KV events"}[name]
                         raise ValueError(f"Invalid value of {name}: {feature} is not supported with per-layer "
                                          f"attention settings ({len(groups)} page groups); leave it off")
         self.num_groups = <int32_t>len(groups)
@@ -342,7 +356,7 @@ cdef class KVCache:
         self._prefix = None
         if enable_prefix_caching:
             self._prefix = new_prefix_server(self.pool, self.page_size, window, prefix_hash,
-                                             bool(enable_kv_events), events_capacity)
+                                             bool(enable_kv_events), events_capacity, self.num_groups)
         self._seals = new_seal_tracker(self.pool, self._store,
                                        self._prefix.index if self._prefix is not None else None,
                                        bool(page_checksums))
@@ -613,7 +627,12 @@ cdef class KVCache:
             exact multiple of ``page_size`` hits at most ``P - page_size``).
             With a window, a hit counts only when every page that the next
             query's window and sinks need is cached; pages before the window
-            are not taken. Token-keyed and block-keyed requests never share a
+            are not taken. With more than one page group, the hit is the
+            largest that every group can serve, each group starting on its
+            own pages (see *Prefix caching with page groups* in the class
+            notes): every group's table then has this length, and a sliding
+            group holds only the pages its window still needs
+            (:meth:`num_cached_tokens` per group counts those). Token-keyed and block-keyed requests never share a
             page (see ``pagedkv_c._prefix`` for the hashed bytes), and a page
             whose ref count reached ``2**31 - 1`` is not served. With a
             ``tier``, the pages after the leading local hits come from the
@@ -672,9 +691,19 @@ cdef class KVCache:
             # ids describe it: the page bound keeps that in proportion (256 MiB at most).
             prompt_len = check_int(num_prompt_tokens, "num_prompt_tokens", 0,
                                    min(blocks.shape[0] * per_block, MAX_EXTERNAL_PROMPT_PAGES * self.page_size))
+        cdef list more = None  # the new tables of the further page groups
+        if self.num_groups != 1:
+            more = [(<PageGroup>self._groups[g]).new_table() for g in range(1, self.num_groups)]
         if self._prefix is not None:
-            hashes = self._prefix.new_hashes(extra_key, prompt, blocks, per_block // self.page_size,
-                                             prompt_len // self.page_size)
+            if more is None:
+                hashes = self._prefix.new_hashes(extra_key, prompt, blocks, per_block // self.page_size,
+                                                 prompt_len // self.page_size)
+            else:  # one chain per page group, each under the group's salt
+                group_hashes = self._prefix.new_group_hashes(extra_key, prompt, blocks, per_block // self.page_size,
+                                                             prompt_len // self.page_size)
+                hashes = group_hashes[0]
+                for g in range(1, self.num_groups):
+                    (<PageTable>more[g - 1]).hashes = group_hashes[g]
         elif extra_key is not None:
             hash_salt(0, extra_key)  # same type check as with caching on
         table.hashes = hashes
@@ -689,14 +718,19 @@ cdef class KVCache:
             if key in self._group.tables:
                 raise ValueError(f"Invalid value of seq_id: sequence {key} already exists")
             if lookup:
-                cached = self._prefix.match(
-                    table, <const int32_t*>cnp.PyArray_DATA(prompt) if prompt is not None else NULL, prompt_len)
+                if more is None:
+                    cached = self._prefix.match(
+                        table, <const int32_t*>cnp.PyArray_DATA(prompt) if prompt is not None else NULL, prompt_len)
+                else:
+                    cached = self._prefix.match_groups(
+                        [table] + more, <const int32_t*>cnp.PyArray_DATA(prompt) if prompt is not None else NULL,
+                        prompt_len)
                 if fetched is not None:
                     cached += self._tier.install(table, fetched, cached // self.page_size)
                 note_usage(&self._counters, self.pool)
             self._group.tables[key] = table
             for g in range(1, self.num_groups):
-                (<PageGroup>self._groups[g]).tables[key] = (<PageGroup>self._groups[g]).new_table()
+                (<PageGroup>self._groups[g]).tables[key] = more[g - 1]
             self._counters.sequences_added = sat_add(self._counters.sequences_added, 1)
         finally:
             self._lock.leave()
@@ -970,7 +1004,7 @@ cdef class KVCache:
                     f"Invalid shape of token_ids: expected ({total},) = sum(num_tokens), got ({ids.shape[0]},)"
                 )
         if self.num_groups != 1:
-            return self._append_groups(seq_ids, counts, total, want_slots)
+            return self._append_groups(seq_ids, counts, total, want_slots, ids)
         cdef list tables
         cdef int32_t* cow = NULL  # copy-on-write pairs: sources, then destinations
         cdef Py_ssize_t num_seals = 0
@@ -1018,14 +1052,15 @@ cdef class KVCache:
         self._offload_sealed()
         return slots
 
-    cdef object _append_groups(self, object seq_ids, object counts, int64_t total, bint want_slots):
+    cdef object _append_groups(self, object seq_ids, object counts, int64_t total, bint want_slots, object ids):
         """append for a cache with more than one page group (arguments checked by append).
 
         One ``append_batch`` over the tables of every group (group 0's, then
         group 1's, ...) with the counts repeated per group: one plan over the
         one pool, so the append is all or nothing across groups, pages one
         group's window releases serve another, and the slots come out as the
-        rows of a ``(num_groups, total)`` array.
+        rows of a ``(num_groups, total)`` array. With prefix caching every
+        group's chain records ``ids`` and registers the pages that filled.
         """
         cdef Py_ssize_t batch = counts.shape[0], num_groups = self.num_groups, i
         cdef Py_ssize_t num_cow = 0, num_seals = 0, num_tables = batch * num_groups
@@ -1048,6 +1083,11 @@ cdef class KVCache:
                         f"tokens, the length limit of a sequence; got {count_view[i]} more after "
                         f"{(<PageTable>tables[i]).length}"
                     )
+            if self._prefix is not None:
+                if ids is not None:
+                    ids = np.tile(ids, num_groups)  # in table order: every group's tables take the same tokens
+                    self._prefix.reserve_tokens(tables, count_view)  # now: nothing may fail after the reserve
+                first_positions = [(<PageTable>t).length for t in tables]
             if want_slots:
                 slots = np.empty((num_groups, total), dtype=np.int64)
             cow = np.empty(2 * (num_tables + 1), dtype=np.int32)  # copy-on-write pairs: sources, then destinations
@@ -1066,6 +1106,10 @@ cdef class KVCache:
                 self._store.copy_pages(cow_pairs, cow_pairs + num_tables + 1, num_cow)
             note_usage(&self._counters, self.pool)
             self._counters.tokens_appended = sat_add(self._counters.tokens_appended, total)
+            if self._prefix is not None:
+                self._prefix.record_tokens(tables, first_positions, count_view, ids)
+                for i in range(num_tables):
+                    self._prefix.register_full_pages(<PageTable>tables[i])
         finally:
             self._lock.leave()
         return slots
@@ -1407,8 +1451,10 @@ cdef class KVCache:
         bound), in every page group; that every group has the same sequences
         and lengths and no page is held by two groups; that every page's ref
         count equals the number of page-table entries (of all groups)
-        referring to it and free pages are unreferenced; the prefix index;
-        and that no unsealed page keeps a recorded checksum.
+        referring to it and free pages are unreferenced; the prefix index
+        (with page groups also against every group: each held cached page is
+        indexed under its own group's chain, and a sequence's chains share one
+        salt digest); and that no unsealed page keeps a recorded checksum.
         """
         cdef PageGroup group
         cdef PageTable table
@@ -1449,6 +1495,14 @@ cdef class KVCache:
                 raise AssertionError("planning scratch of the pool is not clear")
             if self._prefix is not None:
                 self._prefix.index.check_invariants()
+                if self.num_groups != 1:  # the index against every group's chains
+                    index_state = self._prefix.index._export_state()
+                    try:
+                        self._prefix.check_groups(
+                            [{key: (table, table._export_state()) for key, table in group.tables.items()}
+                             for group in self._groups], index_state)
+                    except ValueError as exc:
+                        raise AssertionError(str(exc)) from None
             self._seals.check_invariants()
         finally:
             self._lock.leave()

@@ -56,7 +56,10 @@ cdef dict state_of(PagePool pool, list groups, PrefixServer prefix, const CacheC
         ``sequences``: a list of ``(seq_id, table state, hash chain
         state or None)`` in insertion order (page group 0's tables);
         ``group_tables``: for each further page group, a list of ``(seq_id,
-        table state)`` in the same order (empty with one group).
+        table state)`` in the same order (empty with one group);
+        ``group_hashes``: with prefix caching and more than one group, for
+        each further page group the hash chain states of its tables in the
+        same order (empty otherwise).
     """
     cdef PageTable table
     cdef PageGroup group = groups[0]
@@ -68,6 +71,8 @@ cdef dict state_of(PagePool pool, list groups, PrefixServer prefix, const CacheC
                           table.hashes._export_state() if table.hashes is not None else None))
     group_tables = [[(int(seq_id), table._export_state()) for seq_id, table in (<PageGroup>g).tables.items()]
                     for g in groups[1:]]
+    group_hashes = [] if prefix is None else [[table.hashes._export_state() for table in (<PageGroup>g).tables.values()]
+                                              for g in groups[1:]]
     for group in groups:
         evictions = sat_add(evictions, group.evictions)
         cow_copies = sat_add(cow_copies, group.cow_copies)
@@ -89,6 +94,7 @@ cdef dict state_of(PagePool pool, list groups, PrefixServer prefix, const CacheC
         "prefix": prefix.index._export_state() if prefix is not None else None,
         "sequences": sequences,
         "group_tables": group_tables,
+        "group_hashes": group_hashes,
     }
 
 
@@ -162,9 +168,10 @@ cdef int restore_state(dict state, PagePool pool, list groups, PrefixServer pref
     the pages without references, no page may be held by two page groups,
     every page group must list the same sequences with the same lengths
     (``group_tables``, absent or empty with one group), every hash chain
-    must follow from its
-    salt and kept token (or block) ids, and the prefix index must hold
-    each registered page a sequence holds under that sequence's hash.
+    (with page groups: every group's, ``group_hashes``) must follow from its
+    salt and kept token (or block) ids, a sequence's chains in the groups
+    must share one salt digest, and the prefix index must hold each
+    registered page a sequence holds under that sequence's (group's) hash.
 
     Raises
     ------
@@ -236,10 +243,21 @@ cdef int restore_state(dict state, PagePool pool, list groups, PrefixServer pref
     if len(extra) != len(groups) - 1:
         raise StateError("tables", f"Invalid value of group_tables: expected the tables of {len(groups) - 1} "
                                    f"further page groups, got {len(extra)}")
+    extra_hashes = state.get("group_hashes") or []
+    if len(extra_hashes) != (len(groups) - 1 if prefix is not None else 0):
+        raise StateError("hashes", f"Invalid value of group_hashes: expected the hash chains of "
+                                   f"{len(groups) - 1 if prefix is not None else 0} further page groups, got "
+                                   f"{len(extra_hashes)}")
     owner = np.where(counts > 0, 0, -1)
     more = []  # (group, key, table, table state)
+    group_checks = [tables]  # per group: seq_id -> (table, table state), for the prefix checks
     for g in range(1, len(groups)):
         listed = extra[g - 1]
+        if prefix is not None:
+            if len(extra_hashes[g - 1]) != len(listed):
+                raise StateError("hashes", f"Invalid value of group_hashes: page group {g} has "
+                                           f"{len(extra_hashes[g - 1])} hash chains for {len(listed)} sequences")
+            group_checks.append({})
         if [seq_id for seq_id, _ in listed] != list(tables):
             raise StateError("tables", f"Invalid value of group_tables: page group {g} lists sequences "
                                        f"{[seq_id for seq_id, _ in listed]}, group 0 {list(tables)}")
@@ -253,6 +271,14 @@ cdef int restore_state(dict state, PagePool pool, list groups, PrefixServer pref
                 table._check_state(table_state)
             except ValueError as exc:
                 raise StateError("tables", f"sequence {seq_id} in page group {g}: {exc}") from None
+            if prefix is not None:
+                hash_state = extra_hashes[g - 1][len(group_checks[g])]
+                try:
+                    table.hashes = SequenceHashes._from_state(hash_state, group.page_size, table_state["length"],
+                                                              prefix.index.algorithm)
+                except ValueError as exc:
+                    raise StateError("hashes", f"sequence {seq_id} in page group {g}: {exc}") from None
+                group_checks[g][seq_id] = (table, table_state)
             np.add.at(mine, table_state["pages"], 1)
             more.append((g, seq_id, table, table_state))
         both = np.flatnonzero((mine > 0) & (owner >= 0))
@@ -269,7 +295,10 @@ cdef int restore_state(dict state, PagePool pool, list groups, PrefixServer pref
                                    f"but {int(counts[p])} page-table entries (held by sequences {holders})")
     if prefix is not None:
         try:
-            prefix.check_registered(tables, state["prefix"])
+            if len(groups) == 1:
+                prefix.check_registered(tables, state["prefix"])
+            else:
+                prefix.check_groups(group_checks, state["prefix"])
         except ValueError as exc:
             raise StateError("prefix", str(exc)) from None
     # Everything checked: apply.

@@ -21,6 +21,7 @@ cdef int hash_block_pages(int algorithm, hash128 parent, hash128 salt, const int
                           Py_ssize_t pages_per_block, Py_ssize_t first_page, Py_ssize_t num_pages,
                           hash128* out) except -1
 cdef hash128 hash_salt(int algorithm, object extra_key) except *
+cdef hash128 hash_group_mix(int algorithm, int64_t group) except *
 
 
 cdef extern from "prefix_index.h":

@@ -25,7 +25,23 @@ block-keyed page (49 B)   ``parent.lo, parent.hi, salt.lo, salt.hi``
 salt digest ``s``         ``H(b"pagedkv-salt\\x00" + t + value)`` with the
                           type tag ``t`` = ``b"s"`` (str, UTF-8), ``b"b"``
                           (bytes) or ``b"i"`` (int, decimal ASCII)
+group mix ``m_g``         ``H(b"pagedkv-group\\x00" + g)``, ``g`` the page
+(page groups only)        group's number (uint32): with more than one page
+                          group (``KVCache(..., layer_attention=...)``),
+                          group ``g``'s chains use the salt ``s XOR m_g``
+                          (both halves) instead of ``s``
 ========================  ================================================
+
+Page groups. A cache with more than one page group (per-layer attention
+settings) keeps one hash chain per group for every sequence, each under its
+own salt ``s XOR m_g``, so that one index holds the full pages of every
+group: equal tokens in two groups give two hashes, and a group only ever
+finds its own pages (a page holds the K/V of its own group's layers only).
+``H`` is the cache's hash function for ``m_g`` too (XXH3-128 or truncated
+SHA-256), and ``m_g`` is never zero in practice, so no group's chain equals a
+cache's chain without groups. Finding two salts whose XOR is ``m_g XOR m_h``
+is a 128-bit birthday problem, as hard as a collision of the page hash
+itself (the token ids compared on every hit do not tell groups apart).
 
 The domain of a page is part of its input: a token-keyed input is a whole
 number of 4-byte words (32 + 4 * page_size bytes), a block-keyed input is
@@ -162,6 +178,12 @@ cdef hash128 hash_salt(int algorithm, object extra_key) except *:
             f"Invalid type of extra_key: expected str, bytes, int or None, got {type(extra_key).__name__}"
         )
     raw = b"pagedkv-salt\x00" + raw
+    return _hash_bytes(algorithm, raw, len(raw))
+
+
+cdef hash128 hash_group_mix(int algorithm, int64_t group) except *:
+    """The mix ``m_g`` of page group ``group``'s salts: ``H(b"pagedkv-group\\x00" + uint32 little-endian g)``."""
+    raw = b"pagedkv-group\x00" + int(group).to_bytes(4, "little")
     return _hash_bytes(algorithm, raw, len(raw))
 
 

@@ -3,7 +3,7 @@
 cimport cython
 from pagedkv_c._types cimport int32_t, int64_t, page_id_t
 from pagedkv_c._pool cimport PagePool
-from pagedkv_c._prefix cimport PrefixIndex, SequenceHashes, pkv_index_insert
+from pagedkv_c._prefix cimport PrefixIndex, SequenceHashes, hash128, pkv_index_insert
 from pagedkv_c._page_table cimport PageTable
 from pagedkv_c._kv_events cimport KVEventLog
 
@@ -18,6 +18,7 @@ cdef class PrefixServer:
     cdef int32_t page_size                # tokens per page
     cdef object window                    # the cache's window: None or int, in tokens
     cdef KVEventLog events                # prefix-cache KV event log, or None when disabled
+    cdef object group_mix                 # uint64 (num_groups, 2): each page group's salt mix, or None (one group)
     # Counters reported by KVCache.stats(), since construction.
     cdef int64_t queries                  # prompt tokens looked up, in tokens
     cdef int64_t hits                     # prompt tokens served from cached pages, in tokens
@@ -25,11 +26,21 @@ cdef class PrefixServer:
 
     cdef SequenceHashes new_hashes(self, object extra_key, object prompt, object blocks, int64_t pages_per_block,
                                    int64_t num_pages)
+    cdef SequenceHashes _salted_hashes(self, hash128 salt, object prompt, object blocks, int64_t pages_per_block,
+                                       int64_t num_pages)
+    cdef list new_group_hashes(self, object extra_key, object prompt, object blocks, int64_t pages_per_block,
+                               int64_t num_pages)
     @cython.final  # per lookup and per page: a direct call within the module
     cdef int64_t match(self, PageTable table, const int32_t* prompt, int64_t prompt_len) except -1
     @cython.final
     cdef int64_t _serve(self, PageTable table, const int32_t* prompt, int64_t prompt_len,
                         int64_t servable, page_id_t* hit) except -1
+    @cython.final
+    cdef int64_t _lookup(self, PageTable table, const int32_t* prompt, int64_t servable, page_id_t* hit) except -1
+    @cython.final
+    cdef int _take(self, PageTable table, const page_id_t* hit, int64_t m, int64_t first_window) except -1
+    cdef int64_t match_groups(self, list tables, const int32_t* prompt, int64_t prompt_len) except -1
+    cdef int check_groups(self, list group_tables, dict prefix_state) except -1
     cdef void note_hit(self, int64_t tokens) noexcept nogil
     @cython.final
     cdef int register_full_pages(self, PageTable table) except -1
@@ -56,7 +67,7 @@ cdef class PrefixServer:
 
 
 cdef PrefixServer new_prefix_server(PagePool pool, int32_t page_size, object window, object algorithm,
-                                    bint enable_kv_events, int64_t kv_events_capacity)
+                                    bint enable_kv_events, int64_t kv_events_capacity, int32_t num_groups=*)
 
 
 cdef inline int64_t servable_pages(int64_t prompt_len, int64_t page_size, int64_t num_hashable) noexcept nogil:

@@ -7,16 +7,28 @@ next query can see), and a sequence's pages become findable as they fill.
 This unit serves and registers pages, keeps the counters of the prefix
 cache, and records its KV events (``pagedkv_c._kv_events``); the page tables
 it serves into belong to the page group, the pages to the pool.
+
+Page groups (a cache with per-layer attention settings, vLLM's hybrid KV
+cache manager): every group indexes its own full pages in the one index,
+under its own hash chain (salted per group, see ``pagedkv_c._prefix``).
+A prompt is served ``h`` pages only when every group can start on them:
+a full-attention group needs its pages ``0 .. h-1`` cached, a sliding
+group (window ``W``, sink pages; a chunked group is stored, and matched,
+as a window of its chunk size) only its sink pages and the pages the
+query at ``h * page_size`` can see. Each group's longest servable run no
+longer than a bound is found as for one group (:meth:`PrefixServer._lookup`
+and ``_longest``), the bound becomes the minimum over groups, until it
+holds for every group; then each group adopts its own pages.
 """
 import numpy as np
 
 cimport numpy as cnp
-from libc.stdint cimport uint64_t
+from libc.stdint cimport uint64_t, INT64_MAX
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 from pagedkv_c._types cimport sat_add
 from pagedkv_c._pool cimport pkv_incref, pkv_queue_remove, pkv_ref, pkv_set_ref
-from pagedkv_c._prefix cimport (hash_salt, pkv_index_find, pkv_index_is_cached,
+from pagedkv_c._prefix cimport (hash_salt, hash_group_mix, pkv_index_find, pkv_index_is_cached,
                                 pkv_index_prefetch, pkv_index_remove)
 from pagedkv_c._kv_events cimport pkv_kv_events_stored_run, pkv_kv_events_cleared, pkv_kv_events_total_recorded
 
@@ -50,9 +62,32 @@ cdef class PrefixServer:
         each, hashed lazily) or empty (neither given: token ids that appends
         bring are hashed as they fill pages).
         """
+        return self._salted_hashes(hash_salt(self.index.algorithm, extra_key), prompt, blocks, pages_per_block,
+                                   num_pages)
+
+    cdef list new_group_hashes(self, object extra_key, object prompt, object blocks, int64_t pages_per_block,
+                               int64_t num_pages):
+        """One hash chain per page group, as :meth:`new_hashes`, group ``g``'s salted by ``s XOR m_g``.
+
+        ``s`` is the digest of ``extra_key``, ``m_g`` the group's mix (see
+        ``pagedkv_c._prefix``): equal pages of two groups get different hashes.
+        """
+        cdef hash128 base = hash_salt(self.index.algorithm, extra_key), salt
+        cdef const uint64_t[:, ::1] mix = self.group_mix
+        cdef list out = []
+        cdef Py_ssize_t g
+        for g in range(mix.shape[0]):
+            salt.lo = base.lo ^ mix[g, 0]
+            salt.hi = base.hi ^ mix[g, 1]
+            out.append(self._salted_hashes(salt, prompt, blocks, pages_per_block, num_pages))
+        return out
+
+    cdef SequenceHashes _salted_hashes(self, hash128 salt, object prompt, object blocks, int64_t pages_per_block,
+                                       int64_t num_pages):
+        """Body of :meth:`new_hashes` with the salt digest given."""
         cdef SequenceHashes hashes = SequenceHashes()
         cdef int64_t prompt_len
-        hashes.salt = hash_salt(self.index.algorithm, extra_key)
+        hashes.salt = salt
         if prompt is not None:
             prompt_len = prompt.shape[0]
             hashes.reserve_tokens(prompt_len)
@@ -98,13 +133,30 @@ cdef class PrefixServer:
     cdef int64_t _serve(self, PageTable table, const int32_t* prompt, int64_t prompt_len,
                         int64_t servable, page_id_t* hit) except -1:
         """Body of :meth:`match` over ``servable >= 1`` pages, ``hit`` a scratch of that length."""
+        cdef int64_t first_window = 0
+        cdef int64_t lead = self._lookup(table, prompt, servable, hit)
+        cdef int64_t m = _longest(table, hit, lead, servable, &first_window)
+        self.queries = sat_add(self.queries, prompt_len)
+        self.hits = sat_add(self.hits, m * self.page_size)
+        table.hashes.num_registered = m
+        if m == 0:
+            return 0
+        self._take(table, hit, m, first_window)
+        return m * self.page_size
+
+    cdef int64_t _lookup(self, PageTable table, const int32_t* prompt, int64_t servable, page_id_t* hit) except -1:
+        """Look the first ``servable`` pages of ``table``'s chain up; return the leading run of hits.
+
+        ``hit[k]`` is the cached page that may serve logical page ``k``, or -1.
+        Without a window the lookups stop at the first miss (``hit`` is
+        unset past it): only the leading run counts.
+        """
         cdef PrefixIndex index = self.index
         cdef SequenceHashes hashes = table.hashes
         cdef int64_t ps = self.page_size
-        cdef int64_t num_sink_pages = table.num_sink_pages
-        cdef int64_t k, m = 0, lead = 0, run = 0, low, first_window = num_sink_pages
+        cdef int64_t k, lead = 0
         cdef page_id_t page_id
-        cdef bint windowed = self.window is not None
+        cdef bint windowed = table._window != INT64_MAX
         for k in range(servable):
             _look_ahead(index, hashes, k, servable)
             page_id = pkv_index_find(&index.ix, hashes.chain[k].lo, hashes.chain[k].hi)
@@ -121,25 +173,14 @@ cdef class PrefixServer:
                 break  # without a window only the leading run counts
         while lead < servable and hit[lead] != -1:
             lead += 1
-        if not windowed:
-            m = lead
-        else:
-            for k in range(servable):
-                run = run + 1 if hit[k] != -1 else 0
-                # Serving k + 1 pages: the next query sits at (k + 1) * ps.
-                low = max(num_sink_pages, max(0, (k + 1) * ps - <int64_t>self.window + 1) // ps)
-                if lead >= min(num_sink_pages, k + 1) and (low >= k + 1 or run >= k + 1 - low):
-                    m = k + 1
-                    first_window = low
-        self.queries = sat_add(self.queries, prompt_len)
-        self.hits = sat_add(self.hits, m * ps)
-        hashes.num_registered = m
-        if m == 0:
-            return 0
-        cdef int64_t num_sink = min(num_sink_pages, m) if windowed else 0
-        cdef int64_t num_window = m - first_window if windowed else m
-        if not windowed:
-            first_window = 0
+        return lead
+
+    cdef int _take(self, PageTable table, const page_id_t* hit, int64_t m, int64_t first_window) except -1:
+        """Start ``table`` on ``m >= 1`` pages: its sink pages and window pages ``first_window .. m-1`` of
+        ``hit`` (as ``_longest`` chose them), taking a reference to each."""
+        cdef int64_t num_sink = min(<int64_t>table.num_sink_pages, m)
+        cdef int64_t num_window = m - first_window
+        cdef int64_t k
         if num_window < 0:
             num_window = 0
         for k in range(num_sink):
@@ -148,7 +189,64 @@ cdef class PrefixServer:
             _take_cached(self.pool, hit[k])
         table.adopt(&hit[0], num_sink, &hit[first_window] if num_window else NULL,
                     first_window, num_window, m)
-        return m * ps
+        return 0
+
+    cdef int64_t match_groups(self, list tables, const int32_t* prompt, int64_t prompt_len) except -1:
+        """:meth:`match` for a sequence's new tables of every page group (group 0's first): the tokens served.
+
+        Serves the largest ``h`` (at most the servable pages) that every
+        group can start on: each group's longest run no longer than the
+        bound (``_longest``) becomes the bound's new value, the minimum over
+        groups, until every group serves it (a sliding group's need depends
+        on ``h``, so the bound is taken again). Each group then adopts its
+        own pages; a sliding group only those it still needs (the others
+        stay cached and free). Counted as one lookup of ``h * page_size``
+        tokens.
+        """
+        cdef Py_ssize_t num_groups = len(tables), g
+        cdef int64_t ps = self.page_size
+        cdef PageTable table = <PageTable>tables[0]
+        cdef int64_t servable = servable_pages(prompt_len, ps, table.hashes.num_hashable)
+        cdef int64_t h = 0, bound, m
+        for g in range(1, num_groups):
+            servable = min(servable, servable_pages(prompt_len, ps, (<PageTable>tables[g]).hashes.num_hashable))
+        if servable <= 0:
+            self.queries = sat_add(self.queries, prompt_len)
+            for g in range(num_groups):
+                (<PageTable>tables[g]).hashes.num_registered = 0
+            self.note_hit(0)
+            return 0
+        cdef page_id_t* hit = <page_id_t*>malloc(num_groups * servable * sizeof(page_id_t))
+        cdef int64_t* lead = <int64_t*>malloc(2 * num_groups * sizeof(int64_t))
+        cdef int64_t* first_window
+        if hit == NULL or lead == NULL:
+            free(hit)
+            free(lead)
+            raise MemoryError()
+        first_window = lead + num_groups
+        try:
+            for g in range(num_groups):
+                lead[g] = self._lookup(<PageTable>tables[g], prompt, servable, hit + g * servable)
+            h = servable
+            while True:  # the bound only decreases: at most servable + 1 rounds
+                bound = h
+                for g in range(num_groups):
+                    m = _longest(<PageTable>tables[g], hit + g * servable, lead[g], bound, &first_window[g])
+                    h = min(h, m)
+                if h == bound:  # every group serves h (first_window is each group's for h)
+                    break
+            self.queries = sat_add(self.queries, prompt_len)
+            self.hits = sat_add(self.hits, h * ps)
+            for g in range(num_groups):
+                (<PageTable>tables[g]).hashes.num_registered = h
+            if h:
+                for g in range(num_groups):
+                    self._take(<PageTable>tables[g], hit + g * servable, h, first_window[g])
+        finally:
+            free(hit)
+            free(lead)
+        self.note_hit(h * ps)
+        return h * ps
 
     cdef void note_hit(self, int64_t tokens) noexcept nogil:
         """Count one prefix lookup that served ``tokens`` in the prefix-hit histogram."""
@@ -342,10 +440,39 @@ cdef class PrefixServer:
                                      f"another hash than the sequence's chain gives it")
         return 0
 
+    cdef int check_groups(self, list group_tables, dict prefix_state) except -1:
+        """Raise ValueError unless the page groups' hash chains agree with each other and the index.
+
+        ``group_tables`` lists, per page group, a dict of sequence id ->
+        ``(checked PageTable with its hashes, checked table state)``, every
+        group with the same sequences. Checks, for every group,
+        :meth:`check_registered` (the group's held cached pages are indexed
+        under the group's chain) and that each sequence's chains are salted
+        by one digest: group ``g``'s salt is ``s XOR m_g`` with the same ``s``.
+        """
+        cdef const uint64_t[:, ::1] mix = self.group_mix
+        cdef Py_ssize_t g
+        cdef PageTable table
+        cdef SequenceHashes first, hashes
+        for g in range(len(group_tables)):
+            self.check_registered(group_tables[g], prefix_state)
+        for key, (table, _) in group_tables[0].items():
+            first = table.hashes
+            for g in range(1, len(group_tables)):
+                hashes = (<PageTable>group_tables[g][key][0]).hashes
+                if (hashes.salt.lo ^ mix[g, 0] != first.salt.lo ^ mix[0, 0]
+                        or hashes.salt.hi ^ mix[g, 1] != first.salt.hi ^ mix[0, 1]):
+                    raise ValueError(f"Invalid value of the hash chain salts: sequence {key} has a chain in page "
+                                     f"group {g} salted for another request than its chain in group 0")
+        return 0
+
 
 cdef PrefixServer new_prefix_server(PagePool pool, int32_t page_size, object window, object algorithm,
-                                    bint enable_kv_events, int64_t kv_events_capacity):
+                                    bint enable_kv_events, int64_t kv_events_capacity, int32_t num_groups=1):
     """Prefix caching over ``pool`` with hash ``algorithm`` (a name of ``pagedkv_c._prefix.ALGORITHMS``).
+
+    With ``num_groups > 1`` (page groups) the server keeps each group's salt
+    mix (``pagedkv_c._prefix.hash_group_mix``) for :meth:`PrefixServer.new_group_hashes`.
 
     The index adopts the pool's page records. With ``enable_kv_events`` the
     index records its KV events in a log of ``kv_events_capacity`` page
@@ -356,6 +483,15 @@ cdef PrefixServer new_prefix_server(PagePool pool, int32_t page_size, object win
     server.page_size = page_size
     server.window = window
     server.index = PrefixIndex(pool.num_pages, page_size, algorithm)
+    server.group_mix = None
+    cdef hash128 mix
+    cdef int32_t g
+    if num_groups > 1:
+        server.group_mix = np.zeros((num_groups, 2), dtype=np.uint64)
+        for g in range(num_groups):
+            mix = hash_group_mix(server.index.algorithm, g)
+            server.group_mix[g, 0] = mix.lo
+            server.group_mix[g, 1] = mix.hi
     pool.attach_prefix(server.index)
     memset(server.hit_counts, 0, sizeof(server.hit_counts))
     server.events = None
@@ -363,6 +499,34 @@ cdef PrefixServer new_prefix_server(PagePool pool, int32_t page_size, object win
         server.events = KVEventLog(kv_events_capacity, page_size)
         server.index.ix.events = &server.events.log
     return server
+
+
+cdef inline int64_t _longest(PageTable table, const page_id_t* hit, int64_t lead, int64_t bound,
+                             int64_t* first_window) noexcept:
+    """The most pages, at most ``bound``, that ``table`` can start on given its lookups ``hit`` (see
+    ``PrefixServer._lookup``, ``lead`` the leading run of hits).
+
+    Without a window: the leading run. With a window W and sink pages,
+    serving m pages needs only the sink pages and the pages that the query
+    at position ``m * page_size`` can see: the largest such m whose pages
+    are all cached wins, and ``first_window`` receives the first window page
+    it needs (0 without a window).
+    """
+    cdef int64_t ps = table.page_size, num_sink_pages = table.num_sink_pages
+    cdef int64_t window = table._window
+    cdef int64_t k, m = 0, run = 0, low
+    if window == INT64_MAX:
+        first_window[0] = 0
+        return min(lead, bound)
+    first_window[0] = num_sink_pages
+    for k in range(bound):
+        run = run + 1 if hit[k] != -1 else 0
+        # Serving k + 1 pages: the next query sits at (k + 1) * ps.
+        low = max(num_sink_pages, max(0, (k + 1) * ps - window + 1) // ps)
+        if lead >= min(num_sink_pages, k + 1) and (low >= k + 1 or run >= k + 1 - low):
+            m = k + 1
+            first_window[0] = low
+    return m
 
 
 cdef inline int _look_ahead(PrefixIndex index, SequenceHashes hashes, int64_t k, int64_t end) except -1:

@@ -66,7 +66,7 @@ def test_layer_attention_validation_names_the_argument(kwargs, error, name):
         KVCache(4, 1, 4, 8, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["enable_prefix_caching", "enable_kv_events", "tier"])
+@pytest.mark.parametrize("name", ["enable_kv_events", "tier"])
 def test_features_refused_at_construction_with_more_than_one_group(name):
     value = object() if name == "tier" else True
     extra = {"enable_prefix_caching": True} if name == "enable_kv_events" else {}
@@ -236,18 +236,34 @@ CONFIGS = [
 
 
 class HybridCacheMachine(RuleBasedStateMachine):
-    """A hybrid cache against the reference model, with K/V stored per layer."""
+    """A hybrid cache against the reference model, with K/V stored per layer, with or without prefix caching.
+
+    Every token has an id (from a small alphabet, so that prompts share
+    prefixes) and the K/V stored at a position is a value unique to the
+    layer and the token prefix up to it: a page served from the prefix cache
+    must hold exactly the values of its prompt's prefix in that layer. With
+    prefix caching the model keeps its own index: per group, the token
+    prefixes of the full pages registered (as the cache registers them: held
+    pages that fill, from the chain's registered point on, one page per
+    hash), each with the page id that holds it, dropped when the allocator
+    hands that page out again or an append writes into it; the pages it lists
+    must be exactly the cache's cached pages, and a prompt's hit is the
+    largest number of pages every group can serve from it.
+    """
 
     def __init__(self):
         super().__init__()
         self.cache = None
 
-    @initialize(config=st.sampled_from(CONFIGS), num_pages=st.integers(6, 24), rows=st.sampled_from([1, 2]))
-    def setup(self, config, num_pages, rows):
+    @initialize(config=st.sampled_from(CONFIGS), num_pages=st.integers(6, 24), rows=st.sampled_from([1, 2]),
+                prefix=st.sampled_from([None, "xxh3_128", "sha256"]))
+    def setup(self, config, num_pages, rows, prefix):
         layers, page_size = config
         self.page_size = page_size
+        self.prefix = prefix is not None
         self.cache = KVCache(len(layers), 1, 2, num_pages, page_size=page_size, dtype=np.float32,
-                             layer_attention=layers, page_checksums=True)
+                             layer_attention=layers, page_checksums=True, enable_prefix_caching=self.prefix,
+                             prefix_hash=prefix or "xxh3_128")
         self.num_layers = len(layers)
         self.models = []
         for g in range(self.cache.num_groups):
@@ -256,10 +272,26 @@ class HybridCacheMachine(RuleBasedStateMachine):
             self.models.append(GroupModel(window, s.sink_tokens, page_size))
         self.lengths = {}  # seq_id -> length
         self.kv = {}  # seq_id -> layer -> {position: value}
-        self.next_value = 1.0
+        self.tokens = {}  # seq_id -> known token ids (a prompt may run past the length)
+        self.history = []  # token ids of removed sequences and of truncated tails
+        self.values = {}  # (layer, token prefix) -> the K value stored for its last position
+        self.registry = {}  # (group, token prefix of a full page) -> page id cached under it
+        self.registered = {}  # (group, seq_id) -> leading pages of the chain already offered to the index
+        self.queries = self.hits = self.lookups = 0
         self.next_id = 0
         self.rows = rows  # 1: store the layer's row of the slot mapping, 2: the whole 2-D array
         self.add()
+
+    def _value(self, layer, prefix):
+        return self.values.setdefault((layer, tuple(prefix)), float(len(self.values) + 1))
+
+    def _start(self, seq_id, tokens):
+        self.lengths[seq_id] = 0
+        self.tokens[seq_id] = list(tokens)
+        self.kv[seq_id] = {layer: {} for layer in range(self.num_layers)}
+        for g, model in enumerate(self.models):
+            model.add(seq_id)
+            self.registered[g, seq_id] = 0
 
     # ------------------------------------------------------------ rules
     @rule()
@@ -267,31 +299,68 @@ class HybridCacheMachine(RuleBasedStateMachine):
         seq_id = self.next_id
         self.next_id += 1
         self.cache.add_sequence(seq_id)
-        self.lengths[seq_id] = 0
-        self.kv[seq_id] = {layer: {} for layer in range(self.num_layers)}
-        for model in self.models:
-            model.add(seq_id)
+        self._start(seq_id, [])
+
+    @rule(data=st.data())
+    def add_prompt(self, data):
+        """A new sequence whose prompt starts like a known one (or not): served as the reference says."""
+        # The tokens of a live sequence or of a removed or truncated one (whose freed pages may be
+        # cached, or evicted in one group and not in another).
+        sources = [self.tokens[seq_id] for seq_id in sorted(self.tokens)] + self.history[-8:]
+        known = data.draw(st.sampled_from(sources)) if sources else []
+        prompt = known[:data.draw(st.integers(0, len(known)))] + data.draw(st.lists(st.integers(0, 2), max_size=6))
+        seq_id = self.next_id
+        self.next_id += 1
+        expected = self._expected_hit(prompt) if self.prefix else 0
+        served = self.cache.add_sequence(seq_id, prompt)
+        assert served == expected * self.page_size, (prompt, served, expected)
+        event(f"add_prompt: {'hit' if expected else 'miss'}")
+        if self.prefix and expected < self._expected_hit(prompt, groups=[g for g, m in enumerate(self.models)
+                                                                         if m.window is None]):
+            event("add_prompt: a sliding group limits the hit")
+        self._start(seq_id, prompt)
+        if self.prefix:
+            self.queries += len(prompt)
+            self.hits += served
+            self.lookups += 1
+        if expected:
+            self.lengths[seq_id] = served
+            for g, model in enumerate(self.models):
+                self.registered[g, seq_id] = expected
+                if model.window is not None:
+                    model.ring_first[seq_id] = max(model.num_sink_pages, self._low(model, expected))
+            for layer in range(self.num_layers):
+                for pos in range(served):
+                    self.kv[seq_id][layer][pos] = self._value(layer, prompt[:pos + 1])
 
     @precondition(lambda self: self.lengths)
     @rule(data=st.data())
     def append(self, data):
         ids = data.draw(st.lists(st.sampled_from(sorted(self.lengths)), min_size=1, max_size=3, unique=True))
         counts = data.draw(st.lists(st.integers(0, 7), min_size=len(ids), max_size=len(ids)))
+        new_tokens = []
+        for seq_id, n in zip(ids, counts):
+            known = self.tokens[seq_id][self.lengths[seq_id]:self.lengths[seq_id] + n]
+            new_tokens.append(known + data.draw(st.lists(st.integers(0, 2), min_size=n - len(known),
+                                                         max_size=n - len(known))))
         before = self._state()
+        held_before = self._holdings() if self.prefix else None
         try:
-            slots = self.cache.append(ids, counts)
+            slots = self.cache.append(ids, counts, [t for tokens in new_tokens for t in tokens])
         except OutOfPagesError:
             event("append: OutOfPagesError")
             assert self._state() == before, "an OutOfPagesError changed the cache"
             return
         assert slots.shape == (self.cache.num_groups, sum(counts)) and slots.dtype == np.int64
-        for seq_id, n in zip(ids, counts):
+        for seq_id, n, tokens in zip(ids, counts, new_tokens):
             for model in self.models:
                 model.append(seq_id, self.lengths[seq_id], n)
+            length = self.lengths[seq_id]
+            self.tokens[seq_id] = self.tokens[seq_id][:length] + tokens + self.tokens[seq_id][length + n:]
         for layer in range(self.num_layers):
-            values = self.next_value + np.arange(sum(counts), dtype=np.float32)
-            self.next_value += sum(counts)
-            k = np.repeat(values[:, None, None], 2, axis=2)
+            values = np.array([self._value(layer, self.tokens[seq_id][:self.lengths[seq_id] + i + 1])
+                               for seq_id, n in zip(ids, counts) for i in range(n)], dtype=np.float32)
+            k = np.repeat(values.reshape(-1, 1, 1), 2, axis=2)
             mapping = slots if self.rows == 2 else slots[self.cache.layer_group(layer)]
             self.cache.store(layer, mapping, k, -k)
             t = 0
@@ -299,6 +368,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
                 for i in range(n):
                     self.kv[seq_id][layer][self.lengths[seq_id] + i] = values[t]
                     t += 1
+        old_lengths = {seq_id: self.lengths[seq_id] for seq_id in ids}
         for seq_id, n in zip(ids, counts):
             self.lengths[seq_id] += n
             # The window's resident pages after an append of n tokens (DESIGN.md).
@@ -306,6 +376,77 @@ class HybridCacheMachine(RuleBasedStateMachine):
                 if model.window is not None and n:
                     bound = -(-(model.window + n - 2) // self.page_size) + 1
                     assert model.window_pages(seq_id, self.lengths[seq_id]) <= max(bound, 1)
+        if self.prefix:
+            self._register(ids, counts, old_lengths, held_before)
+
+    # ------------------------------------------------------------ prefix model
+    def _holdings(self):
+        """``{(group, seq_id, logical page): page id}`` of every table."""
+        out = {}
+        ids = sorted(self.lengths)
+        for g in range(self.cache.num_groups):
+            view = self.cache.page_table(ids, group=g)
+            for b, seq_id in enumerate(ids):
+                for j in range(view.indptr[b], view.indptr[b + 1]):
+                    out[g, seq_id, int(view.page_positions[j]) // self.page_size] = int(view.indices[j])
+        return out
+
+    def _register(self, ids, counts, old_lengths, held_before):
+        """The model's index after an append: pages handed out or written into leave it, pages that filled join."""
+        ps = self.page_size
+        held = self._holdings()
+        gone = {page for key, page in held.items() if held_before.get(key) != page}  # taken from the pool
+        for seq_id, n in zip(ids, counts):
+            if n and old_lengths[seq_id] % ps:  # the append wrote into its partial last page
+                for g in range(self.cache.num_groups):
+                    key = (g, seq_id, old_lengths[seq_id] // ps)
+                    if held_before.get(key) == held.get(key):  # in place, not a copy-on-write copy
+                        gone.add(held[key])
+        self.registry = {key: page for key, page in self.registry.items() if page not in gone}
+        cached = set(self.registry.values())
+        for g in range(self.cache.num_groups):
+            for seq_id in ids:
+                tokens = self.tokens[seq_id]
+                upto = min(self.lengths[seq_id] // ps, len(tokens) // ps)
+                for k in range(self.registered[g, seq_id], upto):
+                    page = held.get((g, seq_id, k))
+                    if page is None or page in cached:
+                        continue  # released by the window, or cached already
+                    key = (g, tuple(tokens[:(k + 1) * ps]))
+                    if key not in self.registry:
+                        self.registry[key] = page
+                        cached.add(page)
+                self.registered[g, seq_id] = max(self.registered[g, seq_id], upto)
+
+    def _low(self, model, h):
+        """The first window page the query at ``h * page_size`` needs (sink pages excluded)."""
+        return max(model.num_sink_pages, max(0, h * self.page_size - model.window + 1) // self.page_size)
+
+    def _expected_hit(self, prompt, groups=None):
+        """The largest number of pages every group (of ``groups``, default all) can serve from the model's
+        index (the last token computed)."""
+        ps = self.page_size
+        servable = (len(prompt) - 1) // ps if prompt else 0
+        best = 0
+        for h in range(1, servable + 1):
+            ok = True
+            for g, model in enumerate(self.models):
+                if groups is not None and g not in groups:
+                    continue
+                needed = range(h) if model.window is None else \
+                    list(range(min(model.num_sink_pages, h))) + list(range(self._low(model, h), h))
+                ok = ok and all((g, tuple(prompt[:(k + 1) * ps])) in self.registry for k in needed)
+            if ok:
+                best = h
+        return best
+
+    @precondition(lambda self: self.prefix)
+    @rule()
+    def reset_prefix_cache(self):
+        empty = self.cache.stats()["pages_in_use"] == 0
+        assert self.cache.reset_prefix_cache() == empty
+        if empty:
+            self.registry.clear()
 
     @precondition(lambda self: self.lengths)
     @rule(data=st.data())
@@ -316,8 +457,10 @@ class HybridCacheMachine(RuleBasedStateMachine):
         self.cache.fork(parent, child)
         self.lengths[child] = self.lengths[parent]
         self.kv[child] = {layer: dict(rows) for layer, rows in self.kv[parent].items()}
-        for model in self.models:
+        self.tokens[child] = list(self.tokens[parent])
+        for g, model in enumerate(self.models):
             model.ring_first[child] = model.ring_first[parent]
+            self.registered[g, child] = self.registered[g, parent]
 
     @precondition(lambda self: self.lengths)
     @rule(data=st.data())
@@ -337,6 +480,10 @@ class HybridCacheMachine(RuleBasedStateMachine):
         for model in self.models:
             model.truncate(seq_id, length, new_len)
         self.lengths[seq_id] = new_len
+        self.history.append(self.tokens[seq_id])
+        self.tokens[seq_id] = self.tokens[seq_id][:new_len]
+        for g in range(len(self.models)):
+            self.registered[g, seq_id] = min(self.registered[g, seq_id], new_len // self.page_size)
         for rows in self.kv[seq_id].values():
             for p in [p for p in rows if p >= new_len]:
                 del rows[p]
@@ -346,9 +493,10 @@ class HybridCacheMachine(RuleBasedStateMachine):
     def remove(self, data):
         seq_id = data.draw(st.sampled_from(sorted(self.lengths)))
         self.cache.remove_sequence(seq_id)
-        del self.lengths[seq_id], self.kv[seq_id]
-        for model in self.models:
-            del model.ring_first[seq_id]
+        self.history.append(self.tokens[seq_id])
+        del self.lengths[seq_id], self.kv[seq_id], self.tokens[seq_id]
+        for g, model in enumerate(self.models):
+            del model.ring_first[seq_id], self.registered[g, seq_id]
 
     # ------------------------------------------------------------ checks
     def _state(self):
@@ -390,6 +538,14 @@ class HybridCacheMachine(RuleBasedStateMachine):
         assert stats["bytes_per_page"] == self.cache.kv[:, 0].nbytes
         assert stats["num_sequences"] == len(self.lengths)
         assert self.cache.verify_pages().bad_pages == []
+        if self.prefix:
+            pages = sorted(self.registry.values())
+            assert len(set(pages)) == len(pages)
+            assert pages == sorted(self.cache.prefix_index.cached_pages()), "the index is not the model's"
+            stats = self.cache.stats(metrics=True)
+            assert (stats["prefix_queries"], stats["prefix_hits"], stats["prefix_lookups"]) == \
+                (self.queries, self.hits, self.lookups)
+            assert sum(stats["prefix_hit_histogram"]) == self.lookups
 
 
 TestHybridCacheMachine = HybridCacheMachine.TestCase
@@ -697,3 +853,243 @@ def test_append_and_store_arguments_with_page_groups():
     with pytest.raises(ValueError, match="num_tokens"):
         cache.append([1], [1, 1])
     cache.check_invariants()
+
+
+# ----------------------------------------------------------------- prefix caching with page groups
+PROMPT = list(range(100, 113))  # 13 tokens: 6 full pages of 2 and one partial
+
+
+def _decoded(cache, seq_id, prompt):
+    """Append a prompt's remaining tokens one at a time, storing per layer a K unique to (layer, position)."""
+    for pos in range(cache.seq_len(seq_id), len(prompt)):
+        slots = cache.append([seq_id], [1])
+        for layer in range(cache.num_layers):
+            k = np.full((1, 1, 2), 1000.0 * layer + pos, dtype=np.float32)
+            cache.store(layer, slots, k, -k)
+    cache.check_invariants()
+
+
+def _positions(cache, seq_id, group):
+    return cache.page_table([seq_id], group=group).page_positions.tolist()
+
+
+def _same_kv_where_held(cache, a, b):
+    """Every row sequence ``b`` holds equals sequence ``a``'s at that position, in every layer."""
+    for layer in range(cache.num_layers):
+        ka, va, pa = cache.gather(layer, a)
+        kb, vb, pb = cache.gather(layer, b)
+        rows = {int(p): i for i, p in enumerate(pa)}
+        assert pb.size and all(int(p) in rows for p in pb)
+        index = [rows[int(p)] for p in pb]
+        assert np.array_equal(kb, ka[index]) and np.array_equal(vb, va[index])
+
+
+def test_a_sliding_group_serves_from_the_pages_it_still_holds_after_its_early_pages_were_evicted():
+    cache = KVCache(2, 1, 2, 16, page_size=2, dtype=np.float32, enable_prefix_caching=True,
+                    layer_attention=[A(window=4), None])
+    sliding, full = 0, 1
+    cache.add_sequence(1, PROMPT)
+    _decoded(cache, 1, PROMPT)
+    assert _positions(cache, 1, sliding) == [8, 10, 12]  # pages of positions < 8 released (cached, free)
+    # Another sequence takes every free page: the sliding group's released pages are evicted.
+    cache.add_sequence(9)
+    cache.append([9], [6])
+    assert cache.stats()["pages_free"] == 0 and cache.stats()["prefix_evictions"] == 4
+    # The whole prompt again: the full group has pages 0-5, the sliding group needs only pages 4-5
+    # (the query at 12 sees 9..12).
+    assert cache.add_sequence(2, PROMPT + [7]) == 12
+    assert _positions(cache, 2, full) == [0, 2, 4, 6, 8, 10] and _positions(cache, 2, sliding) == [8, 10]
+    for g in (sliding, full):
+        assert cache.page_table([2], group=g).seq_lens.tolist() == [12]
+    assert cache.num_cached_tokens(2, group=full) == 12 and cache.num_cached_tokens(2, group=sliding) == 4
+    _same_kv_where_held(cache, 1, 2)
+    # A prompt sharing only pages 0-3: the full group could serve 4 pages, but the sliding group
+    # would need pages 2-3 (for 4), 1-2 (for 3), ..., all evicted: nothing is served.
+    assert cache.add_sequence(3, PROMPT[:8] + [7, 7, 7]) == 0
+    assert cache.stats(metrics=True)["prefix_hit_histogram"][:2] == (2, 1)
+    cache.check_invariants()
+    # The served sequence goes on as a computed one would.
+    cache.remove_sequence(9)
+    _decoded(cache, 2, PROMPT + [7])
+    cache.check_invariants()
+
+
+def test_evicting_one_groups_page_limits_the_hit_of_every_group():
+    cache = KVCache(2, 1, 2, 16, page_size=2, dtype=np.float32, enable_prefix_caching=True,
+                    layer_attention=[None, A(window=4)])
+    full, sliding = 0, 1
+    cache.add_sequence(1, PROMPT)
+    _decoded(cache, 1, PROMPT)
+    pages = {g: dict(zip(_positions(cache, 1, g), cache.page_table([1], group=g).indices.tolist()))
+             for g in (full, sliding)}
+    cache.remove_sequence(1)  # every page free; the full pages stay cached
+    cache.add_sequence(9)
+    cache.append([9], [8])  # takes 8 pages from the front of the free queue
+    cached = set(cache.prefix_index.cached_pages().tolist())
+    assert {pages[full][p] for p in (0, 2, 4, 6, 8)} <= cached and pages[full][10] not in cached
+    # Cached: the full pages of positions 0-9, the sliding pages of 8-11; the sliding group's earlier
+    # (released while decoding) and the full page of 10-11 were evicted.
+    assert {pages[sliding][8], pages[sliding][10]} <= cached and len(cached) == 7
+    # Alone, the sliding group could serve 6 pages (it needs pages 4-5) and the full group 5; every
+    # smaller hit needs evicted pages of the sliding group: nothing is served.
+    assert cache.add_sequence(2, PROMPT + [7]) == 0
+    assert all(cache.page_table([2], group=g).indices.size == 0 for g in (full, sliding))
+    cache.check_invariants()
+
+
+def test_sink_pages_are_served_with_the_window_pages():
+    cache = KVCache(2, 1, 2, 32, page_size=2, dtype=np.float32, enable_prefix_caching=True,
+                    layer_attention=[A(window=4, sink_tokens=2), None])
+    sliding, full = 0, 1
+    cache.add_sequence(1, PROMPT)
+    _decoded(cache, 1, PROMPT)
+    assert _positions(cache, 1, sliding) == [0, 8, 10, 12]
+    assert cache.add_sequence(2, PROMPT + [7]) == 12
+    assert _positions(cache, 2, sliding) == [0, 8, 10] and _positions(cache, 2, full) == list(range(0, 12, 2))
+    _same_kv_where_held(cache, 1, 2)
+    # A prompt whose first page differs matches no sink page: nothing is served.
+    assert cache.add_sequence(3, [5] + PROMPT[1:] + [7]) == 0
+    cache.check_invariants()
+
+
+def test_a_chunked_group_is_served_as_the_window_of_its_chunk():
+    cache = KVCache(2, 1, 2, 32, page_size=2, dtype=np.float32, enable_prefix_caching=True,
+                    layer_attention=[A(chunk_size=4), None])
+    chunked, full = 0, 1
+    cache.add_sequence(1, PROMPT)
+    _decoded(cache, 1, PROMPT)
+    assert cache.add_sequence(2, PROMPT + [7]) == 12
+    # The query at 12 reads its chunk from 12 on; the group, stored as a window of 4, takes the pages
+    # that window needs (positions 9..12: pages of 8 and 10).
+    assert _positions(cache, 2, chunked) == [8, 10] and _positions(cache, 2, full) == list(range(0, 12, 2))
+    _same_kv_where_held(cache, 1, 2)
+    cache.check_invariants()
+
+
+def test_every_group_registers_its_own_pages_under_its_own_hashes():
+    cache = KVCache(4, 1, 2, 64, page_size=2, dtype=np.float32, enable_prefix_caching=True,
+                    layer_attention=[A(window=6), None, A(window=6), None])
+    assert cache.num_groups == 2
+    cache.add_sequence(1, PROMPT)
+    cache.append([1], [13])
+    index = cache.prefix_index
+    per_group = [cache.page_table([1], group=g).indices[:6].tolist() for g in range(2)]
+    assert sorted(index.cached_pages().tolist()) == sorted(per_group[0] + per_group[1])
+    hashes = [[index.page_hash(p) for p in pages] for pages in per_group]
+    assert not set(hashes[0]) & set(hashes[1])
+    # Group 0's chain is not the chain of a cache without groups either.
+    plain = KVCache(1, 1, 2, 64, page_size=2, enable_prefix_caching=True)
+    plain.add_sequence(1, PROMPT)
+    plain.append([1], [13])
+    plain_hashes = [plain.prefix_index.page_hash(p) for p in plain.page_table([1]).indices[:6].tolist()]
+    assert not set(plain_hashes) & (set(hashes[0]) | set(hashes[1]))
+    # Salts keep tenants apart in every group.
+    assert cache.add_sequence(2, PROMPT, extra_key="other") == 0
+    assert cache.add_sequence(3, PROMPT) == 12
+
+
+def test_reset_prefix_cache_and_stats_with_page_groups():
+    cache = KVCache(2, 1, 2, 32, page_size=2, enable_prefix_caching=True, layer_attention=[A(window=4), None])
+    cache.add_sequence(1, PROMPT)
+    cache.append([1], [13])
+    assert cache.reset_prefix_cache() is False  # pages in use
+    assert cache.add_sequence(2, PROMPT) == 12
+    stats = cache.stats(metrics=True)
+    assert (stats["prefix_queries"], stats["prefix_hits"], stats["prefix_lookups"]) == (26, 12, 2)
+    assert stats["prefix_cached_pages"] == 12
+    cache.remove_sequence(1)
+    cache.remove_sequence(2)
+    assert cache.stats()["prefix_cached_free_pages"] == 12
+    assert cache.reset_prefix_cache() is True
+    assert cache.stats()["prefix_cached_pages"] == 0
+    assert cache.add_sequence(3, PROMPT) == 0
+    cache.check_invariants()
+
+
+def _hybrid_prefix_cache(prefix_hash="xxh3_128"):
+    cache = KVCache(3, 1, 2, 40, page_size=2, dtype=np.float32, enable_prefix_caching=True, page_checksums=True,
+                    prefix_hash=prefix_hash, layer_attention=[A(window=4, sink_tokens=2), None, A(chunk_size=4)])
+    cache.add_sequence(1, PROMPT)
+    _decoded(cache, 1, PROMPT)
+    cache.add_sequence(2, PROMPT[:9], extra_key="tenant")
+    _decoded(cache, 2, PROMPT[:9])
+    assert cache.add_sequence(3, PROMPT + [1]) == 12
+    cache.append([3], [2], token_ids=[1, 2])
+    cache.fork(3, 4)
+    cache.truncate(4, 13)
+    cache.remove_sequence(1)
+    return cache
+
+
+@pytest.mark.parametrize("prefix_hash", ["xxh3_128", "sha256"])
+def test_snapshot_round_trip_with_a_populated_prefix_index(tmp_path, prefix_hash):
+    from pagedkv import snapshot
+
+    cache = _hybrid_prefix_cache(prefix_hash)
+    assert cache.stats()["prefix_cached_free_pages"] > 0
+    path = tmp_path / "prefix.pkv"
+    cache.save(path)
+    snapshot.verify(path)
+    loaded = KVCache.load(path)
+    loaded.check_invariants()
+    _same_cache(cache, loaded)
+    assert cache.stats(metrics=True) == loaded.stats(metrics=True)
+    for page in cache.prefix_index.cached_pages().tolist():
+        assert loaded.prefix_index.page_hash(page) == cache.prefix_index.page_hash(page)
+    # Both serve and register alike from here on.
+    for c in (cache, loaded):
+        assert c.add_sequence(5, PROMPT + [3]) == 12
+        assert c.add_sequence(6, PROMPT[:9] + [3], extra_key="tenant") == 8
+        c.append([4, 5], [3, 2], token_ids=[1, 2, 3, 4, 5])
+        c.check_invariants()
+    _same_cache(cache, loaded)
+    assert np.array_equal(cache.prefix_index.cached_pages(), loaded.prefix_index.cached_pages())
+
+
+def test_a_snapshot_whose_group_chain_is_salted_for_another_request_is_refused():
+    cache = _hybrid_prefix_cache()
+    state = cache._export_state()
+    fresh = KVCache(3, 1, 2, 40, page_size=2, dtype=np.float32, enable_prefix_caching=True, page_checksums=True,
+                    layer_attention=[A(window=4, sink_tokens=2), None, A(chunk_size=4)])
+    assert len(state["group_hashes"]) == 2
+    # Sequence 2's (salted "tenant") chain of group 1 given sequence 3's chain: wrong salt and hashes.
+    forged = dict(state, group_hashes=[list(state["group_hashes"][0]), list(state["group_hashes"][1])])
+    forged["group_hashes"][0][0] = state["group_hashes"][0][1]
+    with pytest.raises(ValueError):
+        fresh._restore_state(forged)
+    assert fresh.num_sequences == 0
+    missing = dict(state, group_hashes=[])
+    with pytest.raises(ValueError, match="group_hashes"):
+        fresh._restore_state(missing)
+    fresh._restore_state(state)
+    fresh.check_invariants()
+
+
+@pytest.mark.parametrize("edit", ["group salt", "group chains missing"])
+def test_forged_hashes_of_a_hybrid_prefix_snapshot_are_refused(tmp_path, edit):
+    from _snapshot_forge import forge_file
+    from pagedkv import snapshot
+
+    cache = _hybrid_prefix_cache()
+    path = tmp_path / "forged.pkv"
+    cache.save(path)
+    rows = len(cache.seq_ids())
+
+    def change(sections):
+        hashes = sections["hashes"]
+        assert hashes["fields"].shape[0] == 3 * rows  # every group's chains
+        if edit == "group salt":
+            hashes["salts"][rows, 0] ^= 1  # group 1's chain of the first sequence
+        else:  # group 0's rows only, as a file of one group would have them
+            for key in ("fields", "salts"):
+                hashes[key] = hashes[key][:rows].copy()
+            num_chain, num_tokens, num_blocks = (int(hashes["fields"][:, j].sum()) for j in (1, 2, 3))
+            hashes["chain"] = hashes["chain"][:num_chain].copy()
+            hashes["token_ids"] = hashes["token_ids"][:num_tokens].copy()
+            hashes["block_ids"] = hashes["block_ids"][:num_blocks].copy()
+
+    forge_file(path, change)
+    with pytest.raises(SnapshotError):
+        KVCache.load(path)
+    with pytest.raises(SnapshotError):
+        snapshot.verify(path)

@@ -201,6 +201,22 @@ def test_add_prompts_truncates_every_row_to_the_smallest_prefix_hit():
     assert requests.num_columns == 4 and [requests.kv_cache.seq_len(s) for s in requests.seq_ids] == [4, 4]
 
 
+def test_add_prompts_starts_every_row_cold_when_a_window_refuses_the_common_length():
+    requests = make_requests(window=4, enable_prefix_caching=True)
+    ids, padded = check_prompts(np.arange(17)[None, :])
+    requests.add_prompts(ids, padded)
+    requests.begin_step(1, 17, None, never_same)
+    requests.reset()
+    # Row 0 hits 16 tokens holding only the page its window needs (12-15), row 1 one page:
+    # row 0 cannot go back to 4 tokens (its window released the keys), so both start cold.
+    prompts = np.stack([np.arange(18), np.r_[np.arange(5), np.arange(50, 63)]])
+    ids, padded = check_prompts(prompts, np.ones_like(prompts))
+    assert requests.add_prompts(ids, padded) == 0
+    assert requests.num_columns == 0 and [requests.kv_cache.seq_len(s) for s in requests.seq_ids] == [0, 0]
+    assert requests.kv_cache.stats()["prefix_hits"] == 16 + 4  # served, then released
+    requests.kv_cache.check_invariants()
+
+
 def test_check_prompts_errors_and_padding():
     with pytest.raises(ValueError, match="Invalid shape of input_ids"):
         check_prompts(np.zeros((2, 0), dtype=np.int64))

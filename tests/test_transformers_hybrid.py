@@ -481,7 +481,7 @@ def test_hybrid_user_window_and_sinks_reach_the_sliding_layers_only():
             assert (setting.window, setting.sink_tokens, setting.chunk_size) == (None, 0, None)
 
 
-def test_hybrid_cache_refuses_dense_attention_crop_and_prefix_caching():
+def test_hybrid_cache_refuses_dense_attention_and_crop():
     model = _hybrid_model(gemma3_config)
     model.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="attn_implementation"):
@@ -491,8 +491,38 @@ def test_hybrid_cache_refuses_dense_attention_crop_and_prefix_caching():
     greedy(model, prompts(1, 10), cache, max_new_tokens=2)
     with pytest.raises(ValueError, match="crop"):
         cache.crop(-1)
-    with pytest.raises(ValueError, match="prefix caching is not supported with per-layer attention settings"):
-        pt.PagedCache(model.config, num_pages=64, enable_prefix_caching=True)
+
+
+@pytest.mark.parametrize("name, make_config", HYBRID, ids=HYBRID_IDS)
+def test_hybrid_prefix_caching_serves_a_second_turn_from_the_first(name, make_config):
+    """A second chat turn, in a new request, starts on the first turn's cached prompt pages in
+    every page group (the sliding and chunked groups on the pages their window still sees):
+    the tokens are DynamicCache's, and only the rest of the prompt is computed."""
+    model = _hybrid_model(make_config)
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=128, page_size=4, enable_prefix_caching=True)
+    first = prompts(1, 30)
+    assert cache.begin(first) == 0
+    answer = greedy(model, first, cache, max_new_tokens=6)
+    assert cache.kv_cache.num_groups > 1 and cache.kv_cache.prefix_caching
+    # The next turn: the first prompt, its answer and a new message (generated tokens are not hashed,
+    # so the first prompt's 7 full pages of 4 are what can be reused).
+    second = torch.cat([answer, prompts(1, 9, seed=2)], dim=1)
+    computed_before = cache.num_stored_tokens
+    hit = cache.begin(second)
+    assert hit == 28
+    kv = cache.kv_cache
+    for group in range(kv.num_groups):
+        assert kv.page_table(kv.seq_ids(), group=group).seq_lens.tolist() == [28]
+    warm = greedy(model, second, cache, max_new_tokens=8)
+    computed = cache.num_stored_tokens - computed_before
+    assert computed == second.shape[1] - hit + warm.shape[1] - second.shape[1] - 1
+    stats = cache.stats()
+    assert stats["prefix_hits"] == 28 and stats["prefix_queries"] == first.shape[1] + second.shape[1]
+    kv.check_invariants()
+    model.set_attn_implementation(ORACLE)
+    cold = greedy(model, second, DynamicCache(config=model.config), max_new_tokens=8)
+    assert warm.tolist() == cold.tolist()
 
 
 def test_hybrid_cache_positions_turn_the_queries_of_sliding_layers_only():

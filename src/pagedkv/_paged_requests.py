@@ -270,7 +270,7 @@ class PagedRequests:
 
         With prefix caching each row starts on the cached full pages its prompt matches
         (none when ``padded``); every row is truncated to the smallest hit, which is
-        returned.
+        returned (0, every row truncated to 0, when a window refuses that truncation).
         """
         kv = self.kv_cache
         hits = []
@@ -280,9 +280,16 @@ class PagedRequests:
             self.seq_ids.append(seq_id)
             hits.append(hit)
         common = min(hits)
-        for seq_id, hit in zip(self.seq_ids, hits):
-            if hit > common:
-                kv.truncate(seq_id, common)
+        try:
+            for seq_id, hit in zip(self.seq_ids, hits):
+                if hit > common:
+                    kv.truncate(seq_id, common)
+        except ValueError:
+            # A sliding window started the row past keys the common length needs (the pages
+            # before its window were not taken): every row starts cold instead.
+            for seq_id in self.seq_ids:
+                kv.truncate(seq_id, 0)
+            common = 0
         self.num_columns = common
         return common
 

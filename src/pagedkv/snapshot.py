@@ -31,8 +31,12 @@ int64 ``(num_layers, 3)``, per layer its window, sink tokens and chunk size
 ``(G, num_pages, ...)`` with ``G`` the layers per page group (all layers for
 one group), and with more than one group the ``tables`` section lists every
 group's tables, group after group (each in the same sequence order), with
-``groups``, int64 per row, its page group. Version 1 files, which have
-neither, still load.
+``groups``, int64 per row, its page group. With prefix caching and more
+than one group, the ``hashes`` section likewise lists every group's hash
+chains, group after group in the order of ``tables`` (one row per table;
+each group's chains are salted by its own mix, see ``pagedkv_c._prefix``).
+Version 1 files, which have neither, and version 2 files of one group
+still load, byte for byte as before.
 
 Sections follow each other without gaps (only the padding before
 ``pages``, which must be zeros) and end exactly at ``file_length``, the
@@ -394,7 +398,9 @@ def save_cache(cache, path, *, num_threads: int | None = None) -> None:
         sections.append(("prefix", _encode(state["prefix"])))
     sections.append(("tables", _tables_section(sequences, state["group_tables"])))
     if state["prefix"] is not None:
-        sections.append(("hashes", _hashes_section(sequences)))
+        sections.append(("hashes", _hashes_section(sequences + [
+            (seq_id, table, h) for more, hashes in zip(state["group_tables"], state["group_hashes"])
+            for (seq_id, table), h in zip(more, hashes)])))
     sections.append(("sealed", _sealed_section(sealed_state)))
     digests = np.zeros((kv.shape[1], kv.shape[0], 16), dtype=np.uint8)
 
@@ -628,6 +634,7 @@ def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
         tables, group_tables = tables[0], tables[1:]
     prefix = None
     sequences = [(seq_id, table, None) for seq_id, table in tables]
+    group_hashes = []
     if config["prefix_caching"]:
         if "prefix" not in parsed.sections or "hashes" not in parsed.sections:
             raise SnapshotError("section 'prefix': missing for a cache with prefix caching")
@@ -637,8 +644,9 @@ def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
                   "has_tokens": section.array("has_tokens", np.uint8, 1),
                   "tokens": section.array("tokens", np.int32, 2),
                   "evictions": section.int("evictions")}
-        hashes = _read_hashes(parsed.section("hashes"), len(tables))
+        hashes = _read_hashes(parsed.section("hashes"), len(tables) * num_groups)  # every group's, in order
         sequences = [(seq_id, table, h) for (seq_id, table), h in zip(tables, hashes)]
+        group_hashes = [hashes[g * len(tables):(g + 1) * len(tables)] for g in range(1, num_groups)]
     elif "prefix" in parsed.sections or "hashes" in parsed.sections:
         raise SnapshotError("section 'prefix': present in a cache without prefix caching")
     from pagedkv_c._kv_cache import PREFIX_HIT_BUCKETS  # the core's bucket bounds, then an overflow bucket
@@ -656,6 +664,7 @@ def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
         "prefix": prefix,
         "sequences": sequences,
         "group_tables": group_tables,
+        "group_hashes": group_hashes,
     }
     return state, tables + [pair for more in group_tables for pair in more]
 

@@ -122,13 +122,16 @@ responsible for the prompt extending what the cache holds. (2) With
 its prompt's full pages become findable by hash as they fill, and a later ``begin`` whose
 prompt starts with the same tokens (a shared system prompt, an earlier turn) reuses them
 (vLLM's automatic prefix caching), so ``generate`` computes only the rest. Generated tokens
-are not hashed (the cache sees their K/V, not their ids).
+are not hashed (the cache sees their K/V, not their ids). For a model whose layers differ,
+every page group keeps its own cached pages and a prompt is served as far as every group
+can serve it (a sliding or chunked layer needs only the pages its window still sees; see
+:class:`pagedkv.KVCache`).
 
 Not supported
 -------------
 Everything refused at construction (see above): encoder-decoder models and
 cross-attention, linear-attention and state-space layers, K/V sharing, ALiBi;
-prefix caching for a model whose layers differ; ``torch.compile`` and static-shape
+``torch.compile`` and static-shape
 export; devices other than the CPU; bfloat16 pools (bfloat16 models work with a float32
 or float16 pool, at the cost of a conversion per step); ``crop`` of a cache with a
 window or chunked layers; attention weights output (``output_attentions``) with the
@@ -463,8 +466,7 @@ class PagedCache(Cache):
     ValueError
         A config the cache cannot serve exactly (the message names the layer and its type,
         or the feature: see the module docstring), a window for a model with chunked
-        layers and no sliding one, prefix caching for a model whose layers differ, a
-        size out of range, a config without the attention sizes, ``sink_tokens`` without
+        layers and no sliding one, a size out of range, a config without the attention sizes, ``sink_tokens`` without
         a window, a dtype other than float32/float16, ``positions`` not ``"absolute"``
         or ``"cache"``, or ``"cache"`` without a window and sinks or with a rotary type
         whose frequencies change (``dynamic``, ``longrope``) or differ between layers.
@@ -506,9 +508,6 @@ class PagedCache(Cache):
         if self._sink_tokens and self._window is None:
             raise ValueError(f"Invalid value of sink_tokens: expected 0 without a window, got {sink_tokens}")
         self._positions = check_positions(positions, self._window, self._sink_tokens)
-        if self._layer_attention is not None and enable_prefix_caching and len(set(self._layer_attention)) > 1:
-            raise ValueError("Invalid value of enable_prefix_caching: prefix caching is not supported with per-layer "
-                             "attention settings (this model's layers differ)")
         self._num_threads = _check_size("num_threads", num_threads, 1)
         if dtype is not None:
             dtype = _NUMPY_DTYPES.get(dtype, dtype) if isinstance(dtype, torch.dtype) else dtype
