@@ -1155,9 +1155,10 @@ cdef class KVCache:
             Layer index, ``0 <= layer < num_layers``.
         slot_mapping : numpy.ndarray or sequence of int, shape ``[T]``
             Slots from :meth:`append`; -1 marks padding (the token is skipped).
-            With more than one page group: the slots of the layer's group
-            (row ``layer_group(layer)`` of what :meth:`append` returned), or
-            that whole int64 ndarray of shape ``[num_groups, T]``.
+            With more than one page group: the whole int64 ndarray of shape
+            ``[num_groups, T]`` that :meth:`append` returned (the layer's row
+            is taken from it); a 1-D row is refused, as a row of another
+            group would write another layer's K/V.
         k, v : array-like of real numbers, shape ``[T, num_kv_heads, head_dim]``
             float16, float32, float64 or integers, ndarray or nested lists;
             converted to the pool dtype when they differ (see *Array
@@ -1182,11 +1183,13 @@ cdef class KVCache:
         """
         cdef int64_t layer_index = check_index(layer, "layer", self.num_layers)
         if self.num_groups != 1:
-            if isinstance(slot_mapping, np.ndarray) and slot_mapping.ndim == 2:
-                if slot_mapping.shape[0] != self.num_groups:
-                    raise ValueError(f"Invalid shape of slot_mapping: expected (T,) or ({self.num_groups}, T), one "
-                                     f"row per page group, got {slot_mapping.shape}")
-                slot_mapping = slot_mapping[self._layer_group[layer_index]]
+            if not isinstance(slot_mapping, np.ndarray) or slot_mapping.ndim != 2 \
+                    or slot_mapping.shape[0] != self.num_groups:
+                shape = slot_mapping.shape if isinstance(slot_mapping, np.ndarray) else type(slot_mapping).__name__
+                raise ValueError(f"Invalid shape of slot_mapping: expected the ({self.num_groups}, T) array that "
+                                 f"append returned, one row per page group (the layer's row is taken from it), "
+                                 f"got {shape}")
+            slot_mapping = slot_mapping[self._layer_group[layer_index]]
             self._store_rows_of_slot(self._layer_slot[layer_index],
                                      as_int_array(slot_mapping, "slot_mapping", np.int64), k, v)
             return

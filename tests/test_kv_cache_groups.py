@@ -255,9 +255,9 @@ class HybridCacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.cache = None
 
-    @initialize(config=st.sampled_from(CONFIGS), num_pages=st.integers(6, 24), rows=st.sampled_from([1, 2]),
+    @initialize(config=st.sampled_from(CONFIGS), num_pages=st.integers(6, 24),
                 prefix=st.sampled_from([None, "xxh3_128", "sha256"]))
-    def setup(self, config, num_pages, rows, prefix):
+    def setup(self, config, num_pages, prefix):
         layers, page_size = config
         self.page_size = page_size
         self.prefix = prefix is not None
@@ -279,7 +279,6 @@ class HybridCacheMachine(RuleBasedStateMachine):
         self.registered = {}  # (group, seq_id) -> leading pages of the chain already offered to the index
         self.queries = self.hits = self.lookups = 0
         self.next_id = 0
-        self.rows = rows  # 1: store the layer's row of the slot mapping, 2: the whole 2-D array
         self.add()
 
     def _value(self, layer, prefix):
@@ -361,8 +360,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
             values = np.array([self._value(layer, self.tokens[seq_id][:self.lengths[seq_id] + i + 1])
                                for seq_id, n in zip(ids, counts) for i in range(n)], dtype=np.float32)
             k = np.repeat(values.reshape(-1, 1, 1), 2, axis=2)
-            mapping = slots if self.rows == 2 else slots[self.cache.layer_group(layer)]
-            self.cache.store(layer, mapping, k, -k)
+            self.cache.store(layer, slots, k, -k)
             t = 0
             for seq_id, n in zip(ids, counts):
                 for i in range(n):
@@ -839,12 +837,15 @@ def test_append_and_store_arguments_with_page_groups():
     k = np.ones((1, 1, 2))
     with pytest.raises(ValueError, match="slot_mapping"):
         cache.store(0, slots[:2], k, k)  # two rows: neither one group's slots nor every group's
+    for row in range(3):  # a 1-D row, even the layer's own: a row of another group would write another layer
+        with pytest.raises(ValueError, match=r"^Invalid shape of slot_mapping: expected the \(3, T\) array"):
+            cache.store(0, slots[row], k, k)
     with pytest.raises(ValueError, match="k"):
         cache.store(0, slots, np.ones((2, 1, 2)), k)
     with pytest.raises(IndexError, match="layer"):
         cache.store(3, slots, k, k)
     for layer in range(3):
-        cache.store(layer, slots[cache.layer_group(layer)], k * layer, -k)
+        cache.store(layer, slots, k * layer, -k)
     for layer in range(3):
         keys, _, positions = cache.gather(layer, 1)
         assert positions[-1] == 2 and keys[-1, 0, 0] == layer
