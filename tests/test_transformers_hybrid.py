@@ -581,3 +581,21 @@ def test_rotary_frequencies_per_layer_type_are_read_for_the_sliding_layers():
     np.testing.assert_allclose(got, 10000.0 ** (-np.arange(0, 16, 2, dtype=np.float64) / 16))
     with pytest.raises(ValueError, match="per-layer-type"):
         pt._rotary_inverse_frequencies(config, 16)
+
+
+def test_a_multimodal_config_is_refused():
+    """Gemma 3 with a vision tower: its image tokens attend both ways, which causal paged attention does not."""
+    config = transformers.Gemma3Config(text_config=gemma3_config().to_dict())
+    with pytest.raises(ValueError, match=r"multimodal model \('gemma3' with vision_config\)"):
+        pt.PagedCache(config, num_pages=16)
+    pt.PagedCache(config.get_text_config(), num_pages=16)  # the text-only model is served
+
+
+def test_cache_positions_are_refused_for_a_rotary_convention_other_than_rotate_half():
+    """Cohere 2 pairs neighbouring rotary channels: the sink query cannot be turned Llama's way."""
+    config = transformers.Cohere2Config(num_hidden_layers=2, sliding_window=8, layer_types=["sliding_attention"] * 2,
+                                        **_SIZES)
+    with pytest.raises(ValueError, match=r"model_type 'cohere2' is not one whose rotary embedding"):
+        pt.PagedCache(config, num_pages=16, window=8, sink_tokens=2, positions="cache")
+    pt.PagedCache(config, num_pages=16, window=8, sink_tokens=2)  # absolute positions need no turn
+    pt.PagedCache(gemma3_config(), num_pages=16, window=8, sink_tokens=2, positions="cache")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pagedkv import AttentionSetting
 
-__all__ = ["config_refusals", "layer_attention", "layer_types", "text_config"]
+__all__ = ["ROTATE_HALF_MODEL_TYPES", "rotate_half_refusal", "config_refusals", "layer_attention", "layer_types", "text_config"]
 
 
 #: Layer types whose K/V rows a paged cache holds (one row per token and layer).
@@ -98,10 +98,37 @@ def layer_types(config) -> list[str]:
     return ["full_attention"] * num_layers
 
 
-def _feature_refusals(config) -> list[str]:
-    """The model features of ``config`` the attention function would not compute, as sentences."""
+# Model types whose attention rotates queries and keys with Llama's rotate-half convention
+# (``apply_rotary_pos_emb`` over the two halves of the head; gpt-oss splits the halves the
+# same way): the sink query of ``positions="cache"`` is turned that way. Cohere, GLM and
+# Llama 4 pair neighbouring channels instead.
+ROTATE_HALF_MODEL_TYPES = frozenset({
+    "llama", "mistral", "mixtral", "ministral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+    "gemma3", "gemma3_text", "gpt_oss", "phi", "phi3", "stablelm", "smollm3", "olmo2", "olmo3", "granite",
+    "exaone4",
+})
+
+
+def rotate_half_refusal(config) -> str | None:
+    """Why ``positions="cache"`` cannot turn this model's sink queries, or None when it can."""
+    model_type = getattr(text_config(config), "model_type", None)
+    if model_type in ROTATE_HALF_MODEL_TYPES:
+        return None
+    return (f"model_type {model_type!r} is not one whose rotary embedding pagedkv knows to follow (Llama's "
+            f"rotate-half convention: {', '.join(sorted(ROTATE_HALF_MODEL_TYPES))})")
+
+
+def _feature_refusals(config, outer=None) -> list[str]:
+    """The model features of ``config`` the attention function would not compute, as sentences.
+
+    ``outer``: the config the text config came from, when it is a multimodal one.
+    """
     problems = []
     model_type = getattr(config, "model_type", None)
+    if outer is not None and getattr(outer, "vision_config", None) is not None:
+        problems.append(f"a multimodal model ({getattr(outer, 'model_type', None)!r} with vision_config): image "
+                        "tokens may attend to each other in both directions, which the causal pagedkv attention "
+                        "does not compute; use the text-only model")
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         problems.append("cross-attention (an encoder-decoder model): only decoder self-attention is held")
     if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
@@ -129,10 +156,10 @@ def config_refusals(config) -> list[str]:
     list of str
         Each names a layer (index and type) or a config feature.
     """
-    config = text_config(config)
+    outer, config = config, text_config(config)
     if getattr(config, "is_heterogeneous", False):
         return ["per-layer config overrides (per_layer_config): layers may differ in shape or attention"]
-    problems = _feature_refusals(config)
+    problems = _feature_refusals(config, outer if outer is not config else None)
     for i, t in enumerate(layer_types(config)):
         if t not in ATTENTION_LAYER_TYPES:
             what = _NOT_HELD.get(t, "a layer type pagedkv does not know")

@@ -152,7 +152,7 @@ from pagedkv import KVCache
 from pagedkv_c._checks import checked_int
 from pagedkv import attention as paged_attention
 from pagedkv import AttentionSetting
-from pagedkv._hf_config import config_refusals
+from pagedkv._hf_config import config_refusals, rotate_half_refusal
 from pagedkv._hf_config import layer_attention as _layer_attention
 from pagedkv._paged_requests import GroupStepPages as _GroupStepPages
 from pagedkv._paged_requests import PagedRequests, check_prompts, default_group_num_pages, default_num_pages
@@ -526,6 +526,10 @@ class PagedCache(Cache):
         settings = self._layer_attention or [AttentionSetting(self._window, self._sink_tokens, None)] * num_layers
         inv_freq = None
         if positions == "cache":
+            refusal = rotate_half_refusal(config)
+            if refusal is not None:
+                raise ValueError(f"Invalid value of positions: 'cache' turns the sink queries by Llama's rotary "
+                                 f"convention, but {refusal}")
             # Only the layers the window applies to keep sinks: the sliding layers if the
             # model has some, else every (full) layer; their rotary setting turns the queries.
             slides = any(s is not None and s.window is not None for s in model_settings)
