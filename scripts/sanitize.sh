@@ -58,7 +58,7 @@ if [ "$TESTS" = 1 ]; then
     # torch is not built with the sanitizers: the transformers tests run on the release build.
     # The tier tests (real Redis servers, subprocesses) ran on the release build too.
     LD_PRELOAD="$LIBASAN $LIBSTDCXX" pytest -q --capture=sys -p no:cacheprovider \
-        --ignore=tests/test_transformers.py --ignore=tests/test_tier.py --ignore=tests/test_tier_hostile.py --ignore=tests/test_tier_cli.py
+        --ignore=tests/test_transformers.py --ignore=tests/test_transformers_hybrid.py --ignore=tests/test_tier.py --ignore=tests/test_tier_hostile.py --ignore=tests/test_tier_cli.py
     echo "sanitize: test suite took $((SECONDS - start)) s"
 fi
 
