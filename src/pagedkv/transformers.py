@@ -145,6 +145,7 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import pagedkv
@@ -166,6 +167,9 @@ __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "paged_attention_forward"]
 ATTN_IMPLEMENTATION = "pagedkv"
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+
+#: Most OpenMP threads the attention kernels accept (``num_threads``).
+_MAX_KERNEL_THREADS = 1024
 
 
 # The kernel keywords of a layer without soft-capping or sink logits (shared, never changed).
@@ -445,7 +449,7 @@ class PagedCache(Cache):
     prefix_hash : str
         ``"xxh3_128"`` (default) or ``"sha256"``, see :class:`pagedkv.KVCache`.
     num_threads : int, optional
-        OpenMP threads of the attention kernels, ``>= 1``. Default:
+        OpenMP threads of the attention kernels, ``1 <= num_threads <= 1024``. Default:
         ``torch.get_num_threads()``, read at each forward, so one setting governs both
         libraries (the kernels run on the OpenMP runtime torch loaded: one thread pool);
         of those, a call whose K/V is under 2 MiB per thread uses fewer (see
@@ -508,10 +512,16 @@ class PagedCache(Cache):
         if self._sink_tokens and self._window is None:
             raise ValueError(f"Invalid value of sink_tokens: expected 0 without a window, got {sink_tokens}")
         self._positions = check_positions(positions, self._window, self._sink_tokens)
-        self._num_threads = _check_size("num_threads", num_threads, 1)
+        # The kernels' range, checked here rather than at the first forward.
+        self._num_threads = None if num_threads is None else checked_int(num_threads, "num_threads", 1,
+                                                                          _MAX_KERNEL_THREADS)
         if dtype is not None:
             dtype = _NUMPY_DTYPES.get(dtype, dtype) if isinstance(dtype, torch.dtype) else dtype
-            if isinstance(dtype, torch.dtype) or np.dtype(dtype) not in (np.float32, np.float16):
+            try:
+                pool_dtype = None if isinstance(dtype, torch.dtype) else np.dtype(dtype)
+            except TypeError:  # a name NumPy does not know ("bfloat16")
+                pool_dtype = None
+            if pool_dtype not in (np.float32, np.float16):
                 raise ValueError(f"Invalid value of dtype: expected float32 or float16, got {dtype}")
             dtype = np.dtype(dtype)
         if prefix_hash not in ("xxh3_128", "sha256"):
@@ -538,6 +548,11 @@ class PagedCache(Cache):
         # whether its sinks are scored with the rotated sink query (positions="cache").
         self._layer_windows = [None if s is None else s.window for s in settings]
         self._layer_sink_query = [s is not None and s.sink_tokens > 0 for s in settings]
+        # Without the user's window/sink_tokens the layers must attend as the cache does:
+        # the window or chunk size each layer's mask (and sliding_window keyword) gives.
+        self._user_window = window is not None or self._sink_tokens > 0
+        self._layer_spans = [None if s is None else (s.window if s.window is not None else s.chunk_size)
+                             for s in settings]
         self._layer_pages_layout: list | None = None  # per layer (pages, group, settings), with the pool
         # Rows, lengths and what each forward stores: NumPy bookkeeping apart from the glue.
         self._requests = PagedRequests(window=self._window, sink_tokens=self._sink_tokens,
@@ -909,8 +924,21 @@ class PagedCache(Cache):
 
     def __repr__(self) -> str:
         requests = self._requests
+        if self._layer_attention is None:
+            attention = f"window={self._window}, sink_tokens={self._sink_tokens}"
+        else:  # layers per setting, in order of first appearance
+            counts: dict = {}
+            for setting in self._layer_attention:
+                if setting is None or (setting.window is None and setting.chunk_size is None):
+                    text = "full"
+                elif setting.window is not None:
+                    text = f"window={setting.window}" + (f" sink_tokens={setting.sink_tokens}" if setting.sink_tokens else "")
+                else:
+                    text = f"chunk_size={setting.chunk_size}"
+                counts[text] = counts.get(text, 0) + 1
+            attention = "layers={" + ", ".join(f"{text}: {n}" for text, n in counts.items()) + "}"
         return (f"PagedCache(rows={len(requests.seq_ids)}, seq_length={requests.num_columns}, page_size={self._page_size}, "
-                f"window={self._window}, sink_tokens={self._sink_tokens}, positions={self._positions!r})")
+                f"{attention}, positions={self._positions!r})")
 
 
 def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -979,13 +1007,24 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     layer = step.layer_idx
     softcap = kwargs.get("softcap")
     s_aux = kwargs.get("s_aux")
-    if kwargs.get("sliding_window") is not None and cache._layer_windows[layer] is None:
+    if cache._user_window:
+        mismatch = kwargs.get("sliding_window") is not None and cache._layer_windows[layer] is None
+    else:
+        # The cache's window or chunk size of the layer must be what the model applies:
+        # its sliding_window keyword (when it passes one) and the span of its mask.
+        span = cache._layer_spans[layer]
+        mismatch = (("sliding_window" in kwargs and kwargs["sliding_window"] != cache._layer_windows[layer])
+                    or getattr(attention_mask, "_pagedkv_span", span) != span)
+    if mismatch:
         # The construction checks of PagedCache refuse such models; a model whose layers
-        # differ from what its config says must not be served silently wrong either.
+        # differ from the config the cache was built from must not be served silently wrong.
+        setting = cache._layer_attention[layer] if cache._layer_attention is not None else None
         raise ValueError(
             f"Invalid attention for layer {layer}: the model passes softcap={softcap!r}, "
-            f"s_aux={'set' if s_aux is not None else None}, sliding_window={kwargs.get('sliding_window')!r}, "
-            f"which the pagedkv attention of this cache (window {cache._layer_windows[layer]}) does not apply"
+            f"s_aux={'set' if s_aux is not None else None}, sliding_window={kwargs.get('sliding_window')!r}"
+            f"{_mask_span_text(attention_mask)}, which the pagedkv attention of this cache (window "
+            f"{cache._layer_windows[layer]}, chunk size {None if setting is None else setting.chunk_size}) does "
+            "not apply: build the PagedCache from the model's own config (model.config)"
         )
     features = _NO_FEATURES
     if softcap is not None or s_aux is not None:
@@ -1003,6 +1042,8 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                 cache._next_layer = 0  # nothing was appended: the next forward starts at layer 0
             raise
         step.deferred = False
+    if layer == 0 and getattr(attention_mask, "_pagedkv_padded", False):
+        _check_padding(cache, attention_mask, query.shape[2])
     pages = requests.pages
     if pages is None:
         if cache._layer_pages_layout is None:
@@ -1052,4 +1093,58 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     return result, None
 
 
+def _mask_span_text(attention_mask) -> str:
+    """``", a mask of window or chunk span N"`` when the model's mask says so, else empty."""
+    span = getattr(attention_mask, "_pagedkv_span", None)
+    return "" if span is None else f", a mask of window or chunk {span}"
+
+
+def _check_padding(cache: PagedCache, mask: torch.Tensor, num_new: int) -> None:
+    """Raise ValueError, taking the forward's append back, if ``mask`` hides a column the rows hold as a token.
+
+    ``mask``: bool ``[batch or 1, columns]`` (:func:`_paged_mask`). The cache holds each
+    row's tokens in its trailing ``lengths[b]`` columns; the rest is left padding.
+    """
+    requests = cache._requests
+    num_columns = mask.shape[-1]
+    lengths = torch.from_numpy(requests.lengths)
+    columns = torch.arange(num_columns)
+    tokens = columns[None, :] >= (num_columns - lengths)[:, None]
+    hidden = tokens & ~mask
+    if not bool(hidden.any()):
+        return
+    row = int(hidden.any(dim=-1).nonzero()[0, 0])
+    requests.undo_step(num_new)
+    cache._next_layer = 0
+    raise ValueError(
+        f"Invalid attention_mask for the pagedkv attention: row {row} masks columns that its position_ids count as "
+        "tokens (the model numbers every column when it gets no position_ids), so they would be attended to; pass "
+        "position_ids derived from the mask, e.g. (attention_mask.cumsum(-1) - 1).clamp(min=0), as generate does"
+    )
+
+
+def _paged_mask(*args, attention_mask=None, batch_size=None, kv_length=None, local_size=None, **kwargs):
+    """The mask the model passes to the pagedkv attention: the 2-D padding mask, with two tags.
+
+    transformers builds a layer type's mask once per forward with the function registered
+    for the attention implementation (``AttentionMaskInterface``). The pagedkv attention
+    needs no dense mask (page tables carry padding, window and chunks), only what lets it
+    check them: the bool ``[batch, kv_length]`` mask of padding (1 for tokens) tagged with
+    ``_pagedkv_padded`` (whether some column is masked) and ``_pagedkv_span`` (the mask's
+    window or chunk size, ``local_size``; None for full causal attention).
+    """
+    if attention_mask is None or attention_mask.ndim != 2:
+        mask = torch.ones((batch_size, kv_length), dtype=torch.bool)
+        padded = False
+    else:
+        mask = attention_mask[:, -kv_length:]
+        if mask.dtype != torch.bool:
+            mask = mask.bool()
+        padded = not bool(mask.all())
+    mask._pagedkv_padded = padded
+    mask._pagedkv_span = local_size
+    return mask
+
+
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, _paged_mask)
