@@ -643,3 +643,45 @@ def test_a_users_window_may_differ_from_the_model_layers():
     """window= is the user's request: it applies to the sliding layers whatever they pass."""
     model = _hybrid_model(gemma3_config)
     assert _mismatch_forward(model, model.config, window=4).logits.shape == (1, 20, VOCAB)
+
+
+def test_output_attentions_is_refused():
+    """The pagedkv attention computes no weights: output_attentions=True is refused rather
+    than answered with an empty tuple, and the cache serves the next forward."""
+    model = _hybrid_model(gemma3_config)
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=64)
+    ids = prompts(1, 12)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="output_attentions"):
+            model(ids, output_attentions=True, **{CACHE_KWARG: cache})
+        assert model(ids, **{CACHE_KWARG: cache}).logits.shape == (1, 12, VOCAB)
+    assert cache.get_seq_length() == 12
+
+
+def test_sinks_for_a_model_without_sliding_layers_name_the_model():
+    """Sinks live in sliding layers: a chunked model without one says so (no advice to add a window)."""
+    with pytest.raises(ValueError, match="none slides"):
+        pt.PagedCache(llama4_config(), sink_tokens=2)
+
+
+def test_a_refused_mask_in_a_later_forward_takes_only_that_forward_back():
+    """The refusal of a mask that hides held tokens in a later forward truncates the rows
+    to what they held before it: the cache continues as if the forward had not run."""
+    model = _hybrid_model(llama_config)
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=64, page_size=4)
+    ids = prompts(2, 14)
+    with torch.no_grad():
+        model(ids[:, :10], **{CACHE_KWARG: cache})
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0   # the cache holds these columns as tokens
+        with pytest.raises(ValueError, match="position_ids"):
+            model(ids[:, 10:], attention_mask=mask, **{CACHE_KWARG: cache})
+        assert cache.get_seq_length() == 10
+        assert [cache.kv_cache.seq_len(s) for s in cache.seq_ids] == [10, 10]
+        got = model(ids[:, 10:], **{CACHE_KWARG: cache}).logits
+        model.set_attn_implementation(ORACLE)
+        expected = model(ids, **{CACHE_KWARG: DynamicCache(config=model.config)}).logits
+    assert torch.allclose(got, expected[:, 10:], atol=1e-4)
+    cache.kv_cache.check_invariants()

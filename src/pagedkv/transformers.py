@@ -53,8 +53,16 @@ itself: layers that hold no per-token K/V (linear attention, state-space, convol
 ``moe``-only layers) or follow another rule (sparse, compressed, non-overlapping
 windows), layers that reuse another layer's K/V, per-layer config overrides, ALiBi,
 bidirectional attention and cross-attention. The
-attention function refuses, at its first call, a layer that passes a ``sliding_window``
-the cache does not apply. A model whose decoder layers do not pass ``position_ids`` on
+attention function refuses a layer whose window or chunk size (its ``sliding_window``
+keyword, the window or chunk of its mask) differs from what the cache applies to it
+(a cache built from another config; with ``window=``/``sink_tokens=`` only a layer that
+slides where the cache holds everything), an ``attention_mask`` that masks columns the
+``position_ids`` count as tokens (a direct forward of a left-padded batch without
+``position_ids``: pass ``(attention_mask.cumsum(-1) - 1).clamp(min=0)``, as ``generate``
+does), and ``output_attentions=True``; the forward's tokens are then taken back. Importing
+this module also registers a mask function for ``"pagedkv"`` with transformers'
+``AttentionMaskInterface``: the model's mask is the 2-D padding mask, no dense 4-D mask is
+built. A model whose decoder layers do not pass ``position_ids`` on
 to attention (Llama 4) gives the cache no way to tell left padding from tokens: a first
 forward of different rows is refused for it (one prompt at a time works; beams repeat
 one prompt).
@@ -146,6 +154,11 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+try:  # where transformers collects output_attentions (5.x); checked to refuse them
+    from transformers.utils.output_capturing import _active_collector as _OUTPUT_COLLECTOR
+except ImportError:  # pragma: no cover - other releases
+    _OUTPUT_COLLECTOR = None
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import pagedkv
@@ -363,8 +376,8 @@ def _cache_layer_attention(model_settings: list, window: int | None, sink_tokens
     Raises
     ------
     ValueError
-        A window for a model with chunked layers and no sliding one, or sliding layers
-        with different windows.
+        A window or sinks for a model with chunked layers and no sliding one, or sliding
+        layers with different windows.
     """
     sliding = {s.window for s in model_settings if s is not None and s.window is not None}
     chunked = any(s is not None and s.chunk_size is not None for s in model_settings)
@@ -374,6 +387,9 @@ def _cache_layer_attention(model_settings: list, window: int | None, sink_tokens
     if not sliding and chunked and window is not None:
         raise ValueError(f"Invalid value of window: this model's layers are full and chunked attention, none slides "
                          f"(a window applies to the sliding layers only), got {window}")
+    if not sliding and chunked and sink_tokens:
+        raise ValueError(f"Invalid value of sink_tokens: expected 0, this model's layers are full and chunked "
+                         f"attention, none slides (attention sinks exist only in sliding layers), got {sink_tokens}")
     if window is None and sliding:
         window = next(iter(sliding))
     if not chunked and (not sliding or all(s is not None for s in model_settings)):
@@ -470,8 +486,10 @@ class PagedCache(Cache):
     ValueError
         A config the cache cannot serve exactly (the message names the layer and its type,
         or the feature: see the module docstring), a window for a model with chunked
-        layers and no sliding one, a size out of range, a config without the attention sizes, ``sink_tokens`` without
-        a window, a dtype other than float32/float16, ``positions`` not ``"absolute"``
+        layers and no sliding one, a size out of range (``num_threads`` above 1024
+        included), a config without the attention sizes, ``sink_tokens`` without a window
+        (or for a model with chunked layers and no sliding one), a dtype other than float32/float16
+        (a dtype name NumPy does not know, such as ``"bfloat16"``, included), ``positions`` not ``"absolute"``
         or ``"cache"``, or ``"cache"`` without a window and sinks or with a rotary type
         whose frequencies change (``dynamic``, ``longrope``) or differ between layers.
 
@@ -510,7 +528,8 @@ class PagedCache(Cache):
         model_settings = _layer_attention(config)
         self._window, self._layer_attention = _cache_layer_attention(model_settings, window, self._sink_tokens)
         if self._sink_tokens and self._window is None:
-            raise ValueError(f"Invalid value of sink_tokens: expected 0 without a window, got {sink_tokens}")
+            raise ValueError(f"Invalid value of sink_tokens: expected 0 without a window (pass window=W too), "
+                             f"got {sink_tokens}")
         self._positions = check_positions(positions, self._window, self._sink_tokens)
         # The kernels' range, checked here rather than at the first forward.
         self._num_threads = None if num_threads is None else checked_int(num_threads, "num_threads", 1,
@@ -954,8 +973,11 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         float32, float16 or bfloat16; converted to float32 for the kernels.
     key, value : torch.Tensor
         What :meth:`PagedCache.update` returned for this layer (tagged with the cache).
-    attention_mask : any
-        Unused: the rows' page tables carry padding, window and sinks exactly.
+    attention_mask : torch.Tensor or None
+        What the model passes: with this module's mask function, bool ``[batch,
+        columns]`` (1 for tokens) tagged with the mask's window or chunk size. The page
+        tables carry padding, window and sinks; the mask is only checked, at layer 0,
+        against the tokens the rows hold (and its span against the layer's).
     scaling : float, optional
         Score scale, default ``1 / sqrt(head_dim)``.
     dropout : float
@@ -966,7 +988,8 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         sink logits) go to the kernels as ``softcap`` and ``sink_logits``;
         ``sliding_window`` is checked against the layer's window in the cache; the
         ``position_ids`` are used when :meth:`PagedCache.update` had none to store the
-        layer's K/V with (transformers before 5.24); the rest is ignored.
+        layer's K/V with (transformers before 5.24); ``output_attentions`` must not be
+        true; the rest is ignored.
 
     Returns
     -------
@@ -978,10 +1001,14 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     ------
     ValueError
         ``key`` does not come from a :class:`PagedCache` (the model ran without one, or
-        with ``use_cache=False``), ``dropout`` is not 0, the layer passes a
-        ``sliding_window`` the cache does not apply, or, when this call stores the K/V, the errors of
+        with ``use_cache=False``), ``dropout`` is not 0, the layer's ``sliding_window``
+        or mask span differs from the window or chunk size the cache applies to it (see
+        the module docstring), the mask hides columns the rows hold as tokens (pass
+        ``position_ids`` derived from the mask), attention weights are requested
+        (``output_attentions``), or, when this call stores the K/V, the errors of
         :meth:`PagedCache.update` and a first forward of different rows without
-        ``position_ids``.
+        ``position_ids``. After the mask and ``output_attentions`` errors the forward's
+        tokens are taken back (a first forward's rows removed).
     pagedkv.OutOfPagesError
         When this call stores the K/V and the pool has no room for them.
 
@@ -1042,8 +1069,14 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                 cache._next_layer = 0  # nothing was appended: the next forward starts at layer 0
             raise
         step.deferred = False
-    if layer == 0 and getattr(attention_mask, "_pagedkv_padded", False):
-        _check_padding(cache, attention_mask, query.shape[2])
+    if layer == 0:
+        if kwargs.get("output_attentions") or _attentions_requested():
+            requests.undo_step(query.shape[2])
+            cache._next_layer = 0
+            raise ValueError("Invalid value of output_attentions: expected False, the pagedkv attention computes no "
+                             "attention weights (use attn_implementation='eager' to get them)")
+        if getattr(attention_mask, "_pagedkv_padded", False):
+            _check_padding(cache, attention_mask, query.shape[2])
     pages = requests.pages
     if pages is None:
         if cache._layer_pages_layout is None:
@@ -1091,6 +1124,18 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     if result.dtype != query.dtype:
         result = result.to(query.dtype)
     return result, None
+
+
+def _attentions_requested() -> bool:
+    """Whether the running forward collects attention weights (``output_attentions=True``).
+
+    transformers 5.x records them with hooks on the attention layers, which read a context
+    variable of its output capturing; without that module (another release) False.
+    """
+    if _OUTPUT_COLLECTOR is None:
+        return False
+    collected = _OUTPUT_COLLECTOR.get()
+    return collected is not None and "attentions" in collected
 
 
 def _mask_span_text(attention_mask) -> str:
