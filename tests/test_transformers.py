@@ -726,3 +726,29 @@ def test_sizes_follow_the_scalar_rule():
             pt.PagedCache(config, **{name: 0})
     with pytest.raises(TypeError, match="Invalid type of sink_tokens: expected an integer"):
         pt.PagedCache(config, window=8, sink_tokens=1.0)
+
+
+def test_num_threads_and_dtype_are_checked_at_construction():
+    """num_threads is held to the kernels' range and a dtype name NumPy does not know gets
+    the documented ValueError, both when the cache is made, not at the first forward."""
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                                      num_hidden_layers=1, intermediate_size=64, vocab_size=10)
+    with pytest.raises(ValueError, match="Invalid value of num_threads: expected 1 <= num_threads <= 1024, got 2000"):
+        pt.PagedCache(config, num_threads=2000)
+    assert pt.PagedCache(config, num_threads=1024) is not None
+    for dtype in ("bfloat16", "no such dtype", torch.bfloat16, "int8"):
+        with pytest.raises(ValueError, match="Invalid value of dtype: expected float32 or float16"):
+            pt.PagedCache(config, dtype=dtype)
+    assert pt.PagedCache(config, dtype="float16")._dtype == np.float16
+
+
+def test_repr_shows_each_layer_setting_of_a_hybrid_model():
+    """A model whose layers differ shows how many layers have each setting."""
+    config = transformers.Gemma3TextConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                           num_hidden_layers=6, intermediate_size=64, vocab_size=10,
+                                           sliding_window=8, sliding_window_pattern=3)
+    text = repr(pt.PagedCache(config, sink_tokens=2))
+    assert "layers={window=8 sink_tokens=2: 4, full: 2}" in text
+    uniform = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                                       num_hidden_layers=1, intermediate_size=64, vocab_size=10)
+    assert "window=None, sink_tokens=0" in repr(pt.PagedCache(uniform))

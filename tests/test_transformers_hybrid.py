@@ -599,3 +599,107 @@ def test_cache_positions_are_refused_for_a_rotary_convention_other_than_rotate_h
         pt.PagedCache(config, num_pages=16, window=8, sink_tokens=2, positions="cache")
     pt.PagedCache(config, num_pages=16, window=8, sink_tokens=2)  # absolute positions need no turn
     pt.PagedCache(gemma3_config(), num_pages=16, window=8, sink_tokens=2, positions="cache")
+
+
+# ---------------------------------------------------------------------------------------
+# Direct forwards and config mismatches the cache must refuse rather than serve wrongly.
+
+@pytest.mark.parametrize("make_config", [llama_config, gemma3_config], ids=["llama", "gemma3"])
+def test_a_padding_mask_the_positions_do_not_account_for_is_refused(make_config):
+    """A direct forward of a left-padded batch with attention_mask but without position_ids
+    (the model then numbers every column as a token) would attend to the padding: refused,
+    naming position_ids; with position_ids from the mask, as generate derives them, the
+    logits equal the dense ones, and the refused cache still serves that forward."""
+    model = _hybrid_model(make_config)
+    ids = prompts(2, 30, seed=9)
+    mask = torch.ones_like(ids)
+    ids[1, :12] = 0
+    mask[1, :12] = 0
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask, **{CACHE_KWARG: DynamicCache(config=model.config)}).logits
+        model.set_attn_implementation("pagedkv")
+        cache = pt.PagedCache(model.config, num_pages=64, page_size=4)
+        with pytest.raises(ValueError, match=r"position_ids.*cumsum"):
+            model(ids, attention_mask=mask, **{CACHE_KWARG: cache})
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        got = model(ids, attention_mask=mask, position_ids=position_ids, **{CACHE_KWARG: cache}).logits
+    assert torch.allclose(got[0], expected[0], atol=1e-4)
+    assert torch.allclose(got[1, 12:], expected[1, 12:], atol=1e-4)
+    assert cache.kv_cache.seq_len(cache.seq_ids[1]) == 18
+    cache.kv_cache.check_invariants()
+
+
+def _mismatch_forward(model, cache_config, **cache_kwargs):
+    model.set_attn_implementation("pagedkv")
+    with torch.no_grad():
+        return model(prompts(1, 20), **{CACHE_KWARG: pt.PagedCache(cache_config, num_pages=64, **cache_kwargs)})
+
+
+@pytest.mark.parametrize("make_config, change", [
+    (gemma3_config, {"sliding_window": 16}),                              # a larger window
+    (gemma3_config, {"layer_types": ["sliding_attention"] * 6}),           # full layers windowed
+    (gemma3_config, {"layer_types": ["full_attention"] * 6}),              # sliding layers held whole
+    (mistral_config, {"sliding_window": 4}),
+    (llama4_config, {"attention_chunk_size": 16}),                         # another chunk size
+    (llama4_config, {"layer_types": ["full_attention"] * 4}),
+    (llama4_config, {"layer_types": ["chunked_attention"] * 4}),
+], ids=["gemma3_window", "gemma3_all_sliding", "gemma3_all_full", "mistral_window", "llama4_chunk",
+        "llama4_all_full", "llama4_all_chunked"])
+def test_a_cache_config_that_disagrees_with_the_model_layers_is_refused(make_config, change):
+    """A cache built from a config whose windows, chunks or layer types differ from the
+    model's layers is refused at the first attention call, whichever side differs."""
+    model = _hybrid_model(make_config)
+    cache_config = make_config()
+    for name, value in change.items():
+        setattr(cache_config, name, value)
+    cache_config._attn_implementation = "pagedkv"
+    with pytest.raises(ValueError, match=r"Invalid attention for layer \d+"):
+        _mismatch_forward(model, cache_config)
+
+
+def test_a_users_window_may_differ_from_the_model_layers():
+    """window= is the user's request: it applies to the sliding layers whatever they pass."""
+    model = _hybrid_model(gemma3_config)
+    assert _mismatch_forward(model, model.config, window=4).logits.shape == (1, 20, VOCAB)
+
+
+def test_output_attentions_is_refused():
+    """The pagedkv attention computes no weights: output_attentions=True is refused rather
+    than answered with an empty tuple, and the cache serves the next forward."""
+    model = _hybrid_model(gemma3_config)
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=64)
+    ids = prompts(1, 12)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="output_attentions"):
+            model(ids, output_attentions=True, **{CACHE_KWARG: cache})
+        assert model(ids, **{CACHE_KWARG: cache}).logits.shape == (1, 12, VOCAB)
+    assert cache.get_seq_length() == 12
+
+
+def test_sinks_for_a_model_without_sliding_layers_name_the_model():
+    """Sinks live in sliding layers: a chunked model without one says so (no advice to add a window)."""
+    with pytest.raises(ValueError, match="none slides"):
+        pt.PagedCache(llama4_config(), sink_tokens=2)
+
+
+def test_a_refused_mask_in_a_later_forward_takes_only_that_forward_back():
+    """The refusal of a mask that hides held tokens in a later forward truncates the rows
+    to what they held before it: the cache continues as if the forward had not run."""
+    model = _hybrid_model(llama_config)
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=64, page_size=4)
+    ids = prompts(2, 14)
+    with torch.no_grad():
+        model(ids[:, :10], **{CACHE_KWARG: cache})
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0   # the cache holds these columns as tokens
+        with pytest.raises(ValueError, match="position_ids"):
+            model(ids[:, 10:], attention_mask=mask, **{CACHE_KWARG: cache})
+        assert cache.get_seq_length() == 10
+        assert [cache.kv_cache.seq_len(s) for s in cache.seq_ids] == [10, 10]
+        got = model(ids[:, 10:], **{CACHE_KWARG: cache}).logits
+        model.set_attn_implementation(ORACLE)
+        expected = model(ids, **{CACHE_KWARG: DynamicCache(config=model.config)}).logits
+    assert torch.allclose(got, expected[:, 10:], atol=1e-4)
+    cache.kv_cache.check_invariants()

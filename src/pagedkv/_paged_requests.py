@@ -227,6 +227,8 @@ class PagedRequests:
         row (the rest is left padding), tokens appended (``counts``, or 0 for a row that
         shares an earlier row's pages), and the index of its first counted token among
         the new tokens (``new_tokens - counts``).
+    lengths_before, lengths : numpy.ndarray
+        int64, shape ``[batch]``: each row's tokens before and after the forward's append.
     unpadded : bool
         No row of the forward has left padding.
     dense_rows : bool
@@ -254,6 +256,8 @@ class PagedRequests:
         self.counts = np.zeros(0, dtype=np.int64)
         self.stored = np.zeros(0, dtype=np.int64)
         self.starts = np.zeros(0, dtype=np.int64)
+        self.lengths_before = np.zeros(0, dtype=np.int64)
+        self.lengths = np.zeros(0, dtype=np.int64)
         self.unpadded = True
         self.dense_rows = True
         self.step_seq_ids = np.zeros(0, dtype=np.int64)
@@ -395,6 +399,8 @@ class PagedRequests:
             self.seq_ids[row] = child
         self.stored = stored
         self.counts = counts
+        self.lengths_before = lengths
+        self.lengths = lengths + counts
         self.starts = num_new - counts
         self.unpadded = bool((counts == num_new).all())
         self.dense_rows = self.unpadded and not duplicates
@@ -403,6 +409,27 @@ class PagedRequests:
         self.num_columns += num_new
         self.num_stored_tokens += int(stored.sum())
         return self.sink_query_rotation(lengths, counts)
+
+    def undo_step(self, num_new: int) -> None:
+        """Take back the last :meth:`begin_step` (``num_new`` new tokens per row), before its next one.
+
+        Rows are truncated to their lengths before it; a first forward (the rows were made
+        by it) or a row whose window cannot be truncated back removes every row instead,
+        as :meth:`reset` does.
+        """
+        self.pages = None
+        self.slots = None
+        self.num_stored_tokens -= int(self.stored.sum())
+        if self.num_columns == num_new:
+            self.reset()
+            return
+        try:
+            for seq_id, length in zip(self.seq_ids, self.lengths_before.tolist()):
+                self.kv_cache.truncate(seq_id, length)
+        except ValueError:
+            self.reset()
+            return
+        self.num_columns -= num_new
 
     @staticmethod
     def _duplicate_rows(positions: np.ndarray, same_keys: Callable[[int, int], bool]) -> dict[int, int]:

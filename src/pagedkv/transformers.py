@@ -53,8 +53,16 @@ itself: layers that hold no per-token K/V (linear attention, state-space, convol
 ``moe``-only layers) or follow another rule (sparse, compressed, non-overlapping
 windows), layers that reuse another layer's K/V, per-layer config overrides, ALiBi,
 bidirectional attention and cross-attention. The
-attention function refuses, at its first call, a layer that passes a ``sliding_window``
-the cache does not apply. A model whose decoder layers do not pass ``position_ids`` on
+attention function refuses a layer whose window or chunk size (its ``sliding_window``
+keyword, the window or chunk of its mask) differs from what the cache applies to it
+(a cache built from another config; with ``window=``/``sink_tokens=`` only a layer that
+slides where the cache holds everything), an ``attention_mask`` that masks columns the
+``position_ids`` count as tokens (a direct forward of a left-padded batch without
+``position_ids``: pass ``(attention_mask.cumsum(-1) - 1).clamp(min=0)``, as ``generate``
+does), and ``output_attentions=True``; the forward's tokens are then taken back. Importing
+this module also registers a mask function for ``"pagedkv"`` with transformers'
+``AttentionMaskInterface``: the model's mask is the 2-D padding mask, no dense 4-D mask is
+built. A model whose decoder layers do not pass ``position_ids`` on
 to attention (Llama 4) gives the cache no way to tell left padding from tokens: a first
 forward of different rows is refused for it (one prompt at a time works; beams repeat
 one prompt).
@@ -145,6 +153,12 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+try:  # where transformers collects output_attentions (5.x); checked to refuse them
+    from transformers.utils.output_capturing import _active_collector as _OUTPUT_COLLECTOR
+except ImportError:  # pragma: no cover - other releases
+    _OUTPUT_COLLECTOR = None
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import pagedkv
@@ -166,6 +180,9 @@ __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "paged_attention_forward"]
 ATTN_IMPLEMENTATION = "pagedkv"
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+
+#: Most OpenMP threads the attention kernels accept (``num_threads``).
+_MAX_KERNEL_THREADS = 1024
 
 
 # The kernel keywords of a layer without soft-capping or sink logits (shared, never changed).
@@ -359,8 +376,8 @@ def _cache_layer_attention(model_settings: list, window: int | None, sink_tokens
     Raises
     ------
     ValueError
-        A window for a model with chunked layers and no sliding one, or sliding layers
-        with different windows.
+        A window or sinks for a model with chunked layers and no sliding one, or sliding
+        layers with different windows.
     """
     sliding = {s.window for s in model_settings if s is not None and s.window is not None}
     chunked = any(s is not None and s.chunk_size is not None for s in model_settings)
@@ -370,6 +387,9 @@ def _cache_layer_attention(model_settings: list, window: int | None, sink_tokens
     if not sliding and chunked and window is not None:
         raise ValueError(f"Invalid value of window: this model's layers are full and chunked attention, none slides "
                          f"(a window applies to the sliding layers only), got {window}")
+    if not sliding and chunked and sink_tokens:
+        raise ValueError(f"Invalid value of sink_tokens: expected 0, this model's layers are full and chunked "
+                         f"attention, none slides (attention sinks exist only in sliding layers), got {sink_tokens}")
     if window is None and sliding:
         window = next(iter(sliding))
     if not chunked and (not sliding or all(s is not None for s in model_settings)):
@@ -445,7 +465,7 @@ class PagedCache(Cache):
     prefix_hash : str
         ``"xxh3_128"`` (default) or ``"sha256"``, see :class:`pagedkv.KVCache`.
     num_threads : int, optional
-        OpenMP threads of the attention kernels, ``>= 1``. Default:
+        OpenMP threads of the attention kernels, ``1 <= num_threads <= 1024``. Default:
         ``torch.get_num_threads()``, read at each forward, so one setting governs both
         libraries (the kernels run on the OpenMP runtime torch loaded: one thread pool);
         of those, a call whose K/V is under 2 MiB per thread uses fewer (see
@@ -466,8 +486,10 @@ class PagedCache(Cache):
     ValueError
         A config the cache cannot serve exactly (the message names the layer and its type,
         or the feature: see the module docstring), a window for a model with chunked
-        layers and no sliding one, a size out of range, a config without the attention sizes, ``sink_tokens`` without
-        a window, a dtype other than float32/float16, ``positions`` not ``"absolute"``
+        layers and no sliding one, a size out of range (``num_threads`` above 1024
+        included), a config without the attention sizes, ``sink_tokens`` without a window
+        (or for a model with chunked layers and no sliding one), a dtype other than float32/float16
+        (a dtype name NumPy does not know, such as ``"bfloat16"``, included), ``positions`` not ``"absolute"``
         or ``"cache"``, or ``"cache"`` without a window and sinks or with a rotary type
         whose frequencies change (``dynamic``, ``longrope``) or differ between layers.
 
@@ -506,12 +528,19 @@ class PagedCache(Cache):
         model_settings = _layer_attention(config)
         self._window, self._layer_attention = _cache_layer_attention(model_settings, window, self._sink_tokens)
         if self._sink_tokens and self._window is None:
-            raise ValueError(f"Invalid value of sink_tokens: expected 0 without a window, got {sink_tokens}")
+            raise ValueError(f"Invalid value of sink_tokens: expected 0 without a window (pass window=W too), "
+                             f"got {sink_tokens}")
         self._positions = check_positions(positions, self._window, self._sink_tokens)
-        self._num_threads = _check_size("num_threads", num_threads, 1)
+        # The kernels' range, checked here rather than at the first forward.
+        self._num_threads = None if num_threads is None else checked_int(num_threads, "num_threads", 1,
+                                                                          _MAX_KERNEL_THREADS)
         if dtype is not None:
             dtype = _NUMPY_DTYPES.get(dtype, dtype) if isinstance(dtype, torch.dtype) else dtype
-            if isinstance(dtype, torch.dtype) or np.dtype(dtype) not in (np.float32, np.float16):
+            try:
+                pool_dtype = None if isinstance(dtype, torch.dtype) else np.dtype(dtype)
+            except TypeError:  # a name NumPy does not know ("bfloat16")
+                pool_dtype = None
+            if pool_dtype not in (np.float32, np.float16):
                 raise ValueError(f"Invalid value of dtype: expected float32 or float16, got {dtype}")
             dtype = np.dtype(dtype)
         if prefix_hash not in ("xxh3_128", "sha256"):
@@ -542,6 +571,11 @@ class PagedCache(Cache):
         # whether its sinks are scored with the rotated sink query (positions="cache").
         self._layer_windows = [None if s is None else s.window for s in settings]
         self._layer_sink_query = [s is not None and s.sink_tokens > 0 for s in settings]
+        # Without the user's window/sink_tokens the layers must attend as the cache does:
+        # the window or chunk size each layer's mask (and sliding_window keyword) gives.
+        self._user_window = window is not None or self._sink_tokens > 0
+        self._layer_spans = [None if s is None else (s.window if s.window is not None else s.chunk_size)
+                             for s in settings]
         self._layer_pages_layout: list | None = None  # per layer (pages, group, settings), with the pool
         # Rows, lengths and what each forward stores: NumPy bookkeeping apart from the glue.
         self._requests = PagedRequests(window=self._window, sink_tokens=self._sink_tokens,
@@ -913,8 +947,21 @@ class PagedCache(Cache):
 
     def __repr__(self) -> str:
         requests = self._requests
+        if self._layer_attention is None:
+            attention = f"window={self._window}, sink_tokens={self._sink_tokens}"
+        else:  # layers per setting, in order of first appearance
+            counts: dict = {}
+            for setting in self._layer_attention:
+                if setting is None or (setting.window is None and setting.chunk_size is None):
+                    text = "full"
+                elif setting.window is not None:
+                    text = f"window={setting.window}" + (f" sink_tokens={setting.sink_tokens}" if setting.sink_tokens else "")
+                else:
+                    text = f"chunk_size={setting.chunk_size}"
+                counts[text] = counts.get(text, 0) + 1
+            attention = "layers={" + ", ".join(f"{text}: {n}" for text, n in counts.items()) + "}"
         return (f"PagedCache(rows={len(requests.seq_ids)}, seq_length={requests.num_columns}, page_size={self._page_size}, "
-                f"window={self._window}, sink_tokens={self._sink_tokens}, positions={self._positions!r})")
+                f"{attention}, positions={self._positions!r})")
 
 
 def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -930,8 +977,11 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         float32, float16 or bfloat16; converted to float32 for the kernels.
     key, value : torch.Tensor
         What :meth:`PagedCache.update` returned for this layer (tagged with the cache).
-    attention_mask : any
-        Unused: the rows' page tables carry padding, window and sinks exactly.
+    attention_mask : torch.Tensor or None
+        What the model passes: with this module's mask function, bool ``[batch,
+        columns]`` (1 for tokens) tagged with the mask's window or chunk size. The page
+        tables carry padding, window and sinks; the mask is only checked, at layer 0,
+        against the tokens the rows hold (and its span against the layer's).
     scaling : float, optional
         Score scale, default ``1 / sqrt(head_dim)``.
     dropout : float
@@ -942,7 +992,8 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         sink logits) go to the kernels as ``softcap`` and ``sink_logits``;
         ``sliding_window`` is checked against the layer's window in the cache; the
         ``position_ids`` are used when :meth:`PagedCache.update` had none to store the
-        layer's K/V with (transformers before 5.24); the rest is ignored.
+        layer's K/V with (transformers before 5.24); ``output_attentions`` must not be
+        true; the rest is ignored.
 
     Returns
     -------
@@ -954,10 +1005,14 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     ------
     ValueError
         ``key`` does not come from a :class:`PagedCache` (the model ran without one, or
-        with ``use_cache=False``), ``dropout`` is not 0, the layer passes a
-        ``sliding_window`` the cache does not apply, or, when this call stores the K/V, the errors of
+        with ``use_cache=False``), ``dropout`` is not 0, the layer's ``sliding_window``
+        or mask span differs from the window or chunk size the cache applies to it (see
+        the module docstring), the mask hides columns the rows hold as tokens (pass
+        ``position_ids`` derived from the mask), attention weights are requested
+        (``output_attentions``), or, when this call stores the K/V, the errors of
         :meth:`PagedCache.update` and a first forward of different rows without
-        ``position_ids``.
+        ``position_ids``. After the mask and ``output_attentions`` errors the forward's
+        tokens are taken back (a first forward's rows removed).
     pagedkv.OutOfPagesError
         When this call stores the K/V and the pool has no room for them.
 
@@ -983,13 +1038,24 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     layer = step.layer_idx
     softcap = kwargs.get("softcap")
     s_aux = kwargs.get("s_aux")
-    if kwargs.get("sliding_window") is not None and cache._layer_windows[layer] is None:
+    if cache._user_window:
+        mismatch = kwargs.get("sliding_window") is not None and cache._layer_windows[layer] is None
+    else:
+        # The cache's window or chunk size of the layer must be what the model applies:
+        # its sliding_window keyword (when it passes one) and the span of its mask.
+        span = cache._layer_spans[layer]
+        mismatch = (("sliding_window" in kwargs and kwargs["sliding_window"] != cache._layer_windows[layer])
+                    or getattr(attention_mask, "_pagedkv_span", span) != span)
+    if mismatch:
         # The construction checks of PagedCache refuse such models; a model whose layers
-        # differ from what its config says must not be served silently wrong either.
+        # differ from the config the cache was built from must not be served silently wrong.
+        setting = cache._layer_attention[layer] if cache._layer_attention is not None else None
         raise ValueError(
             f"Invalid attention for layer {layer}: the model passes softcap={softcap!r}, "
-            f"s_aux={'set' if s_aux is not None else None}, sliding_window={kwargs.get('sliding_window')!r}, "
-            f"which the pagedkv attention of this cache (window {cache._layer_windows[layer]}) does not apply"
+            f"s_aux={'set' if s_aux is not None else None}, sliding_window={kwargs.get('sliding_window')!r}"
+            f"{_mask_span_text(attention_mask)}, which the pagedkv attention of this cache (window "
+            f"{cache._layer_windows[layer]}, chunk size {None if setting is None else setting.chunk_size}) does "
+            "not apply: build the PagedCache from the model's own config (model.config)"
         )
     features = _NO_FEATURES
     if softcap is not None or s_aux is not None:
@@ -1007,6 +1073,14 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                 cache._next_layer = 0  # nothing was appended: the next forward starts at layer 0
             raise
         step.deferred = False
+    if layer == 0:
+        if kwargs.get("output_attentions") or _attentions_requested():
+            requests.undo_step(query.shape[2])
+            cache._next_layer = 0
+            raise ValueError("Invalid value of output_attentions: expected False, the pagedkv attention computes no "
+                             "attention weights (use attn_implementation='eager' to get them)")
+        if getattr(attention_mask, "_pagedkv_padded", False):
+            _check_padding(cache, attention_mask, query.shape[2])
     pages = requests.pages
     if pages is None:
         if cache._layer_pages_layout is None:
@@ -1056,4 +1130,70 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     return result, None
 
 
+def _attentions_requested() -> bool:
+    """Whether the running forward collects attention weights (``output_attentions=True``).
+
+    transformers 5.x records them with hooks on the attention layers, which read a context
+    variable of its output capturing; without that module (another release) False.
+    """
+    if _OUTPUT_COLLECTOR is None:
+        return False
+    collected = _OUTPUT_COLLECTOR.get()
+    return collected is not None and "attentions" in collected
+
+
+def _mask_span_text(attention_mask) -> str:
+    """``", a mask of window or chunk span N"`` when the model's mask says so, else empty."""
+    span = getattr(attention_mask, "_pagedkv_span", None)
+    return "" if span is None else f", a mask of window or chunk {span}"
+
+
+def _check_padding(cache: PagedCache, mask: torch.Tensor, num_new: int) -> None:
+    """Raise ValueError, taking the forward's append back, if ``mask`` hides a column the rows hold as a token.
+
+    ``mask``: bool ``[batch or 1, columns]`` (:func:`_paged_mask`). The cache holds each
+    row's tokens in its trailing ``lengths[b]`` columns; the rest is left padding.
+    """
+    requests = cache._requests
+    num_columns = mask.shape[-1]
+    lengths = torch.from_numpy(requests.lengths)
+    columns = torch.arange(num_columns)
+    tokens = columns[None, :] >= (num_columns - lengths)[:, None]
+    hidden = tokens & ~mask
+    if not bool(hidden.any()):
+        return
+    row = int(hidden.any(dim=-1).nonzero()[0, 0])
+    requests.undo_step(num_new)
+    cache._next_layer = 0
+    raise ValueError(
+        f"Invalid attention_mask for the pagedkv attention: row {row} masks columns that its position_ids count as "
+        "tokens (the model numbers every column when it gets no position_ids), so they would be attended to; pass "
+        "position_ids derived from the mask, e.g. (attention_mask.cumsum(-1) - 1).clamp(min=0), as generate does"
+    )
+
+
+def _paged_mask(*args, attention_mask=None, batch_size=None, kv_length=None, local_size=None, **kwargs):
+    """The mask the model passes to the pagedkv attention: the 2-D padding mask, with two tags.
+
+    transformers builds a layer type's mask once per forward with the function registered
+    for the attention implementation (``AttentionMaskInterface``). The pagedkv attention
+    needs no dense mask (page tables carry padding, window and chunks), only what lets it
+    check them: the bool ``[batch, kv_length]`` mask of padding (1 for tokens) tagged with
+    ``_pagedkv_padded`` (whether some column is masked) and ``_pagedkv_span`` (the mask's
+    window or chunk size, ``local_size``; None for full causal attention).
+    """
+    if attention_mask is None or attention_mask.ndim != 2:
+        mask = torch.ones((batch_size, kv_length), dtype=torch.bool)
+        padded = False
+    else:
+        mask = attention_mask[:, -kv_length:]
+        if mask.dtype != torch.bool:
+            mask = mask.bool()
+        padded = not bool(mask.all())
+    mask._pagedkv_padded = padded
+    mask._pagedkv_span = local_size
+    return mask
+
+
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, _paged_mask)
