@@ -703,3 +703,16 @@ def test_a_refused_mask_in_a_later_forward_takes_only_that_forward_back():
         expected = model(ids, **{CACHE_KWARG: DynamicCache(config=model.config)}).logits
     assert torch.allclose(got, expected[:, 10:], atol=1e-4)
     cache.kv_cache.check_invariants()
+
+
+def test_crop_of_a_sliding_cache_says_why_without_claiming_a_release():
+    """crop is refused for sliding or chunked layers even before the window released anything,
+    and the message says so (and names the decoding modes that crop) instead of a release."""
+    model = _hybrid_model(mistral_config)
+    model.set_attn_implementation("pagedkv")
+    cache = pt.PagedCache(model.config, num_pages=16)
+    with torch.no_grad():
+        model(prompts(1, 5), **{CACHE_KWARG: cache})  # 5 tokens, window 8: nothing released
+    with pytest.raises(ValueError, match=r"sliding-window or chunked layers does not crop .*prompt-lookup"):
+        cache.crop(3)
+    assert cache.get_seq_length() == 5

@@ -470,7 +470,11 @@ class PagedRequests:
         if keep >= self.num_columns or self.kv_cache is None:
             return
         if self._releases:
-            raise ValueError("Invalid call of crop: a windowed PagedCache has released the positions it would need")
+            raise ValueError(
+                "Invalid call of crop: a PagedCache with sliding-window or chunked layers does not crop (the "
+                "window may already have released positions a crop would return to); assisted and "
+                "prompt-lookup decoding crop rejected tokens, so they need a model whose layers all attend fully"
+            )
         if keep < 0:
             raise ValueError(f"Invalid value of tokens_to_remove: expected >= {-self.num_columns}, got {tokens_to_remove}")
         removed = self.num_columns - keep
