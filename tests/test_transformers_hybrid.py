@@ -23,7 +23,8 @@ import transformers  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 import pagedkv.transformers as pt  # noqa: E402
-from pagedkv._hf_config import AttentionSetting  # noqa: E402  (pagedkv.AttentionSetting once the core has it)
+import pagedkv  # noqa: E402
+from pagedkv import AttentionSetting  # noqa: E402
 
 TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 CACHE_KWARG = "cache" if TRANSFORMERS_VERSION >= (5, 24) else "past_key_values"
@@ -716,3 +717,15 @@ def test_crop_of_a_sliding_cache_says_why_without_claiming_a_release():
     with pytest.raises(ValueError, match=r"sliding-window or chunked layers does not crop .*prompt-lookup"):
         cache.crop(3)
     assert cache.get_seq_length() == 5
+
+
+def test_out_of_pages_in_a_generation_says_to_size_the_pool_for_the_whole_generation():
+    """The core's figure covers the failing forward; the message adds what a generation needs,
+    and following it (max_tokens = prompt + new tokens, no num_pages) generates."""
+    model = _hybrid_model(gemma2_config)
+    model.set_attn_implementation("pagedkv")
+    ids = prompts(3, 40)
+    with pytest.raises(pagedkv.OutOfPagesError, match=r"max_tokens=\.\.\.\) without num_pages"):
+        greedy(model, ids, pt.PagedCache(model.config, num_pages=6), max_new_tokens=40, min_new_tokens=40)
+    out = greedy(model, ids, pt.PagedCache(model.config, max_tokens=80), max_new_tokens=40, min_new_tokens=40)
+    assert out.shape == (3, 80)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pagedkv import KVCache
+from pagedkv import KVCache, OutOfPagesError
 from pagedkv.models.attention_backend import sink_query_positions
 
 __all__ = ["GroupStepPages", "PagedRequests", "StepPages", "check_prompts", "default_group_num_pages",
@@ -388,7 +388,15 @@ class PagedRequests:
         stored = counts.copy()
         for row in duplicates:
             stored[row] = 0
-        self.slots = kv.append(self.seq_ids, stored)
+        try:
+            self.slots = kv.append(self.seq_ids, stored)
+        except OutOfPagesError as exc:
+            # The core's figure covers this forward; a generation keeps appending.
+            raise OutOfPagesError(
+                f"{exc} (That is this forward's need: every later token needs room too, so size the pool "
+                f"for the longest row a generation reaches, prompt plus new tokens: PagedCache(config, "
+                f"max_tokens=...) without num_pages does that for each page group.)"
+            ) from None
         for row, source in duplicates.items():
             # Same tokens at the same positions as an earlier row (generate expands the
             # prompt once per beam or returned sequence): share that row's pages, which the
