@@ -278,7 +278,8 @@ cdef class KVCache:
             window = int(window)
         self._window = window
         self.sink_tokens = check_int(sink_tokens, "sink_tokens", 0, MAX_POSITION)
-        check_sink_window(window, self.sink_tokens)
+        if layer_attention is None:  # with it, the per-layer settings carry windows and sinks (checked below)
+            check_sink_window(window, self.sink_tokens)
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise TypeError(
                 f"Invalid type of enable_prefix_caching: expected a bool, got {type(enable_prefix_caching).__name__}"

@@ -72,6 +72,9 @@ class AttentionSetting:
         if window is not None:
             window = int(check_int(window, "window", 1, MAX_POSITION))
         cdef int64_t sinks = check_int(sink_tokens, "sink_tokens", 0, MAX_POSITION)
+        if sinks and chunk_size is not None:
+            raise ValueError(f"Invalid value of sink_tokens: expected 0 with chunk_size (sinks exist only with a "
+                             f"sliding window, which a chunked layer does not have), got {sinks}")
         check_sink_window(window, sinks)
         if chunk_size is not None:
             chunk_size = int(check_int(chunk_size, "chunk_size", 1, MAX_POSITION))

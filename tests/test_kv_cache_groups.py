@@ -1094,3 +1094,12 @@ def test_forged_hashes_of_a_hybrid_prefix_snapshot_are_refused(tmp_path, edit):
         KVCache.load(path)
     with pytest.raises(SnapshotError):
         snapshot.verify(path)
+
+
+def test_sink_errors_give_advice_that_applies():
+    """Sinks with chunks, or cache-wide sinks beside layer_attention: the message says what is
+    wrong there, not to add a window (which those cases cannot take)."""
+    with pytest.raises(ValueError, match=r"^Invalid value of sink_tokens: expected 0 with chunk_size"):
+        A(sink_tokens=2, chunk_size=4)
+    with pytest.raises(ValueError, match=r"^Invalid value of sink_tokens: expected 0 with layer_attention"):
+        KVCache(2, 1, 8, 8, layer_attention=[None, A(window=4)], sink_tokens=2)
