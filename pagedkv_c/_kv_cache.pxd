@@ -41,6 +41,5 @@ cdef class KVCache:
     cdef int _refuse_groups(self, str feature) except -1
     cdef object _append_groups(self, object seq_ids, object counts, int64_t total, bint want_slots, object ids)
     cdef str _groups_out_of_pages_text(self, list tables, object counts, int64_t total, Py_ssize_t batch)
-    cdef int _store_rows_of_slot(self, int64_t slot_index, object slots, object k, object v) except -1
     cdef int _gather_rows(self, int64_t layer, int32_t[::1] page_ids, int64_t[::1] firsts, Py_ssize_t num_pages,
                           int64_t length, object keys, object values, int64_t[::1] positions) except -1

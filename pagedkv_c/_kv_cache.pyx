@@ -36,7 +36,7 @@ from pagedkv_c._checks cimport check_bool, check_int, check_index, check_float_a
 from pagedkv_c._checks import check_sink_window
 from pagedkv_c._lock cimport CacheLock
 from pagedkv_c._page_store cimport PageStore, new_page_store, check_layer_bytes
-from pagedkv_c._page_group cimport PageGroup, new_page_group, seq_key, cached_tokens, check_truncate
+from pagedkv_c._page_group cimport PageGroup, new_page_group, seq_key, cached_tokens
 from pagedkv_c._page_group import AttentionSetting, layer_groups, layer_settings
 from pagedkv_c._page_table cimport pages_needed_for
 from pagedkv_c._prefix_serving cimport PrefixServer, new_prefix_server
@@ -850,18 +850,14 @@ cdef class KVCache:
         self._lock.acquire()
         try:
             table = self._group.table(seq_id)
-            if self.num_groups == 1:
-                table.truncate(new_len)
+            n = check_int(new_len, "new_len", 0, table.length)
+            key = seq_key(seq_id)
+            for group in self._groups:  # every group's window allows it before any changes
+                (<PageTable>group.tables[key]).check_truncate(n)
+            for group in self._groups:
+                table = group.tables[key]
+                table.drop_tail(n)
                 table.num_sealed = min(table.num_sealed, table.length // self.page_size)
-            else:
-                n = check_int(new_len, "new_len", 0, table.length)
-                key = seq_key(seq_id)
-                for group in self._groups:  # every group's window allows it before any changes
-                    check_truncate(<PageTable>group.tables[key], n)
-                for group in self._groups:
-                    table = group.tables[key]
-                    table.drop_tail(n)
-                    table.num_sealed = min(table.num_sealed, table.length // self.page_size)
         finally:
             self._lock.leave()
 
@@ -1183,6 +1179,7 @@ cdef class KVCache:
         and streaming them skips reading those lines first.
         """
         cdef int64_t layer_index = check_index(layer, "layer", self.num_layers)
+        cdef int64_t slot_index = layer_index  # the layer's slot on axis 0 of the pool
         if self.num_groups != 1:
             if not isinstance(slot_mapping, np.ndarray) or slot_mapping.ndim != 2 \
                     or slot_mapping.shape[0] != self.num_groups:
@@ -1191,9 +1188,7 @@ cdef class KVCache:
                                  f"append returned, one row per page group (the layer's row is taken from it), "
                                  f"got {shape}")
             slot_mapping = slot_mapping[self._layer_group[layer_index]]
-            self._store_rows_of_slot(self._layer_slot[layer_index],
-                                     as_int_array(slot_mapping, "slot_mapping", np.int64), k, v)
-            return
+            slot_index = self._layer_slot[layer_index]
         cdef object slots = as_int_array(slot_mapping, "slot_mapping", np.int64)
         cdef Py_ssize_t num_tokens = slots.shape[0]
         shape = (num_tokens, self.num_kv_heads, self.head_dim)
@@ -1216,35 +1211,8 @@ cdef class KVCache:
             )
         self._lock.acquire()
         with nogil:  # no Python code runs here, so no finalizer can queue a deferred call
-            self._store.store_rows(layer_index, slot_view, num_tokens, key_data, value_data)
-        self._lock.leave()
-
-    cdef int _store_rows_of_slot(self, int64_t slot_index, object slots, object k, object v) except -1:
-        """store's body for pool slot ``slot_index`` (a cache with more than one page group): check, then copy."""
-        cdef Py_ssize_t num_tokens = slots.shape[0]
-        shape = (num_tokens, self.num_kv_heads, self.head_dim)
-        keys = check_float_array(k, "k", shape, self._store.kv.dtype)
-        values = check_float_array(v, "v", shape, self._store.kv.dtype)
-        cdef const int64_t* slot_view = <const int64_t*>cnp.PyArray_DATA(slots)
-        cdef const char* key_data = <const char*>cnp.PyArray_DATA(keys)
-        cdef const char* value_data = <const char*>cnp.PyArray_DATA(values)
-        cdef int64_t num_slots = <int64_t>self.pool.num_pages * self.page_size
-        cdef Py_ssize_t t, bad = -1
-        with nogil:
-            for t in range(num_tokens):
-                if slot_view[t] < PAD_SLOT or slot_view[t] >= num_slots:
-                    bad = t
-                    break
-        if bad >= 0:
-            raise ValueError(
-                f"Invalid value of slot_mapping: expected slots in [-1, {num_slots - 1}], "
-                f"got {slot_view[bad]} at index {bad}"
-            )
-        self._lock.acquire()
-        with nogil:
             self._store.store_rows(slot_index, slot_view, num_tokens, key_data, value_data)
         self._lock.leave()
-        return 0
 
     def gather(self, layer, seq_id):
         """Copy out the cached tokens of one sequence in position order.

@@ -36,6 +36,5 @@ cdef class PageGroup:
 
 
 cdef PageGroup new_page_group(PagePool pool, int32_t page_size, object window, int64_t sink_tokens)
-cdef int check_truncate(PageTable table, int64_t new_len) except -1
 cdef object seq_key(object seq_id, str name=*)
 cdef int64_t cached_tokens(PageTable table) noexcept

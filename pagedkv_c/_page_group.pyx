@@ -432,24 +432,6 @@ cdef PageGroup new_page_group(PagePool pool, int32_t page_size, object window, i
     return group
 
 
-cdef int check_truncate(PageTable table, int64_t new_len) except -1:
-    """Raise ValueError, changing nothing, unless ``table`` can be truncated to ``new_len`` (0 <= new_len <= length).
-
-    The rule of ``PageTable.truncate``: with a window, the query at
-    ``new_len`` must not need keys the window already released.
-    """
-    cdef int64_t low = table.min_truncate_len()
-    cdef int64_t sink_end = <int64_t>table.num_sink_pages * table.page_size
-    if new_len > sink_end and new_len < low:
-        raise ValueError(
-            f"Invalid value of new_len: the window of {table._window} tokens already released keys that a query "
-            f"at position {new_len} needs; expected "
-            f"{'new_len == 0' if sink_end == 0 else f'new_len <= {sink_end}'} or "
-            f"{low} <= new_len <= {table.length}, got {new_len}"
-        )
-    return 0
-
-
 cdef object seq_key(object seq_id, str name="seq_id"):
     """A sequence id as the Python int keying the tables.
 

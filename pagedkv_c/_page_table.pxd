@@ -67,6 +67,7 @@ cdef class PageTable:
     cdef void write_slots(self, int64_t first_pos, int64_t num_tokens, slot_t* out) noexcept nogil
     cdef void export(self, page_id_t* indices, pos_t* positions) noexcept nogil
     cdef int64_t min_truncate_len(self) noexcept nogil
+    cdef int check_truncate(self, int64_t new_len) except -1
     cdef void drop_tail(self, int64_t new_len) noexcept nogil
     cdef int copy_from(self, PageTable other) except -1
     cdef int adopt(self, const page_id_t* sink_pages, Py_ssize_t num_sink,

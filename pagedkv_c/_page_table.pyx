@@ -393,16 +393,23 @@ cdef class PageTable:
             released. Nothing changes.
         """
         cdef int64_t n = check_int(new_len, "new_len", 0, self.length)
+        self.check_truncate(n)
+        self.drop_tail(n)
+
+    cdef int check_truncate(self, int64_t new_len) except -1:
+        """Raise ValueError, changing nothing, unless the table can be truncated to ``new_len``
+        (``0 <= new_len <= length``, checked by the caller): with a window, the query at
+        ``new_len`` must not need keys the window already released."""
         cdef int64_t low = self.min_truncate_len()
         cdef int64_t sink_end = <int64_t>self.num_sink_pages * self.page_size
-        if n > sink_end and n < low:
+        if new_len > sink_end and new_len < low:
             raise ValueError(
-                f"Invalid value of new_len: the window already released keys that a query at "
-                f"position {n} needs; expected "
+                f"Invalid value of new_len: the window of {self._window} tokens already released keys that a "
+                f"query at position {new_len} needs; expected "
                 f"{'new_len == 0' if sink_end == 0 else f'new_len <= {sink_end}'} or "
-                f"{low} <= new_len <= {self.length}, got {n}"
+                f"{low} <= new_len <= {self.length}, got {new_len}"
             )
-        self.drop_tail(n)
+        return 0
 
     def fork(self):
         """Return a new table sharing every page of this one (ref counts +1).
