@@ -431,7 +431,12 @@ def test_bad_input_raises_before_any_change(name, call, exc, match):
         ({"dtype": np.int8}, TypeError),
         ({"dtype": "float64"}, TypeError),
         ({"page_size": 2.0}, TypeError),
-        ({"dtype": None}, TypeError),
+        ({"kv_dtype": "int3"}, ValueError),
+        ({"kv_dtype": 8}, TypeError),
+        ({"kv_dtype": np.float64}, ValueError),
+        ({"dtype": np.float32, "kv_dtype": "int8"}, ValueError),
+        ({"dtype": np.float32, "kv_dtype": "float16"}, ValueError),
+        ({"head_dim": 512, "kv_dtype": "int8"}, ValueError),
         ({"prefix_hash": "md5"}, ValueError),  # checked even with prefix caching off
         ({"prefix_hash": None}, TypeError),
         ({"enable_prefix_caching": "yes"}, TypeError),
