@@ -280,7 +280,7 @@ def _generate(args: argparse.Namespace, prompts: list[str], line_numbers: list[i
     num_pages = args.num_pages or needed
     tier = _make_tier(args) if args.tier is not None else None
     backend = PagedBackend.for_config(
-        model.config, num_pages, page_size=args.page_size, dtype=np.dtype(args.dtype),
+        model.config, num_pages, page_size=args.page_size, dtype=args.dtype,
         window=args.window, sink_tokens=args.sinks, num_threads=args.threads, positions=args.positions,
         enable_prefix_caching=tier is not None, tier=tier,
     )
