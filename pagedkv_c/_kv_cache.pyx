@@ -56,6 +56,10 @@ cnp.import_array()
 
 
 _SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
+# Largest sequence length, window and sink length, in tokens (as PageTable and attention).
+cdef int64_t MAX_POSITION = 2**62
+# Largest prompt, in pages, that add_sequence takes as block ids (its chain: 16 bytes per page).
+cdef int64_t MAX_EXTERNAL_PROMPT_PAGES = 2**24
 
 
 def resolve_kv_dtype(dtype, kv_dtype):
@@ -123,10 +127,7 @@ cdef tuple _rows_to_store(object k, object v, tuple shape, str kv_dtype, bint bf
                 out[i] = out[i].astype(np.float32)
         kinds = [0, 0]
     return kinds[0], out[0], out[1]
-# Largest sequence length, window and sink length, in tokens (as PageTable and attention).
-cdef int64_t MAX_POSITION = 2**62
-# Largest prompt, in pages, that add_sequence takes as block ids (its chain: 16 bytes per page).
-cdef int64_t MAX_EXTERNAL_PROMPT_PAGES = 2**24
+
 
 
 cdef class KVCache:

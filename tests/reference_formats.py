@@ -11,7 +11,7 @@ import numpy as np
 
 FORMATS = ("float32", "float16", "bfloat16", "int8", "int4")
 INT4_BLOCK = 32
-ROTATED = {"int4"}
+ROTATED = {"int8", "int4"}
 
 
 def row_bytes(fmt: str, head_dim: int) -> int:
@@ -138,7 +138,7 @@ def decode(raw: np.ndarray, fmt: str, head_dim: int) -> np.ndarray:
         return bf16_bits_to_float(raw.view(np.uint16).reshape(*lead, d)).astype(np.float64)
     if fmt == "int8":
         scale = bf16_bits_to_float(np.ascontiguousarray(raw[..., d:]).view(np.uint16)[..., 0])
-        return raw[..., :d].view(np.int8).astype(np.float64) * scale[..., None].astype(np.float64)
+        return rotate(raw[..., :d].view(np.int8).astype(np.float64) * scale[..., None].astype(np.float64))
     if fmt == "int4":
         packed = (d + 1) // 2
         nblocks = -(-d // INT4_BLOCK)
@@ -153,12 +153,7 @@ def decode(raw: np.ndarray, fmt: str, head_dim: int) -> np.ndarray:
 
 
 def error_bound(x: np.ndarray, fmt: str) -> np.ndarray:
-    """Largest allowed |decode(encode(x)) - x| per row of finite rows ``[..., head_dim]`` (float64).
-
-    Half a step of the row's (or block's) grid, plus float32 rounding; for a
-    rotated format the bound of the rotated row, which rotation (orthonormal)
-    carries over to the Euclidean error of the row.
-    """
+    """Largest allowed |decode(encode(x)) - x| per finite row ``[..., head_dim]`` of a float format (float64)."""
     x = np.asarray(x, dtype=np.float64)
     if fmt == "float32":
         return np.abs(x).max(axis=-1) * 2.0**-24
@@ -166,6 +161,4 @@ def error_bound(x: np.ndarray, fmt: str) -> np.ndarray:
         return np.maximum(np.abs(x).max(axis=-1) * 2.0**-11, 2.0**-25)
     if fmt == "bfloat16":
         return np.abs(x).max(axis=-1) * 2.0**-8
-    if fmt == "int8":
-        return np.abs(x).max(axis=-1) / 127 * (1 + 2.0**-7) / 2 + np.abs(x).max(axis=-1) * 2.0**-20
     raise ValueError(fmt)
