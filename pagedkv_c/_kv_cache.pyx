@@ -145,8 +145,9 @@ cdef class KVCache:
         Pages in the pool, ``>= 1``; one page id covers all layers.
     page_size : int
         Tokens per page, ``>= 1``. Default 16.
-    dtype : numpy dtype
-        float16 (default) or float32.
+    dtype : numpy dtype or None
+        float16 or float32: the older spelling of ``kv_dtype`` for the float
+        formats. None (default): as ``kv_dtype`` says, float16 without it.
     window : int or None
         Sliding window ``W`` in tokens, ``1 <= W <= 2**62``: the query at
         position ``p`` attends to keys ``[p - W + 1, p]`` (FlashInfer
@@ -201,15 +202,23 @@ cdef class KVCache:
         entry per layer, None meaning full attention; needs ``window=None``
         and ``sink_tokens=0``. None (the default): every layer has
         ``window`` and ``sink_tokens``. See *Page groups* below.
+    kv_dtype : str or None, optional
+        Keyword only. The page format: ``"float16"`` (default),
+        ``"float32"``, ``"bfloat16"``, ``"int8"`` or ``"int4"`` (the
+        numpy dtypes float16 / float32 are taken too). See *Page formats*
+        below; int8 and int4 need ``head_dim <= 256``.
 
     Attributes
     ----------
     kv : numpy.ndarray
         The pool, C-contiguous, shape ``(G, num_pages, 2, page_size,
-        num_kv_heads, head_dim)`` with ``G = num_layers`` for a cache with
+        num_kv_heads, row_items)`` with ``G = num_layers`` for a cache with
         one page group (see *Page groups*); ``kv[layer]`` is then
         FlashInfer's NHD paged layout, index 0 of axis 2 is K and 1 is V.
-        :meth:`layer_pages` gives any layer's view.
+        ``row_items = head_dim`` for float32, float16 and bfloat16 pages
+        (uint16 bit patterns), the bytes of a head row for int8 and int4
+        (uint8; see *Page formats*). :meth:`layer_pages` gives any layer's
+        view.
     pool : PagePool
         The page allocator, read-only here (``pool.owner == "KVCache"``):
         ``num_free``, ``ref_count``, ``free_pages`` and ``check_invariants``
@@ -219,8 +228,9 @@ cdef class KVCache:
     Raises
     ------
     TypeError
-        A non-integer size, a dtype other than float16/float32, or a
-        ``tier`` that is not a tier object.
+        A non-integer size, a ``dtype`` other than float16/float32, a
+        ``kv_dtype`` that is not a str or numpy dtype, or a ``tier`` that
+        is not a tier object.
     ValueError
         A size out of range: ``num_layers <= 2**20``, ``num_kv_heads <=
         2**16``, ``head_dim <= 2**16``, ``page_size <= 2**20``, ``num_pages
@@ -230,7 +240,9 @@ cdef class KVCache:
         that are not bools raise TypeError.) ``layer_attention`` of another
         length than ``num_layers``, or given with a ``window`` or sink
         tokens; with more than one page group, ``enable_kv_events`` or a
-        ``tier`` (not supported with per-layer attention settings).
+        ``tier`` (not supported with per-layer attention settings). An
+        unknown ``kv_dtype``, one that contradicts ``dtype``, or int8 / int4
+        with ``head_dim > 256``.
     MemoryError
         The pool array cannot be allocated, or one layer of it (``num_pages
         * 2 * page_size * num_kv_heads * head_dim * itemsize`` bytes) would
@@ -256,6 +268,38 @@ cdef class KVCache:
     :meth:`page_table` needs ``group=``, and KV events, the shared tier and
     :meth:`export_sequence` / :meth:`import_sequence` are refused
     (ValueError: not supported with per-layer attention settings).
+
+    *Page formats* (``kv_dtype``). A page of one layer is
+    ``[2][page_size][num_kv_heads][row]``, K then V, in every format; only
+    the bytes of a head row (one token's ``head_dim`` values of one KV
+    head) differ, and the scales of a quantized row are inside the row
+    (``pagedkv_c/page_formats.h``). So a page stays one unit of bytes for
+    copy-on-write, prefix sharing, seals and checksums, snapshots and the
+    tier, which never look inside it; the format is part of the layout they
+    record, so pages of one format never reach a cache of another.
+
+    - ``float32``, ``float16``: IEEE values (4 and 2 bytes per value).
+    - ``bfloat16``: the upper half of the float32 value, rounded to nearest
+      even (2 bytes per value); the dtype of most released models.
+    - ``int8``: the row is rotated by a Walsh-Hadamard transform ``R``
+      (orthonormal, over blocks of the largest power of two dividing
+      ``head_dim``, at most 256), then quantized symmetrically with one
+      scale: ``head_dim`` int8 values in ``[-127, 127]`` and the scale
+      ``max|R x| / 127`` rounded up to bfloat16 (``head_dim + 2`` bytes:
+      51.6% of float16 at ``head_dim`` 64, 50.8% at 128).
+    - ``int4``: the rotated row in blocks of 32 values, each quantized
+      symmetrically to ``[-7, 7]`` with its own bfloat16 scale (two values
+      per byte, then the scales: ``head_dim / 2 + 2 * ceil(head_dim / 32)``
+      bytes, 28.1% of float16).
+
+    Rotation spreads a channel outlier (keys carry a few) over the block,
+    so the grid of the row fits its values (QuaRot, Ashkboos et al. 2024;
+    llama.cpp rotates its quantized caches the same way); attention scores
+    with ``R q`` and rotates the output back, and :meth:`gather` undoes it.
+    Values are rounded to the nearest integer (ties to even); a row with a
+    NaN or an infinity is stored with a NaN scale and reads back as NaN in
+    every value, never as a finite number. The schemes were chosen by
+    measurement on SmolLM2-135M over 4,096 tokens (docs/page_formats.md).
 
     *Prefix caching with page groups* (vLLM's hybrid KV cache manager).
     Every group indexes its own full pages, registered as they fill, in the
