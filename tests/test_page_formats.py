@@ -272,3 +272,15 @@ def test_a_sequence_moves_only_between_caches_of_one_format():
 def test_repr_and_stats_name_the_format():
     cache = KVCache(1, 1, 64, 4, kv_dtype="int4")
     assert "kv_dtype='int4'" in repr(cache)
+
+
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_replay_capacity_arithmetic_matches_the_pool(kv_dtype):
+    """``pagedkv replay --capacity-gib`` sizes the pool from the bytes a KVCache of that format takes."""
+    from pagedkv.commands.replay import kv_bytes_per_token
+
+    cache = KVCache(30, 3, 64, 2, page_size=16, kv_dtype=kv_dtype)
+    assert kv_bytes_per_token(kv_dtype, 30, 3, 64) * 16 == cache.stats()["bytes_per_page"]
+    if kv_dtype in ("int8", "int4"):
+        with pytest.raises(ValueError, match="head dim <= 256"):
+            kv_bytes_per_token(kv_dtype, 1, 1, 512)
