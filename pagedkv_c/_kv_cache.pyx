@@ -287,10 +287,12 @@ cdef class KVCache:
       scale: ``head_dim`` int8 values in ``[-127, 127]`` and the scale
       ``max|R x| / 127`` rounded up to bfloat16 (``head_dim + 2`` bytes:
       51.6% of float16 at ``head_dim`` 64, 50.8% at 128).
-    - ``int4``: the rotated row in blocks of 32 values, each quantized
-      symmetrically to ``[-7, 7]`` with its own bfloat16 scale (two values
-      per byte, then the scales: ``head_dim / 2 + 2 * ceil(head_dim / 32)``
-      bytes, 28.1% of float16).
+    - ``int4``: the rotated row in blocks of 32 values, each on llama.cpp's
+      q4_0 grid: levels ``-8 .. 7`` times the block's scale ``f * m / -8``
+      (``m`` the value of largest magnitude), the clip factor ``f`` in
+      ``{1, 0.95, 0.9, 0.85, 0.8, 0.75}`` of least squared error, the scale
+      in bfloat16 (two values per byte, then the scales: ``head_dim / 2 + 2
+      * ceil(head_dim / 32)`` bytes, 28.1% of float16).
 
     Rotation spreads a channel outlier (keys carry a few) over the block,
     so the grid of the row fits its values (QuaRot, Ashkboos et al. 2024;

@@ -232,6 +232,56 @@ static inline uint16_t pkv_quantize_symmetric(const float *x, int64_t n, int32_t
     return bits;
 }
 
+/* Clip factors of the int4 scale: each block takes the one with the least squared error. */
+static const float pkv_q4_clips[6] = {1.0f, 0.95f, 0.9f, 0.85f, 0.8f, 0.75f};
+
+/* One int4 block of n values: levels q_i in [-8, 7] with x_i ~ d * q_i, where
+ * d = f * m / -8 rounded to bfloat16, m the value of largest magnitude (the
+ * first one on ties; it lands on level -8 with f = 1, as in llama.cpp's
+ * q4_0), q_i = clamp(floor(x_i / d + 8.5), 0, 15) - 8, and f the clip factor of
+ * least squared error (the first on ties). Returns the scale's bits;
+ * non-finite input: NaN scale, zeros. */
+static inline uint16_t pkv_quantize_q4(const float *x, int64_t n, int32_t *q)
+{
+    float m = 0.0f, amax = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float a = fabsf(x[i]);
+        if (!(a <= 3.4028234663852886e38f)) {
+            for (int64_t j = 0; j < n; j++)
+                q[j] = 0;
+            return 0x7fc0u;
+        }
+        if (a > amax) {
+            amax = a;
+            m = x[i];
+        }
+    }
+    uint16_t best_bits = 0;
+    double best_err = 0.0;
+    int32_t trial[PKV_INT4_BLOCK];
+    for (int c = 0; c < 6; c++) {
+        const uint16_t bits = pkv_fmt_f2bf(pkv_q4_clips[c] * m / -8.0f);
+        const float d = pkv_fmt_bf2f(bits);
+        const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+        double err = 0.0; /* double: no overflow for any finite row */
+        for (int64_t i = 0; i < n; i++) {
+            float r = floorf(x[i] * inv + 8.5f);
+            if (r < 0.0f) r = 0.0f;
+            if (r > 15.0f) r = 15.0f;
+            trial[i] = (int32_t)r - 8;
+            const double e = (double)d * (double)trial[i] - (double)x[i];
+            err += e * e;
+        }
+        if (c == 0 || err < best_err) {
+            best_err = err;
+            best_bits = bits;
+            for (int64_t i = 0; i < n; i++)
+                q[i] = trial[i];
+        }
+    }
+    return best_bits;
+}
+
 /* Encode one head row; scratch holds head_dim floats. */
 static inline void pkv_encode_row(pkv_format fmt, pkv_input kind, const void *src, int64_t head_dim,
                                   uint8_t *dst, float *scratch)
@@ -272,9 +322,11 @@ static inline void pkv_encode_row(pkv_format fmt, pkv_input kind, const void *sr
             memcpy(dst + head_dim, &d, 2);
             return;
         }
-        /* int4: blocks of PKV_INT4_BLOCK values, symmetric in [-7, 7], stored
-         * as q + 8 in a nibble (value 2j low nibble of byte j, 2j + 1 high);
-         * the bfloat16 scales of the blocks follow the packed values. */
+        /* int4: blocks of PKV_INT4_BLOCK values in llama.cpp's q4_0 grid
+         * (levels -8 .. 7 times the block's scale, stored as q + 8 in a nibble:
+         * value 2j in the low nibble of byte j, 2j + 1 in the high one), with the
+         * scale clipped for the least squared error; the bfloat16 scales of the
+         * blocks follow the packed values. */
         const int64_t packed = (head_dim + 1) / 2;
         const int64_t num_blocks = (head_dim + PKV_INT4_BLOCK - 1) / PKV_INT4_BLOCK;
         int finite = 1;
@@ -283,7 +335,7 @@ static inline void pkv_encode_row(pkv_format fmt, pkv_input kind, const void *sr
         for (int64_t blk = 0; blk < num_blocks; blk++) {
             const int64_t b = blk * PKV_INT4_BLOCK;
             const int64_t n = head_dim - b < PKV_INT4_BLOCK ? head_dim - b : PKV_INT4_BLOCK;
-            scales[blk] = pkv_quantize_symmetric(scratch + b, n, 7, q + b);
+            scales[blk] = pkv_quantize_q4(scratch + b, n, q + b);
             if (scales[blk] == 0x7fc0u)
                 finite = 0;
         }

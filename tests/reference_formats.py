@@ -86,6 +86,41 @@ def _quantize(x32: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
     return q.astype(np.int32), scale_bits
 
 
+CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+
+
+def _quantize_q4(x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One int4 block per row of ``x32`` [..., n]: (levels in [-8, 7], bfloat16 scale bits).
+
+    llama.cpp's q4_0 grid, ``d = f * m / -8`` with ``m`` the value of largest magnitude (first on
+    ties), levels ``clamp(floor(x / d + 8.5), 0, 15) - 8``, the clip factor ``f`` of least squared
+    error (first on ties); non-finite rows: NaN scale, zero levels.
+    """
+    finite = np.isfinite(x32).all(axis=-1)
+    safe = np.where(np.isfinite(x32), x32, np.float32(0))
+    m = np.take_along_axis(safe, np.abs(safe).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    best_q = np.zeros(x32.shape, np.int32)
+    best_bits = np.zeros(x32.shape[:-1], np.uint16)
+    best_err = np.full(x32.shape[:-1], np.inf)
+    for c, f in enumerate(CLIPS):
+        bits = float_to_bf16_bits((np.float32(f) * m / np.float32(-8)).astype(np.float32))
+        d = bf16_bits_to_float(bits)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+        q = np.clip(np.floor(safe * inv[..., None] + np.float32(8.5)), 0, 15).astype(np.int32) - 8
+        e = d[..., None].astype(np.float64) * q - safe.astype(np.float64)
+        err = np.zeros(x32.shape[:-1])
+        for i in range(x32.shape[-1]):  # in order, in float64, as the C loop adds
+            err = err + e[..., i] * e[..., i]
+        take = (err < best_err) | (c == 0)
+        best_err = np.where(take, err, best_err)
+        best_bits = np.where(take, bits, best_bits)
+        best_q = np.where(take[..., None], q, best_q)
+    best_q[~finite] = 0
+    best_bits = np.where(finite, best_bits, np.uint16(0x7FC0)).astype(np.uint16)
+    return best_q, best_bits
+
+
 def encode(x: np.ndarray, fmt: str) -> np.ndarray:
     """Rows ``[..., head_dim]`` (float) -> uint8 ``[..., row_bytes]``."""
     x = np.asarray(x)
@@ -113,7 +148,7 @@ def encode(x: np.ndarray, fmt: str) -> np.ndarray:
         scales = np.empty((*lead, nblocks), dtype=np.uint16)
         for b in range(nblocks):
             sl = slice(b * INT4_BLOCK, min(d, (b + 1) * INT4_BLOCK))
-            q[..., sl], scales[..., b] = _quantize(x32[..., sl], 7)
+            q[..., sl], scales[..., b] = _quantize_q4(x32[..., sl])
         scales[~np.isfinite(x32).all(axis=-1)] = 0x7FC0  # one non-finite value: the whole row NaN
         nib = (q + 8).astype(np.uint8)
         if d % 2:

@@ -416,7 +416,7 @@ def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int)
     window = "full attention" if backend.window is None else (
         f"window {backend.window} tokens" + (f" + {backend.sink_tokens} sinks" if backend.sink_tokens else "")
         + (", cache positions" if backend.positions == "cache" else ""))
-    line(f"cache: {backend.dtype} pool of {num_pages} pages x {backend.page_size} tokens "
+    line(f"cache: {backend.kv_dtype} pool of {num_pages} pages x {backend.page_size} tokens "
          f"({format_bytes(num_pages * per_page)}), {window}")
     line(f"pages in use {stats['pages_in_use']} ({format_bytes(stats['bytes_in_use'])}), "
          f"peak {stats['pages_peak']} ({format_bytes(stats['pages_peak'] * per_page)}), "

@@ -292,7 +292,12 @@ class PagedBackend(AttentionBackend):
         return int(self.cache.page_size)
 
     @property
-    def dtype(self) -> str:
+    def dtype(self) -> np.dtype:
+        """dtype of the pool array (``KVCache.dtype``; see :attr:`kv_dtype` for the page format)."""
+        return self.cache.dtype
+
+    @property
+    def kv_dtype(self) -> str:
         """The page format (``KVCache.kv_dtype``): ``"float16"``, ``"float32"``, ``"bfloat16"``, ``"int8"``
         or ``"int4"``."""
         return self.cache.kv_dtype
