@@ -8,6 +8,7 @@
  * 8-lane loops compilers auto-vectorize.
  */
 #include "attention_kernels.h"
+#include "page_formats.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -97,6 +98,8 @@ void pkv_merge_partitions(const pkv_attention_args *a, int64_t token, int64_t he
         }
         total += exp2(sink - max_score);
         for (d = 0; d < D; d++) out[d] = (float)(acc[d] / total);
+        if (PKV_FORMAT_ROTATED(a->format))
+            pkv_rotate(out, D);
         if (a->lse != NULL)
             a->lse[token * Hq + head] = (float)((max_score + log2(total)) * 0.6931471805599453);
         return;
@@ -125,6 +128,8 @@ void pkv_merge_partitions(const pkv_attention_args *a, int64_t token, int64_t he
         for (d = 0; d < D; d++) acc[d] += (double)part[d] * w;
     }
     for (d = 0; d < D; d++) out[d] = (float)(acc[d] / total);
+    if (PKV_FORMAT_ROTATED(a->format))
+        pkv_rotate(out, D); /* the partitions summed R v */
     if (a->lse != NULL)
         a->lse[token * Hq + head] = (float)((max_score + log2(total)) * 0.6931471805599453);
 }
@@ -208,6 +213,29 @@ static inline pkv_v8 v8_load_f16(const uint16_t *p)
     pkv_v8 r;
     int i;
     for (i = 0; i < 8; i++) r.v[i] = pkv_h2f(p[i]);
+    return r;
+}
+static inline pkv_v8 v8_load_bf16(const uint16_t *p)
+{
+    pkv_v8 r;
+    int i;
+    for (i = 0; i < 8; i++) r.v[i] = pkv_fmt_bf2f(p[i]);
+    return r;
+}
+static inline pkv_v8 v8_load_int8(const uint8_t *row, int64_t d, int64_t dim)
+{
+    const float scale = pkv_int8_scale(row, dim);
+    pkv_v8 r;
+    int i;
+    for (i = 0; i < 8; i++) r.v[i] = scale * (float)pkv_int8_level(row, d + i);
+    return r;
+}
+static inline pkv_v8 v8_load_int4(const uint8_t *row, int64_t d, int64_t dim)
+{
+    const float scale = pkv_int4_scale(row, dim, d); /* d .. d + 7 share a block */
+    pkv_v8 r;
+    int i;
+    for (i = 0; i < 8; i++) r.v[i] = scale * (float)pkv_int4_level(row, d + i);
     return r;
 }
 static inline pkv_v8 v8_add(pkv_v8 a, pkv_v8 b)
@@ -315,6 +343,44 @@ PKV_TANH_ARRAY(scalar)
 #undef KV_TO_F
 #undef KV_CHUNK
 #undef VLOAD_KV
+
+#define PKV_SUFFIX scalar_bf16
+#define KV_T uint16_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_TO_F(x) pkv_fmt_bf2f(x)
+#define VLOAD_KV(p) v8_load_bf16(p)
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_TO_F
+#undef KV_CHUNK
+#undef VLOAD_KV
+
+#define PKV_SUFFIX scalar_int8
+#define KV_T uint8_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_ROW(D) ((D) + 2)
+#define KV_LOAD(row, d) v8_load_int8((row), (d), dim)
+#define KV_GET(row, d) (pkv_int8_scale((row), dim) * (float)pkv_int8_level((row), (d)))
+#define KV_ADDR(row, d) ((row) + (d))
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_CHUNK
+
+#define PKV_SUFFIX scalar_int4
+#define KV_T uint8_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_ROW(D) pkv_row_bytes(PKV_FORMAT_INT4, (D))
+#define KV_LOAD(row, d) v8_load_int4((row), (d), dim)
+#define KV_GET(row, d) (pkv_int4_scale((row), dim, (d)) * (float)pkv_int4_level((row), (d)))
+#define KV_ADDR(row, d) ((row) + (d) / 2)
+#define KV_LINE_ELEMS 128
+#define KV_ROTATED 1
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_CHUNK
 
 #undef PKV_TARGET
 #undef vf
@@ -431,6 +497,35 @@ PKV_AVX2 static inline void pkv_hsum8_avx2(__m256 a0, __m256 a1, __m256 a2, __m2
                                               pkv_sum4_lanes_avx2(a4, a5, a6, a7)));
 }
 
+/* bfloat16 -> float32: the 16 bits move to the top of the word. */
+PKV_AVX2 static inline __m256 pkv_bf16_avx2(const uint16_t *p)
+{
+    const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+PKV_AVX2 static inline __m256 pkv_int8_avx2(const uint8_t *row, int64_t d, int64_t dim)
+{
+    const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(row + d)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(x), _mm256_set1_ps(pkv_int8_scale(row, dim)));
+}
+/* The int4 levels of values d .. d + 15 as 16 bytes in value order (value 2j
+ * in the low nibble of byte j): the SIMD twin of pkv_int4_level. */
+PKV_AVX2 static inline __m128i pkv_int4_levels16(__m128i packed)
+{
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(packed, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    return _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8(8));
+}
+PKV_AVX2 static inline __m256 pkv_int4_avx2(const uint8_t *row, int64_t d, int64_t dim)
+{
+    int32_t w;
+    memcpy(&w, row + d / 2, 4);
+    const __m128i q = pkv_int4_levels16(_mm_cvtsi32_si128(w));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                         _mm256_set1_ps(pkv_int4_scale(row, dim, d)));
+}
+
 #define PKV_TARGET PKV_AVX2
 #define vf __m256
 #define VW 8
@@ -476,6 +571,44 @@ PKV_TANH_ARRAY(avx2)
 #undef KV_TO_F
 #undef KV_CHUNK
 #undef VLOAD_KV
+
+#define PKV_SUFFIX avx2_bf16
+#define KV_T uint16_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_TO_F(x) pkv_fmt_bf2f(x)
+#define VLOAD_KV(p) pkv_bf16_avx2(p)
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_TO_F
+#undef KV_CHUNK
+#undef VLOAD_KV
+
+#define PKV_SUFFIX avx2_int8
+#define KV_T uint8_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_ROW(D) ((D) + 2)
+#define KV_LOAD(row, d) pkv_int8_avx2((row), (d), dim)
+#define KV_GET(row, d) (pkv_int8_scale((row), dim) * (float)pkv_int8_level((row), (d)))
+#define KV_ADDR(row, d) ((row) + (d))
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_CHUNK
+
+#define PKV_SUFFIX avx2_int4
+#define KV_T uint8_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_ROW(D) pkv_row_bytes(PKV_FORMAT_INT4, (D))
+#define KV_LOAD(row, d) pkv_int4_avx2((row), (d), dim)
+#define KV_GET(row, d) (pkv_int4_scale((row), dim, (d)) * (float)pkv_int4_level((row), (d)))
+#define KV_ADDR(row, d) ((row) + (d) / 2)
+#define KV_LINE_ELEMS 128
+#define KV_ROTATED 1
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_CHUNK
 
 #undef PKV_TARGET
 #undef vf
@@ -614,6 +747,28 @@ PKV_AVX512 static inline void pkv_hsum8_avx512(__m512 a0, __m512 a1, __m512 a2, 
         _mm_storeu_ps((s) + 3 * (stride), _mm256_extractf128_ps(r23_, 1));                  \
     } while (0)
 
+PKV_AVX512 static inline __m512 pkv_bf16_avx512(const uint16_t *p)
+{
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+PKV_AVX512 static inline __m256 pkv_bf16_avx512_256(const uint16_t *p)
+{
+    const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+PKV_AVX512 static inline __m512 pkv_int8_avx512(const uint8_t *row, int64_t d, int64_t dim)
+{
+    const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(row + d)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(x), _mm512_set1_ps(pkv_int8_scale(row, dim)));
+}
+PKV_AVX512 static inline __m512 pkv_int4_avx512(const uint8_t *row, int64_t d, int64_t dim)
+{
+    const __m128i q = pkv_int4_levels16(_mm_loadl_epi64((const __m128i *)(const void *)(row + d / 2)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
+                         _mm512_set1_ps(pkv_int4_scale(row, dim, d)));
+}
+
 #define PKV_TARGET PKV_AVX512
 #define vf __m512
 #define VW 16
@@ -658,7 +813,7 @@ PKV_TANH_ARRAY(avx512)
 #define SW 8
 #define SZERO() _mm256_setzero_ps()
 #define SLOAD(p) _mm256_loadu_ps(p)
-#define SLOAD_KV(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p)))
+#define KV_SLOAD(row, d) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)((row) + (d))))
 #define SFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define SKEEP(v) __asm__("" : "+v"(v))
 #define SHSUM4X4 PKV_HSUM4X4_YMM
@@ -673,6 +828,53 @@ PKV_TANH_ARRAY(avx512)
 #undef KV_TO_F
 #undef KV_CHUNK
 #undef VLOAD_KV
+
+/* bfloat16 pools: the float16 scheme, with the shift for the conversion. */
+#define sf __m256
+#define SW 8
+#define SZERO() _mm256_setzero_ps()
+#define SLOAD(p) _mm256_loadu_ps(p)
+#define KV_SLOAD(row, d) pkv_bf16_avx512_256((row) + (d))
+#define SFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define SKEEP(v) __asm__("" : "+v"(v))
+#define SHSUM4X4 PKV_HSUM4X4_YMM
+#define PKV_SUFFIX avx512_bf16
+#define KV_T uint16_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_TO_F(x) pkv_fmt_bf2f(x)
+#define VLOAD_KV(p) pkv_bf16_avx512(p)
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_TO_F
+#undef KV_CHUNK
+#undef VLOAD_KV
+
+#define PKV_SUFFIX avx512_int8
+#define KV_T uint8_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_ROW(D) ((D) + 2)
+#define KV_LOAD(row, d) pkv_int8_avx512((row), (d), dim)
+#define KV_GET(row, d) (pkv_int8_scale((row), dim) * (float)pkv_int8_level((row), (d)))
+#define KV_ADDR(row, d) ((row) + (d))
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_CHUNK
+
+#define PKV_SUFFIX avx512_int4
+#define KV_T uint8_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_ROW(D) pkv_row_bytes(PKV_FORMAT_INT4, (D))
+#define KV_LOAD(row, d) pkv_int4_avx512((row), (d), dim)
+#define KV_GET(row, d) (pkv_int4_scale((row), dim, (d)) * (float)pkv_int4_level((row), (d)))
+#define KV_ADDR(row, d) ((row) + (d) / 2)
+#define KV_LINE_ELEMS 128
+#define KV_ROTATED 1
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_CHUNK
 
 #undef PKV_TARGET
 #undef vf
@@ -768,16 +970,23 @@ void pkv_tanh_array(pkv_isa isa, const float *x, float *y, int64_t n)
     }
 }
 
-pkv_item_kernel pkv_get_kernel(pkv_isa isa, int pool_is_f16)
+#define PKV_KERNEL_OF_FORMAT(path, format)                              \
+    ((format) == PKV_FORMAT_F16    ? attend_item_##path##_f16        \
+     : (format) == PKV_FORMAT_BF16 ? attend_item_##path##_bf16       \
+     : (format) == PKV_FORMAT_INT8 ? attend_item_##path##_int8       \
+     : (format) == PKV_FORMAT_INT4 ? attend_item_##path##_int4       \
+                                   : attend_item_##path##_f32)
+
+pkv_item_kernel pkv_get_kernel(pkv_isa isa, int format)
 {
     switch (isa) {
 #if PKV_X86_DISPATCH
     case PKV_ISA_AVX512:
-        return pool_is_f16 ? attend_item_avx512_f16 : attend_item_avx512_f32;
+        return PKV_KERNEL_OF_FORMAT(avx512, format);
     case PKV_ISA_AVX2:
-        return pool_is_f16 ? attend_item_avx2_f16 : attend_item_avx2_f32;
+        return PKV_KERNEL_OF_FORMAT(avx2, format);
 #endif
     default:
-        return pool_is_f16 ? attend_item_scalar_f16 : attend_item_scalar_f32;
+        return PKV_KERNEL_OF_FORMAT(scalar, format);
     }
 }
