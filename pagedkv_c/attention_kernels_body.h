@@ -13,9 +13,17 @@
  *                with their scale; may read the variable dim (head_dim)
  *   KV_GET(row, d)  value d of the row as float, decoded the same way
  *   KV_ADDR(row, d) address holding value d (prefetch)
+ *   KV_VSCALE(row)  optional: the one scale of a V row, folded into p; then
+ *                KV_VLOAD(row, d) and KV_VGET(row, d) read V values without it
  *   KV_LINE_ELEMS   values per 64-byte line
  *   KV_ROTATED   1: rows hold R x (page_formats.h): q is rotated once and
  *                the output rotated back; default 0
+ *   KV_INT_DOT   1: int8 rows scored with integer dot products against the
+ *                query quantized per row (pkv_quantize_query), with
+ *                KV_INT_DOT_4X4(qb, q_stride, k, pf, dim, s, s_stride) and
+ *                KV_INT_DOT_1X4(qb, k, dim, s): exact integer sums, as float,
+ *                of 4 (or 1) quantized rows against the 4 key rows k[0..3];
+ *                KV_KSCALE(row) the key row's scale; default 0
  *   KV_CHUNK     tokens per chunk (<= PKV_CHUNK_TOKENS, a multiple of 16):
  *                smaller for float32, whose rows are twice as many bytes
  *   vf, VW       vector type of VW float32 lanes
@@ -63,11 +71,19 @@
 #define KV_GET(row, d) KV_TO_F((row)[d])
 #define KV_ADDR(row, d) ((row) + (d))
 #endif
+/* V rows for p @ V: values without the row's scale, the scale folded into p */
+#ifndef KV_VSCALE
+#define KV_VLOAD(row, d) KV_LOAD(row, d)
+#define KV_VGET(row, d) KV_GET(row, d)
+#endif
 #ifndef KV_LINE_ELEMS
 #define KV_LINE_ELEMS (64 / (int64_t)sizeof(KV_T))
 #endif
 #ifndef KV_ROTATED
 #define KV_ROTATED 0
+#endif
+#ifndef KV_INT_DOT
+#define KV_INT_DOT 0
 #endif
 
 #define PKV_CAT2_(a, b) a##_##b
@@ -258,8 +274,8 @@ PKV_TARGET static inline void FN(pv_4rows)(float *acc, int64_t acc_stride,
         for (t = 0; t < num_tokens; t++) {
             const KV_T *v = v_rows[t] + head_offset;
             PF_V(pf_rows, t, head_offset, d, 4 * VW);
-            const vf x0 = KV_LOAD(v, d), x1 = KV_LOAD(v, d + VW);
-            const vf x2 = KV_LOAD(v, d + 2 * VW), x3 = KV_LOAD(v, d + 3 * VW);
+            const vf x0 = KV_VLOAD(v, d), x1 = KV_VLOAD(v, d + VW);
+            const vf x2 = KV_VLOAD(v, d + 2 * VW), x3 = KV_VLOAD(v, d + 3 * VW);
             vf w = VSET1(p0[t]);
             a00 = VFMA(w, x0, a00); a01 = VFMA(w, x1, a01); a02 = VFMA(w, x2, a02); a03 = VFMA(w, x3, a03);
             w = VSET1(p1[t]);
@@ -282,8 +298,8 @@ PKV_TARGET static inline void FN(pv_4rows)(float *acc, int64_t acc_stride,
         vf a30 = VLOAD(c3 + d), a31 = VLOAD(c3 + d + VW);
         for (t = 0; t < num_tokens; t++) {
             PF_V(pf_rows, t, head_offset, d, 2 * VW);
-            vf x0 = KV_LOAD(v_rows[t] + head_offset, d);
-            vf x1 = KV_LOAD(v_rows[t] + head_offset, d + VW);
+            vf x0 = KV_VLOAD(v_rows[t] + head_offset, d);
+            vf x1 = KV_VLOAD(v_rows[t] + head_offset, d + VW);
             vf w = VSET1(p0[t]);
             a00 = VFMA(w, x0, a00); a01 = VFMA(w, x1, a01);
             w = VSET1(p1[t]);
@@ -302,7 +318,7 @@ PKV_TARGET static inline void FN(pv_4rows)(float *acc, int64_t acc_stride,
         vf a0 = VLOAD(c0 + d), a1 = VLOAD(c1 + d), a2 = VLOAD(c2 + d), a3 = VLOAD(c3 + d);
         for (t = 0; t < num_tokens; t++) {
             PF_V(pf_rows, t, head_offset, d, VW);
-            vf x = KV_LOAD(v_rows[t] + head_offset, d);
+            vf x = KV_VLOAD(v_rows[t] + head_offset, d);
             a0 = VFMA(VSET1(p0[t]), x, a0);
             a1 = VFMA(VSET1(p1[t]), x, a1);
             a2 = VFMA(VSET1(p2[t]), x, a2);
@@ -312,7 +328,7 @@ PKV_TARGET static inline void FN(pv_4rows)(float *acc, int64_t acc_stride,
     }
     for (; d < dim; d++) {
         for (t = 0; t < num_tokens; t++) {
-            float x = KV_GET(v_rows[t] + head_offset, d);
+            float x = KV_VGET(v_rows[t] + head_offset, d);
             c0[d] += p0[t] * x; c1[d] += p1[t] * x; c2[d] += p2[t] * x; c3[d] += p3[t] * x;
         }
     }
@@ -333,10 +349,10 @@ PKV_TARGET static inline void FN(pv_1row)(float *acc, const float *p,
             const KV_T *v = v_rows[t] + head_offset;
             PF_V(pf_rows, t, head_offset, d, 4 * VW);
             vf w = VSET1(p[t]);
-            a0 = VFMA(w, KV_LOAD(v, d), a0);
-            a1 = VFMA(w, KV_LOAD(v, d + VW), a1);
-            a2 = VFMA(w, KV_LOAD(v, d + 2 * VW), a2);
-            a3 = VFMA(w, KV_LOAD(v, d + 3 * VW), a3);
+            a0 = VFMA(w, KV_VLOAD(v, d), a0);
+            a1 = VFMA(w, KV_VLOAD(v, d + VW), a1);
+            a2 = VFMA(w, KV_VLOAD(v, d + 2 * VW), a2);
+            a3 = VFMA(w, KV_VLOAD(v, d + 3 * VW), a3);
         }
         VSTORE(acc + d, a0); VSTORE(acc + d + VW, a1);
         VSTORE(acc + d + 2 * VW, a2); VSTORE(acc + d + 3 * VW, a3);
@@ -345,13 +361,13 @@ PKV_TARGET static inline void FN(pv_1row)(float *acc, const float *p,
         vf a0 = VLOAD(acc + d);
         for (t = 0; t < num_tokens; t++) {
             PF_V(pf_rows, t, head_offset, d, VW);
-            a0 = VFMA(VSET1(p[t]), KV_LOAD(v_rows[t] + head_offset, d), a0);
+            a0 = VFMA(VSET1(p[t]), KV_VLOAD(v_rows[t] + head_offset, d), a0);
         }
         VSTORE(acc + d, a0);
     }
     for (; d < dim; d++)
         for (t = 0; t < num_tokens; t++)
-            acc[d] += p[t] * KV_GET(v_rows[t] + head_offset, d);
+            acc[d] += p[t] * KV_VGET(v_rows[t] + head_offset, d);
 }
 
 /* State of one KV head of a work item, updated chunk by chunk. */
@@ -365,6 +381,9 @@ typedef struct {
     float softcap2;          /* softcap * log2(e), or 0: no softcap */
     float *qs;               /* [rows, dim_pad] q * scale * log2(e) (with a softcap:
                                 q * scale / softcap) */
+    uint8_t *qi, *qi_sink;   /* [rows, dim_pad] q (q_sink) quantized to int8, stored
+                                + 128 (KV_INT_DOT), or NULL: float scores */
+    float *qf, *qf_sink;     /* [rows] the score factor of each quantized row */
     float *qs_sink;          /* [rows, dim_pad] q_sink scaled as qs, for the keys
                                 below sink_tokens, or NULL: qs for all */
     float *acc;              /* [rows, dim_pad] running sum of p * v */
@@ -440,11 +459,12 @@ PKV_TARGET static void FN(pv_admitted)(const FN(pkv_state) *st, const KV_T *cons
  * qs ([rows, dim_pad]); its rows start at k_rows[u] + head_offset. The first
  * block of rows also prefetches the rows pf_rows[u] + head_offset (of a later
  * chunk) unless pf_rows is NULL. */
-PKV_TARGET static inline void FN(score_tokens)(const FN(pkv_state) *st, const float *qs,
+PKV_TARGET static inline void FN(score_tokens)(const FN(pkv_state) *st, int sinks,
                                                const KV_T *const *k_rows,
                                                const KV_T *const *pf_rows, int64_t t, int64_t n,
                                                int64_t head_offset)
 {
+    const float *qs = sinks ? st->qs_sink : st->qs;
     const int64_t rows = st->rows, dim = st->dim, dim_vec = st->dim_vec, dim_pad = st->dim_pad;
     const int64_t ch = PKV_CHUNK_TOKENS;
     const KV_T *k8[8], *p8[8];
@@ -458,6 +478,37 @@ PKV_TARGET static inline void FN(score_tokens)(const FN(pkv_state) *st, const fl
             p8[u] = (t + u < n ? pf_rows[t + u] : pf_rows[t]) + head_offset;
         pf = p8;
     }
+#if KV_INT_DOT
+    if (st->qi != NULL) {
+        /* integer sums, then times the query row's and the key row's factors */
+        const uint8_t *qi = sinks ? st->qi_sink : st->qi;
+        const float *qf = sinks ? st->qf_sink : st->qf;
+        float ks[8];
+        for (u = 0; u < 8; u++)
+            ks[u] = KV_KSCALE(k8[u]);
+        for (r = 0; r + 4 <= rows; r += 4) {
+            float *s = st->s + r * ch + t;
+            KV_INT_DOT_4X4(qi + r * dim_pad, dim_pad, k8, pf, dim, s, ch);
+            KV_INT_DOT_4X4(qi + r * dim_pad, dim_pad, k8 + 4, pf == NULL ? NULL : pf + 4, dim, s + 4, ch);
+            pf = NULL;
+        }
+        for (; r < rows; r++) {
+            KV_INT_DOT_1X4(qi + r * dim_pad, k8, dim, st->s + r * ch + t);
+            KV_INT_DOT_1X4(qi + r * dim_pad, k8 + 4, dim, st->s + r * ch + t + 4);
+        }
+        for (r = 0; r < rows; r++) {
+            float *s = st->s + r * ch + t;
+            if (isnan(qf[r])) {
+                /* a row that could not be quantized (non-finite) scores in float */
+                FN(dot_1x8)(qs + r * dim_pad, k8, NULL, dim, dim_vec, s);
+                continue;
+            }
+            for (u = 0; u < 8; u++)
+                s[u] = s[u] * qf[r] * ks[u];
+        }
+        return;
+    }
+#endif
     for (r = 0; r + 4 <= rows; r += 4) {
         const float *q = qs + r * dim_pad;
         float *s = st->s + r * ch + t;
@@ -577,6 +628,19 @@ PKV_TARGET static void FN(finish_chunk)(const FN(pkv_state) *st, const KV_T *con
     /* acc += p @ V. A token the mask excludes for a row has p = 0 there,
      * which adds exactly nothing unless its V row holds an inf or NaN
      * (0 * inf is NaN): then each row takes only the tokens it admits. */
+#ifdef KV_VSCALE
+    {
+        /* p * scale, once per chunk: the V rows are read unscaled */
+        float vscale[PKV_CHUNK_TOKENS];
+        for (t = 0; t < n; t++)
+            vscale[t] = KV_VSCALE(v_rows[t] + head_offset);
+        for (r = 0; r < rows; r++) {
+            float *p = st->s + r * ch;
+            for (t = 0; t < n; t++)
+                p[t] *= vscale[t];
+        }
+    }
+#endif
     if (!all_valid && FN(masked_v_nonfinite)(st, v_rows, positions, n, head_offset)) {
         FN(pv_admitted)(st, v_rows, positions, n, head_offset);
         return;
@@ -620,7 +684,7 @@ PKV_TARGET static void FN(process_heads)(const FN(pkv_state) *heads, int64_t num
     }
     for (t = 0; t < n; t += 8)
         for (hh = 0; hh < num_heads; hh++)
-            FN(score_tokens)(&heads[hh], sinks ? heads[hh].qs_sink : heads[hh].qs, k_rows,
+            FN(score_tokens)(&heads[hh], sinks, k_rows,
                              prefetch ? pk : NULL, t, n, hh * KV_ROW(head_dim));
     for (hh = 0; hh < num_heads; hh++)
         FN(finish_chunk)(&heads[hh], v_rows, prefetch ? pv : NULL, positions, n,
@@ -732,6 +796,19 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
             st->qs_sink = next_free;
             next_free += rows * dim_pad;
         }
+        st->qi = st->qi_sink = NULL;
+        st->qf = st->qf_sink = NULL;
+#if KV_INT_DOT
+        /* rows * dim_pad bytes (dim_pad a multiple of 16), then the factors */
+        st->qi = (uint8_t *)next_free;
+        st->qf = next_free + rows * dim_pad / 4;
+        next_free = st->qf + rows;
+        if (st->qs_sink != NULL) {
+            st->qi_sink = (uint8_t *)next_free;
+            st->qf_sink = next_free + rows * dim_pad / 4;
+            next_free = st->qf_sink + rows;
+        }
+#endif
         for (r = 0; r < rows; r++) {
             const int64_t i = r / G, g = r % G;
             const int64_t q_offset = (item->first_token + i) * Hq * D + (kv_head * G + g) * D;
@@ -755,6 +832,18 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
             pkv_rotate(qs, D);
             if (st->qs_sink != NULL)
                 pkv_rotate(st->qs_sink + r * dim_pad, D);
+#endif
+#if KV_INT_DOT
+            {
+                /* score factor d_q * qscale; NaN: the row scores in float */
+                float f = pkv_quantize_query(q, D, dim_pad, st->qi + r * dim_pad) * qscale;
+                st->qf[r] = isfinite(f) ? f : NAN;
+                if (st->qi_sink != NULL) {
+                    f = pkv_quantize_query(a->q_sink + q_offset, D, dim_pad, st->qi_sink + r * dim_pad) *
+                        qscale;
+                    st->qf_sink[r] = isfinite(f) ? f : NAN;
+                }
+            }
 #endif
             for (d = 0; d < dim_pad; d++)
                 acc[d] = 0.0f;
@@ -879,6 +968,10 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
 #undef KV_ADDR
 #undef KV_LINE_ELEMS
 #undef KV_ROTATED
+#undef KV_INT_DOT
+#undef KV_VSCALE
+#undef KV_VLOAD
+#undef KV_VGET
 #undef SFMA
 #undef SKEEP
 #undef SHSUM4X4
