@@ -74,6 +74,7 @@ cdef extern from "attention_kernels.h" nogil:
     pkv_isa pkv_best_isa()
     int pkv_isa_available(pkv_isa isa)
     const char* pkv_isa_name(pkv_isa isa)
+    int pkv_int8_integer_scores(pkv_isa isa)
     pkv_item_kernel pkv_get_kernel(pkv_isa isa, int format)
     void pkv_merge_partitions(const pkv_attention_args* args, int64_t token, int64_t head,
                               int64_t first_partial, int64_t num_partials)
@@ -185,6 +186,8 @@ def kernel_info():
             pkv_isa_name(<pkv_isa>i).decode() for i in range(3) if pkv_isa_available(<pkv_isa>i)
         ],
         "float16_conversion": "f16c" if _isa != PKV_ISA_SCALAR else "portable",
+        "int8_scores": "int8 query (vnni)" if pkv_int8_integer_scores(_isa) else "float32",
+        "page_formats": list(_PAGE_FORMATS),
         "openmp": bool(pkv_have_openmp()),
         "max_threads": 1 if _forked_after_team else pkv_omp_max_threads(),
         "max_head_dim": PKV_MAX_HEAD_DIM,

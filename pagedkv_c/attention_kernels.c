@@ -1130,6 +1130,16 @@ static int pkv_int8_vnni_available(void)
 }
 #endif
 
+int pkv_int8_integer_scores(pkv_isa isa)
+{
+#if PKV_X86_DISPATCH
+    return isa == PKV_ISA_AVX512 && pkv_int8_vnni_available();
+#else
+    (void)isa;
+    return 0;
+#endif
+}
+
 pkv_isa pkv_best_isa(void)
 {
     if (pkv_isa_available(PKV_ISA_AVX512))

@@ -149,6 +149,9 @@ void pkv_merge_partitions(const pkv_attention_args *args, int64_t token, int64_t
 pkv_isa pkv_best_isa(void);
 /* 1 if this CPU and build can run the path. */
 int pkv_isa_available(pkv_isa isa);
+/* 1 if the path scores int8 pages with integer dot products against the
+ * query quantized per row to int8 (AVX-512 VNNI), 0 if in float32. */
+int pkv_int8_integer_scores(pkv_isa isa);
 /* Short lower-case name: "scalar", "avx2", "avx512". */
 const char *pkv_isa_name(pkv_isa isa);
 /* Item kernel of a path for a page format (pkv_format; path must be available). */
