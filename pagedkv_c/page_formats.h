@@ -350,6 +350,42 @@ static inline void pkv_encode_row(pkv_format fmt, pkv_input kind, const void *sr
     }
 }
 
+/* Element access for readers that decode a row in place (the attention
+ * kernels): value i of an int8 or int4 row before any inverse rotation is
+ * pkv_int8_scale * pkv_int8_level or pkv_int4_scale * pkv_int4_level, the
+ * same float32 product as pkv_decode_row. A change of the int4 layout changes
+ * these three functions and the decoder below, nothing else in C. */
+static inline float pkv_int8_scale(const uint8_t *row, int64_t head_dim)
+{
+    uint16_t bits;
+    memcpy(&bits, row + head_dim, 2);
+    return pkv_fmt_bf2f(bits);
+}
+
+static inline int32_t pkv_int8_level(const uint8_t *row, int64_t i)
+{
+    return (int32_t)(int8_t)row[i];
+}
+
+/* Byte offset of the int4 block scales in a row. */
+static inline int64_t pkv_int4_scales_offset(int64_t head_dim)
+{
+    return (head_dim + 1) / 2;
+}
+
+/* Scale of the block holding value i. */
+static inline float pkv_int4_scale(const uint8_t *row, int64_t head_dim, int64_t i)
+{
+    uint16_t bits;
+    memcpy(&bits, row + pkv_int4_scales_offset(head_dim) + 2 * (i / PKV_INT4_BLOCK), 2);
+    return pkv_fmt_bf2f(bits);
+}
+
+static inline int32_t pkv_int4_level(const uint8_t *row, int64_t i)
+{
+    return (int32_t)((row[i / 2] >> (4 * (i & 1))) & 0xfu) - 8;
+}
+
 /* Decode one head row into float32 (undoing the rotation of rotated formats). */
 static inline void pkv_decode_row(pkv_format fmt, const uint8_t *src, int64_t head_dim, float *x)
 {
