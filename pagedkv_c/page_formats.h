@@ -11,7 +11,7 @@
  *   PKV_FORMAT_BF16  D bfloat16 (the upper half of a float32,    2 D bytes
  *                    rounded to nearest even; NaN stays NaN)
  *   PKV_FORMAT_INT8  D int8 q_i, then a bfloat16 scale d:        D + 2 bytes
- *                    (R x)_i = d * q_i (symmetric, one scale per row, rotated)
+ *                    x_i = d * q_i (symmetric, one scale per row)
  *   PKV_FORMAT_INT4  see pkv_int4 below                          ceil(D / 2) + 2 * ceil(D / 32) bytes
  *
  * Quantized rows: the scale is computed from the row's largest magnitude and
@@ -53,7 +53,7 @@ typedef enum {
 } pkv_input;
 
 #define PKV_INT4_BLOCK 32
-#define PKV_FORMAT_ROTATED(fmt) ((fmt) == PKV_FORMAT_INT8 || (fmt) == PKV_FORMAT_INT4)
+#define PKV_FORMAT_ROTATED(fmt) ((fmt) == PKV_FORMAT_INT4)
 
 /* Bytes of one head row of head_dim values. */
 static inline int64_t pkv_row_bytes(pkv_format fmt, int64_t head_dim)
@@ -414,7 +414,6 @@ static inline void pkv_decode_row(pkv_format fmt, const uint8_t *src, int64_t he
         const float d = pkv_fmt_bf2f(bits);
         for (i = 0; i < head_dim; i++)
             x[i] = d * (float)(int8_t)src[i];
-        pkv_rotate(x, head_dim);
         return;
     }
     case PKV_FORMAT_INT4: {

@@ -11,7 +11,7 @@ import numpy as np
 
 FORMATS = ("float32", "float16", "bfloat16", "int8", "int4")
 INT4_BLOCK = 32
-ROTATED = {"int8", "int4"}
+ROTATED = {"int4"}
 
 
 def row_bytes(fmt: str, head_dim: int) -> int:
@@ -173,7 +173,7 @@ def decode(raw: np.ndarray, fmt: str, head_dim: int) -> np.ndarray:
         return bf16_bits_to_float(raw.view(np.uint16).reshape(*lead, d)).astype(np.float64)
     if fmt == "int8":
         scale = bf16_bits_to_float(np.ascontiguousarray(raw[..., d:]).view(np.uint16)[..., 0])
-        return rotate(raw[..., :d].view(np.int8).astype(np.float64) * scale[..., None].astype(np.float64))
+        return raw[..., :d].view(np.int8).astype(np.float64) * scale[..., None].astype(np.float64)
     if fmt == "int4":
         packed = (d + 1) // 2
         nblocks = -(-d // INT4_BLOCK)

@@ -108,11 +108,11 @@ def test_quantization_error_within_the_scheme_bound(kv_dtype):
     cache.add_sequence(0)
     cache.store(0, cache.append([0], [200]), x, x)
     got = cache.gather(0, 0)[0][:, 0].astype(np.float64)
-    # Rotation is orthonormal: the row's Euclidean error is the rotated row's. int8: one block of 64
+    # Rotation (int4) is orthonormal: the row's Euclidean error is the rotated row's. int8: one block of 64
     # values, at most half a step (max / 127, rounded up to bfloat16) per value. int4: blocks of 32 whose
     # clip search keeps at most the squared error of the unclipped q4_0 grid (step max / 8, bfloat16
     # rounding at most 2**-8), where a value errs by at most one step (the level +8 does not exist).
-    rotated = rf.rotate(x[:, 0])
+    rotated = rf.rotate(x[:, 0]) if kv_dtype in rf.ROTATED else x[:, 0].astype(np.float64)
     if kv_dtype == "int8":
         steps = np.abs(rotated).max(axis=1, keepdims=True) / 127 * (1 + 2.0**-7) / 2
         block = 64
