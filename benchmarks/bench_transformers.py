@@ -94,8 +94,9 @@ def prefill_context(model, context):
     return _PREFILLS[context]
 
 
-def build_cache(model, name, context, steps):
-    """Copy the K/V of ``context`` prefilled tokens into a new cache of candidate ``name``."""
+def build_cache(model, name, context, steps, kv_dtype="float32"):
+    """Copy the K/V of ``context`` prefilled tokens into a new cache of candidate ``name``
+    (a PagedCache of page format ``kv_dtype``)."""
     import torch
     from transformers import DynamicCache, StaticCache
 
@@ -110,7 +111,7 @@ def build_cache(model, name, context, steps):
     if name == "StaticCache":
         cache = StaticCache(config=model.config, max_cache_len=context + steps + 1)
     else:
-        cache = pt.PagedCache(model.config, max_tokens=context + steps + 1, dtype=torch.float32)
+        cache = pt.PagedCache(model.config, max_tokens=context + steps + 1, kv_dtype=kv_dtype)
     positions = torch.arange(context)[None, :]
     model.config._attn_implementation = "pagedkv"  # PagedCache.update() stores and returns the inputs, no gather
     for layer_idx, layer in enumerate(prefill.layers):
@@ -207,6 +208,35 @@ def bench_decode(model, context, steps, threads):
             "kv_bytes": cache_bytes(caches[name]), "prefill_s": prefill_seconds,
         })
     return rows
+
+
+PAGE_FORMATS = ("float32", "float16", "bfloat16", "int8", "int4")
+
+
+def bench_decode_formats(model, context, steps, threads):
+    """Decode steps of PagedCache in every page format, taking turns step by step; ratio against float16."""
+    import torch
+
+    prefill_context(model, context)
+    caches = {f: build_cache(model, "PagedCache", context, steps, kv_dtype=f) for f in PAGE_FORMATS}
+    times = {f: [] for f in PAGE_FORMATS}
+    token = torch.tensor([[42]])
+    model.set_attn_implementation("pagedkv")
+    for step in range(steps + 1):
+        shift = step % len(PAGE_FORMATS)
+        for f in PAGE_FORMATS[shift:] + PAGE_FORMATS[:shift]:
+            position = torch.tensor([[context + step]])
+            start = time.perf_counter()
+            with torch.no_grad():
+                model(input_ids=token, cache=caches[f], position_ids=position, cache_position=position[0],
+                      use_cache=True)
+            if step:
+                times[f].append(time.perf_counter() - start)
+    model.set_attn_implementation("sdpa")
+    medians = {f: statistics.median(times[f]) for f in PAGE_FORMATS}
+    return [{"threads": threads, "context": context, "kv_dtype": f, "step_ms": medians[f] * 1e3,
+             "tokens_per_s": 1.0 / medians[f], "vs_float16": medians["float16"] / medians[f],
+             "kv_bytes": cache_bytes(caches[f])} for f in PAGE_FORMATS]
 
 
 def bench_beams(model, tokenizer, beams, new_tokens, threads, repeats):
@@ -523,6 +553,9 @@ def main():
                              "attention shapes (resident K/V against the minimum, peak RSS, decode, second turn)")
     parser.add_argument("--hybrid-vocab", type=int, default=32768, help="vocabulary of the hybrid model")
     parser.add_argument("--hybrid-chunk", type=int, default=1024, help="prefill chunk of the hybrid run, tokens")
+    parser.add_argument("--page-formats", action="store_true",
+                        help="run only the decode steps of PagedCache in every page format (float32, float16, "
+                             "bfloat16, int8, int4), taking turns; ratios against float16")
     args = parser.parse_args()
     args.context_given = args.context is not None
     if args.context is None:
@@ -536,6 +569,18 @@ def main():
     start = time.perf_counter()
     model, tokenizer = load_model()
     print(f"model loaded in {time.perf_counter() - start:.1f} s")
+    if args.page_formats:
+        rows = []
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for context in args.context:
+                rows += bench_decode_formats(model, context, args.steps, threads)
+        print(format_table(
+            ["threads", "context", "page format", "step ms", "tokens/s", "vs float16", "K/V MiB"],
+            [[r["threads"], r["context"], r["kv_dtype"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:.1f}",
+              f"{r['vs_float16']:.2f}x", f"{r['kv_bytes'] / 2**20:.0f}"] for r in rows]))
+        print(f"wrote {write_json('bench_transformers_formats', {'machine': machine_info(), 'args': vars(args), 'decode': rows})}")
+        return
     decode_rows, beam_rows, turn_rows, rss_rows = [], [], [], []
     for threads in args.threads:
         torch.set_num_threads(threads)

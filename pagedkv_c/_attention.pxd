@@ -7,8 +7,9 @@ from libc.stdint cimport int32_t, int64_t
 
 
 cdef int paged_decode(
-    const void* pool_layer,          # kv[layer]: (num_pages, 2, page_size, Hkv, D), C order
-    bint pool_is_f16,                # True: float16 pool, False: float32 pool
+    const void* pool_layer,          # kv[layer]: (num_pages, 2, page_size, Hkv, E), C order
+    int page_format,                 # pkv_format (page_formats.h): how a head row of E
+                                     # elements holds D values
     int64_t page_size,               # tokens per page
     int64_t num_kv_heads,            # Hkv
     int64_t head_dim,                # D, 1 <= D <= 256
@@ -36,7 +37,7 @@ cdef int paged_decode(
 
 cdef int paged_prefill(
     const void* pool_layer,          # as in paged_decode
-    bint pool_is_f16,
+    int page_format,
     int64_t page_size,
     int64_t num_kv_heads,
     int64_t head_dim,

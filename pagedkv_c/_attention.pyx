@@ -35,7 +35,7 @@ cdef extern from "attention_kernels.h" nogil:
         PKV_ISA_AVX512
     ctypedef struct pkv_attention_args:
         const void* pool
-        int32_t pool_is_f16
+        int32_t format
         int64_t page_size
         int64_t num_kv_heads
         int64_t head_dim
@@ -74,11 +74,16 @@ cdef extern from "attention_kernels.h" nogil:
     pkv_isa pkv_best_isa()
     int pkv_isa_available(pkv_isa isa)
     const char* pkv_isa_name(pkv_isa isa)
-    pkv_item_kernel pkv_get_kernel(pkv_isa isa, int pool_is_f16)
+    int pkv_int8_integer_scores(pkv_isa isa)
+    pkv_item_kernel pkv_get_kernel(pkv_isa isa, int format)
     void pkv_merge_partitions(const pkv_attention_args* args, int64_t token, int64_t head,
                               int64_t first_partial, int64_t num_partials)
     float pkv_half_to_float_portable(uint16_t h)
     void pkv_tanh_array(pkv_isa isa, const float* x, float* y, int64_t n)
+
+
+cdef extern from "page_formats.h" nogil:
+    int64_t pkv_row_bytes(int fmt, int64_t head_dim)
 
 
 cdef extern from *:
@@ -128,6 +133,12 @@ cdef int64_t _partition_tokens = -1
 # positions + page_size and every window bound fit int64.
 cdef int64_t MAX_POSITION = 2**62
 _ISA_BY_NAME = {"scalar": PKV_ISA_SCALAR, "avx2": PKV_ISA_AVX2, "avx512": PKV_ISA_AVX512}
+# Page formats (cache.kv_dtype): pkv_format of page_formats.h and the pool's dtype.
+_PAGE_FORMATS = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "int4": 4}
+_POOL_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
+                "int8": np.uint8, "int4": np.uint8}
+# Formats whose pool's last axis is a packed row of bytes, not head_dim elements.
+_PACKED_FORMATS = ("int8", "int4")
 
 cdef pkv_isa _isa = PKV_ISA_SCALAR
 # GNU OpenMP's thread pool does not survive fork(): a child whose parent had
@@ -175,6 +186,8 @@ def kernel_info():
             pkv_isa_name(<pkv_isa>i).decode() for i in range(3) if pkv_isa_available(<pkv_isa>i)
         ],
         "float16_conversion": "f16c" if _isa != PKV_ISA_SCALAR else "portable",
+        "int8_scores": "int8 query (vnni)" if pkv_int8_integer_scores(_isa) else "float32",
+        "page_formats": list(_PAGE_FORMATS),
         "openmp": bool(pkv_have_openmp()),
         "max_threads": 1 if _forked_after_team else pkv_omp_max_threads(),
         "max_head_dim": PKV_MAX_HEAD_DIM,
@@ -242,7 +255,7 @@ cdef int _run_items(const pkv_attention_args* args, const pkv_work_item* items,
                     Py_ssize_t num_items, int64_t max_rows, int num_threads) except -1 nogil:
     """Run work items over OpenMP threads, one scratch block per thread."""
     global _ran_team
-    cdef pkv_item_kernel kernel = pkv_get_kernel(_isa, args.pool_is_f16)
+    cdef pkv_item_kernel kernel = pkv_get_kernel(_isa, args.format)
     if _forked_after_team:
         num_threads = 1
     elif num_threads > 1:
@@ -265,7 +278,7 @@ cdef int _run_items(const pkv_attention_args* args, const pkv_work_item* items,
     return 0
 
 
-cdef void _fill_args(pkv_attention_args* args, const void* pool_layer, bint pool_is_f16,
+cdef void _fill_args(pkv_attention_args* args, const void* pool_layer, int page_format,
                      int64_t page_size, int64_t num_kv_heads, int64_t head_dim,
                      int64_t num_qo_heads, const int32_t* indptr, const int32_t* indices,
                      const int64_t* page_positions, const int64_t* seq_lens, int64_t window,
@@ -273,7 +286,7 @@ cdef void _fill_args(pkv_attention_args* args, const void* pool_layer, bint pool
                      const float* sink_logits, const float* q, const float* q_sink,
                      float* out, float* lse) noexcept nogil:
     args.pool = pool_layer
-    args.pool_is_f16 = 1 if pool_is_f16 else 0
+    args.format = page_format
     args.page_size = page_size
     args.num_kv_heads = num_kv_heads
     args.head_dim = head_dim
@@ -298,7 +311,7 @@ cdef void _fill_args(pkv_attention_args* args, const void* pool_layer, bint pool
 
 
 cdef int paged_decode(
-    const void* pool_layer, bint pool_is_f16, int64_t page_size, int64_t num_kv_heads,
+    const void* pool_layer, int page_format, int64_t page_size, int64_t num_kv_heads,
     int64_t head_dim, int64_t num_qo_heads, int64_t batch_size, const int32_t* indptr,
     const int32_t* indices, const int64_t* page_positions, const int64_t* seq_lens,
     int64_t window, int64_t sink_tokens, int64_t chunk_size, float scale, float softcap,
@@ -320,7 +333,7 @@ cdef int paged_decode(
     on the problem only, so results do not depend on num_threads.
     """
     cdef pkv_attention_args args
-    _fill_args(&args, pool_layer, pool_is_f16, page_size, num_kv_heads, head_dim,
+    _fill_args(&args, pool_layer, page_format, page_size, num_kv_heads, head_dim,
                num_qo_heads, indptr, indices, page_positions, seq_lens, window, sink_tokens,
                chunk_size, scale, softcap, sink_logits, q, q_sink, out, lse)
     if batch_size == 0:
@@ -332,7 +345,7 @@ cdef int paged_decode(
             min_pages = max((_partition_tokens + page_size - 1) // page_size, 1)
         else:
             # one page of one layer, K and V: below the pool's size, no overflow
-            page_bytes = page_size * num_kv_heads * head_dim * 2 * (2 if pool_is_f16 else 4)
+            page_bytes = page_size * num_kv_heads * pkv_row_bytes(page_format, head_dim) * 2
             min_pages = max((_PARTITION_BYTES + page_bytes - 1) // page_bytes, 1)
             max_parts = _MAX_PARTITIONS
     cdef int64_t b, parts, part_pages, num_seq_parts = 0, num_partials = 0, num_split = 0
@@ -458,7 +471,7 @@ cdef int _merge_split_rows(const pkv_attention_args* args, const int64_t* split_
 
 
 cdef int paged_prefill(
-    const void* pool_layer, bint pool_is_f16, int64_t page_size, int64_t num_kv_heads,
+    const void* pool_layer, int page_format, int64_t page_size, int64_t num_kv_heads,
     int64_t head_dim, int64_t num_qo_heads, int64_t batch_size, const int32_t* indptr,
     const int32_t* indices, const int64_t* page_positions, const int64_t* seq_lens,
     const int64_t* qo_indptr, int64_t window, int64_t sink_tokens, int64_t chunk_size,
@@ -471,7 +484,7 @@ cdef int paged_prefill(
     a tile of queries (PREFILL_ROWS rows) that share every K/V row they read.
     """
     cdef pkv_attention_args args
-    _fill_args(&args, pool_layer, pool_is_f16, page_size, num_kv_heads, head_dim,
+    _fill_args(&args, pool_layer, page_format, page_size, num_kv_heads, head_dim,
                num_qo_heads, indptr, indices, page_positions, seq_lens, window, sink_tokens,
                chunk_size, scale, softcap, sink_logits, q, q_sink, out, lse)
     cdef int64_t group = args.group_size
@@ -528,7 +541,7 @@ cdef str _describe(object seq_ids, Py_ssize_t b):
 cdef class _Problem:
     """Validated arguments of one call, ready for the nogil kernels."""
     cdef object pool_layer       # kv[layer], C-contiguous view
-    cdef bint pool_is_f16
+    cdef int page_format         # pkv_format of the pool's head rows
     cdef int64_t page_size, num_kv_heads, head_dim, num_qo_heads, batch_size
     cdef int64_t window, sink_tokens
     cdef int64_t chunk_size      # 0: no chunk mask
@@ -584,8 +597,20 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
         pool_ndim = 6
     if not isinstance(pages, np.ndarray):
         raise TypeError(f"Invalid type of {pool_name}: expected numpy.ndarray, got {type(pages).__name__}")
-    if pages.dtype != np.float32 and pages.dtype != np.float16:
-        raise TypeError(f"Invalid dtype of {pool_name}: expected float16 or float32, got {pages.dtype}")
+    kv_dtype = getattr(cache, "kv_dtype", None)
+    if kv_dtype is None:
+        # no page format named: the pool's dtype is the format
+        if pages.dtype != np.float32 and pages.dtype != np.float16:
+            raise TypeError(f"Invalid dtype of {pool_name}: expected float16 or float32, got {pages.dtype}")
+        kv_dtype = "float16" if pages.dtype == np.float16 else "float32"
+    elif not isinstance(kv_dtype, str) or kv_dtype not in _PAGE_FORMATS:
+        raise ValueError(f"Invalid value of cache.kv_dtype: expected one of {list(_PAGE_FORMATS)}, got {kv_dtype!r}")
+    elif pages.dtype != _POOL_DTYPES[kv_dtype]:
+        raise ValueError(
+            f"Invalid dtype of {pool_name}: expected {np.dtype(_POOL_DTYPES[kv_dtype])} for "
+            f"cache.kv_dtype={kv_dtype!r}, got {pages.dtype}"
+        )
+    cdef int page_format = _PAGE_FORMATS[kv_dtype]
     dims = tuple(pages.shape)
     if len(dims) != pool_ndim or dims[len(dims) - 4] != 2:
         raise ValueError(f"Invalid shape of {pool_name}: expected {pool_shape}, got {pages.shape}")
@@ -595,6 +620,21 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
         )
     num_pages, page_size, num_kv_heads, head_dim = (dims[pool_ndim - 5], dims[pool_ndim - 3],
                                                     dims[pool_ndim - 2], dims[pool_ndim - 1])
+    if kv_dtype in _PACKED_FORMATS:
+        # the last axis holds a packed row of head_dim values: head_dim comes from q
+        row_elements = head_dim
+        head_dim = q.shape[2]
+        if head_dim < 1 or head_dim > PKV_MAX_HEAD_DIM:
+            raise ValueError(
+                f"Invalid shape of q: expected (*, Hq, head_dim) with 1 <= head_dim <= {PKV_MAX_HEAD_DIM}, "
+                f"got {q.shape}"
+            )
+        if row_elements != pkv_row_bytes(page_format, head_dim):
+            raise ValueError(
+                f"Invalid shape of {pool_name}: expected a last axis of {pkv_row_bytes(page_format, head_dim)} "
+                f"bytes (one {kv_dtype} head row of head_dim={head_dim} values, head_dim from q.shape[2]), "
+                f"got {row_elements}"
+            )
     num_layers = dims[0] if pool_ndim == 6 else 1
     checked = (("page_size", page_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim))
     if pool_ndim == 6:
@@ -664,7 +704,7 @@ cdef _Problem _validate_common(object q, object cache, object layer, object seq_
     p.seq_lens = check_array(view.seq_lens, "page_table(seq_ids).seq_lens", np.int64, (batch_size,))
     p.num_pages = num_pages
     p.pool_layer = pages
-    p.pool_is_f16 = pages.dtype == np.float16
+    p.page_format = page_format
     p.page_size = page_size
     p.num_kv_heads = num_kv_heads
     p.head_dim = head_dim
@@ -736,10 +776,9 @@ cdef void _cap_threads(_Problem p, int64_t query_tiles) noexcept:
     """
     if not p.auto_threads:
         return
-    cdef int64_t itemsize = 2 if p.pool_is_f16 else 4
     # In double: nnz pages (repeats allowed) times a page's bytes can pass 2**63.
-    cdef double work = (<double>cnp.PyArray_DIM(p.indices, 0) * p.page_size * p.num_kv_heads * p.head_dim
-                        * 2 * itemsize * max(query_tiles, 1))
+    cdef double work = (<double>cnp.PyArray_DIM(p.indices, 0) * p.page_size * p.num_kv_heads
+                        * pkv_row_bytes(p.page_format, p.head_dim) * 2 * max(query_tiles, 1))
     cdef double wanted = 1 + work / _BYTES_PER_THREAD
     if wanted < p.num_threads:
         p.num_threads = <int>wanted
@@ -1023,7 +1062,7 @@ cdef int _call_decode(_Problem p, object out, object lse) except -1:
     cdef float* out_ptr = <float*>cnp.PyArray_DATA(out)
     cdef float* lse_ptr = NULL if lse is None else <float*>cnp.PyArray_DATA(lse)
     with nogil:
-        paged_decode(pool, p.pool_is_f16, p.page_size, p.num_kv_heads, p.head_dim,
+        paged_decode(pool, p.page_format, p.page_size, p.num_kv_heads, p.head_dim,
                      p.num_qo_heads, p.batch_size, indptr, indices, positions, seq_lens,
                      p.window, p.sink_tokens, p.chunk_size, p.scale, p.softcap, sink_logits, q,
                      q_sink, out_ptr, lse_ptr, p.num_threads)
@@ -1068,7 +1107,7 @@ cdef int _call_prefill(_Problem p, object qo, object out, object lse) except -1:
     cdef float* out_ptr = <float*>cnp.PyArray_DATA(out)
     cdef float* lse_ptr = NULL if lse is None else <float*>cnp.PyArray_DATA(lse)
     with nogil:
-        paged_prefill(pool, p.pool_is_f16, p.page_size, p.num_kv_heads, p.head_dim,
+        paged_prefill(pool, p.page_format, p.page_size, p.num_kv_heads, p.head_dim,
                       p.num_qo_heads, p.batch_size, indptr, indices, positions, seq_lens, qo_ptr,
                       p.window, p.sink_tokens, p.chunk_size, p.scale, p.softcap, sink_logits, q,
                       q_sink, out_ptr, lse_ptr, p.num_threads)

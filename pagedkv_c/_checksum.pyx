@@ -30,7 +30,7 @@ def page_checksums(kv, page_ids):
 
     Parameters
     ----------
-    kv : numpy.ndarray, float16 or float32, shape ``(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)``
+    kv : numpy.ndarray, float16, float32, uint16 or uint8, shape ``(num_layers, num_pages, 2, page_size, num_kv_heads, row_items)``
         A K/V pool in the layout of ``KVCache.kv`` (index 0 of the third
         axis is K, 1 is V), C-contiguous; read only, so a read-only array or
         a memory map is accepted. ``num_layers`` may be 0.
@@ -87,11 +87,12 @@ def page_checksums(kv, page_ids):
 
 
 cdef cnp.ndarray _checked_pool(object kv, str name):
-    """Check that ``kv`` is a C-contiguous 6-D float16/float32 pool array."""
+    """Check that ``kv`` is a C-contiguous 6-D pool array (float16, float32, or uint16 / uint8 pages of
+    the bfloat16, int8 and int4 formats: checksums read bytes)."""
     if not isinstance(kv, np.ndarray):
         raise TypeError(f"{invalid('type', name)}: expected numpy.ndarray, got {type(kv).__name__}")
-    if kv.dtype != np.float16 and kv.dtype != np.float32:
-        raise TypeError(f"{invalid('dtype', name)}: expected float16 or float32, got {kv.dtype}")
+    if kv.dtype not in (np.float16, np.float32, np.uint16, np.uint8):
+        raise TypeError(f"{invalid('dtype', name)}: expected float16, float32, uint16 or uint8, got {kv.dtype}")
     if kv.ndim != 6 or kv.shape[2] != 2:
         raise ValueError(
             f"{invalid('shape', name)}: expected (num_layers, num_pages, 2, page_size, num_kv_heads, "
@@ -142,7 +143,7 @@ def layer_digests(kv, layer, first, stop, digests, skip=None):
 
     Parameters
     ----------
-    kv : numpy.ndarray, float16 or float32, shape ``(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)``
+    kv : numpy.ndarray, float16, float32, uint16 or uint8, shape ``(num_layers, num_pages, 2, page_size, num_kv_heads, row_items)``
         A C-contiguous K/V pool (read only; a memory map is accepted).
     layer : int
         In ``[0, num_layers - 1]``.

@@ -20,6 +20,7 @@ cdef class KVCache:
     cdef readonly int64_t sink_tokens     # in tokens
     cdef CacheLock _lock                  # serializes every call that reads or changes page tables
     cdef PageStore _store                 # the pool array (K/V bytes) and its layout
+    cdef str _kv_dtype                    # the page format (PAGE_FORMATS)
     cdef PageGroup _group                 # the page tables of group 0 (the only group of a uniform cache)
     cdef list _groups                     # PageGroup per group, [_group] for a uniform cache
     cdef readonly int32_t num_groups      # page groups (1: one attention setting for every layer)
@@ -42,4 +43,5 @@ cdef class KVCache:
     cdef object _append_groups(self, object seq_ids, object counts, int64_t total, bint want_slots, object ids)
     cdef str _groups_out_of_pages_text(self, list tables, object counts, int64_t total, Py_ssize_t batch)
     cdef int _gather_rows(self, int64_t layer, int32_t[::1] page_ids, int64_t[::1] firsts, Py_ssize_t num_pages,
-                          int64_t length, object keys, object values, int64_t[::1] positions) except -1
+                          int64_t length, object keys, object values, int64_t[::1] positions,
+                          int32_t output_kind) except -1

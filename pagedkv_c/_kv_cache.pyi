@@ -18,6 +18,13 @@ from pagedkv_c._seals import BadPage as BadPage, PageCheckReport as PageCheckRep
 _Int: TypeAlias = int | np.integer[Any]
 _IntArray: TypeAlias = Sequence[_Int] | NDArray[np.integer[Any]]
 _FloatArray: TypeAlias = NDArray[np.floating[Any]]
+_KVDtype: TypeAlias = Literal["float32", "float16", "bfloat16", "int8", "int4"]
+
+PAGE_FORMATS: tuple[str, ...]
+ROW_KINDS: tuple[str, ...]
+MAX_QUANTIZED_HEAD_DIM: int
+
+def resolve_kv_dtype(dtype: DTypeLike | None, kv_dtype: _KVDtype | DTypeLike | None) -> str: ...
 
 class _SealedState(TypedDict):
     sealed: NDArray[np.uint8]
@@ -33,7 +40,7 @@ class KVCache:
         head_dim: _Int,
         num_pages: _Int,
         page_size: _Int = 16,
-        dtype: DTypeLike = ...,
+        dtype: DTypeLike | None = None,
         window: _Int | None = None,
         sink_tokens: _Int = 0,
         enable_prefix_caching: bool = False,
@@ -44,9 +51,12 @@ class KVCache:
         kv_events_capacity: _Int = 1048576,
         *,
         layer_attention: Sequence[AttentionSetting | None] | None = None,
+        kv_dtype: _KVDtype | DTypeLike | None = None,
     ) -> Self: ...
     @property
-    def kv(self) -> _FloatArray: ...
+    def kv(self) -> NDArray[Any]: ...
+    @property
+    def kv_dtype(self) -> str: ...
     @property
     def pool(self) -> PagePool: ...
     @property
@@ -62,7 +72,7 @@ class KVCache:
     @property
     def num_pages(self) -> int: ...
     @property
-    def dtype(self) -> np.dtype[np.floating[Any]]: ...
+    def dtype(self) -> np.dtype[Any]: ...
     @property
     def window(self) -> int | None: ...
     @property
@@ -107,8 +117,12 @@ class KVCache:
     @overload
     def append(self, seq_ids: _IntArray, num_tokens: _IntArray, token_ids: _IntArray | None = None,
                *, return_slot_mapping: Literal[False]) -> None: ...
-    def store(self, layer: _Int, slot_mapping: _IntArray, k: ArrayLike, v: ArrayLike) -> None: ...
-    def gather(self, layer: _Int, seq_id: _Int) -> tuple[_FloatArray, _FloatArray, NDArray[np.int64]]: ...
+    def store(
+        self, layer: _Int, slot_mapping: _IntArray, k: ArrayLike, v: ArrayLike, *, bfloat16_bits: bool = False
+    ) -> None: ...
+    def gather(
+        self, layer: _Int, seq_id: _Int, *, dtype: DTypeLike | Literal["bfloat16"] | None = None
+    ) -> tuple[NDArray[Any], NDArray[Any], NDArray[np.int64]]: ...
     def page_table(self, seq_ids: _IntArray, *, group: _Int | None = None) -> PageTableView: ...
     @overload
     def stats(self, *, metrics: Literal[False] = False) -> dict[str, int | float]: ...

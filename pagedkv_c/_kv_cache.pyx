@@ -36,6 +36,7 @@ from pagedkv_c._checks cimport check_bool, check_int, check_index, check_float_a
 from pagedkv_c._checks import check_sink_window
 from pagedkv_c._lock cimport CacheLock
 from pagedkv_c._page_store cimport PageStore, new_page_store, check_layer_bytes
+from pagedkv_c._page_store import PAGE_FORMATS, ROW_KINDS, MAX_QUANTIZED_HEAD_DIM
 from pagedkv_c._page_group cimport PageGroup, new_page_group, seq_key, cached_tokens
 from pagedkv_c._page_group import AttentionSetting, layer_groups, layer_settings
 from pagedkv_c._page_table cimport pages_needed_for
@@ -61,6 +62,74 @@ cdef int64_t MAX_POSITION = 2**62
 cdef int64_t MAX_EXTERNAL_PROMPT_PAGES = 2**24
 
 
+def resolve_kv_dtype(dtype, kv_dtype):
+    """The page format (a name of ``PAGE_FORMATS``) of ``KVCache(dtype=..., kv_dtype=...)``.
+
+    ``kv_dtype`` names the format (a str, or the numpy dtype float16 /
+    float32); ``dtype`` is the older spelling of the float formats. With
+    neither, float16. Raises TypeError (``dtype`` not float16/float32, a
+    ``kv_dtype`` of another type) or ValueError (an unknown format name, or
+    the two arguments disagreeing).
+    """
+    if kv_dtype is None:
+        return "float16" if dtype is None else check_pool_dtype(dtype, "dtype", _SUPPORTED_DTYPES).name
+    if isinstance(kv_dtype, str):
+        name = kv_dtype
+    else:
+        try:
+            name = np.dtype(kv_dtype).name
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"Invalid type of kv_dtype: expected one of {PAGE_FORMATS} (a str), "
+                            f"got {kv_dtype!r}") from exc
+    if name not in PAGE_FORMATS:
+        raise ValueError(f"Invalid value of kv_dtype: expected one of {PAGE_FORMATS}, got {kv_dtype!r}")
+    if dtype is not None and check_pool_dtype(dtype, "dtype", _SUPPORTED_DTYPES).name != name:
+        raise ValueError(f"Invalid value of dtype: {np.dtype(dtype).name} contradicts kv_dtype={name!r}; "
+                         f"give kv_dtype only")
+    return name
+
+
+cdef tuple _rows_to_store(object k, object v, tuple shape, str kv_dtype, bint bfloat16_bits):
+    """K and V rows for ``PageStore.store_rows``: ``(input_kind, keys, values)``, C-contiguous.
+
+    float32 and float16 ndarrays are passed as they are to a pool that encodes
+    (bfloat16, int8, int4) or has their dtype; bfloat16 arrives as uint16 bit
+    patterns (``bfloat16_bits``) or as an ndarray whose dtype is named
+    ``bfloat16`` (ml_dtypes); anything else is converted as *Array arguments*
+    says, to the float pool's dtype or to float32.
+    """
+    cdef list out = []
+    cdef list kinds = []
+    for name, a in (("k", k), ("v", v)):
+        if bfloat16_bits or (isinstance(a, np.ndarray) and a.dtype.name == "bfloat16" and a.dtype.itemsize == 2):
+            if not isinstance(a, np.ndarray) or (bfloat16_bits and a.dtype not in (np.uint16, np.int16)) \
+                    or a.dtype.itemsize != 2:
+                got = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
+                raise TypeError(f"Invalid dtype of {name}: expected uint16 bfloat16 bit patterns "
+                                f"(bfloat16_bits=True), got {got}")
+            if a.shape != shape:
+                raise ValueError(f"Invalid shape of {name}: expected {shape}, got {a.shape}")
+            out.append(np.ascontiguousarray(a).view(np.uint16))
+            kinds.append(2)
+        elif isinstance(a, np.ndarray) and a.dtype in (np.float32, np.float16) \
+                and (kv_dtype not in ("float32", "float16") or a.dtype.name == kv_dtype):
+            out.append(check_float_array(a, name, shape, a.dtype))
+            kinds.append(0 if a.dtype == np.float32 else 1)
+        else:
+            target = np.dtype(kv_dtype) if kv_dtype in ("float32", "float16") else np.dtype(np.float32)
+            out.append(check_float_array(a, name, shape, target))
+            kinds.append(0 if target == np.float32 else 1)
+    if kinds[0] != kinds[1]:  # one element type for both: widen to float32
+        for i in range(2):
+            if kinds[i] == 2:
+                out[i] = (out[i].astype(np.uint32) << 16).view(np.float32)
+            else:
+                out[i] = out[i].astype(np.float32)
+        kinds = [0, 0]
+    return kinds[0], out[0], out[1]
+
+
+
 cdef class KVCache:
     """Paged K/V storage for many sequences and layers, for LLM inference.
 
@@ -76,8 +145,9 @@ cdef class KVCache:
         Pages in the pool, ``>= 1``; one page id covers all layers.
     page_size : int
         Tokens per page, ``>= 1``. Default 16.
-    dtype : numpy dtype
-        float16 (default) or float32.
+    dtype : numpy dtype or None
+        float16 or float32: the older spelling of ``kv_dtype`` for the float
+        formats. None (default): as ``kv_dtype`` says, float16 without it.
     window : int or None
         Sliding window ``W`` in tokens, ``1 <= W <= 2**62``: the query at
         position ``p`` attends to keys ``[p - W + 1, p]`` (FlashInfer
@@ -132,15 +202,23 @@ cdef class KVCache:
         entry per layer, None meaning full attention; needs ``window=None``
         and ``sink_tokens=0``. None (the default): every layer has
         ``window`` and ``sink_tokens``. See *Page groups* below.
+    kv_dtype : str or None, optional
+        Keyword only. The page format: ``"float16"`` (default),
+        ``"float32"``, ``"bfloat16"``, ``"int8"`` or ``"int4"`` (the
+        numpy dtypes float16 / float32 are taken too). See *Page formats*
+        below; int8 and int4 need ``head_dim <= 256``.
 
     Attributes
     ----------
     kv : numpy.ndarray
         The pool, C-contiguous, shape ``(G, num_pages, 2, page_size,
-        num_kv_heads, head_dim)`` with ``G = num_layers`` for a cache with
+        num_kv_heads, row_items)`` with ``G = num_layers`` for a cache with
         one page group (see *Page groups*); ``kv[layer]`` is then
         FlashInfer's NHD paged layout, index 0 of axis 2 is K and 1 is V.
-        :meth:`layer_pages` gives any layer's view.
+        ``row_items = head_dim`` for float32, float16 and bfloat16 pages
+        (uint16 bit patterns), the bytes of a head row for int8 and int4
+        (uint8; see *Page formats*). :meth:`layer_pages` gives any layer's
+        view.
     pool : PagePool
         The page allocator, read-only here (``pool.owner == "KVCache"``):
         ``num_free``, ``ref_count``, ``free_pages`` and ``check_invariants``
@@ -150,8 +228,9 @@ cdef class KVCache:
     Raises
     ------
     TypeError
-        A non-integer size, a dtype other than float16/float32, or a
-        ``tier`` that is not a tier object.
+        A non-integer size, a ``dtype`` other than float16/float32, a
+        ``kv_dtype`` that is not a str or numpy dtype, or a ``tier`` that
+        is not a tier object.
     ValueError
         A size out of range: ``num_layers <= 2**20``, ``num_kv_heads <=
         2**16``, ``head_dim <= 2**16``, ``page_size <= 2**20``, ``num_pages
@@ -161,7 +240,9 @@ cdef class KVCache:
         that are not bools raise TypeError.) ``layer_attention`` of another
         length than ``num_layers``, or given with a ``window`` or sink
         tokens; with more than one page group, ``enable_kv_events`` or a
-        ``tier`` (not supported with per-layer attention settings).
+        ``tier`` (not supported with per-layer attention settings). An
+        unknown ``kv_dtype``, one that contradicts ``dtype``, or int8 / int4
+        with ``head_dim > 256``.
     MemoryError
         The pool array cannot be allocated, or one layer of it (``num_pages
         * 2 * page_size * num_kv_heads * head_dim * itemsize`` bytes) would
@@ -187,6 +268,40 @@ cdef class KVCache:
     :meth:`page_table` needs ``group=``, and KV events, the shared tier and
     :meth:`export_sequence` / :meth:`import_sequence` are refused
     (ValueError: not supported with per-layer attention settings).
+
+    *Page formats* (``kv_dtype``). A page of one layer is
+    ``[2][page_size][num_kv_heads][row]``, K then V, in every format; only
+    the bytes of a head row (one token's ``head_dim`` values of one KV
+    head) differ, and the scales of a quantized row are inside the row
+    (``pagedkv_c/page_formats.h``). So a page stays one unit of bytes for
+    copy-on-write, prefix sharing, seals and checksums, snapshots and the
+    tier, which never look inside it; the format is part of the layout they
+    record, so pages of one format never reach a cache of another.
+
+    - ``float32``, ``float16``: IEEE values (4 and 2 bytes per value).
+    - ``bfloat16``: the upper half of the float32 value, rounded to nearest
+      even (2 bytes per value); the dtype of most released models.
+    - ``int8``: the row quantized symmetrically with one scale: ``head_dim``
+      int8 values in ``[-127, 127]`` and the scale ``max|x| / 127`` rounded
+      up to bfloat16 (``head_dim + 2`` bytes: 51.6% of float16 at
+      ``head_dim`` 64, 50.8% at 128).
+    - ``int4``: the row rotated by a Walsh-Hadamard transform ``R``
+      (orthonormal, over blocks of the largest power of two dividing
+      ``head_dim``, at most 256), in blocks of 32 values, each on llama.cpp's
+      q4_0 grid: levels ``-8 .. 7`` times the block's scale ``f * m / -8``
+      (``m`` the value of largest magnitude), the clip factor ``f`` in
+      ``{1, 0.95, 0.9, 0.85, 0.8, 0.75}`` of least squared error, the scale
+      in bfloat16 (two values per byte, then the scales: ``head_dim / 2 + 2
+      * ceil(head_dim / 32)`` bytes, 28.1% of float16).
+
+    Rotation spreads a channel outlier (keys carry a few) over the block,
+    so the grid of the row fits its values (QuaRot, Ashkboos et al. 2024;
+    llama.cpp rotates its quantized caches the same way); attention scores
+    with ``R q`` and rotates the output back, and :meth:`gather` undoes it.
+    Values are rounded to the nearest integer (ties to even); a row with a
+    NaN or an infinity is stored with a NaN scale and reads back as NaN in
+    every value, never as a finite number. The schemes were chosen by
+    measurement on SmolLM2-135M over 4,096 tokens (docs/page_formats.md).
 
     *Prefix caching with page groups* (vLLM's hybrid KV cache manager).
     Every group indexes its own full pages, registered as they fill, in the
@@ -264,15 +379,18 @@ cdef class KVCache:
     """
 
     def __cinit__(self, num_layers, num_kv_heads, head_dim, num_pages, page_size=16,
-                  dtype=np.float16, window=None, sink_tokens=0, enable_prefix_caching=False,
+                  dtype=None, window=None, sink_tokens=0, enable_prefix_caching=False,
                   prefix_hash="xxh3_128", page_checksums=False, tier=None, enable_kv_events=False,
-                  kv_events_capacity=2**20, *, layer_attention=None):
+                  kv_events_capacity=2**20, *, layer_attention=None, kv_dtype=None):
         self.num_layers = <int32_t>check_int(num_layers, "num_layers", 0, 2**20)
         self.num_kv_heads = <int32_t>check_int(num_kv_heads, "num_kv_heads", 1, 2**16)
         self.head_dim = <int32_t>check_int(head_dim, "head_dim", 1, 2**16)
         self.page_size = <int32_t>check_int(page_size, "page_size", 1, 2**20)
         cdef int64_t pages = check_int(num_pages, "num_pages", 1, 2**31 - 2)
-        np_dtype = check_pool_dtype(dtype, "dtype", _SUPPORTED_DTYPES)
+        self._kv_dtype = resolve_kv_dtype(dtype, kv_dtype)
+        if self._kv_dtype in ("int8", "int4") and self.head_dim > MAX_QUANTIZED_HEAD_DIM:
+            raise ValueError(f"Invalid value of head_dim: {self._kv_dtype} pages take head_dim <= "
+                             f"{MAX_QUANTIZED_HEAD_DIM}, got {self.head_dim}")
         if window is not None:
             check_int(window, "window", 1, MAX_POSITION)
             window = int(window)
@@ -329,11 +447,11 @@ cdef class KVCache:
                         raise ValueError(f"Invalid value of {name}: {feature} is not supported with per-layer "
                                          f"attention settings ({len(groups)} page groups); leave it off")
         self.num_groups = <int32_t>len(groups)
-        check_layer_bytes(pages, self.page_size, self.num_kv_heads, self.head_dim, np_dtype)
+        check_layer_bytes(pages, self.page_size, self.num_kv_heads, self.head_dim, self._kv_dtype)
         self.pool = PagePool(pages)
         self.pool.owner = "KVCache"
         self._store = new_page_store(slots_per_page, pages, self.page_size, self.num_kv_heads, self.head_dim,
-                                     np_dtype)
+                                     self._kv_dtype)
         self._groups = []
         layer_group = [0] * self.num_layers
         layer_slot = [0] * self.num_layers
@@ -367,7 +485,7 @@ cdef class KVCache:
         if tier is not None:
             check_tier(tier, enable_prefix_caching, window)
             self._tier = new_tier_link(tier, self.pool, self._store, self._prefix, self._seals, self._lock,
-                                       np_dtype)
+                                       self._kv_dtype)
 
     # ------------------------------------------------------------ internals
     cdef int _offload_sealed(self) except -1:
@@ -396,8 +514,14 @@ cdef class KVCache:
 
     @property
     def dtype(self):
-        """dtype of the pool (float16 or float32)."""
+        """dtype of the pool array: float16 or float32 for float pages, uint16 for bfloat16
+        (bit patterns), uint8 for int8 and int4 (rows with their scales); see :attr:`kv_dtype`."""
         return self._store.kv.dtype
+
+    @property
+    def kv_dtype(self):
+        """The page format (str): ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"int8"`` or ``"int4"``."""
+        return self._kv_dtype
 
     @property
     def window(self):
@@ -1143,7 +1267,7 @@ cdef class KVCache:
         finally:
             self._lock.leave()
 
-    def store(self, layer, slot_mapping, k, v):
+    def store(self, layer, slot_mapping, k, v, *, bfloat16_bits=False):
         """Scatter K and V of new tokens into their slots (no GIL held while copying).
 
         Parameters
@@ -1159,7 +1283,17 @@ cdef class KVCache:
         k, v : array-like of real numbers, shape ``[T, num_kv_heads, head_dim]``
             float16, float32, float64 or integers, ndarray or nested lists;
             converted to the pool dtype when they differ (see *Array
-            arguments* in the class docstring).
+            arguments* in the class docstring). A cache whose page format
+            encodes (:attr:`kv_dtype` bfloat16, int8, int4) reads float32,
+            float16 and bfloat16 rows as they are and encodes each head
+            row (bfloat16: rounded to nearest even; int8 and int4: see
+            :class:`KVCache`, *Page formats*). bfloat16 rows are an ndarray
+            whose dtype is named ``bfloat16`` (``ml_dtypes``), or uint16
+            bit patterns with ``bfloat16_bits=True``.
+        bfloat16_bits : bool
+            ``k`` and ``v`` are uint16 (or int16) arrays of bfloat16 bit
+            patterns, e.g. ``tensor.view(torch.int16).numpy()`` of a
+            bfloat16 torch tensor (NumPy has no bfloat16 type).
 
         Raises
         ------
@@ -1192,8 +1326,9 @@ cdef class KVCache:
         cdef object slots = as_int_array(slot_mapping, "slot_mapping", np.int64)
         cdef Py_ssize_t num_tokens = slots.shape[0]
         shape = (num_tokens, self.num_kv_heads, self.head_dim)
-        keys = check_float_array(k, "k", shape, self._store.kv.dtype)
-        values = check_float_array(v, "v", shape, self._store.kv.dtype)
+        check_bool(bfloat16_bits, "bfloat16_bits")
+        input_kind, keys, values = _rows_to_store(k, v, shape, self._kv_dtype, bfloat16_bits)
+        cdef int32_t kind = input_kind
         cdef const int64_t* slot_view = <const int64_t*>cnp.PyArray_DATA(slots)
         cdef const char* key_data = <const char*>cnp.PyArray_DATA(keys)
         cdef const char* value_data = <const char*>cnp.PyArray_DATA(values)
@@ -1211,10 +1346,10 @@ cdef class KVCache:
             )
         self._lock.acquire()
         with nogil:  # no Python code runs here, so no finalizer can queue a deferred call
-            self._store.store_rows(slot_index, slot_view, num_tokens, key_data, value_data)
+            self._store.store_rows(slot_index, slot_view, num_tokens, key_data, value_data, kind)
         self._lock.leave()
 
-    def gather(self, layer, seq_id):
+    def gather(self, layer, seq_id, *, dtype=None):
         """Copy out the cached tokens of one sequence in position order.
 
         Parameters
@@ -1222,11 +1357,17 @@ cdef class KVCache:
         layer : int
             Layer index, ``0 <= layer < num_layers``.
         seq_id : int
+        dtype : numpy dtype or "bfloat16", optional
+            Element type of the rows returned: float32, float16, or
+            ``"bfloat16"`` (uint16 bit patterns). Default: the pool's dtype
+            for float16 and float32 pages, float32 for the other formats,
+            whose rows are decoded (int8 and int4: dequantized, and the
+            rotation of a rotated format undone).
 
         Returns
         -------
         k, v : numpy.ndarray
-            Pool dtype, shape ``[n, num_kv_heads, head_dim]``: the rows the
+            ``dtype``, shape ``[n, num_kv_heads, head_dim]``: the rows the
             layer's page group holds (keys its window released are gone).
         positions : numpy.ndarray
             int64, shape ``[n]``: the token position of each row, increasing.
@@ -1237,8 +1378,18 @@ cdef class KVCache:
             ``layer`` out of range.
         KeyError
             Unknown ``seq_id``.
+        TypeError
+            ``dtype`` not float32, float16 or "bfloat16".
         """
         cdef int64_t layer_index = check_index(layer, "layer", self.num_layers)
+        cdef int32_t output_kind
+        if dtype is None:
+            output_kind = ROW_KINDS.index(self._kv_dtype) if self._kv_dtype in ("float32", "float16") else 0
+        elif isinstance(dtype, str) and dtype == "bfloat16":
+            output_kind = 2
+        else:
+            output_kind = 0 if check_pool_dtype(dtype, "dtype", _SUPPORTED_DTYPES) == np.float32 else 1
+        out_dtype = (np.float32, np.float16, np.uint16)[output_kind]
         cdef PageTable table
         cdef Py_ssize_t num_pages, n
         cdef PageGroup group = self._group
@@ -1254,16 +1405,18 @@ cdef class KVCache:
             firsts = np.empty(num_pages, dtype=np.int64)
             table.export(<page_id_t*>cnp.PyArray_DATA(page_ids), <pos_t*>cnp.PyArray_DATA(firsts))
             shape = (n, self.num_kv_heads, self.head_dim)
-            keys = np.empty(shape, dtype=self._store.kv.dtype)
-            values = np.empty(shape, dtype=self._store.kv.dtype)
+            keys = np.empty(shape, dtype=out_dtype)
+            values = np.empty(shape, dtype=out_dtype)
             positions = np.empty(n, dtype=np.int64)
-            self._gather_rows(layer_index, page_ids, firsts, num_pages, table.length, keys, values, positions)
+            self._gather_rows(layer_index, page_ids, firsts, num_pages, table.length, keys, values, positions,
+                              output_kind)
         finally:
             self._lock.leave()
         return keys, values, positions
 
     cdef int _gather_rows(self, int64_t layer, int32_t[::1] page_ids, int64_t[::1] firsts, Py_ssize_t num_pages,
-                          int64_t length, object keys, object values, int64_t[::1] positions) except -1:
+                          int64_t length, object keys, object values, int64_t[::1] positions,
+                          int32_t output_kind) except -1:
         """Run the store's gather loop without the GIL over the arrays gather made (``num_pages >= 0`` of them)."""
         cdef char* key_out = <char*>cnp.PyArray_DATA(keys)
         cdef char* value_out = <char*>cnp.PyArray_DATA(values)
@@ -1271,7 +1424,7 @@ cdef class KVCache:
             return 0
         with nogil:
             self._store.gather_rows(layer, &page_ids[0], &firsts[0], num_pages, length, key_out, value_out,
-                                    &positions[0])
+                                    &positions[0], output_kind)
         return 0
 
     def page_table(self, seq_ids, *, group=None):
@@ -1564,11 +1717,11 @@ cdef class KVCache:
         if self._layer_attention is not None:
             return (f"KVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
                     f"head_dim={self.head_dim}, num_pages={self.pool.num_pages}, page_size={self.page_size}, "
-                    f"dtype={self._store.kv.dtype}, num_groups={self.num_groups}, "
+                    f"kv_dtype={self._kv_dtype!r}, num_groups={self.num_groups}, "
                     f"layer_attention={list(self._layer_attention)})")
         return (f"KVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, num_pages={self.pool.num_pages}, page_size={self.page_size}, "
-                f"dtype={self._store.kv.dtype}, window={self._window}, sink_tokens={self.sink_tokens})")
+                f"kv_dtype={self._kv_dtype!r}, window={self._window}, sink_tokens={self.sink_tokens})")
 
     # -------------------------------------------------------------- snapshots
     def save(self, path):
@@ -1720,7 +1873,7 @@ cdef class KVCache:
         return {
             "num_layers": int(self.num_layers), "num_kv_heads": int(self.num_kv_heads),
             "head_dim": int(self.head_dim), "num_pages": int(self.pool.num_pages),
-            "page_size": int(self.page_size), "dtype": str(self._store.kv.dtype),
+            "page_size": int(self.page_size), "dtype": self._kv_dtype,
             "window": -1 if self._window is None or self._layer_attention is not None else int(self._window),
             "sink_tokens": int(self.sink_tokens) if self._layer_attention is None else 0,
             "prefix_caching": int(self._prefix is not None),

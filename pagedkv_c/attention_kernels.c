@@ -8,6 +8,7 @@
  * 8-lane loops compilers auto-vectorize.
  */
 #include "attention_kernels.h"
+#include "page_formats.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -51,7 +52,45 @@
 int64_t pkv_scratch_floats(int64_t max_rows, int64_t head_dim)
 {
     const int64_t dim_pad = (head_dim + 15) / 16 * 16;
-    return 3 * max_rows * dim_pad + max_rows * PKV_CHUNK_TOKENS + 2 * max_rows;
+    /* qs, acc, qs_sink; s; m, l; quantized q and q_sink with their factors */
+    return 3 * max_rows * dim_pad + max_rows * PKV_CHUNK_TOKENS + 2 * max_rows +
+           2 * max_rows * (dim_pad / 4 + 1);
+}
+
+/* Quantize one query row of D values for integer scores (llama.cpp quantizes
+ * the query to its key type the same way): levels rint(q_i / d) in [-127,
+ * 127] with d = max |q_i| / 127 in float32 (q_i / d computed as q_i * (1 / d)),
+ * stored as level + 128 in out[0 .. D); returns d (0 for a zero row). NaN
+ * when the row holds an inf or NaN, or 1 / d overflows: the row is then
+ * scored in float. */
+static inline float pkv_quantize_query(const float *q, int64_t D, int64_t dim_pad, uint8_t *out)
+{
+    float amax = 0.0f;
+    int64_t i;
+    for (i = 0; i < D; i++) {
+        const float a = fabsf(q[i]);
+        if (!(a <= 3.4028234663852886e38f))
+            return NAN;
+        if (a > amax)
+            amax = a;
+    }
+    const float d = amax / 127.0f;
+    if (d == 0.0f) {
+        memset(out, 128, (size_t)dim_pad);
+        return 0.0f;
+    }
+    const float inv = 1.0f / d;
+    if (!(inv <= 3.4028234663852886e38f))
+        return NAN;
+    for (i = 0; i < D; i++) {
+        float r = rintf(q[i] * inv);
+        if (r > 127.0f) r = 127.0f;
+        if (r < -127.0f) r = -127.0f;
+        out[i] = (uint8_t)((int32_t)r + 128);
+    }
+    for (; i < dim_pad; i++)
+        out[i] = 128;
+    return d;
 }
 
 /* ------------------------------------------------------- split decode merge */
@@ -97,6 +136,8 @@ void pkv_merge_partitions(const pkv_attention_args *a, int64_t token, int64_t he
         }
         total += exp2(sink - max_score);
         for (d = 0; d < D; d++) out[d] = (float)(acc[d] / total);
+        if (PKV_FORMAT_ROTATED(a->format))
+            pkv_rotate(out, D);
         if (a->lse != NULL)
             a->lse[token * Hq + head] = (float)((max_score + log2(total)) * 0.6931471805599453);
         return;
@@ -125,6 +166,8 @@ void pkv_merge_partitions(const pkv_attention_args *a, int64_t token, int64_t he
         for (d = 0; d < D; d++) acc[d] += (double)part[d] * w;
     }
     for (d = 0; d < D; d++) out[d] = (float)(acc[d] / total);
+    if (PKV_FORMAT_ROTATED(a->format))
+        pkv_rotate(out, D); /* the partitions summed R v */
     if (a->lse != NULL)
         a->lse[token * Hq + head] = (float)((max_score + log2(total)) * 0.6931471805599453);
 }
@@ -208,6 +251,36 @@ static inline pkv_v8 v8_load_f16(const uint16_t *p)
     pkv_v8 r;
     int i;
     for (i = 0; i < 8; i++) r.v[i] = pkv_h2f(p[i]);
+    return r;
+}
+static inline pkv_v8 v8_load_bf16(const uint16_t *p)
+{
+    pkv_v8 r;
+    int i;
+    for (i = 0; i < 8; i++) r.v[i] = pkv_fmt_bf2f(p[i]);
+    return r;
+}
+static inline pkv_v8 v8_load_int8(const uint8_t *row, int64_t d, int64_t dim)
+{
+    const float scale = pkv_int8_scale(row, dim);
+    pkv_v8 r;
+    int i;
+    for (i = 0; i < 8; i++) r.v[i] = scale * (float)pkv_int8_level(row, d + i);
+    return r;
+}
+static inline pkv_v8 v8_load_int8_levels(const uint8_t *row)
+{
+    pkv_v8 r;
+    int i;
+    for (i = 0; i < 8; i++) r.v[i] = (float)pkv_int8_level(row, i);
+    return r;
+}
+static inline pkv_v8 v8_load_int4(const uint8_t *row, int64_t d, int64_t dim)
+{
+    const float scale = pkv_int4_scale(row, dim, d); /* d .. d + 7 share a block */
+    pkv_v8 r;
+    int i;
+    for (i = 0; i < 8; i++) r.v[i] = scale * (float)pkv_int4_level(row, d + i);
     return r;
 }
 static inline pkv_v8 v8_add(pkv_v8 a, pkv_v8 b)
@@ -315,6 +388,47 @@ PKV_TANH_ARRAY(scalar)
 #undef KV_TO_F
 #undef KV_CHUNK
 #undef VLOAD_KV
+
+#define PKV_SUFFIX scalar_bf16
+#define KV_T uint16_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_TO_F(x) pkv_fmt_bf2f(x)
+#define VLOAD_KV(p) v8_load_bf16(p)
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_TO_F
+#undef KV_CHUNK
+#undef VLOAD_KV
+
+#define PKV_SUFFIX scalar_int8
+#define KV_T uint8_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_ROW(D) ((D) + 2)
+#define KV_LOAD(row, d) v8_load_int8((row), (d), dim)
+#define KV_VSCALE(row) pkv_int8_scale((row), dim)
+#define KV_VLOAD(row, d) v8_load_int8_levels((row) + (d))
+#define KV_VGET(row, d) ((float)pkv_int8_level((row), (d)))
+#define KV_GET(row, d) (pkv_int8_scale((row), dim) * (float)pkv_int8_level((row), (d)))
+#define KV_ADDR(row, d) ((row) + (d))
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_CHUNK
+
+#define PKV_SUFFIX scalar_int4
+#define KV_T uint8_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_ROW(D) pkv_row_bytes(PKV_FORMAT_INT4, (D))
+#define KV_LOAD(row, d) v8_load_int4((row), (d), dim)
+#define KV_GET(row, d) (pkv_int4_scale((row), dim, (d)) * (float)pkv_int4_level((row), (d)))
+#define KV_ADDR(row, d) ((row) + (d) / 2)
+#define KV_LINE_ELEMS 128
+#define KV_ROTATED 1
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_CHUNK
 
 #undef PKV_TARGET
 #undef vf
@@ -431,6 +545,38 @@ PKV_AVX2 static inline void pkv_hsum8_avx2(__m256 a0, __m256 a1, __m256 a2, __m2
                                               pkv_sum4_lanes_avx2(a4, a5, a6, a7)));
 }
 
+/* bfloat16 -> float32: the 16 bits move to the top of the word. */
+PKV_AVX2 static inline __m256 pkv_bf16_avx2(const uint16_t *p)
+{
+    const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+PKV_AVX2 static inline __m256 pkv_int8_levels_avx2(const uint8_t *p)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)p)));
+}
+PKV_AVX2 static inline __m256 pkv_int8_avx2(const uint8_t *row, int64_t d, int64_t dim)
+{
+    return _mm256_mul_ps(pkv_int8_levels_avx2(row + d), _mm256_set1_ps(pkv_int8_scale(row, dim)));
+}
+/* The int4 levels of values d .. d + 15 as 16 bytes in value order (value 2j
+ * in the low nibble of byte j): the SIMD twin of pkv_int4_level. */
+PKV_AVX2 static inline __m128i pkv_int4_levels16(__m128i packed)
+{
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(packed, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    return _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8(8));
+}
+PKV_AVX2 static inline __m256 pkv_int4_avx2(const uint8_t *row, int64_t d, int64_t dim)
+{
+    int32_t w;
+    memcpy(&w, row + d / 2, 4);
+    const __m128i q = pkv_int4_levels16(_mm_cvtsi32_si128(w));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                         _mm256_set1_ps(pkv_int4_scale(row, dim, d)));
+}
+
 #define PKV_TARGET PKV_AVX2
 #define vf __m256
 #define VW 8
@@ -476,6 +622,47 @@ PKV_TANH_ARRAY(avx2)
 #undef KV_TO_F
 #undef KV_CHUNK
 #undef VLOAD_KV
+
+#define PKV_SUFFIX avx2_bf16
+#define KV_T uint16_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_TO_F(x) pkv_fmt_bf2f(x)
+#define VLOAD_KV(p) pkv_bf16_avx2(p)
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_TO_F
+#undef KV_CHUNK
+#undef VLOAD_KV
+
+#define PKV_SUFFIX avx2_int8
+#define KV_T uint8_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_ROW(D) ((D) + 2)
+#define KV_LOAD(row, d) pkv_int8_avx2((row), (d), dim)
+#define KV_VSCALE(row) pkv_int8_scale((row), dim)
+#define KV_VLOAD(row, d) pkv_int8_levels_avx2((row) + (d))
+#define KV_VGET(row, d) ((float)pkv_int8_level((row), (d)))
+#define KV_GET(row, d) (pkv_int8_scale((row), dim) * (float)pkv_int8_level((row), (d)))
+#define KV_ADDR(row, d) ((row) + (d))
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_CHUNK
+
+#define PKV_SUFFIX avx2_int4
+#define KV_T uint8_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_ROW(D) pkv_row_bytes(PKV_FORMAT_INT4, (D))
+#define KV_LOAD(row, d) pkv_int4_avx2((row), (d), dim)
+#define KV_GET(row, d) (pkv_int4_scale((row), dim, (d)) * (float)pkv_int4_level((row), (d)))
+#define KV_ADDR(row, d) ((row) + (d) / 2)
+#define KV_LINE_ELEMS 128
+#define KV_ROTATED 1
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_CHUNK
 
 #undef PKV_TARGET
 #undef vf
@@ -614,6 +801,31 @@ PKV_AVX512 static inline void pkv_hsum8_avx512(__m512 a0, __m512 a1, __m512 a2, 
         _mm_storeu_ps((s) + 3 * (stride), _mm256_extractf128_ps(r23_, 1));                  \
     } while (0)
 
+PKV_AVX512 static inline __m512 pkv_bf16_avx512(const uint16_t *p)
+{
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+PKV_AVX512 static inline __m256 pkv_bf16_avx512_256(const uint16_t *p)
+{
+    const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+PKV_AVX512 static inline __m512 pkv_int8_levels_avx512(const uint8_t *p)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)p)));
+}
+PKV_AVX512 static inline __m512 pkv_int8_avx512(const uint8_t *row, int64_t d, int64_t dim)
+{
+    return _mm512_mul_ps(pkv_int8_levels_avx512(row + d), _mm512_set1_ps(pkv_int8_scale(row, dim)));
+}
+PKV_AVX512 static inline __m512 pkv_int4_avx512(const uint8_t *row, int64_t d, int64_t dim)
+{
+    const __m128i q = pkv_int4_levels16(_mm_loadl_epi64((const __m128i *)(const void *)(row + d / 2)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
+                         _mm512_set1_ps(pkv_int4_scale(row, dim, d)));
+}
+
 #define PKV_TARGET PKV_AVX512
 #define vf __m512
 #define VW 16
@@ -658,7 +870,7 @@ PKV_TANH_ARRAY(avx512)
 #define SW 8
 #define SZERO() _mm256_setzero_ps()
 #define SLOAD(p) _mm256_loadu_ps(p)
-#define SLOAD_KV(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p)))
+#define KV_SLOAD(row, d) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)((row) + (d))))
 #define SFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define SKEEP(v) __asm__("" : "+v"(v))
 #define SHSUM4X4 PKV_HSUM4X4_YMM
@@ -673,6 +885,181 @@ PKV_TANH_ARRAY(avx512)
 #undef KV_TO_F
 #undef KV_CHUNK
 #undef VLOAD_KV
+
+/* bfloat16 pools: the float16 scheme, with the shift for the conversion. */
+#define sf __m256
+#define SW 8
+#define SZERO() _mm256_setzero_ps()
+#define SLOAD(p) _mm256_loadu_ps(p)
+#define KV_SLOAD(row, d) pkv_bf16_avx512_256((row) + (d))
+#define SFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define SKEEP(v) __asm__("" : "+v"(v))
+#define SHSUM4X4 PKV_HSUM4X4_YMM
+#define PKV_SUFFIX avx512_bf16
+#define KV_T uint16_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_TO_F(x) pkv_fmt_bf2f(x)
+#define VLOAD_KV(p) pkv_bf16_avx512(p)
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_TO_F
+#undef KV_CHUNK
+#undef VLOAD_KV
+
+#define PKV_SUFFIX avx512_int8
+#define KV_T uint8_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_ROW(D) ((D) + 2)
+#define KV_LOAD(row, d) pkv_int8_avx512((row), (d), dim)
+#define KV_VSCALE(row) pkv_int8_scale((row), dim)
+#define KV_VLOAD(row, d) pkv_int8_levels_avx512((row) + (d))
+#define KV_VGET(row, d) ((float)pkv_int8_level((row), (d)))
+#define KV_GET(row, d) (pkv_int8_scale((row), dim) * (float)pkv_int8_level((row), (d)))
+#define KV_ADDR(row, d) ((row) + (d))
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_CHUNK
+
+/* int8 scores with AVX-512 VNNI: vpdpbusd multiplies unsigned by signed
+ * bytes, so the query is stored as level + 128 and 128 * sum(k) (one more
+ * vpdpbusd per key vector, shared by the query rows) taken off. Every lane
+ * sum is an exact integer below 2**24 (at most 4 * 256 / 64 * 255 * 128 per
+ * lane, 256 * 127 * 127 in all), so the float horizontal sums are exact.
+ * Bytes past head_dim are masked out of both loads. */
+#define PKV_AVX512VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni,avx2,fma,f16c")))
+
+PKV_AVX512VNNI static inline __mmask32 pkv_bytes_mask(int64_t left)
+{
+    return left >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << left) - 1);
+}
+
+/* 256-bit vectors, as for float16 scores: Zen 4 splits 512-bit operations in
+ * two, and the horizontal sums, which cost more here than the dot products,
+ * halve. */
+PKV_AVX512VNNI static inline void pkv_dot_i8_4x4_vnni(const uint8_t *qb, int64_t q_stride,
+                                                      const uint8_t *const *k,
+                                                      const uint8_t *const *pf, int64_t dim,
+                                                      float *s, int64_t s_stride)
+{
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256i a00 = _mm256_setzero_si256(), a01 = a00, a02 = a00, a03 = a00;
+    __m256i a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    __m256i a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+    __m256i a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+    __m256i k0s = a00, k1s = a00, k2s = a00, k3s = a00;
+    int64_t d;
+    for (d = 0; d < dim; d += 32) {
+        const __mmask32 m = pkv_bytes_mask(dim - d);
+        if (pf != NULL && (d & 63) == 0) {
+            PKV_PREFETCH(pf[0] + d); PKV_PREFETCH(pf[1] + d);
+            PKV_PREFETCH(pf[2] + d); PKV_PREFETCH(pf[3] + d);
+        }
+        const __m256i x0 = _mm256_maskz_loadu_epi8(m, k[0] + d), x1 = _mm256_maskz_loadu_epi8(m, k[1] + d);
+        const __m256i x2 = _mm256_maskz_loadu_epi8(m, k[2] + d), x3 = _mm256_maskz_loadu_epi8(m, k[3] + d);
+        k0s = _mm256_dpbusd_epi32(k0s, ones, x0); k1s = _mm256_dpbusd_epi32(k1s, ones, x1);
+        k2s = _mm256_dpbusd_epi32(k2s, ones, x2); k3s = _mm256_dpbusd_epi32(k3s, ones, x3);
+        __m256i w = _mm256_maskz_loadu_epi8(m, qb + d);
+        a00 = _mm256_dpbusd_epi32(a00, w, x0); a01 = _mm256_dpbusd_epi32(a01, w, x1);
+        a02 = _mm256_dpbusd_epi32(a02, w, x2); a03 = _mm256_dpbusd_epi32(a03, w, x3);
+        w = _mm256_maskz_loadu_epi8(m, qb + q_stride + d);
+        a10 = _mm256_dpbusd_epi32(a10, w, x0); a11 = _mm256_dpbusd_epi32(a11, w, x1);
+        a12 = _mm256_dpbusd_epi32(a12, w, x2); a13 = _mm256_dpbusd_epi32(a13, w, x3);
+        w = _mm256_maskz_loadu_epi8(m, qb + 2 * q_stride + d);
+        a20 = _mm256_dpbusd_epi32(a20, w, x0); a21 = _mm256_dpbusd_epi32(a21, w, x1);
+        a22 = _mm256_dpbusd_epi32(a22, w, x2); a23 = _mm256_dpbusd_epi32(a23, w, x3);
+        w = _mm256_maskz_loadu_epi8(m, qb + 3 * q_stride + d);
+        a30 = _mm256_dpbusd_epi32(a30, w, x0); a31 = _mm256_dpbusd_epi32(a31, w, x1);
+        a32 = _mm256_dpbusd_epi32(a32, w, x2); a33 = _mm256_dpbusd_epi32(a33, w, x3);
+    }
+    if (pf != NULL) {
+        /* the line holding the scale, past the values */
+        PKV_PREFETCH(pf[0] + dim + 1); PKV_PREFETCH(pf[1] + dim + 1);
+        PKV_PREFETCH(pf[2] + dim + 1); PKV_PREFETCH(pf[3] + dim + 1);
+    }
+#define PKV_I8F(a) _mm256_cvtepi32_ps(a)
+    PKV_HSUM4X4_YMM(PKV_I8F(a00), PKV_I8F(a01), PKV_I8F(a02), PKV_I8F(a03),
+                    PKV_I8F(a10), PKV_I8F(a11), PKV_I8F(a12), PKV_I8F(a13),
+                    PKV_I8F(a20), PKV_I8F(a21), PKV_I8F(a22), PKV_I8F(a23),
+                    PKV_I8F(a30), PKV_I8F(a31), PKV_I8F(a32), PKV_I8F(a33), s, s_stride);
+    /* 128 * sum(k) of the 4 keys, taken off each row's 4 sums */
+    const __m256 u = pkv_sum4_lanes_avx2(PKV_I8F(k0s), PKV_I8F(k1s), PKV_I8F(k2s), PKV_I8F(k3s));
+    const __m128 kc = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)),
+                                 _mm_set1_ps(128.0f));
+#undef PKV_I8F
+    _mm_storeu_ps(s, _mm_sub_ps(_mm_loadu_ps(s), kc));
+    _mm_storeu_ps(s + s_stride, _mm_sub_ps(_mm_loadu_ps(s + s_stride), kc));
+    _mm_storeu_ps(s + 2 * s_stride, _mm_sub_ps(_mm_loadu_ps(s + 2 * s_stride), kc));
+    _mm_storeu_ps(s + 3 * s_stride, _mm_sub_ps(_mm_loadu_ps(s + 3 * s_stride), kc));
+}
+
+PKV_AVX512VNNI static inline void pkv_dot_i8_1x4_vnni(const uint8_t *qb, const uint8_t *const *k,
+                                                      int64_t dim, float *s)
+{
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    __m256i k0s = a0, k1s = a0, k2s = a0, k3s = a0;
+    int64_t d;
+    for (d = 0; d < dim; d += 32) {
+        const __mmask32 m = pkv_bytes_mask(dim - d);
+        const __m256i x0 = _mm256_maskz_loadu_epi8(m, k[0] + d), x1 = _mm256_maskz_loadu_epi8(m, k[1] + d);
+        const __m256i x2 = _mm256_maskz_loadu_epi8(m, k[2] + d), x3 = _mm256_maskz_loadu_epi8(m, k[3] + d);
+        const __m256i w = _mm256_maskz_loadu_epi8(m, qb + d);
+        k0s = _mm256_dpbusd_epi32(k0s, ones, x0); k1s = _mm256_dpbusd_epi32(k1s, ones, x1);
+        k2s = _mm256_dpbusd_epi32(k2s, ones, x2); k3s = _mm256_dpbusd_epi32(k3s, ones, x3);
+        a0 = _mm256_dpbusd_epi32(a0, w, x0); a1 = _mm256_dpbusd_epi32(a1, w, x1);
+        a2 = _mm256_dpbusd_epi32(a2, w, x2); a3 = _mm256_dpbusd_epi32(a3, w, x3);
+    }
+    /* integer lane sums: exact, and below 2**24 */
+    const __m256 u = pkv_sum4_lanes_avx2(
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(a0, _mm256_slli_epi32(k0s, 7))),
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(a1, _mm256_slli_epi32(k1s, 7))),
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(a2, _mm256_slli_epi32(k2s, 7))),
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(a3, _mm256_slli_epi32(k3s, 7))));
+    _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+}
+
+#undef PKV_TARGET
+#define PKV_TARGET PKV_AVX512VNNI
+#define PKV_SUFFIX avx512vnni_int8
+#define KV_T uint8_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_ROW(D) ((D) + 2)
+#define KV_LOAD(row, d) pkv_int8_avx512((row), (d), dim)
+#define KV_VSCALE(row) pkv_int8_scale((row), dim)
+#define KV_VLOAD(row, d) pkv_int8_levels_avx512((row) + (d))
+#define KV_VGET(row, d) ((float)pkv_int8_level((row), (d)))
+#define KV_GET(row, d) (pkv_int8_scale((row), dim) * (float)pkv_int8_level((row), (d)))
+#define KV_ADDR(row, d) ((row) + (d))
+#define KV_INT_DOT 1
+#define KV_INT_DOT_4X4(qb, q_stride, k, pf, dim, s, s_stride) \
+    pkv_dot_i8_4x4_vnni((qb), (q_stride), (k), (pf), (dim), (s), (s_stride))
+#define KV_INT_DOT_1X4(qb, k, dim, s) pkv_dot_i8_1x4_vnni((qb), (k), (dim), (s))
+#define KV_KSCALE(row) pkv_int8_scale((row), dim)
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_CHUNK
+#undef KV_INT_DOT_4X4
+#undef KV_INT_DOT_1X4
+#undef KV_KSCALE
+#undef PKV_TARGET
+#define PKV_TARGET PKV_AVX512
+
+#define PKV_SUFFIX avx512_int4
+#define KV_T uint8_t
+#define KV_CHUNK PKV_CHUNK_TOKENS
+#define KV_ROW(D) pkv_row_bytes(PKV_FORMAT_INT4, (D))
+#define KV_LOAD(row, d) pkv_int4_avx512((row), (d), dim)
+#define KV_GET(row, d) (pkv_int4_scale((row), dim, (d)) * (float)pkv_int4_level((row), (d)))
+#define KV_ADDR(row, d) ((row) + (d) / 2)
+#define KV_LINE_ELEMS 128
+#define KV_ROTATED 1
+#include "attention_kernels_body.h"
+#undef PKV_SUFFIX
+#undef KV_T
+#undef KV_CHUNK
 
 #undef PKV_TARGET
 #undef vf
@@ -731,6 +1118,28 @@ int pkv_isa_available(pkv_isa isa)
     }
 }
 
+#if PKV_X86_DISPATCH
+/* AVX-512 VNNI (and BW, for the byte masks) for the integer int8 scores. */
+static int pkv_int8_vnni_available(void)
+{
+#ifdef PKV_INT8_FLOAT_SCORES /* measurement switch: the float-conversion scores */
+    return 0;
+#endif
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
+#endif
+
+int pkv_int8_integer_scores(pkv_isa isa)
+{
+#if PKV_X86_DISPATCH
+    return isa == PKV_ISA_AVX512 && pkv_int8_vnni_available();
+#else
+    (void)isa;
+    return 0;
+#endif
+}
+
 pkv_isa pkv_best_isa(void)
 {
     if (pkv_isa_available(PKV_ISA_AVX512))
@@ -768,16 +1177,25 @@ void pkv_tanh_array(pkv_isa isa, const float *x, float *y, int64_t n)
     }
 }
 
-pkv_item_kernel pkv_get_kernel(pkv_isa isa, int pool_is_f16)
+#define PKV_KERNEL_OF_FORMAT(path, format)                              \
+    ((format) == PKV_FORMAT_F16    ? attend_item_##path##_f16        \
+     : (format) == PKV_FORMAT_BF16 ? attend_item_##path##_bf16       \
+     : (format) == PKV_FORMAT_INT8 ? attend_item_##path##_int8       \
+     : (format) == PKV_FORMAT_INT4 ? attend_item_##path##_int4       \
+                                   : attend_item_##path##_f32)
+
+pkv_item_kernel pkv_get_kernel(pkv_isa isa, int format)
 {
     switch (isa) {
 #if PKV_X86_DISPATCH
     case PKV_ISA_AVX512:
-        return pool_is_f16 ? attend_item_avx512_f16 : attend_item_avx512_f32;
+        if (format == PKV_FORMAT_INT8 && pkv_int8_vnni_available())
+            return attend_item_avx512vnni_int8;
+        return PKV_KERNEL_OF_FORMAT(avx512, format);
     case PKV_ISA_AVX2:
-        return pool_is_f16 ? attend_item_avx2_f16 : attend_item_avx2_f32;
+        return PKV_KERNEL_OF_FORMAT(avx2, format);
 #endif
     default:
-        return pool_is_f16 ? attend_item_scalar_f16 : attend_item_scalar_f32;
+        return PKV_KERNEL_OF_FORMAT(scalar, format);
     }
 }

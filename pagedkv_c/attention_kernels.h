@@ -8,7 +8,12 @@
  *
  * Pool layout (FlashInfer's NHD paged layout, one layer):
  *   pool[num_pages][2][page_size][num_kv_heads][head_dim], index 0 of axis 1
- *   is K, 1 is V; float32 or IEEE float16 (stored as uint16_t).
+ *   is K, 1 is V. A head row is head_dim values in one of the page formats of
+ *   page_formats.h: float32, IEEE float16 or bfloat16 (uint16_t), or int8 /
+ *   int4 rows of pkv_row_bytes bytes with their scales. Quantized rows are
+ *   decoded in registers (value = scale * level, the float32 product of the
+ *   decoder); int4 rows hold R x, so the query is rotated once and the
+ *   output rotated back.
  *
  * Mask: the query at position p attends to the cached key at position k iff
  *   k <= p and (window <= 0 or k >= p - window + 1 or k < sink_tokens)
@@ -61,7 +66,7 @@ typedef enum {
 /* Everything a work item reads, shared by all items of one call. */
 typedef struct {
     const void *pool;              /* pool of one layer, layout above */
-    int32_t pool_is_f16;           /* 1: float16 pool, 0: float32 pool */
+    int32_t format;                /* pkv_format of page_formats.h */
     int64_t page_size;             /* tokens per page */
     int64_t num_kv_heads;          /* Hkv */
     int64_t head_dim;              /* D, 1 <= D <= PKV_MAX_HEAD_DIM */
@@ -144,10 +149,13 @@ void pkv_merge_partitions(const pkv_attention_args *args, int64_t token, int64_t
 pkv_isa pkv_best_isa(void);
 /* 1 if this CPU and build can run the path. */
 int pkv_isa_available(pkv_isa isa);
+/* 1 if the path scores int8 pages with integer dot products against the
+ * query quantized per row to int8 (AVX-512 VNNI), 0 if in float32. */
+int pkv_int8_integer_scores(pkv_isa isa);
 /* Short lower-case name: "scalar", "avx2", "avx512". */
 const char *pkv_isa_name(pkv_isa isa);
-/* Item kernel of a path for a pool dtype (path must be available). */
-pkv_item_kernel pkv_get_kernel(pkv_isa isa, int pool_is_f16);
+/* Item kernel of a path for a page format (pkv_format; path must be available). */
+pkv_item_kernel pkv_get_kernel(pkv_isa isa, int format);
 
 /* y[i] = tanh(x[i]) as the path's kernels compute it for the softcap (tests). */
 void pkv_tanh_array(pkv_isa isa, const float *x, float *y, int64_t n);

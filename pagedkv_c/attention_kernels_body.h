@@ -6,6 +6,24 @@
  *   PKV_SUFFIX   name suffix, e.g. avx2_f16
  *   KV_T         pool element type (float or uint16_t)
  *   KV_TO_F(x)   one pool element -> float
+ * and optionally, for rows that are not D plain elements (page_formats.h):
+ *   KV_ROW(D)    pool elements (KV_T) per head row; default D
+ *   KV_LOAD(row, d) KV_SLOAD(row, d)  VW (SW) float values d, d + 1, ... of
+ *                the head row at row (d a multiple of the width), decoded
+ *                with their scale; may read the variable dim (head_dim)
+ *   KV_GET(row, d)  value d of the row as float, decoded the same way
+ *   KV_ADDR(row, d) address holding value d (prefetch)
+ *   KV_VSCALE(row)  optional: the one scale of a V row, folded into p; then
+ *                KV_VLOAD(row, d) and KV_VGET(row, d) read V values without it
+ *   KV_LINE_ELEMS   values per 64-byte line
+ *   KV_ROTATED   1: rows hold R x (page_formats.h): q is rotated once and
+ *                the output rotated back; default 0
+ *   KV_INT_DOT   1: int8 rows scored with integer dot products against the
+ *                query quantized per row (pkv_quantize_query), with
+ *                KV_INT_DOT_4X4(qb, q_stride, k, pf, dim, s, s_stride) and
+ *                KV_INT_DOT_1X4(qb, k, dim, s): exact integer sums, as float,
+ *                of 4 (or 1) quantized rows against the 4 key rows k[0..3];
+ *                KV_KSCALE(row) the key row's scale; default 0
  *   KV_CHUNK     tokens per chunk (<= PKV_CHUNK_TOKENS, a multiple of 16):
  *                smaller for float32, whose rows are twice as many bytes
  *   vf, VW       vector type of VW float32 lanes
@@ -45,6 +63,29 @@
  * sink logit keeps a row with no positive sum finite (its keys weigh 0).
  */
 
+#ifndef KV_ROW
+#define KV_ROW(D) (D)
+#endif
+#ifndef KV_LOAD
+#define KV_LOAD(row, d) VLOAD_KV((row) + (d))
+#define KV_GET(row, d) KV_TO_F((row)[d])
+#define KV_ADDR(row, d) ((row) + (d))
+#endif
+/* V rows for p @ V: values without the row's scale, the scale folded into p */
+#ifndef KV_VSCALE
+#define KV_VLOAD(row, d) KV_LOAD(row, d)
+#define KV_VGET(row, d) KV_GET(row, d)
+#endif
+#ifndef KV_LINE_ELEMS
+#define KV_LINE_ELEMS (64 / (int64_t)sizeof(KV_T))
+#endif
+#ifndef KV_ROTATED
+#define KV_ROTATED 0
+#endif
+#ifndef KV_INT_DOT
+#define KV_INT_DOT 0
+#endif
+
 #define PKV_CAT2_(a, b) a##_##b
 #define PKV_CAT_(a, b) PKV_CAT2_(a, b)
 #define FN(name) PKV_CAT_(name, PKV_SUFFIX)
@@ -53,7 +94,7 @@
  * of 64 bytes from the row start: prefetches go out once per 64 bytes, not
  * once per vector. Rows that are not line-aligned, or whose scalar tail
  * spills into one more line, leave that line to a demand miss. */
-#define PF_AT(d) (((d) & (64 / (int64_t)sizeof(KV_T) - 1)) == 0)
+#define PF_AT(d) (((d) & (KV_LINE_ELEMS - 1)) == 0)
 
 /* Scores of 4 query rows (stride q_stride) against 2 key rows k[0..1];
  * prefetches the rows pf[0..1] (of a later chunk) unless pf is NULL. */
@@ -70,11 +111,11 @@ PKV_TARGET static inline void FN(dot_4x2)(const float *q, int64_t q_stride,
     int64_t d;
     for (d = 0; d < dim_vec; d += VW) {
         if (pf != NULL && PF_AT(d)) {
-            PKV_PREFETCH(pf[0] + d);
-            PKV_PREFETCH(pf[1] + d);
+            PKV_PREFETCH(KV_ADDR(pf[0], d));
+            PKV_PREFETCH(KV_ADDR(pf[1], d));
         }
-        const vf x0 = VLOAD_KV(k0 + d);
-        const vf x1 = VLOAD_KV(k1 + d);
+        const vf x0 = KV_LOAD(k0, d);
+        const vf x1 = KV_LOAD(k1, d);
         vf w = VLOAD(q0 + d);
         VKEEP(w);
         a00 = VFMA(w, x0, a00);
@@ -94,7 +135,7 @@ PKV_TARGET static inline void FN(dot_4x2)(const float *q, int64_t q_stride,
     }
     VHSUM8(a00, a01, a10, a11, a20, a21, a30, a31, r);
     for (; d < dim; d++) {
-        const float x0 = KV_TO_F(k0[d]), x1 = KV_TO_F(k1[d]);
+        const float x0 = KV_GET(k0, d), x1 = KV_GET(k1, d);
         r[0] += q0[d] * x0; r[1] += q0[d] * x1;
         r[2] += q1[d] * x0; r[3] += q1[d] * x1;
         r[4] += q2[d] * x0; r[5] += q2[d] * x1;
@@ -114,7 +155,7 @@ PKV_TARGET static inline void FN(dot_4x2)(const float *q, int64_t q_stride,
 #define SW VW
 #define SZERO() VZERO()
 #define SLOAD(p) VLOAD(p)
-#define SLOAD_KV(p) VLOAD_KV(p)
+#define KV_SLOAD(row, d) KV_LOAD(row, d)
 #define SFMA(a, b, c) VFMA(a, b, c)
 #define SKEEP(v) VKEEP(v)
 #define SHSUM4X4 VHSUM4X4
@@ -138,11 +179,11 @@ PKV_TARGET static inline void FN(dot_4x4)(const float *q, int64_t q_stride,
     int64_t d, i;
     for (d = 0; d < dim_vec; d += SW) {
         if (pf != NULL && PF_AT(d)) {
-            PKV_PREFETCH(pf[0] + d); PKV_PREFETCH(pf[1] + d);
-            PKV_PREFETCH(pf[2] + d); PKV_PREFETCH(pf[3] + d);
+            PKV_PREFETCH(KV_ADDR(pf[0], d)); PKV_PREFETCH(KV_ADDR(pf[1], d));
+            PKV_PREFETCH(KV_ADDR(pf[2], d)); PKV_PREFETCH(KV_ADDR(pf[3], d));
         }
-        const sf x0 = SLOAD_KV(k0 + d), x1 = SLOAD_KV(k1 + d);
-        const sf x2 = SLOAD_KV(k2 + d), x3 = SLOAD_KV(k3 + d);
+        const sf x0 = KV_SLOAD(k0, d), x1 = KV_SLOAD(k1, d);
+        const sf x2 = KV_SLOAD(k2, d), x3 = KV_SLOAD(k3, d);
         sf w = SLOAD(q0 + d);
         SKEEP(w);
         a00 = SFMA(w, x0, a00); a01 = SFMA(w, x1, a01); a02 = SFMA(w, x2, a02); a03 = SFMA(w, x3, a03);
@@ -160,7 +201,7 @@ PKV_TARGET static inline void FN(dot_4x4)(const float *q, int64_t q_stride,
              s, s_stride);
     for (; d < dim; d++) {
         for (i = 0; i < 4; i++) {
-            const float x = KV_TO_F(k[i][d]);
+            const float x = KV_GET(k[i], d);
             s[i] += q0[d] * x;
             s[s_stride + i] += q1[d] * x;
             s[2 * s_stride + i] += q2[d] * x;
@@ -182,21 +223,21 @@ PKV_TARGET static inline void FN(dot_1x8)(const float *q, const KV_T *const *k,
     for (d = 0; d < dim_vec; d += VW) {
         if (pf != NULL && PF_AT(d))
             for (i = 0; i < 8; i++)
-                PKV_PREFETCH(pf[i] + d);
+                PKV_PREFETCH(KV_ADDR(pf[i], d));
         const vf w = VLOAD(q + d);
-        a0 = VFMA(w, VLOAD_KV(k[0] + d), a0);
-        a1 = VFMA(w, VLOAD_KV(k[1] + d), a1);
-        a2 = VFMA(w, VLOAD_KV(k[2] + d), a2);
-        a3 = VFMA(w, VLOAD_KV(k[3] + d), a3);
-        a4 = VFMA(w, VLOAD_KV(k[4] + d), a4);
-        a5 = VFMA(w, VLOAD_KV(k[5] + d), a5);
-        a6 = VFMA(w, VLOAD_KV(k[6] + d), a6);
-        a7 = VFMA(w, VLOAD_KV(k[7] + d), a7);
+        a0 = VFMA(w, KV_LOAD(k[0], d), a0);
+        a1 = VFMA(w, KV_LOAD(k[1], d), a1);
+        a2 = VFMA(w, KV_LOAD(k[2], d), a2);
+        a3 = VFMA(w, KV_LOAD(k[3], d), a3);
+        a4 = VFMA(w, KV_LOAD(k[4], d), a4);
+        a5 = VFMA(w, KV_LOAD(k[5], d), a5);
+        a6 = VFMA(w, KV_LOAD(k[6], d), a6);
+        a7 = VFMA(w, KV_LOAD(k[7], d), a7);
     }
     VHSUM8(a0, a1, a2, a3, a4, a5, a6, a7, s);
     for (; d < dim; d++)
         for (i = 0; i < 8; i++)
-            s[i] += q[d] * KV_TO_F(k[i][d]);
+            s[i] += q[d] * KV_GET(k[i], d);
 }
 
 /* Prefetch of the part [d, d + width) of a later chunk's V row for token t,
@@ -208,7 +249,7 @@ PKV_TARGET static inline void FN(dot_1x8)(const float *q, const KV_T *const *k,
             int64_t o_;                                                         \
             for (o_ = (d); o_ < (d) + (width); o_ += VW)                        \
                 if (PF_AT(o_))                                                  \
-                    PKV_PREFETCH(pv_ + o_);                                     \
+                    PKV_PREFETCH(KV_ADDR(pv_, o_));                                     \
         }                                                                       \
     } while (0)
 
@@ -231,10 +272,10 @@ PKV_TARGET static inline void FN(pv_4rows)(float *acc, int64_t acc_stride,
         vf a20 = VLOAD(c2 + d), a21 = VLOAD(c2 + d + VW), a22 = VLOAD(c2 + d + 2 * VW), a23 = VLOAD(c2 + d + 3 * VW);
         vf a30 = VLOAD(c3 + d), a31 = VLOAD(c3 + d + VW), a32 = VLOAD(c3 + d + 2 * VW), a33 = VLOAD(c3 + d + 3 * VW);
         for (t = 0; t < num_tokens; t++) {
-            const KV_T *v = (v_rows[t] + head_offset) + d;
+            const KV_T *v = v_rows[t] + head_offset;
             PF_V(pf_rows, t, head_offset, d, 4 * VW);
-            const vf x0 = VLOAD_KV(v), x1 = VLOAD_KV(v + VW);
-            const vf x2 = VLOAD_KV(v + 2 * VW), x3 = VLOAD_KV(v + 3 * VW);
+            const vf x0 = KV_VLOAD(v, d), x1 = KV_VLOAD(v, d + VW);
+            const vf x2 = KV_VLOAD(v, d + 2 * VW), x3 = KV_VLOAD(v, d + 3 * VW);
             vf w = VSET1(p0[t]);
             a00 = VFMA(w, x0, a00); a01 = VFMA(w, x1, a01); a02 = VFMA(w, x2, a02); a03 = VFMA(w, x3, a03);
             w = VSET1(p1[t]);
@@ -257,8 +298,8 @@ PKV_TARGET static inline void FN(pv_4rows)(float *acc, int64_t acc_stride,
         vf a30 = VLOAD(c3 + d), a31 = VLOAD(c3 + d + VW);
         for (t = 0; t < num_tokens; t++) {
             PF_V(pf_rows, t, head_offset, d, 2 * VW);
-            vf x0 = VLOAD_KV((v_rows[t] + head_offset) + d);
-            vf x1 = VLOAD_KV((v_rows[t] + head_offset) + d + VW);
+            vf x0 = KV_VLOAD(v_rows[t] + head_offset, d);
+            vf x1 = KV_VLOAD(v_rows[t] + head_offset, d + VW);
             vf w = VSET1(p0[t]);
             a00 = VFMA(w, x0, a00); a01 = VFMA(w, x1, a01);
             w = VSET1(p1[t]);
@@ -277,7 +318,7 @@ PKV_TARGET static inline void FN(pv_4rows)(float *acc, int64_t acc_stride,
         vf a0 = VLOAD(c0 + d), a1 = VLOAD(c1 + d), a2 = VLOAD(c2 + d), a3 = VLOAD(c3 + d);
         for (t = 0; t < num_tokens; t++) {
             PF_V(pf_rows, t, head_offset, d, VW);
-            vf x = VLOAD_KV((v_rows[t] + head_offset) + d);
+            vf x = KV_VLOAD(v_rows[t] + head_offset, d);
             a0 = VFMA(VSET1(p0[t]), x, a0);
             a1 = VFMA(VSET1(p1[t]), x, a1);
             a2 = VFMA(VSET1(p2[t]), x, a2);
@@ -287,7 +328,7 @@ PKV_TARGET static inline void FN(pv_4rows)(float *acc, int64_t acc_stride,
     }
     for (; d < dim; d++) {
         for (t = 0; t < num_tokens; t++) {
-            float x = KV_TO_F((v_rows[t] + head_offset)[d]);
+            float x = KV_VGET(v_rows[t] + head_offset, d);
             c0[d] += p0[t] * x; c1[d] += p1[t] * x; c2[d] += p2[t] * x; c3[d] += p3[t] * x;
         }
     }
@@ -305,13 +346,13 @@ PKV_TARGET static inline void FN(pv_1row)(float *acc, const float *p,
         vf a0 = VLOAD(acc + d), a1 = VLOAD(acc + d + VW);
         vf a2 = VLOAD(acc + d + 2 * VW), a3 = VLOAD(acc + d + 3 * VW);
         for (t = 0; t < num_tokens; t++) {
-            const KV_T *v = (v_rows[t] + head_offset) + d;
+            const KV_T *v = v_rows[t] + head_offset;
             PF_V(pf_rows, t, head_offset, d, 4 * VW);
             vf w = VSET1(p[t]);
-            a0 = VFMA(w, VLOAD_KV(v), a0);
-            a1 = VFMA(w, VLOAD_KV(v + VW), a1);
-            a2 = VFMA(w, VLOAD_KV(v + 2 * VW), a2);
-            a3 = VFMA(w, VLOAD_KV(v + 3 * VW), a3);
+            a0 = VFMA(w, KV_VLOAD(v, d), a0);
+            a1 = VFMA(w, KV_VLOAD(v, d + VW), a1);
+            a2 = VFMA(w, KV_VLOAD(v, d + 2 * VW), a2);
+            a3 = VFMA(w, KV_VLOAD(v, d + 3 * VW), a3);
         }
         VSTORE(acc + d, a0); VSTORE(acc + d + VW, a1);
         VSTORE(acc + d + 2 * VW, a2); VSTORE(acc + d + 3 * VW, a3);
@@ -320,13 +361,13 @@ PKV_TARGET static inline void FN(pv_1row)(float *acc, const float *p,
         vf a0 = VLOAD(acc + d);
         for (t = 0; t < num_tokens; t++) {
             PF_V(pf_rows, t, head_offset, d, VW);
-            a0 = VFMA(VSET1(p[t]), VLOAD_KV((v_rows[t] + head_offset) + d), a0);
+            a0 = VFMA(VSET1(p[t]), KV_VLOAD(v_rows[t] + head_offset, d), a0);
         }
         VSTORE(acc + d, a0);
     }
     for (; d < dim; d++)
         for (t = 0; t < num_tokens; t++)
-            acc[d] += p[t] * KV_TO_F((v_rows[t] + head_offset)[d]);
+            acc[d] += p[t] * KV_VGET(v_rows[t] + head_offset, d);
 }
 
 /* State of one KV head of a work item, updated chunk by chunk. */
@@ -340,6 +381,9 @@ typedef struct {
     float softcap2;          /* softcap * log2(e), or 0: no softcap */
     float *qs;               /* [rows, dim_pad] q * scale * log2(e) (with a softcap:
                                 q * scale / softcap) */
+    uint8_t *qi, *qi_sink;   /* [rows, dim_pad] q (q_sink) quantized to int8, stored
+                                + 128 (KV_INT_DOT), or NULL: float scores */
+    float *qf, *qf_sink;     /* [rows] the score factor of each quantized row */
     float *qs_sink;          /* [rows, dim_pad] q_sink scaled as qs, for the keys
                                 below sink_tokens, or NULL: qs for all */
     float *acc;              /* [rows, dim_pad] running sum of p * v */
@@ -367,6 +411,7 @@ PKV_TARGET static int FN(masked_v_nonfinite)(const FN(pkv_state) *st, const KV_T
     const int64_t pmin = st->first_position;
     const int64_t pmax = st->first_position + st->rows / st->group_size - 1;
     const vf zero = VZERO();
+    const int64_t dim = st->dim;
     int64_t t, d;
     for (t = 0; t < n; t++) {
         /* admitted by the first and the last row: admitted by every row */
@@ -375,10 +420,10 @@ PKV_TARGET static int FN(masked_v_nonfinite)(const FN(pkv_state) *st, const KV_T
         const KV_T *v = v_rows[t] + head_offset;
         vf acc = zero; /* 0 * x is 0, or NaN for an inf or NaN x */
         for (d = 0; d < st->dim_vec; d += VW)
-            acc = VFMA(zero, VLOAD_KV(v + d), acc);
+            acc = VFMA(zero, KV_LOAD(v, d), acc);
         float sum = VHSUM(acc);
-        for (; d < st->dim; d++)
-            sum += 0.0f * KV_TO_F(v[d]);
+        for (; d < dim; d++)
+            sum += 0.0f * KV_GET(v, d);
         if (isnan(sum))
             return 1;
     }
@@ -414,11 +459,12 @@ PKV_TARGET static void FN(pv_admitted)(const FN(pkv_state) *st, const KV_T *cons
  * qs ([rows, dim_pad]); its rows start at k_rows[u] + head_offset. The first
  * block of rows also prefetches the rows pf_rows[u] + head_offset (of a later
  * chunk) unless pf_rows is NULL. */
-PKV_TARGET static inline void FN(score_tokens)(const FN(pkv_state) *st, const float *qs,
+PKV_TARGET static inline void FN(score_tokens)(const FN(pkv_state) *st, int sinks,
                                                const KV_T *const *k_rows,
                                                const KV_T *const *pf_rows, int64_t t, int64_t n,
                                                int64_t head_offset)
 {
+    const float *qs = sinks ? st->qs_sink : st->qs;
     const int64_t rows = st->rows, dim = st->dim, dim_vec = st->dim_vec, dim_pad = st->dim_pad;
     const int64_t ch = PKV_CHUNK_TOKENS;
     const KV_T *k8[8], *p8[8];
@@ -432,6 +478,37 @@ PKV_TARGET static inline void FN(score_tokens)(const FN(pkv_state) *st, const fl
             p8[u] = (t + u < n ? pf_rows[t + u] : pf_rows[t]) + head_offset;
         pf = p8;
     }
+#if KV_INT_DOT
+    if (st->qi != NULL) {
+        /* integer sums, then times the query row's and the key row's factors */
+        const uint8_t *qi = sinks ? st->qi_sink : st->qi;
+        const float *qf = sinks ? st->qf_sink : st->qf;
+        float ks[8];
+        for (u = 0; u < 8; u++)
+            ks[u] = KV_KSCALE(k8[u]);
+        for (r = 0; r + 4 <= rows; r += 4) {
+            float *s = st->s + r * ch + t;
+            KV_INT_DOT_4X4(qi + r * dim_pad, dim_pad, k8, pf, dim, s, ch);
+            KV_INT_DOT_4X4(qi + r * dim_pad, dim_pad, k8 + 4, pf == NULL ? NULL : pf + 4, dim, s + 4, ch);
+            pf = NULL;
+        }
+        for (; r < rows; r++) {
+            KV_INT_DOT_1X4(qi + r * dim_pad, k8, dim, st->s + r * ch + t);
+            KV_INT_DOT_1X4(qi + r * dim_pad, k8 + 4, dim, st->s + r * ch + t + 4);
+        }
+        for (r = 0; r < rows; r++) {
+            float *s = st->s + r * ch + t;
+            if (isnan(qf[r])) {
+                /* a row that could not be quantized (non-finite) scores in float */
+                FN(dot_1x8)(qs + r * dim_pad, k8, NULL, dim, dim_vec, s);
+                continue;
+            }
+            for (u = 0; u < 8; u++)
+                s[u] = s[u] * qf[r] * ks[u];
+        }
+        return;
+    }
+#endif
     for (r = 0; r + 4 <= rows; r += 4) {
         const float *q = qs + r * dim_pad;
         float *s = st->s + r * ch + t;
@@ -551,6 +628,19 @@ PKV_TARGET static void FN(finish_chunk)(const FN(pkv_state) *st, const KV_T *con
     /* acc += p @ V. A token the mask excludes for a row has p = 0 there,
      * which adds exactly nothing unless its V row holds an inf or NaN
      * (0 * inf is NaN): then each row takes only the tokens it admits. */
+#ifdef KV_VSCALE
+    {
+        /* p * scale, once per chunk: the V rows are read unscaled */
+        float vscale[PKV_CHUNK_TOKENS];
+        for (t = 0; t < n; t++)
+            vscale[t] = KV_VSCALE(v_rows[t] + head_offset);
+        for (r = 0; r < rows; r++) {
+            float *p = st->s + r * ch;
+            for (t = 0; t < n; t++)
+                p[t] *= vscale[t];
+        }
+    }
+#endif
     if (!all_valid && FN(masked_v_nonfinite)(st, v_rows, positions, n, head_offset)) {
         FN(pv_admitted)(st, v_rows, positions, n, head_offset);
         return;
@@ -594,11 +684,11 @@ PKV_TARGET static void FN(process_heads)(const FN(pkv_state) *heads, int64_t num
     }
     for (t = 0; t < n; t += 8)
         for (hh = 0; hh < num_heads; hh++)
-            FN(score_tokens)(&heads[hh], sinks ? heads[hh].qs_sink : heads[hh].qs, k_rows,
-                             prefetch ? pk : NULL, t, n, hh * head_dim);
+            FN(score_tokens)(&heads[hh], sinks, k_rows,
+                             prefetch ? pk : NULL, t, n, hh * KV_ROW(head_dim));
     for (hh = 0; hh < num_heads; hh++)
         FN(finish_chunk)(&heads[hh], v_rows, prefetch ? pv : NULL, positions, n,
-                         hh * head_dim);
+                         hh * KV_ROW(head_dim));
 }
 
 /* Where the listing of an item's key rows stands: listed page j (of
@@ -624,7 +714,7 @@ PKV_TARGET static void FN(cursor_init)(FN(pkv_cursor) *c, const pkv_attention_ar
             : a->chunk_size > 0 ? item->first_position - item->first_position % a->chunk_size
                                 : 0;
     c->sink_end = a->window > 0 ? a->sink_tokens : 0;
-    c->base = (const KV_T *)a->pool + item->kv_head * a->head_dim;
+    c->base = (const KV_T *)a->pool + item->kv_head * KV_ROW(a->head_dim);
 }
 
 /* Append the item's next key rows, in position order, to k_rows / v_rows /
@@ -636,7 +726,7 @@ PKV_TARGET static int64_t FN(list_rows)(FN(pkv_cursor) *c, const pkv_attention_a
                                         int64_t *positions, int64_t n, int64_t cap)
 {
     const int64_t ps = a->page_size;
-    const int64_t token_stride = a->num_kv_heads * a->head_dim; /* elements between tokens */
+    const int64_t token_stride = a->num_kv_heads * KV_ROW(a->head_dim); /* elements between tokens */
     const int64_t v_offset = ps * token_stride;                /* K half -> V half of a page */
     while (n < cap && c->j < c->j_end) {
         const int64_t page_start = a->page_positions[c->j];
@@ -706,6 +796,19 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
             st->qs_sink = next_free;
             next_free += rows * dim_pad;
         }
+        st->qi = st->qi_sink = NULL;
+        st->qf = st->qf_sink = NULL;
+#if KV_INT_DOT
+        /* rows * dim_pad bytes (dim_pad a multiple of 16), then the factors */
+        st->qi = (uint8_t *)next_free;
+        st->qf = next_free + rows * dim_pad / 4;
+        next_free = st->qf + rows;
+        if (st->qs_sink != NULL) {
+            st->qi_sink = (uint8_t *)next_free;
+            st->qf_sink = next_free + rows * dim_pad / 4;
+            next_free = st->qf_sink + rows;
+        }
+#endif
         for (r = 0; r < rows; r++) {
             const int64_t i = r / G, g = r % G;
             const int64_t q_offset = (item->first_token + i) * Hq * D + (kv_head * G + g) * D;
@@ -724,6 +827,24 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
                 for (; d < dim_pad; d++)
                     qs_sink[d] = 0.0f;
             }
+#if KV_ROTATED
+            /* (R q).(R k) = q.k: the rows hold R k */
+            pkv_rotate(qs, D);
+            if (st->qs_sink != NULL)
+                pkv_rotate(st->qs_sink + r * dim_pad, D);
+#endif
+#if KV_INT_DOT
+            {
+                /* score factor d_q * qscale; NaN: the row scores in float */
+                float f = pkv_quantize_query(q, D, dim_pad, st->qi + r * dim_pad) * qscale;
+                st->qf[r] = isfinite(f) ? f : NAN;
+                if (st->qi_sink != NULL) {
+                    f = pkv_quantize_query(a->q_sink + q_offset, D, dim_pad, st->qi_sink + r * dim_pad) *
+                        qscale;
+                    st->qf_sink[r] = isfinite(f) ? f : NAN;
+                }
+            }
+#endif
             for (d = 0; d < dim_pad; d++)
                 acc[d] = 0.0f;
             st->m[r] = -INFINITY;
@@ -821,6 +942,9 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
                     out[d] = NAN;
                 row_lse = NAN;
             }
+#if KV_ROTATED
+            pkv_rotate(out, D); /* sum w R v = R (sum w v) */
+#endif
             if (a->lse != NULL)
                 a->lse[(item->first_token + i) * Hq + kv_head * G + g] = row_lse;
         }
@@ -836,7 +960,18 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
 #undef SW
 #undef SZERO
 #undef SLOAD
-#undef SLOAD_KV
+#undef KV_SLOAD
+/* So are the row-layout macros. */
+#undef KV_ROW
+#undef KV_LOAD
+#undef KV_GET
+#undef KV_ADDR
+#undef KV_LINE_ELEMS
+#undef KV_ROTATED
+#undef KV_INT_DOT
+#undef KV_VSCALE
+#undef KV_VLOAD
+#undef KV_VGET
 #undef SFMA
 #undef SKEEP
 #undef SHSUM4X4

@@ -15,6 +15,7 @@ from hypothesis.stateful import (
 
 from pagedkv import KVCache, OutOfPagesError
 from reference_cache import OutOfPages, RefCache
+import reference_formats
 
 HEADS, DIM = 2, 3
 
@@ -431,7 +432,12 @@ def test_bad_input_raises_before_any_change(name, call, exc, match):
         ({"dtype": np.int8}, TypeError),
         ({"dtype": "float64"}, TypeError),
         ({"page_size": 2.0}, TypeError),
-        ({"dtype": None}, TypeError),
+        ({"kv_dtype": "int3"}, ValueError),
+        ({"kv_dtype": 8}, TypeError),
+        ({"kv_dtype": np.float64}, ValueError),
+        ({"dtype": np.float32, "kv_dtype": "int8"}, ValueError),
+        ({"dtype": np.float32, "kv_dtype": "float16"}, ValueError),
+        ({"head_dim": 512, "kv_dtype": "int8"}, ValueError),
         ({"prefix_hash": "md5"}, ValueError),  # checked even with prefix caching off
         ({"prefix_hash": None}, TypeError),
         ({"enable_prefix_caching": "yes"}, TypeError),
@@ -508,13 +514,21 @@ CONFIGS = st.sampled_from(
 )
 
 
+def stored(rows, kv_dtype):
+    """What gather returns for float32 ``rows`` stored in a cache of page format ``kv_dtype`` (the reference)."""
+    if kv_dtype in ("float16", "float32"):
+        return rows.astype(kv_dtype)
+    return reference_formats.decode(reference_formats.encode(rows, kv_dtype), kv_dtype, rows.shape[-1]).astype(
+        np.float32)  # DIM is odd: no rotation, so every format's decode is exact in float32
+
+
 class CacheMachine(RuleBasedStateMachine):
     """Random add/append/store/fork/truncate/remove, compared with RefCache after every step."""
 
-    @initialize(config=CONFIGS, dtype=st.sampled_from([np.float16, np.float32]))
+    @initialize(config=CONFIGS, dtype=st.sampled_from([np.float16, np.float32, "bfloat16", "int8", "int4"]))
     def setup(self, config, dtype):
         num_pages, page_size, window, sinks = config
-        self.cache = KVCache(2, HEADS, DIM, num_pages, page_size=page_size, dtype=dtype,
+        self.cache = KVCache(2, HEADS, DIM, num_pages, page_size=page_size, kv_dtype=dtype,
                              window=window, sink_tokens=sinks)
         self.ref = RefCache(num_pages, page_size, window, sinks)
         self.rng = np.random.default_rng(0)
@@ -551,8 +565,7 @@ class CacheMachine(RuleBasedStateMachine):
         for layer in range(2):
             k, v = random_kv(self.rng, len(tokens), np.float32)
             self.cache.store(layer, slots, k, v)
-            dtype = self.cache.dtype
-            self.ref.store(layer, tokens, k.astype(dtype), v.astype(dtype))
+            self.ref.store(layer, tokens, stored(k, self.cache.kv_dtype), stored(v, self.cache.kv_dtype))
 
     @precondition(lambda self: self.ref.seqs)
     @rule(data=st.data())

@@ -82,7 +82,7 @@ def test_pool_of_a_kvcache():
     ("kv", "error", "match"),
     [
         ([[1.0]], TypeError, "Invalid type of kv: expected numpy.ndarray"),
-        (np.zeros((1, 2, 2, 1, 1, 1), dtype=np.float64), TypeError, "Invalid dtype of kv: expected float16 or float32"),
+        (np.zeros((1, 2, 2, 1, 1, 1), dtype=np.float64), TypeError, "Invalid dtype of kv: expected float16, float32, uint16 or uint8"),
         (np.zeros((1, 2, 2, 1, 1), dtype=np.float32), ValueError, "Invalid shape of kv"),
         (np.zeros((1, 2, 3, 1, 1, 1), dtype=np.float32), ValueError, "Invalid shape of kv"),
         (np.zeros((1, 2, 2, 2, 1, 2), dtype=np.float32)[..., :1], ValueError, "Invalid layout of kv"),

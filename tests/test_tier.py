@@ -276,6 +276,27 @@ def test_local_hits_first_then_the_tier(standalone):
     assert tier.stats()["lookups"] == before
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_pages_are_served_only_to_caches_of_their_format(standalone, kv_dtype):
+    """The page format is part of the layout: an int8 page never reaches a float or int4 cache, and a cache of
+    the same format gets the very bytes that were written."""
+    ns = namespace()
+    prompt = worker.make_prompt(11, 70)
+    writer, _ = offload_prompt(standalone, ns, prompt, dtype=None, kv_dtype=kv_dtype)
+    for other in ("float32", "bfloat16", "int8" if kv_dtype == "int4" else "int4"):
+        cache, tier = fresh_cache(standalone, ns, dtype=None, kv_dtype=other)
+        assert cache.add_sequence(0, prompt) == 0
+    cache, tier = fresh_cache(standalone, ns, dtype=None, kv_dtype=kv_dtype)
+    assert cache.add_sequence(0, prompt) == 64
+    reference, _ = fresh_cache(standalone, namespace(), dtype=None, kv_dtype=kv_dtype)
+    reference.add_sequence(0, prompt)
+    _fill_any(reference, prompt)
+    for layer in range(cache.num_layers):
+        np.testing.assert_array_equal(cache.gather(layer, 0)[0][:64], reference.gather(layer, 0)[0][:64])
+        np.testing.assert_array_equal(cache.gather(layer, 0)[1][:64], reference.gather(layer, 0)[1][:64])
+    cache.check_invariants()
+
+
 def test_fetch_takes_at_most_the_free_pages(standalone):
     ns = namespace()
     prompt = worker.make_prompt(3, 160)

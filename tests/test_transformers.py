@@ -739,7 +739,12 @@ def test_num_threads_and_dtype_are_checked_at_construction():
     for dtype in ("bfloat16", "no such dtype", torch.bfloat16, "int8"):
         with pytest.raises(ValueError, match="Invalid value of dtype: expected float32 or float16"):
             pt.PagedCache(config, dtype=dtype)
-    assert pt.PagedCache(config, dtype="float16")._dtype == np.float16
+    assert pt.PagedCache(config, dtype="float16")._dtype == "float16"
+    with pytest.raises(ValueError, match="Invalid value of kv_dtype"):
+        pt.PagedCache(config, kv_dtype="fp8")
+    with pytest.raises(ValueError, match="float16 contradicts kv_dtype='int8'"):
+        pt.PagedCache(config, dtype="float16", kv_dtype="int8")
+    assert pt.PagedCache(config, kv_dtype=torch.bfloat16)._dtype == "bfloat16"
 
 
 def test_repr_shows_each_layer_setting_of_a_hybrid_model():
@@ -752,3 +757,69 @@ def test_repr_shows_each_layer_setting_of_a_hybrid_model():
     uniform = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
                                        num_hidden_layers=1, intermediate_size=64, vocab_size=10)
     assert "window=None, sink_tokens=0" in repr(pt.PagedCache(uniform))
+
+
+# ------------------------------------------------------------------ page formats
+class _ReferenceQuantizedCache(DynamicCache):
+    """DynamicCache whose K/V pass through the NumPy reference of a page format before they are kept."""
+
+    def __init__(self, kv_dtype, **kwargs):
+        super().__init__(**kwargs)
+        self._kv_dtype = kv_dtype
+
+    def _round_trip(self, states):
+        import reference_formats as rf
+
+        x = states.detach().float().numpy()
+        y = rf.decode(rf.encode(x, self._kv_dtype), self._kv_dtype, x.shape[-1]).astype(np.float32)
+        return torch.from_numpy(y).to(states.dtype)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(self._round_trip(key_states), self._round_trip(value_states), layer_idx,
+                              *args, **kwargs)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "pagedkv"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_pages_give_the_tokens_of_the_reference_quantization(model, tokenizer, implementation,
+                                                                        kv_dtype):
+    """PagedCache(kv_dtype=int8/int4) generates what a DynamicCache holding the reference's
+    dequantized K/V generates; the float32 DynamicCache is the control that the formats matter."""
+    ids = chat_ids(tokenizer, "Name three rivers of Europe and the seas they flow into.")
+    expected = greedy(model, ids, _ReferenceQuantizedCache(kv_dtype, config=model.config), max_new_tokens=24)
+    model.set_attn_implementation(implementation)
+    cache = pt.PagedCache(model.config, num_pages=16, kv_dtype=kv_dtype)
+    got = greedy(model, ids, cache, max_new_tokens=24)
+    assert cache.kv_cache.kv_dtype == kv_dtype
+    assert got.tolist() == expected.tolist()
+
+
+def _tiny_bfloat16_llama():
+    config = transformers.LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                      num_hidden_layers=2, intermediate_size=256, vocab_size=256,
+                                      initializer_range=0.4, max_position_embeddings=512)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "pagedkv"])
+def test_a_bfloat16_model_gets_bfloat16_pages_without_conversion(implementation):
+    """Default pages of a bfloat16 model are bfloat16; they hold exactly what a float32 pool holds of the
+    same (bfloat16) keys, so both generate the same tokens; with sdpa also what DynamicCache generates."""
+    model = _tiny_bfloat16_llama()
+    model.set_attn_implementation(implementation)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    bf16 = pt.PagedCache(model.config, num_pages=16)
+    got = greedy(model, ids, bf16, max_new_tokens=16)
+    assert bf16.kv_cache.kv_dtype == "bfloat16" and bf16.pool_tensor().dtype == torch.bfloat16
+    wide = pt.PagedCache(model.config, num_pages=16, kv_dtype="float32")
+    assert got.tolist() == greedy(model, ids, wide, max_new_tokens=16).tolist()
+    keys = bf16.kv_cache.gather(0, bf16.kv_cache.seq_ids()[0])[0]
+    np.testing.assert_array_equal(keys, wide.kv_cache.gather(0, wide.kv_cache.seq_ids()[0])[0])
+    if implementation == "sdpa":
+        assert got.tolist() == greedy(model, ids, DynamicCache(config=model.config), max_new_tokens=16).tolist()
+    # The context matters to this model (a planted change of one early token changes the answer).
+    changed = ids.clone()
+    changed[0, 3] = (changed[0, 3] + 1) % 256
+    other = greedy(model, changed, pt.PagedCache(model.config, num_pages=16), max_new_tokens=16)
+    assert other[0, 40:].tolist() != got[0, 40:].tolist()

@@ -105,11 +105,12 @@ class StepPages:
     forward and at every edit (``crop``, forks, ``reset``, ``add_prompts``).
     """
 
-    __slots__ = ("kv", "window", "sink_tokens", "num_layers", "page_size", "num_kv_heads", "head_dim",
+    __slots__ = ("kv", "kv_dtype", "window", "sink_tokens", "num_layers", "page_size", "num_kv_heads", "head_dim",
                  "_kv_cache", "_seq_ids", "_view")
 
     def __init__(self, kv_cache: KVCache, seq_ids: np.ndarray) -> None:
         self.kv = kv_cache.kv
+        self.kv_dtype = kv_cache.kv_dtype
         self.window = kv_cache.window
         self.sink_tokens = kv_cache.sink_tokens
         self.num_layers = kv_cache.num_layers
@@ -149,10 +150,11 @@ class GroupStepPages:
         per pool by :func:`layer_layout`.
     """
 
-    __slots__ = ("num_layers", "page_size", "num_kv_heads", "head_dim", "_kv_cache", "_seq_ids", "_layers",
-                 "_views", "_grouped")
+    __slots__ = ("kv_dtype", "num_layers", "page_size", "num_kv_heads", "head_dim", "_kv_cache", "_seq_ids",
+                 "_layers", "_views", "_grouped")
 
     def __init__(self, kv_cache: KVCache, seq_ids: np.ndarray, layers: list) -> None:
+        self.kv_dtype = kv_cache.kv_dtype
         self.num_layers = kv_cache.num_layers
         self.page_size = kv_cache.page_size
         self.num_kv_heads = kv_cache.num_kv_heads

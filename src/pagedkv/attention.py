@@ -6,8 +6,12 @@ kernels do on GPUs. They work on any object with the attention contract of
 :class:`pagedkv.KVCache`:
 
 - ``cache.kv``: C-contiguous ndarray of shape ``(num_layers, num_pages, 2,
-  page_size, num_kv_heads, head_dim)``, float16 or float32; ``kv[layer]`` is
-  FlashInfer's NHD paged layout, index 0 of axis 2 is K, 1 is V;
+  page_size, num_kv_heads, E)``; ``kv[layer]`` is FlashInfer's NHD paged
+  layout, index 0 of axis 2 is K, 1 is V, and the last axis holds one head
+  row of ``head_dim`` values in the cache's page format (below);
+- ``cache.kv_dtype`` (optional): the page format, one of ``"float32"``,
+  ``"float16"``, ``"bfloat16"``, ``"int8"``, ``"int4"``; without it, the
+  pool's dtype (float32 or float16) is the format;
 - ``cache.window`` (tokens, or None for full attention),
   ``cache.sink_tokens`` (tokens) and, if the cache has it,
   ``cache.chunk_size`` (tokens, or None: no chunks; read with ``getattr``);
@@ -28,6 +32,47 @@ above), ``view`` its page table for ``seq_ids`` (as ``page_table`` returns,
 page ids indexing ``pages``), ``window`` and ``chunk_size`` None or tokens,
 ``sink_tokens`` tokens. ``cache.kv``, ``cache.page_table`` and the
 attributes above are then not read.
+
+Page formats
+------------
+Each head row of the pool holds ``head_dim = D`` values (``D`` is the last
+axis of ``q``), in one of these formats (``pagedkv_c/page_formats.h``; the
+NumPy oracle ``tests/reference_formats.py`` encodes and decodes them):
+
+============  ===========  ================================================
+kv_dtype      pool dtype   last axis ``E``
+============  ===========  ================================================
+``float32``   float32      ``D`` values
+``float16``   float16      ``D`` values
+``bfloat16``  uint16       ``D`` bfloat16 bit patterns
+``int8``      uint8        ``D + 2`` bytes: ``D`` int8 levels, then one
+                           bfloat16 scale
+``int4``      uint8        ``ceil(D / 2) + 2 * ceil(D / 32)`` bytes: levels
+                           in nibbles, then a bfloat16 scale per 32 values,
+                           of the rotated row ``R x``
+============  ===========  ================================================
+
+The kernels read every format in place (no dequantized copy of the pages):
+a row is decoded in registers, value ``i`` being ``scale * level_i`` (the
+float32 product the decoder computes, exact) for int8 and int4, so that
+attention over a page equals attention over its decoded values. A row with a
+NaN scale (the encoding of a row that held an inf or NaN) decodes to NaN in
+every element. int4 rows hold ``R x``, ``R`` the orthonormal block
+Walsh-Hadamard transform of ``page_formats.h`` (its own inverse): the kernels
+score ``R q`` against them and return ``R`` applied to the weighted sum of
+the V rows, which is the output over the decoded rows (the LSE is
+unchanged); this rounds in float32 only.
+
+int8 scores: on the AVX-512 path of a CPU with AVX-512 VNNI
+(``kernel_info()["int8_scores"]``), the query row (and ``q_sink``'s) is
+quantized to int8 the way llama.cpp quantizes its query for int8 keys,
+``level_i = rint(q_i * (1 / d))`` with ``d = max |q_i| / 127`` in float32,
+and the scores are exact integer dot products times ``d``, the key row's
+scale and ``scale``: the result is attention with the query ``d * level``
+in place of ``q`` (a relative change of the scores of about ``1 / 254`` of the
+row's largest element), otherwise rounded in float32 only. A query row
+holding an inf or NaN is scored in float32 as on the other paths, where
+int8 pages score in float32 against the unrounded query.
 
 Positions, lengths, the window, the sink tokens and the chunk size are limited to
 ``2**62`` tokens, so that every position plus a page or a window fits int64;
@@ -227,16 +272,20 @@ def decode(q, cache, layer, seq_ids, scale=None, num_threads=None, return_lse=Fa
         ``|scale| > 1e38``, ``num_threads`` is out of range, the cache's
         window, sink tokens or chunk size is out of range (window and chunk
         size ``1 .. 2**62``, sink tokens ``0 .. 2**62``) or it has both a
-        window and a chunk size, the pool has the wrong shape or layout, a
-        sequence holds no cached token, the page table the
+        window and a chunk size, the pool has the wrong shape or layout,
+        ``cache.kv_dtype`` is not a page format name, the pool's dtype is
+        not the one of ``cache.kv_dtype`` (float32, float16, uint16 for
+        bfloat16, uint8 for int8 and int4) or an int8/int4 pool's last axis
+        is not the row size of ``D`` values, a sequence holds no cached
+        token, the page table the
         cache returned is malformed (positions or lengths past ``2**62``
         included), or it no longer lists a key the query attends to (a
         position in its window or its chunk, or a sink).
     TypeError
         ``q``, a given ``q_sink`` or ``sink_logits`` is not real numbers
         (bools, complex numbers, strings, objects), the pool (``cache.kv``
-        or the ``pages`` of ``layer_attention_view``) is neither float32 nor
-        float16, ``layer_attention_view`` does not return a tuple of 5, or
+        or the ``pages`` of ``layer_attention_view``) of a cache without
+        ``kv_dtype`` is neither float32 nor float16, ``layer_attention_view`` does not return a tuple of 5, or
         ``layer``, ``num_threads``, ``scale``, ``softcap``, ``return_lse``,
         the window, the sink tokens or the chunk size has the wrong type.
 
@@ -337,7 +386,12 @@ def kernel_info():
         ``"avx2"`` (AVX2 + FMA + F16C) or
         ``"scalar"`` (portable C); ``available_isas`` (list of str): paths
         this CPU and build can run; ``float16_conversion`` (str): ``"f16c"``
-        (hardware conversion in the SIMD paths) or ``"portable"``; ``openmp``
+        (hardware conversion in the SIMD paths) or ``"portable"``;
+        ``int8_scores`` (str): ``"int8 query (vnni)"`` when int8 pages are
+        scored with integer dot products against the query quantized per
+        row (see Page formats in the module docstring), else ``"float32"``;
+        ``page_formats`` (list of str): the ``cache.kv_dtype`` values the
+        kernels read; ``openmp``
         (bool): whether the core was built with OpenMP; ``max_threads``
         (int): OpenMP's default thread count; ``max_head_dim`` (int): 256.
     """

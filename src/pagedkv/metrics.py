@@ -85,7 +85,7 @@ def _config_of(cache: KVCache | PagedKVCache) -> dict[str, str]:
             "head_dim": str(cache.head_dim),
             "num_pages": str(cache.num_pages),
             "page_size": str(cache.page_size),
-            "dtype": str(cache.dtype),
+            "dtype": cache.kv_dtype,  # the page format: bfloat16, int8 and int4 pools hold uint16/uint8
             "window": "none" if cache.window is None else str(cache.window),
             "sink_tokens": str(cache.sink_tokens),
             "prefix_caching": "true" if index is not None else "false",

@@ -58,7 +58,7 @@ than the file's size suggests, crash the process, corrupt another sequence,
 or (through :func:`import_sequence`) plant K/V under another tenant's salt.
 Every length is checked against the header and the file before it is read;
 the pool must be exactly the ``pages`` section (layers x pages x 2 x page
-size x heads x head dim x dtype size); ``num_pages`` is the checksum table's
+size x heads x the bytes of a head row in the page format); ``num_pages`` is the checksum table's
 length / 8; the kept token ids of prefix caching (num_pages x page_size
 int32, not bounded by the pool when ``num_layers`` is 0) and the page
 tables' rings and sink arrays (4 bytes per entry) together may take at most
@@ -106,6 +106,7 @@ from pagedkv._snapshot_format import (MAGIC_CACHE, MAGIC_SEQUENCE, _PAGE_ALIGN, 
 from pagedkv._snapshot_format import _ENTRY, _HEADER_BYTES, MAGIC_CLASSIC, _checksum, _decode  # noqa: F401
 from pagedkv_c._checks import checked_flag, checked_int
 from pagedkv_c._checksum import combine_digests, layer_digests, page_checksums
+from pagedkv_c._page_store import MAX_QUANTIZED_HEAD_DIM, PAGE_FORMATS, format_layout
 from pagedkv_c._file_io import GuardedMap, prefault
 
 __all__ = ["FORMAT_VERSION", "SnapshotError", "export_sequence", "import_sequence", "load_cache",
@@ -157,13 +158,16 @@ def _read_config(section: _Section, num_pages_bound: int | None, version: int = 
         "head_dim": section.int("head_dim", 1, 2**16),
         "num_pages": section.int("num_pages", 1, 2**31 - 2),
         "page_size": section.int("page_size", 1, 2**20),
-        "dtype": section.text("dtype", ("float16", "float32")),
+        "dtype": section.text("dtype", PAGE_FORMATS),
         "window": section.int("window", -1, 2**62),
         "sink_tokens": section.int("sink_tokens", 0, 2**62),
         "prefix_caching": section.int("prefix_caching", 0, 1),
         "prefix_hash": section.text("prefix_hash", ("xxh3_128", "sha256")),
         "page_checksums": section.int("page_checksums", 0, 1),
     }
+    if config["dtype"] in ("int8", "int4") and config["head_dim"] > MAX_QUANTIZED_HEAD_DIM:
+        raise section.error(f"{config['dtype']} pages with head_dim {config['head_dim']} (at most "
+                            f"{MAX_QUANTIZED_HEAD_DIM})")
     if config["window"] == 0 or (config["window"] == -1 and config["sink_tokens"]):
         raise section.error(f"window {config['window']} with {config['sink_tokens']} sink tokens is not a valid cache")
     if num_pages_bound is not None and config["num_pages"] != num_pages_bound:
@@ -184,13 +188,19 @@ def _read_config(section: _Section, num_pages_bound: int | None, version: int = 
 
 
 def _pool_shape(config: dict, num_pages: int) -> tuple:
-    return (_page_groups(config)[1], num_pages, 2, config["page_size"], config["num_kv_heads"], config["head_dim"])
+    row_items = format_layout(config["dtype"], config["head_dim"])[1]
+    return (_page_groups(config)[1], num_pages, 2, config["page_size"], config["num_kv_heads"], row_items)
+
+
+def _pool_dtype(config: dict) -> np.dtype:
+    """The pool's element dtype for the page format a config names."""
+    return format_layout(config["dtype"], config["head_dim"])[0]
 
 
 def _cache_kwargs(config: dict) -> dict:
     return {
         "num_layers": config["num_layers"], "num_kv_heads": config["num_kv_heads"], "head_dim": config["head_dim"],
-        "num_pages": config["num_pages"], "page_size": config["page_size"], "dtype": np.dtype(config["dtype"]),
+        "num_pages": config["num_pages"], "page_size": config["page_size"], "kv_dtype": config["dtype"],
         "window": None if config["window"] == -1 else config["window"], "sink_tokens": config["sink_tokens"],
         "enable_prefix_caching": bool(config["prefix_caching"]), "prefix_hash": config["prefix_hash"],
         "page_checksums": bool(config["page_checksums"]), "layer_attention": _layer_attention(config),
@@ -618,7 +628,7 @@ def _cache_state(parsed: _Parsed) -> tuple[dict, list]:
     """The state dict of ``KVCache._restore_state`` from a verified container (shapes checked)."""
     num_pages = parsed.checksums.shape[0]
     config = _read_config(parsed.section("config"), num_pages, parsed.version)
-    itemsize = np.dtype(config["dtype"]).itemsize
+    itemsize = _pool_dtype(config).itemsize
     expected = int(np.prod(_pool_shape(config, num_pages), dtype=object)) * itemsize
     if parsed.pages_length != expected:
         raise SnapshotError(f"section 'pages': {parsed.pages_length} bytes, expected {expected} for a pool of "
@@ -919,9 +929,9 @@ def verify(path) -> None:
         parsed, state, tables, shape = _checked_cache_file(f, path)
         config = state["config"]
         if parsed.pages_length:
-            kv = np.memmap(f, dtype=np.dtype(config["dtype"]), mode="r", offset=parsed.pages_offset, shape=shape)
+            kv = np.memmap(f, dtype=_pool_dtype(config), mode="r", offset=parsed.pages_offset, shape=shape)
         else:
-            kv = np.zeros(shape, dtype=np.dtype(config["dtype"]))
+            kv = np.zeros(shape, dtype=_pool_dtype(config))
         _check_pages(kv, parsed.checksums, tables, "")
 
 
@@ -1005,7 +1015,8 @@ def import_sequence(cache, seq_id, data, *, extra_key=None) -> None:
             raise SnapshotError(f"section 'config': the sequence has {key} {source[key]!r}, this cache "
                                 f"{target[key]!r}; a sequence moves only between caches of the same geometry")
     shape = _pool_shape(source, num_pages)
-    expected = int(np.prod(shape, dtype=object)) * np.dtype(source["dtype"]).itemsize
+    pool_dtype = _pool_dtype(source)
+    expected = int(np.prod(shape, dtype=object)) * pool_dtype.itemsize
     if parsed.pages_length != expected:
         raise SnapshotError(f"section 'pages': {parsed.pages_length} bytes, expected {expected}")
     tables = _read_tables(parsed.section("tables"), num_pages)
@@ -1017,8 +1028,8 @@ def import_sequence(cache, seq_id, data, *, extra_key=None) -> None:
         if not (target["prefix_caching"] and source["prefix_hash"] == target["prefix_hash"]):
             hashes = None  # this cache hashes otherwise (or not at all): the chain would not match
     start = parsed.pages_offset
-    kv = np.frombuffer(view, dtype=np.dtype(source["dtype"]), count=expected // np.dtype(source["dtype"]).itemsize,
-                       offset=start).reshape(shape) if expected else np.zeros(shape, dtype=np.dtype(source["dtype"]))
+    kv = np.frombuffer(view, dtype=pool_dtype, count=expected // pool_dtype.itemsize,
+                       offset=start).reshape(shape) if expected else np.zeros(shape, dtype=pool_dtype)
     kv = np.ascontiguousarray(kv)
     _check_pages(kv, parsed.checksums, [(seq_id, tables[0][1])], "exported")
     if seq_id in cache:

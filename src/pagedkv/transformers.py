@@ -180,6 +180,10 @@ __all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "paged_attention_forward"]
 ATTN_IMPLEMENTATION = "pagedkv"
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+# Page formats of torch dtypes, and the torch dtype gather returns per format (bfloat16: no conversion).
+_TORCH_FORMATS = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_FORMAT_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "int8": torch.float32, "int4": torch.float32}
 
 #: Most OpenMP threads the attention kernels accept (``num_threads``).
 _MAX_KERNEL_THREADS = 1024
@@ -438,8 +442,14 @@ class PagedCache(Cache):
     page_size : int
         Tokens per page, ``>= 1``. Default 16.
     dtype : torch.dtype or numpy dtype, optional
-        Pool dtype, float32 or float16. Default: the dtype of the first keys stored
-        (float32 for a bfloat16 model).
+        Pool dtype, float32 or float16 (the older spelling of ``kv_dtype`` for the float
+        formats).
+    kv_dtype : str or torch.dtype, optional
+        The page format (:attr:`pagedkv.KVCache.kv_dtype`): ``"float32"``, ``"float16"``,
+        ``"bfloat16"``, ``"int8"`` or ``"int4"`` (or torch.float32 / float16 / bfloat16).
+        Default: the dtype of the first keys stored (a bfloat16 model gets bfloat16 pages:
+        its keys and values are stored and read back without a conversion). int8 and int4
+        pages hold quantized K/V (:class:`pagedkv.KVCache`, *Page formats*).
     window : int, optional
         Sliding window ``W`` in tokens, ``>= 1`` (the query at position ``p`` attends to
         ``[p - W + 1, p]``, Hugging Face's ``sliding_window = W``), of the layers that
@@ -489,7 +499,8 @@ class PagedCache(Cache):
         layers and no sliding one, a size out of range (``num_threads`` above 1024
         included), a config without the attention sizes, ``sink_tokens`` without a window
         (or for a model with chunked layers and no sliding one), a dtype other than float32/float16
-        (a dtype name NumPy does not know, such as ``"bfloat16"``, included), ``positions`` not ``"absolute"``
+        (use ``kv_dtype`` for the other formats), an unknown ``kv_dtype`` or one that contradicts
+        ``dtype``, ``positions`` not ``"absolute"``
         or ``"cache"``, or ``"cache"`` without a window and sinks or with a rotary type
         whose frequencies change (``dynamic``, ``longrope``) or differ between layers.
 
@@ -501,7 +512,7 @@ class PagedCache(Cache):
 
     def __init__(self, config, *, num_pages=None, max_tokens=None, page_size=16, dtype=None,
                  window=None, sink_tokens=0, positions="absolute", enable_prefix_caching=False,
-                 prefix_hash="xxh3_128", num_threads=None) -> None:
+                 prefix_hash="xxh3_128", num_threads=None, kv_dtype=None) -> None:
         num_layers = _config_value(config, "num_hidden_layers")
         num_heads = _config_value(config, "num_attention_heads")
         if not isinstance(num_layers, int) or not isinstance(num_heads, int):
@@ -543,9 +554,20 @@ class PagedCache(Cache):
             if pool_dtype not in (np.float32, np.float16):
                 raise ValueError(f"Invalid value of dtype: expected float32 or float16, got {dtype}")
             dtype = np.dtype(dtype)
+        if kv_dtype is not None:
+            if isinstance(kv_dtype, torch.dtype):
+                kv_dtype = _TORCH_FORMATS.get(kv_dtype, str(kv_dtype))
+            if kv_dtype not in _FORMAT_TORCH:
+                raise ValueError(f"Invalid value of kv_dtype: expected one of {tuple(_FORMAT_TORCH)}, got {kv_dtype!r}")
+            if dtype is not None and dtype.name != kv_dtype:
+                raise ValueError(f"Invalid value of dtype: {dtype.name} contradicts kv_dtype={kv_dtype!r}; "
+                                 "give kv_dtype only")
+            dtype = kv_dtype
+        elif dtype is not None:
+            dtype = dtype.name
         if prefix_hash not in ("xxh3_128", "sha256"):
             raise ValueError(f"Invalid value of prefix_hash: expected 'xxh3_128' or 'sha256', got {prefix_hash!r}")
-        self._dtype = dtype
+        self._dtype = dtype  # the page format, or None: the first keys' dtype
         self._prefix_caching = bool(enable_prefix_caching)
         self._prefix_hash = prefix_hash
         self._config = config
@@ -659,7 +681,7 @@ class PagedCache(Cache):
         """The pool, sized at the first forward or request (``batch_size`` rows)."""
         dtype = self._dtype
         if dtype is None:
-            dtype = np.dtype(_NUMPY_DTYPES.get(key_dtype, np.float32))
+            dtype = _TORCH_FORMATS.get(key_dtype, "float32")
         num_pages = self._num_pages
         max_tokens = self._max_tokens or int(_config_value(self._config, "max_position_embeddings", 4096))
         if self._layer_attention is None:
@@ -668,7 +690,7 @@ class PagedCache(Cache):
                                               self._sink_tokens)
             return KVCache(
                 self._num_layers, self._num_kv_heads, self._head_dim, num_pages, page_size=self._page_size,
-                dtype=dtype, window=self._window, sink_tokens=self._sink_tokens,
+                kv_dtype=dtype, window=self._window, sink_tokens=self._sink_tokens,
                 enable_prefix_caching=self._prefix_caching, prefix_hash=self._prefix_hash,
             )
         if num_pages is None:
@@ -676,7 +698,7 @@ class PagedCache(Cache):
                                                 _num_page_groups(self._layer_attention))
         kv_cache = KVCache(
             self._num_layers, self._num_kv_heads, self._head_dim, num_pages, page_size=self._page_size,
-            dtype=dtype, layer_attention=self._layer_attention,
+            kv_dtype=dtype, layer_attention=self._layer_attention,
             enable_prefix_caching=self._prefix_caching, prefix_hash=self._prefix_hash,
         )
         self._layer_pages_layout = layer_layout(kv_cache)
@@ -689,7 +711,9 @@ class PagedCache(Cache):
         ----------
         layer : int, optional
             Return only this layer's pages: shape ``(num_pages, 2, page_size,
-            num_kv_heads, head_dim)`` (FlashInfer's NHD layout). Default: the whole pool,
+            num_kv_heads, head_dim)`` (FlashInfer's NHD layout); bfloat16 pages as a
+            torch.bfloat16 tensor, int8 and int4 pages as uint8 with the last axis the bytes
+            of a head row (:class:`pagedkv.KVCache`, *Page formats*). Default: the whole pool,
             ``(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)``; for a model
             whose layers differ, ``(G, num_pages, ...)`` with page groups of ``G`` layers
             (see :class:`pagedkv.KVCache`).
@@ -704,12 +728,15 @@ class PagedCache(Cache):
         if self.kv_cache is None:
             raise RuntimeError("Invalid state of PagedCache: the pool is made at the first forward")
         pool = torch.from_numpy(self.kv_cache.kv)
+        if self.kv_cache.kv_dtype == "bfloat16":
+            pool = pool.view(torch.bfloat16)
         if layer is None:
             return pool
         if not 0 <= layer < self._num_layers:
             raise IndexError(f"Invalid value of layer: expected 0 <= layer < {self._num_layers}, got {layer}")
         if self._layer_attention is not None:
-            return torch.from_numpy(self.kv_cache.layer_pages(layer))
+            pages = torch.from_numpy(self.kv_cache.layer_pages(layer))
+            return pages.view(torch.bfloat16) if self.kv_cache.kv_dtype == "bfloat16" else pages
         return pool[layer]
 
     def stats(self) -> dict:
@@ -790,14 +817,16 @@ class PagedCache(Cache):
             # three torch calls per layer (about 3 us, as much as the store itself).
             return _numpy_view(states)[:, :, 0]
         rows = states.detach().transpose(1, 2)
-        if rows.dtype not in _NUMPY_DTYPES:
+        bits = rows.dtype == torch.bfloat16  # passed as bit patterns (KVCache.store(bfloat16_bits=True))
+        if rows.dtype not in _NUMPY_DTYPES and not bits:
             rows = rows.float()
         batch_size, num_new = rows.shape[0], rows.shape[1]
         if dense_rows:
             flat = rows.reshape(batch_size * num_new, rows.shape[2], rows.shape[3])
         else:
             flat = torch.cat([rows[b, num_new - int(n):] for b, n in enumerate(self._requests.stored)], dim=0)
-        return flat.contiguous().numpy()
+        flat = flat.contiguous()
+        return flat.view(torch.int16).numpy() if bits else flat.numpy()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store the new tokens' K/V of one layer and return what attention reads.
@@ -877,7 +906,8 @@ class PagedCache(Cache):
             self._begin_step(key_states, attn_kwargs)
         dense_rows = requests.dense_rows
         requests.kv_cache.store(layer_idx, requests.slots, self._stored_rows(key_states, dense_rows),
-                                self._stored_rows(value_states, dense_rows))
+                                self._stored_rows(value_states, dense_rows),
+                                bfloat16_bits=key_states.dtype == torch.bfloat16)
 
     def _gather_dense(self, layer_idx: int, dtype: torch.dtype):
         """The rows' context ``[batch, kv_heads, columns, head_dim]``, zero in the padding columns."""
@@ -886,12 +916,17 @@ class PagedCache(Cache):
         shape = (len(requests.seq_ids), self._num_kv_heads, num_columns, self._head_dim)
         keys = torch.zeros(shape, dtype=dtype)
         values = torch.zeros(shape, dtype=dtype)
+        bits = dtype == torch.bfloat16
+        out_dtype = "bfloat16" if bits else _NUMPY_DTYPES.get(dtype, np.float32)
         for row, seq_id in enumerate(requests.seq_ids):
-            k, v, _ = requests.kv_cache.gather(layer_idx, seq_id)
+            k, v, _ = requests.kv_cache.gather(layer_idx, seq_id, dtype=out_dtype)
             n = k.shape[0]
             if n:
-                keys[row, :, num_columns - n:] = torch.from_numpy(k).transpose(0, 1)
-                values[row, :, num_columns - n:] = torch.from_numpy(v).transpose(0, 1)
+                k, v = torch.from_numpy(k), torch.from_numpy(v)
+                if bits:
+                    k, v = k.view(torch.bfloat16), v.view(torch.bfloat16)
+                keys[row, :, num_columns - n:] = k.transpose(0, 1)
+                values[row, :, num_columns - n:] = v.transpose(0, 1)
         return keys, values
 
     # ------------------------------------------------------------------ edits

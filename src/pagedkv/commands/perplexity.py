@@ -13,6 +13,7 @@ import numpy as np
 
 from pagedkv.commands._model_options import (
     CACHE_POSITIONS_WHY,
+    DTYPES,
     CommandError,
     add_model_arguments,
     add_window_arguments,
@@ -50,6 +51,7 @@ rotary positions inside the cache instead of the positions in the text), e.g.
       --setting full --setting window=256 --setting window=256,sinks=4 \\
       --setting window=256,sinks=4,positions=cache --plot ppl.png
 
+A setting may name its own page format, e.g. --setting full,kv_dtype=int8 (default: --kv-dtype).
 Without --setting, --window, --sinks and --positions give the one setting. --plot draws the
 per-segment perplexity of every setting on one chart; --json writes all figures.
 
@@ -72,28 +74,33 @@ class CacheSetting:
     positions : str
         ``"absolute"`` or ``"cache"`` (StreamingLLM positions inside the cache; needs a
         window and sinks), see :class:`pagedkv.models.PagedBackend`.
+    kv_dtype : str or None
+        Page format of this setting (``KVCache.kv_dtype``); None: the run's ``--kv-dtype``.
     """
 
     window: int | None = None
     sink_tokens: int = 0
     positions: str = "absolute"
+    kv_dtype: str | None = None
 
     @property
     def label(self) -> str:
-        """Short description, e.g. ``"window 256 + 4 sinks"``."""
+        """Short description, e.g. ``"window 256 + 4 sinks"`` or ``"full cache, int8"``."""
+        fmt = f", {self.kv_dtype}" if self.kv_dtype else ""
         if self.window is None:
-            return "full cache"
+            return "full cache" + fmt
         return (f"window {self.window}" + (f" + {self.sink_tokens} sinks" if self.sink_tokens else "")
-                + (", cache positions" if self.positions == "cache" else ""))
+                + (", cache positions" if self.positions == "cache" else "") + fmt)
 
 
 _SETTING_KEYS = {"window", "sinks"}
-_SETTING_FORMS = "'full', 'window=W' or 'window=W,sinks=S[,positions=cache]' (W >= 1, S >= 0)"
+_SETTING_FORMS = ("'full', 'window=W' or 'window=W,sinks=S[,positions=cache]' (W >= 1, S >= 0), each "
+                  "optionally with ',kv_dtype=F' (F one of float16, float32, bfloat16, int8, int4)")
 
 
 def parse_setting(text: str) -> CacheSetting:
     """Parse a ``--setting`` SPEC: ``full``, ``window=W`` or ``window=W,sinks=S``, optionally
-    with ``,positions=absolute`` or ``,positions=cache``.
+    with ``,positions=absolute`` or ``,positions=cache`` and ``,kv_dtype=F`` (a page format).
 
     Raises
     ------
@@ -102,8 +109,19 @@ def parse_setting(text: str) -> CacheSetting:
         window, or ``positions=cache`` without a window and sinks.
     """
     spec = text.strip().lower()
+    kv_dtype = None
+    parts = []
+    for part in spec.split(","):
+        fmt = re.fullmatch(r"\s*kv_dtype\s*=\s*([a-z0-9]+)\s*", part)
+        if fmt is None:
+            parts.append(part)
+        elif kv_dtype is None and fmt.group(1) in DTYPES:
+            kv_dtype = fmt.group(1)
+        else:
+            raise argparse.ArgumentTypeError(f"expected {_SETTING_FORMS}, got {text!r}")
+    spec = ",".join(parts).strip() or "full"
     if spec in ("full", "full cache"):
-        return CacheSetting()
+        return CacheSetting(kv_dtype=kv_dtype)
     values: dict[str, int] = {}
     positions = None
     for part in spec.split(","):
@@ -134,7 +152,7 @@ def parse_setting(text: str) -> CacheSetting:
         raise argparse.ArgumentTypeError(
             f"positions=cache needs window=W and sinks=S >= 1 ({CACHE_POSITIONS_WHY}), got {text!r}"
         )
-    return CacheSetting(window, sinks, positions or "absolute")
+    return CacheSetting(window, sinks, positions or "absolute", kv_dtype)
 
 
 @dataclass
@@ -210,8 +228,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_window_arguments(parser)
     parser.add_argument("--setting", type=parse_setting, action="append", default=None, metavar="SPEC",
                         help="cache setting to score, repeatable: 'full', 'window=W' or "
-                             "'window=W,sinks=S', optionally with ',positions=cache' "
-                             "(replaces --window/--sinks/--positions)")
+                             "'window=W,sinks=S', optionally with ',positions=cache' and ',kv_dtype=F' "
+                             "(replaces --window/--sinks/--positions; F replaces --kv-dtype)")
     parser.add_argument("--plot", type=plot_file, default=None, metavar="OUT.png",
                         help="draw per-segment perplexity of every setting on one chart (needs matplotlib; "
                              "the extension gives the image format)")
@@ -337,8 +355,8 @@ def score_setting(model, token_ids: np.ndarray, setting: CacheSetting, *, page_s
     setting : CacheSetting
     page_size : int
         Tokens per page.
-    dtype : numpy dtype
-        Pool dtype.
+    dtype : str
+        Page format (``--kv-dtype``), used when the setting names none.
     num_pages : int or None
         Pool size in pages; None: exactly the most the sequence holds at once.
     num_threads : int
@@ -359,7 +377,7 @@ def score_setting(model, token_ids: np.ndarray, setting: CacheSetting, *, page_s
     from pagedkv.models.paged_backend import PagedBackend
 
     pages = num_pages or pages_needed(token_ids.size, setting, page_size)
-    backend = PagedBackend.for_config(model.config, pages, page_size=page_size, dtype=dtype,
+    backend = PagedBackend.for_config(model.config, pages, page_size=page_size, dtype=setting.kv_dtype or dtype,
                                       window=setting.window, sink_tokens=setting.sink_tokens,
                                       num_threads=num_threads, positions=setting.positions)
     bar = None
@@ -506,7 +524,7 @@ def _run(args: argparse.Namespace) -> int:
         for setting in settings:
             try:
                 result = score_setting(model, token_ids, setting, page_size=args.page_size,
-                                       dtype=np.dtype(args.dtype), num_pages=args.num_pages,
+                                       dtype=args.dtype, num_pages=args.num_pages,
                                        num_threads=args.threads, progress=not args.no_progress)
             except OutOfPagesError as exc:
                 raise CommandError(f"{setting.label}: the pool of {args.num_pages} pages ran out ({exc}); "

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from pagedkv.commands._metrics_options import RunMetrics, add_metrics_arguments
-from pagedkv.commands._model_options import CommandError, positive_int, tier_url
+from pagedkv.commands._model_options import DTYPES, CommandError, positive_int, tier_url
 from pagedkv.commands._paths import dataset_or_path, not_a_dataset_hint, plot_file
 from pagedkv.replay import MAX_PAGES, MAX_PREFIX_PAGES, PREFIX_HASHES, ReplayResult, capacity_pages, replay
 from pagedkv.data import DataError
@@ -32,6 +32,12 @@ at the end of the request); an admitted request of P prompt and O output
 tokens costs 2 * ceil((P + O) / page_size) of them. Throughput is measured
 over the request loop only (not the trace loading).
 
+Capacity in memory: --capacity-gib G gives the pool G GiB of K/V of a model of
+--model-shape LAYERS,KV_HEADS,HEAD_DIM (default 30,3,64: SmolLM2-135M) in the page
+format --kv-dtype (default float16), i.e. G * 2**30 / (2 * LAYERS * KV_HEADS * row bytes)
+tokens, the row bytes including the scales of int8 and int4 (see KVCache): compare
+the hit rates of one memory budget across formats.
+
 Formats: mooncake (JSON Lines: timestamp, input_length, output_length,
 hash_ids of 512-token blocks) and azure (CSV: TIMESTAMP, ContextTokens,
 GeneratedTokens; no content, so no prefix caching: occupancy and allocation
@@ -55,6 +61,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--capacity-tokens", type=positive_int, nargs="+", default=None, metavar="N",
                         help="pool capacities to replay, in tokens (rounded down to whole pages); "
                              f"default: {' '.join(str(c) for c in DEFAULT_CAPACITIES)}")
+    parser.add_argument("--capacity-gib", type=_positive_float, nargs="+", default=None, metavar="G",
+                        help="pool capacities in GiB of K/V instead of tokens (see --kv-dtype and --model-shape)")
+    parser.add_argument("--kv-dtype", choices=DTYPES, default="float16",
+                        help="with --capacity-gib: the page format whose bytes per token size the pool "
+                             "(default float16)")
+    parser.add_argument("--model-shape", type=_model_shape, default=(30, 3, 64), metavar="L,H,D",
+                        help="with --capacity-gib: layers, KV heads and head dim of the model (default 30,3,64: "
+                             "SmolLM2-135M)")
     parser.add_argument("--page-size", type=positive_int, default=16, metavar="P",
                         help="tokens per page (default 16); must divide the trace's block size")
     parser.add_argument("--limit", type=positive_int, default=None, metavar="N",
@@ -83,6 +97,43 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_metrics_arguments(parser)
     parser.set_defaults(parser=parser)
     return parser
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def _model_shape(text: str) -> tuple[int, int, int]:
+    """argparse type: ``LAYERS,KV_HEADS,HEAD_DIM``, each an integer >= 1 (head dim <= 65536)."""
+    parts = text.split(",")
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1 or shape[2] > 2**16:
+        raise argparse.ArgumentTypeError(f"expected LAYERS,KV_HEADS,HEAD_DIM (integers >= 1), got {text!r}")
+    return shape
+
+
+def kv_bytes_per_token(kv_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of K and V of one token in every layer, in page format ``kv_dtype`` (scales included).
+
+    Raises ValueError for int8/int4 with ``head_dim > 256`` (their limit in KVCache).
+    """
+    from pagedkv_c._page_store import MAX_QUANTIZED_HEAD_DIM, format_layout
+
+    if kv_dtype in ("int8", "int4") and head_dim > MAX_QUANTIZED_HEAD_DIM:
+        raise ValueError(f"argument --model-shape: {kv_dtype} pages take a head dim <= {MAX_QUANTIZED_HEAD_DIM}, "
+                         f"got {head_dim}")
+    element, row_items = format_layout(kv_dtype, head_dim)
+    return 2 * num_layers * num_kv_heads * row_items * element.itemsize
 
 
 def _format_row(result: ReplayResult) -> list[str]:
@@ -135,6 +186,19 @@ def plot_hit_rate(results: list[ReplayResult], path: str, title: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the trace, replay it at every capacity, print the table; return the exit status."""
     capacities = args.capacity_tokens or DEFAULT_CAPACITIES
+    if args.capacity_gib is not None:
+        if args.capacity_tokens is not None:
+            args.parser.error("argument --capacity-gib: give either --capacity-tokens or --capacity-gib")
+        try:
+            per_token = kv_bytes_per_token(args.kv_dtype, *args.model_shape)
+        except ValueError as exc:
+            args.parser.error(str(exc))
+        capacities = [int(g * 2**30 // per_token) for g in args.capacity_gib]
+        layers, heads, dim = args.model_shape
+        print(f"capacity: {args.kv_dtype} pages of a {layers}-layer model with {heads} KV heads of dim {dim} take "
+              f"{per_token:,} bytes per token: " + ", ".join(f"{g:g} GiB = {c:,} tokens"
+                                                            for g, c in zip(args.capacity_gib, capacities)),
+              file=sys.stderr)
     if args.instances is not None and args.tier is None:
         args.parser.error("argument --instances: only used with --tier URL")
     try:

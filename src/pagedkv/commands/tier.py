@@ -47,8 +47,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _layout_of(header: bytes):
     """The PageLayout a value header states, or None if it is not a page value header."""
-    import numpy as np
-
     from pagedkv.tiers import _format
 
     if len(header) < _format.HEADER.size:
@@ -60,7 +58,9 @@ def _layout_of(header: bytes):
     if magic != _format.MAGIC or version != _format.FORMAT_VERSION or dtype_code not in dtypes \
             or hash_code not in hashes:
         return None
-    return _format.PageLayout(layers, heads, dim, page_size, np.dtype(dtypes[dtype_code]), hashes[hash_code])
+    if dtypes[dtype_code] in ("int8", "int4") and dim > 256:
+        return None
+    return _format.PageLayout.of_cache(layers, heads, dim, page_size, dtypes[dtype_code], hashes[hash_code])
 
 
 def _nodes(client, is_cluster: bool) -> list:

@@ -35,6 +35,8 @@ from pagedkv.models.threads import AUTO, resolve_num_threads
 from pagedkv_c._kv_cache import KVCache
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+# Page formats by name (KVCache(kv_dtype=...)).
+PAGE_FORMATS = ("float32", "float16", "bfloat16", "int8", "int4")
 
 
 def _check_size(name: str, value, low: int) -> int:
@@ -140,10 +142,11 @@ class PagedBackend(AttentionBackend):
         K and V. See :meth:`pages_for` to size it from the requests.
     page_size : int
         Tokens per page, >= 1 (default 16).
-    dtype : numpy dtype
-        Pool dtype, float16 (default, as for :class:`pagedkv.KVCache` and the commands)
-        or float32. Keys/values are converted on store; the kernels accumulate in
-        float32. float16 halves the pool and the bytes attention reads; on SmolLM2-135M
+    dtype : numpy dtype or str
+        Page format: float16 (default, as for :class:`pagedkv.KVCache` and the commands),
+        float32, or by name ``"bfloat16"``, ``"int8"``, ``"int4"`` (the quantized formats
+        of :class:`pagedkv.KVCache`, *Page formats*). Keys/values are converted on store;
+        the kernels read every format in place and accumulate in float32. float16 halves the pool and the bytes attention reads; on SmolLM2-135M
         it moves the perplexity of 1024 tinyshakespeare tokens from 40.8079 (float32,
         llama.cpp's figure) to 40.8092. Use float32 to compare logits with a float32
         reference.
@@ -220,12 +223,16 @@ class PagedBackend(AttentionBackend):
         check_window(window, sink_tokens)
         check_positions(positions, window, sink_tokens)
         num_threads = resolve_num_threads(num_threads)
-        try:
-            np_dtype = np.dtype(dtype)
-        except TypeError:
-            np_dtype = None
-        if np_dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"Invalid value of dtype: expected float32 or float16, got {dtype!r}")
+        if isinstance(dtype, str) and dtype in PAGE_FORMATS:
+            kv_dtype = dtype
+        else:
+            try:
+                np_dtype = np.dtype(dtype)
+            except TypeError:
+                np_dtype = None
+            if np_dtype not in SUPPORTED_DTYPES:
+                raise ValueError(f"Invalid value of dtype: expected one of {PAGE_FORMATS}, got {dtype!r}")
+            kv_dtype = np_dtype.name
         self.num_layers = int(num_layers)
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
@@ -234,7 +241,7 @@ class PagedBackend(AttentionBackend):
         self.num_threads = None if num_threads is None else int(num_threads)
         self.positions = positions
         self.cache = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, int(num_pages),
-                             page_size=int(page_size), dtype=np_dtype, window=self.window,
+                             page_size=int(page_size), kv_dtype=kv_dtype, window=self.window,
                              sink_tokens=self.sink_tokens, enable_prefix_caching=bool(enable_prefix_caching),
                              tier=tier)
 
@@ -286,8 +293,14 @@ class PagedBackend(AttentionBackend):
 
     @property
     def dtype(self) -> np.dtype:
-        """Pool dtype."""
+        """dtype of the pool array (``KVCache.dtype``; see :attr:`kv_dtype` for the page format)."""
         return self.cache.dtype
+
+    @property
+    def kv_dtype(self) -> str:
+        """The page format (``KVCache.kv_dtype``): ``"float16"``, ``"float32"``, ``"bfloat16"``, ``"int8"``
+        or ``"int4"``."""
+        return self.cache.kv_dtype
 
     @property
     def seq_ids(self) -> list[int]:

@@ -22,12 +22,12 @@ num_layers             4      layout of the writing cache ...
 num_kv_heads           4
 head_dim               4
 page_size              4      tokens per page
-dtype                  1      1 = float16, 2 = float32
+dtype                  1      page format: 1 = float16, 2 = float32, 3 = bfloat16, 4 = int8, 5 = int4
 hash algorithm         1      0 = xxh3_128, 1 = sha256
 reserved               2      zero
 page hash              16     the chained hash (lo, hi), equal to the key's
 checksum               8      page checksum of the K/V bytes (see below)
-body length            8      ``num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize``
+body length            8      ``num_layers * 2 * page_size * num_kv_heads * row_bytes`` (a head row's bytes in the page format)
 token ids              4 * page_size, int32, when flag bit 0 is set (token-keyed pages)
 body                   body length: for each layer in order, the page's K then V
                        rows as laid out in the pool (``kv[layer, page]``, C order)
@@ -57,7 +57,7 @@ HEADER = struct.Struct("<8sHHIIIIBBH16sQQ")
 # Byte offsets of the page hash and the checksum in a header.
 HASH_OFFSET = struct.calcsize("<8sHHIIIIBBH")
 CHECKSUM_OFFSET = HASH_OFFSET + 16
-_DTYPE_CODES = {np.dtype(np.float16): 1, np.dtype(np.float32): 2}
+_DTYPE_CODES = {"float16": 1, "float32": 2, "bfloat16": 3, "int8": 4, "int4": 5}
 _HASH_CODES = {"xxh3_128": 0, "sha256": 1}
 
 # Why a value was not used (the counters and log messages of a tier use these names).
@@ -75,9 +75,13 @@ class PageLayout:
     page_size : int
         Tokens per page.
     dtype : numpy.dtype
-        float16 or float32.
+        The pool's element dtype: float16 or float32, uint16 for bfloat16 pages,
+        uint8 for int8 and int4 pages.
     hash_algorithm : str
         ``"xxh3_128"`` or ``"sha256"`` (``KVCache(prefix_hash=...)``).
+    kv_dtype : str
+        The page format (``KVCache.kv_dtype``); pages of two formats never
+        match, even where their element dtypes do.
     """
 
     num_layers: int
@@ -86,22 +90,34 @@ class PageLayout:
     page_size: int
     dtype: np.dtype
     hash_algorithm: str
+    kv_dtype: str
 
     @classmethod
     def of_cache(cls, num_layers, num_kv_heads, head_dim, page_size, dtype, hash_algorithm):
-        """A layout from a cache's parameters (validated: dtype and algorithm must be known)."""
-        dtype = np.dtype(dtype)
-        if dtype not in _DTYPE_CODES:
-            raise ValueError(f"Invalid value of dtype: expected float16 or float32, got {dtype}")
+        """A layout from a cache's parameters (validated: format and algorithm must be known).
+
+        ``dtype`` is the page format: a name of ``KVCache.kv_dtype`` or the
+        numpy dtype float16 / float32.
+        """
+        from pagedkv_c._page_store import format_layout
+
+        kv_dtype = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+        if kv_dtype not in _DTYPE_CODES:
+            raise ValueError(f"Invalid value of dtype: expected one of {sorted(_DTYPE_CODES)}, got {dtype}")
         if hash_algorithm not in _HASH_CODES:
             raise ValueError(
                 f"Invalid value of hash_algorithm: expected one of {sorted(_HASH_CODES)}, got {hash_algorithm!r}")
-        return cls(int(num_layers), int(num_kv_heads), int(head_dim), int(page_size), dtype, hash_algorithm)
+        element, _ = format_layout(kv_dtype, int(head_dim))
+        return cls(int(num_layers), int(num_kv_heads), int(head_dim), int(page_size), element, hash_algorithm,
+                   kv_dtype)
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page in one layer, K and V: ``2 * page_size * num_kv_heads * head_dim * itemsize``."""
-        return 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes of one page in one layer, K and V: ``2 * page_size * num_kv_heads * row_bytes``."""
+        from pagedkv_c._page_store import format_layout
+
+        _, row_items = format_layout(self.kv_dtype, self.head_dim)
+        return 2 * self.page_size * self.num_kv_heads * row_items * self.dtype.itemsize
 
     @property
     def body_bytes(self) -> int:
@@ -111,7 +127,7 @@ class PageLayout:
     def describe(self) -> str:
         """The layout as text, e.g. ``L30-H3-D64-P16-float16-xxh3_128``."""
         return (f"L{self.num_layers}-H{self.num_kv_heads}-D{self.head_dim}-P{self.page_size}-"
-                f"{self.dtype.name}-{self.hash_algorithm}")
+                f"{self.kv_dtype}-{self.hash_algorithm}")
 
     def key_prefix(self, namespace: str) -> bytes:
         """``b"pagedkv:<digest>:"``: the start of every key of this namespace and layout."""
@@ -121,7 +137,7 @@ class PageLayout:
     def header_fields(self) -> tuple:
         """The layout fields of a value header: layers, KV heads, head dim, page size, dtype and hash codes."""
         return (self.num_layers, self.num_kv_heads, self.head_dim, self.page_size,
-                _DTYPE_CODES[self.dtype], _HASH_CODES[self.hash_algorithm])
+                _DTYPE_CODES[self.kv_dtype], _HASH_CODES[self.hash_algorithm])
 
 
 def page_keys(prefix: bytes, page_hashes: np.ndarray) -> list[bytes]:
