@@ -63,20 +63,21 @@ typedef struct {
 } mm_prefetch_span;
 
 /* The share of row tile `tile` (of `tiles`) in prefetching the output group
- * MM_PREFETCH_GROUPS groups after the one at c0 (its `outs` weight rows are
- * contiguous in memory): tile t takes the t-th of `tiles` equal parts, 4
- * lines per 16 floats of k, so it finishes its part within its own k loop
- * and the reads from memory go on while the later row tiles compute from L1.
- * Prefetching only in the first row tile left the bus idle for the rest of
- * the group: at 16 rows the product took about the sum of its memory and
- * arithmetic times (68 GFLOPS on Zen 4, against 100 so). */
-static inline mm_prefetch_span mm_prefetch_share(const float *w, int64_t k, int64_t c0, int64_t outs,
-                                                 int64_t n_end, int64_t tile, int64_t tiles)
+ * MM_PREFETCH_GROUPS groups after the one at c0 (the 4 weight rows of a
+ * group are contiguous in memory): tile t takes the t-th of `tiles` equal
+ * parts, 4 lines per 16 floats of k, so that it finishes its part within its
+ * own k loop and the reads from memory go on while the later row tiles
+ * compute. Prefetching only in the first row tile left the bus idle for the
+ * rest of the group: at 16 rows the product took about the sum of its memory
+ * and arithmetic times (68 GFLOPS on Zen 4, against 100 so). None when the
+ * group ahead is not a full group before n_end. */
+static inline mm_prefetch_span mm_prefetch_share(const float *w, int64_t k, int64_t c0, int64_t n_end,
+                                                 int64_t tile, int64_t tiles)
 {
     mm_prefetch_span pf = {NULL, 0};
-    const int64_t g0 = c0 + MM_PREFETCH_GROUPS * outs;
-    if (g0 + outs <= n_end) {
-        const int64_t lines = (outs * k * (int64_t)sizeof(float) + 63) / 64;
+    const int64_t g0 = c0 + MM_PREFETCH_GROUPS * 4;
+    if (g0 + 4 <= n_end) {
+        const int64_t lines = (4 * k * (int64_t)sizeof(float) + 63) / 64;
         const int64_t first = lines * tile / tiles, last = lines * (tile + 1) / tiles;
         pf.base = (const char *)(w + g0 * k) + first * 64;
         pf.k_end = (last - first + 3) / 4 * 16;
@@ -84,18 +85,22 @@ static inline mm_prefetch_span mm_prefetch_share(const float *w, int64_t k, int6
     return pf;
 }
 
+/* 4 lines from p on. */
+PKV_MM_INLINE void mm_prefetch_lines(const char *p)
+{
+    _mm_prefetch(p, MM_PREFETCH_HINT);
+    _mm_prefetch(p + 64, MM_PREFETCH_HINT);
+    _mm_prefetch(p + 128, MM_PREFETCH_HINT);
+    _mm_prefetch(p + 192, MM_PREFETCH_HINT);
+}
+
 /* The prefetches of the step at kk (a multiple of 16; none past the tile's
- * part). One test of kk per step: a loop over lines with a bound each cost
- * about 10% at one row, where a step is only 4 loads and 4 FMAs. */
+ * part): one test per step (a loop over lines with a bound each cost about
+ * 10% at one row). */
 PKV_MM_INLINE void mm_prefetch_step(mm_prefetch_span pf, int64_t kk)
 {
-    if (kk < pf.k_end) {
-        const char *p = pf.base + kk * 16;
-        _mm_prefetch(p, MM_PREFETCH_HINT);
-        _mm_prefetch(p + 64, MM_PREFETCH_HINT);
-        _mm_prefetch(p + 128, MM_PREFETCH_HINT);
-        _mm_prefetch(p + 192, MM_PREFETCH_HINT);
-    }
+    if (kk < pf.k_end)
+        mm_prefetch_lines(pf.base + kk * 16);
 }
 #endif
 
@@ -275,8 +280,8 @@ PKV_MM_AVX2 PKV_MM_INLINE void mm_nt_tile_avx2(const float *x, const float *w, f
     }
 }
 
-/* The groups of 4 outputs as in mm_nt_slab_avx512, in tiles of at most
- * MM_AVX2_NT_ROWS rows of equal size. */
+/* Groups of 4 outputs, for each the rows in tiles of at most
+ * MM_AVX2_NT_ROWS rows. */
 PKV_MM_AVX2 static void mm_nt_slab_avx2(const float *x, const float *w, float *out, int64_t m, int64_t k,
                                         int64_t n, int64_t n_begin, int64_t n_end)
 {
@@ -286,8 +291,10 @@ PKV_MM_AVX2 static void mm_nt_slab_avx2(const float *x, const float *w, float *o
     for (c0 = n_begin; c0 < n_end; c0 += MM_AVX2_NT_OUTS) {
         const int outs = n_end - c0 < MM_AVX2_NT_OUTS ? (int)(n_end - c0) : MM_AVX2_NT_OUTS;
         for (t = 0; t < tiles; t++) {
+            /* tiles of equal size (to one row): a short last tile would read
+             * the weights again for few rows */
             const int64_t m0 = m * t / tiles, m1 = m * (t + 1) / tiles;
-            const mm_prefetch_span pf = mm_prefetch_share(w, k, c0, MM_AVX2_NT_OUTS, n_end, t, tiles);
+            const mm_prefetch_span pf = mm_prefetch_share(w, k, c0, n_end, t, tiles);
             switch (m1 - m0) {
 #if MM_AVX2_NT_ROWS > 2
             case 3: mm_nt_tile_avx2(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail, pf, 3); break;
@@ -388,18 +395,31 @@ PKV_MM_AVX512 PKV_MM_INLINE void mm_nt_tile_avx512(const float *x, const float *
     for (r = 0; r < rows; r++)
 #pragma GCC unroll 4
         for (j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
-    for (kk = 0; kk + 16 <= k; kk += 16) {
-        __m512 a[4];
-        mm_prefetch_step(pf, kk);
-#pragma GCC unroll 4
-        for (j = 0; j < 4; j++) a[j] = _mm512_loadu_ps(wr[j] + kk);
-#pragma GCC unroll 8
-        for (r = 0; r < rows; r++) {
-            const __m512 xv = _mm512_loadu_ps(x + r * k + kk);
-#pragma GCC unroll 4
-            for (j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(xv, a[j], acc[r][j]);
+#define MM_NT_STEP_AVX512()                                                                           \
+    do {                                                                                              \
+        __m512 a[4];                                                                                  \
+        _Pragma("GCC unroll 4") for (j = 0; j < 4; j++) a[j] = _mm512_loadu_ps(wr[j] + kk);          \
+        _Pragma("GCC unroll 8") for (r = 0; r < rows; r++) {                                          \
+            const __m512 xv = _mm512_loadu_ps(x + r * k + kk);                                        \
+            _Pragma("GCC unroll 4") for (j = 0; j < 4; j++) acc[r][j] =                               \
+                _mm512_fmadd_ps(xv, a[j], acc[r][j]);                                                 \
+        }                                                                                             \
+    } while (0)
+    /* Two copies of the k loop: a tile that prefetches on every step (the only
+     * tile of up to 8 rows) tests nothing per step (the test cost 2 to 4% at
+     * one row, where a step is only 4 loads and 4 FMAs). */
+    if (pf.k_end >= k) {
+        for (kk = 0; kk + 16 <= k; kk += 16) {
+            mm_prefetch_lines(pf.base + kk * 16);
+            MM_NT_STEP_AVX512();
+        }
+    } else {
+        for (kk = 0; kk + 16 <= k; kk += 16) {
+            mm_prefetch_step(pf, kk);
+            MM_NT_STEP_AVX512();
         }
     }
+#undef MM_NT_STEP_AVX512
     if (kk < k) {
         __m512 a[4];
 #pragma GCC unroll 4
@@ -452,25 +472,31 @@ PKV_MM_AVX512 static void mm_nt_rows_avx512(const float *x, const float *w, floa
 }
 #undef MM_NT_TILE_CASE
 
-/* Groups of 4 outputs; for each, the rows of the slab in tiles of at most
- * MM_AVX512_NT_ROWS rows of equal size (to one row): the first tile reads
- * the group's weight rows from L2 (prefetched), the others from L1, and a
- * short last tile would read them again for few rows. 8 rows x 4 outputs
- * keep 32 accumulators (measured on Zen 4 at 16 rows, weights from memory:
- * tiles of 4 rows 67 to 80 GFLOPS, of 6 or 7 rows 82 to 92, of 8 rows 99 to
- * 103, against 105 from L2). */
+/* Groups of 4 outputs, the rows of the slab in tiles of at most
+ * MM_AVX512_NT_ROWS rows of equal size (to one row; a short last tile would
+ * read the weights again for few rows). 8 rows x 4 outputs keep 32
+ * accumulators. The tiles take the groups MM_PREFETCH_GROUPS at a time:
+ * tile 1 runs over those groups, then tile 2 over the same groups, and so
+ * on, so that the rows of x a tile reads stay in L1 while the weights come
+ * from L2, where the prefetches put them (measured on Zen 4 at 16 rows,
+ * weights from memory: tiles of 4 rows run group by group 67 to 80 GFLOPS,
+ * 6 or 7 rows 82 to 92, 8 rows 96 to 100, 8 rows over 8 groups at a time
+ * 100 to 104; 105 with every weight in L2). */
 PKV_MM_AVX512 static void mm_nt_slab_avx512(const float *x, const float *w, float *out, int64_t m, int64_t k,
                                             int64_t n, int64_t n_begin, int64_t n_end)
 {
     const __mmask16 ktail = mm_mask_avx512(k % 16);
     const int64_t tiles = (m + MM_AVX512_NT_ROWS - 1) / MM_AVX512_NT_ROWS;
-    int64_t c0, t;
-    for (c0 = n_begin; c0 < n_end; c0 += 4) {
-        const int outs = n_end - c0 < 4 ? (int)(n_end - c0) : 4;
+    int64_t s0, c0, t;
+    for (s0 = n_begin; s0 < n_end; s0 += 4 * MM_PREFETCH_GROUPS) {
+        const int64_t s1 = s0 + 4 * MM_PREFETCH_GROUPS < n_end ? s0 + 4 * MM_PREFETCH_GROUPS : n_end;
         for (t = 0; t < tiles; t++) {
             const int64_t m0 = m * t / tiles, m1 = m * (t + 1) / tiles;
-            mm_nt_rows_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail,
-                              mm_prefetch_share(w, k, c0, 4, n_end, t, tiles), (int)(m1 - m0));
+            for (c0 = s0; c0 < s1; c0 += 4) {
+                const int outs = n_end - c0 < 4 ? (int)(n_end - c0) : 4;
+                mm_nt_rows_avx512(x + m0 * k, w, out + m0 * n, k, n, c0, outs, ktail,
+                                  mm_prefetch_share(w, k, c0, n_end, t, tiles), (int)(m1 - m0));
+            }
         }
     }
 }
