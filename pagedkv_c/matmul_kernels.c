@@ -53,8 +53,6 @@
 #endif
 
 #if PKV_MM_X86_DISPATCH
-/* Cache lines of weights an nt tile prefetches: [next, end), `per` lines per
- * step of its k loop. */
 /* Weights an nt tile prefetches: 4 lines (the next 256 bytes from `base`)
  * for every 16 floats of its k loop, while kk < k_end (k_end 0: none). */
 typedef struct {
