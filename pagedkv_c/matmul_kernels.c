@@ -11,9 +11,9 @@
  * time; for every k the tile's accumulators (rows x block columns) take
  * x[r, k] * W[k, block]. The block's weights come from memory for the first
  * tile and from L2 for the next ones.
- * nt (W [N, K]): a tile of rows x a group of outputs keeps one vector of
+ * nt (W [N, K]): a tile of rows x a group of 4 outputs keeps one vector of
  * partial sums per (row, output); every weight row of the group is read as
- * a contiguous stream (from memory for the first row tile, then from L1).
+ * a contiguous stream, prefetched into L2 ahead of use, once per row tile.
  */
 #include "matmul_kernels.h"
 
