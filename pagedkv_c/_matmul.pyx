@@ -210,15 +210,18 @@ def matmul(x, w, *, transpose_w=False, num_threads=1):
     cdef const float* xp = <const float*>cnp.PyArray_DATA(<cnp.ndarray>x)
     cdef const float* wp = <const float*>cnp.PyArray_DATA(<cnp.ndarray>w)
     cdef float* op = <float*>cnp.PyArray_DATA(<cnp.ndarray>out)
-    cdef int64_t b
+    cdef int t
+    cdef int64_t b0, b1
     if threads <= 1:
         with nogil:
             kernel(xp, wp, op, m, k, n, 0, n)
         return out
     _ran_team = True
-    # Contiguous runs of blocks per thread: each thread streams its own part of w.
+    # One call per thread over its contiguous run of blocks: each thread streams its own
+    # part of w, and the kernel's prefetches run ahead across the blocks of the run.
     with nogil:
-        for b in prange(num_blocks, schedule="static", num_threads=threads):
-            kernel(xp, wp, op, m, k, n, b * PKV_MM_BLOCK_COLS,
-                   min(n, (b + 1) * PKV_MM_BLOCK_COLS))
+        for t in prange(threads, schedule="static", num_threads=threads):
+            b0 = num_blocks * t // threads
+            b1 = num_blocks * (t + 1) // threads
+            kernel(xp, wp, op, m, k, n, b0 * PKV_MM_BLOCK_COLS, min(n, b1 * PKV_MM_BLOCK_COLS))
     return out

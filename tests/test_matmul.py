@@ -2,7 +2,7 @@
 
 Every SIMD path the CPU has (and the portable one) is checked on random shapes,
 including every row count from 1 to 70, counts around the slabs of 128 rows, and
-sizes that are not multiples of the kernel's tiles (2 to 6 rows, 4 outputs, 8 or
+sizes that are not multiples of the kernel's tiles (up to 8 rows, 4 outputs, 8 or
 16 lanes, blocks of 64 columns), in both weight layouts. A row's result must not depend on the other rows of the batch
 nor on the thread count (bit for bit), and bad arguments are refused before
 anything is computed.
@@ -83,6 +83,24 @@ def test_model_sized_products_match_float64(isa):
                 x = rng.standard_normal((m, k), dtype=np.float32)
                 got = check_product(x, w, True, num_threads=2)
                 assert np.array_equal(got, _matmul.matmul(x, np.ascontiguousarray(w), transpose_w=True))
+
+
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS)
+def test_every_row_of_up_to_20_rows_equals_the_row_alone(isa):
+    """nt splits the rows into tiles of equal size (up to 8 rows on AVX-512, 3 on AVX2) and
+    prefetches the weights ahead within each thread's columns: whatever tile a row falls in,
+    and on 1 or 2 threads, its outputs are those of the row alone, bit for bit."""
+    rng = np.random.default_rng(20)
+    k, n = 83, 301  # 5 lanes of 16 + 3; 4 blocks of 64 + 45, 75 groups of 4 + 1
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    x = rng.standard_normal((20, k), dtype=np.float32)
+    with kernel_path(isa):
+        alone = np.concatenate([_matmul.matmul(x[i:i + 1].copy(), w, transpose_w=True) for i in range(20)])
+        check_product(x, w, True)
+        for m in range(1, 21):
+            for threads in (1, 2):
+                got = _matmul.matmul(x[:m].copy(), w, transpose_w=True, num_threads=threads)
+                assert np.array_equal(got, alone[:m]), (m, threads)
 
 
 @pytest.mark.parametrize("isa", AVAILABLE_ISAS)
