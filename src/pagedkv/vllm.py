@@ -53,12 +53,14 @@ from vllm.logger import init_logger
 
 from pagedkv.tiers._format import HEADER, PageLayout, check_value, encode_header, page_keys
 from pagedkv.tiers.redis import _connect
+from pagedkv.vllm_attention import PagedAttentionBackend
 from pagedkv_c._checksum import page_checksums
 from pagedkv_c._prefix import salt_digest, token_page_input, xxh3_128_intdigest
 
 __all__ = [
     "TESTED_VLLM_VERSIONS",
     "ConnectorOptions",
+    "PagedAttentionBackend",
     "PagedKVConnector",
     "PagedKVConnectorStats",
     "PagedKVPromMetrics",
