@@ -646,7 +646,7 @@ class PagedKVConnector(KVConnectorBase_V1):
         ------
         ValueError
             A layer tensor not of shape ``(num_blocks, num_kv_heads, block_size, 2 * head_dim)``
-            with contiguous blocks (the CPU attention backend's layout).
+            with contiguous blocks (the layout vLLM gives its CPU attention backends).
         """
         for name in self.layer_names:
             if name in kv_caches:
@@ -659,11 +659,33 @@ class PagedKVConnector(KVConnectorBase_V1):
                 or tensor.device.type != "cpu":
             raise ValueError(f"PagedKVConnector: KV cache of layer {name!r} has shape {tuple(tensor.shape)} on "
                              f"{tensor.device}; expected a CPU tensor (num_blocks, {', '.join(map(str, expected))}) "
-                             "with contiguous blocks (vLLM's CPU attention backend)")
+                             "with contiguous blocks (vLLM's CPU attention backend or pagedkv's)")
+
+    @property
+    def _pagedkv_pages(self) -> bool:
+        """True when pagedkv's attention backend runs in this process: blocks hold pagedkv's page layout.
+
+        Both backends get one contiguous run of bytes per block; vLLM's native CPU attention
+        reads it as ``[num_kv_heads, 2, block_size, head_dim]`` (K rows then V rows per head),
+        :class:`PagedAttentionBackend` as pagedkv's page ``[2, block_size, num_kv_heads,
+        head_dim]``, the layout of the tier values. Decided once, in the worker, after vLLM's
+        plugins ran.
+        """
+        uses = getattr(self, "_uses_pagedkv_pages", None)
+        if uses is None:
+            from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+            from pagedkv._vllm_plugin import BACKEND_PATH
+            uses = self._uses_pagedkv_pages = AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH
+        return uses
 
     def _block_view(self, tensor, block_ids):
-        """``tensor[block_ids]`` as ``[n, H, 2, block_size, head_dim]`` (K rows then V rows per head)."""
-        return tensor[block_ids].view(len(block_ids), self.num_kv_heads, 2, self.block_size, self.head_dim)
+        """``tensor[block_ids]`` as pagedkv pages ``[n, 2, block_size, H, head_dim]`` (a copy)."""
+        blocks = tensor[block_ids]
+        if self._pagedkv_pages:
+            return blocks.view(len(block_ids), 2, self.block_size, self.num_kv_heads, self.head_dim)
+        # vLLM CPU [n, H, 2, block_size, D] -> pagedkv [n, 2, block_size, H, D]
+        return blocks.view(len(block_ids), self.num_kv_heads, 2, self.block_size, self.head_dim).permute(0, 2, 3, 1, 4)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Fetch, verify and copy the step's tier hits into vLLM's blocks (worker side).
@@ -721,9 +743,14 @@ class PagedKVConnector(KVConnectorBase_V1):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")     # torch warns about read-only buffers; only read here
             for layer, name in enumerate(self.layer_names):
-                dst = self._kv_caches[name][block_id].view(self.num_kv_heads, 2, self.block_size, self.head_dim)
-                # pagedkv [2, block_size, H, D] -> vLLM CPU [H, 2, block_size, D]
-                dst.copy_(torch.from_numpy(body[layer, 0]).permute(2, 0, 1, 3))
+                src = torch.from_numpy(body[layer, 0])
+                if self._pagedkv_pages:
+                    dst = self._kv_caches[name][block_id].view(2, self.block_size, self.num_kv_heads, self.head_dim)
+                    dst.copy_(src)
+                else:
+                    dst = self._kv_caches[name][block_id].view(self.num_kv_heads, 2, self.block_size, self.head_dim)
+                    # pagedkv [2, block_size, H, D] -> vLLM CPU [H, 2, block_size, D]
+                    dst.copy_(src.permute(2, 0, 1, 3))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete in :meth:`start_load_kv`: nothing to wait for (worker side)."""
@@ -745,9 +772,7 @@ class PagedKVConnector(KVConnectorBase_V1):
             self._staging = np.empty((self.layout.num_layers, len(ids), 2, self.block_size, self.num_kv_heads,
                                       self.head_dim), dtype=self.layout.dtype)
             self._staged_layers = set()
-        src = self._block_view(kv_layer, torch.from_numpy(ids))
-        # vLLM CPU [n, H, 2, block_size, D] -> pagedkv [n, 2, block_size, H, D]
-        torch.from_numpy(self._staging[layer]).copy_(src.permute(0, 2, 3, 1, 4))
+        torch.from_numpy(self._staging[layer]).copy_(self._block_view(kv_layer, torch.from_numpy(ids)))
         self._staged_layers.add(layer)
 
     def wait_for_save(self):

@@ -298,8 +298,8 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         self._sink_logits = None
         self._pages_of = (None, None)
 
-    def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """vLLM's layer tensor as pagedkv's pool ``(num_blocks, 2, block_size, H, D)`` (a view)."""
+    def _pages(self, kv_cache: torch.Tensor) -> np.ndarray:
+        """vLLM's layer tensor as pagedkv's pool ``(num_blocks, 2, block_size, H, D)`` (a NumPy view)."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape))
         if self._pages_of[0] == key:
             return self._pages_of[1]
@@ -313,7 +313,7 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
                 "PagedAttentionBackend reads each layer's KV cache as one contiguous pool; vLLM laid this "
                 f"layer out with strides {kv_cache.stride()} (a padded or interleaved KV cache layout, "
                 "e.g. from VLLM_KV_CACHE_LAYOUT or a hybrid model's page padding)")
-        pages = kv_cache.view(num_blocks, 2, block_size, heads, self.head_size)
+        pages = kv_cache.view(num_blocks, 2, block_size, heads, self.head_size).numpy()
         self._pages_of = (key, pages)
         return pages
 
@@ -325,18 +325,19 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         n = slot_mapping.shape[0]
         if n == 0:
             return
-        slots = slot_mapping.to(torch.int64)
-        key, value = key[:n], value[:n]
-        if bool((slots < 0).any()):
+        # NumPy: for the few rows of a step its calls cost less than torch's dispatch.
+        slots = slot_mapping.numpy()
+        key, value = key[:n].numpy(), value[:n].numpy()
+        if slots.min() < 0:
             # Padding rows (vLLM's PAD_SLOT_ID) are not stored.
             keep = slots >= 0
             slots, key, value = slots[keep], key[keep], value[keep]
         block_size = pages.shape[2]
         # Row r of the (num_blocks * 2 * block_size, H, D) view: K of slot s is row s + block * block_size.
         rows = slots + (slots // block_size) * block_size
-        flat = pages.view(-1, self.num_kv_heads, self.head_size)
-        flat.index_copy_(0, rows, key.to(flat.dtype))
-        flat.index_copy_(0, rows + block_size, value.to(flat.dtype))
+        flat = pages.reshape(-1, self.num_kv_heads, self.head_size)
+        flat[rows] = key
+        flat[rows + block_size] = value
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -352,11 +353,8 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         if pages.shape[2] != attn_metadata.block_size:
             raise ValueError(f"PagedAttentionBackend: KV cache blocks of {pages.shape[2]} tokens, block table of "
                              f"{attn_metadata.block_size}-token blocks")
-        cache = _LayerPages(pages.numpy(), attn_metadata.page_table(self.sliding_window), self.sliding_window)
-        q = query[:n]
-        if q.dtype != torch.float32:
-            q = q.float()
-        q = q.numpy()
+        cache = _LayerPages(pages, attn_metadata.page_table(self.sliding_window), self.sliding_window)
+        q = query[:n].numpy()
         if self.sinks is not None and self._sink_logits is None:
             self._sink_logits = self.sinks.detach().to(torch.float64).numpy().copy()
         seq_ids = range(attn_metadata.num_reqs)
@@ -367,5 +365,5 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         else:
             out = _attention.prefill(q, cache, 0, seq_ids, attn_metadata.qo_indptr, self.scale, threads, False,
                                      sink_logits=self._sink_logits, softcap=self.logits_soft_cap)
-        output[:n].view(n, self.num_heads, self.head_size).copy_(torch.from_numpy(out))
+        output[:n].numpy()[...] = out.reshape(n, self.num_heads, self.head_size)
         return output
