@@ -453,3 +453,39 @@ def test_each_attention_backend_loads_the_pages_of_the_other(scenario):
         assert cached(scenario, run, 0) == 4 * BLOCK, run
         assert scenario[run]["stats"]["worker"]["loaded_blocks"] == 4, run
         assert tokens(scenario, run, 0) == tokens(scenario, "cold", 0), run
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("pagedkv_pages", [False, True])
+def test_block_layouts_convert_to_pagedkv_pages_and_back(connector_module, dtype, pagedkv_pages):
+    # The K/V vLLM's own CPU kernels (or pagedkv's backend) write, read back as pagedkv pages
+    # [2, block_size, H, D] and written again through the load path.
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    heads, block, dim, num_blocks = 3, 32, 64, 4
+    torch_dtype = getattr(torch, dtype)
+    connector = object.__new__(connector_module.PagedKVConnector)
+    connector.num_kv_heads, connector.block_size, connector.head_dim = heads, block, dim
+    connector._uses_pagedkv_pages = pagedkv_pages
+    connector.layer_names = ["layer"]
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(num_blocks * block, heads, dim, generator=gen).to(torch_dtype)
+    value = torch.randn(num_blocks * block, heads, dim, generator=gen).to(torch_dtype)
+    kv = torch.zeros(num_blocks, heads, block, 2 * dim, dtype=torch_dtype)
+    if pagedkv_pages:
+        kv.view(num_blocks, 2, block, heads, dim).copy_(torch.stack((key, value)).view(2, num_blocks, block, heads, dim)
+                                                        .transpose(0, 1))
+    else:
+        caches = kv.view(num_blocks, heads, 2 * block, dim).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, *caches, torch.arange(num_blocks * block),
+                                       _get_attn_isa(torch_dtype, block, dim, "auto"), k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+    ids = torch.tensor([2, 0])
+    pages = connector._block_view(kv, ids)
+    want = torch.stack((key.view(num_blocks, block, heads, dim), value.view(num_blocks, block, heads, dim)), dim=1)
+    assert torch.equal(pages, want[ids])
+    connector._kv_caches = {"layer": torch.zeros_like(kv)}
+    for i, block_id in enumerate(ids.tolist()):
+        connector._copy_in(block_id, pages[i].numpy()[None, None])
+    assert torch.equal(connector._kv_caches["layer"][ids], kv[ids])

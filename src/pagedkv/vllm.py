@@ -74,6 +74,7 @@ logger = init_logger("vllm.pagedkv")
 TESTED_VLLM_VERSIONS = ("0.32.0",)
 
 _TORCH_DTYPES = {torch.float16: np.float16, torch.float32: np.float32}
+_TORCH_DTYPE_OF = {np.dtype(v): k for k, v in _TORCH_DTYPES.items()}
 _COUNTERS = ("lookups", "lookup_blocks", "lookup_errors", "hit_blocks", "hit_tokens",
              "loaded_blocks", "load_errors", "bytes_read", "stored_blocks", "written_blocks",
              "bytes_written", "dropped_blocks", "write_errors", "skipped_requests",
@@ -646,12 +647,16 @@ class PagedKVConnector(KVConnectorBase_V1):
         ------
         ValueError
             A layer tensor not of shape ``(num_blocks, num_kv_heads, block_size, 2 * head_dim)``
-            with contiguous blocks (the layout vLLM gives its CPU attention backends).
+            with contiguous blocks (the layout vLLM gives its CPU attention backends), or vLLM's
+            CPU attention running kernels whose K layout the connector does not read (see
+            ``_pagedkv_pages``).
         """
         for name in self.layer_names:
             if name in kv_caches:
                 self._check_layer(name, kv_caches[name])
         self._kv_caches = {name: kv_caches[name] for name in self.layer_names if name in kv_caches}
+        logger.info("PagedKVConnector (worker): vLLM's blocks hold %s", "pagedkv's page layout (PagedAttentionBackend)"
+                    if self._pagedkv_pages else "the K/V layout of vLLM's CPU attention ('vec' kernels)")
 
     def _check_layer(self, name, tensor):
         expected = (self.num_kv_heads, self.block_size, 2 * self.head_dim)
@@ -666,26 +671,45 @@ class PagedKVConnector(KVConnectorBase_V1):
         """True when pagedkv's attention backend runs in this process: blocks hold pagedkv's page layout.
 
         Both backends get one contiguous run of bytes per block; vLLM's native CPU attention
-        reads it as ``[num_kv_heads, 2, block_size, head_dim]`` (K rows then V rows per head),
-        :class:`PagedAttentionBackend` as pagedkv's page ``[2, block_size, num_kv_heads,
-        head_dim]``, the layout of the tier values. Decided once, in the worker, after vLLM's
-        plugins ran.
+        (its ``vec`` kernels) stores per KV head the block's K transposed, ``[head_dim,
+        block_size]``, then its V, ``[block_size, head_dim]``; :class:`PagedAttentionBackend`
+        stores pagedkv's page ``[2, block_size, num_kv_heads, head_dim]``, the layout of the
+        tier values. Decided once, in the worker, after vLLM's plugins ran.
+
+        Raises
+        ------
+        ValueError
+            vLLM's native CPU attention uses other kernels than ``vec`` here (AMX, NEON,
+            ``vec16`` and others pack K differently; the connector does not read those).
         """
         uses = getattr(self, "_uses_pagedkv_pages", None)
         if uses is None:
             from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
             from pagedkv._vllm_plugin import BACKEND_PATH
-            uses = self._uses_pagedkv_pages = AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH
+            uses = AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH
+            if not uses:
+                from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+                isa = _get_attn_isa(_TORCH_DTYPE_OF[self.layout.dtype], self.block_size, self.head_dim,
+                                    self._vllm_config.cache_config.cache_dtype)
+                if isa != "vec":
+                    raise ValueError(f"PagedKVConnector reads the KV cache of vLLM's CPU attention with its 'vec' "
+                                     f"kernels, this instance uses {isa!r} (another K layout); run with "
+                                     "PAGEDKV_VLLM_ATTENTION=1 (pagedkv's attention backend) or without the connector")
+            self._uses_pagedkv_pages = uses
         return uses
 
     def _block_view(self, tensor, block_ids):
         """``tensor[block_ids]`` as pagedkv pages ``[n, 2, block_size, H, head_dim]`` (a copy)."""
         blocks = tensor[block_ids]
+        n = len(block_ids)
         if self._pagedkv_pages:
-            return blocks.view(len(block_ids), 2, self.block_size, self.num_kv_heads, self.head_dim)
-        # vLLM CPU [n, H, 2, block_size, D] -> pagedkv [n, 2, block_size, H, D]
-        return blocks.view(len(block_ids), self.num_kv_heads, 2, self.block_size, self.head_dim).permute(0, 2, 3, 1, 4)
+            return blocks.view(n, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        # vLLM CPU, per head: K [D, block_size] then V [block_size, D] -> pagedkv [n, 2, block_size, H, D]
+        blocks = blocks.view(n, self.num_kv_heads, 2, self.block_size * self.head_dim)
+        k = blocks[:, :, 0].view(n, self.num_kv_heads, self.head_dim, self.block_size).permute(0, 3, 1, 2)
+        v = blocks[:, :, 1].view(n, self.num_kv_heads, self.block_size, self.head_dim).permute(0, 2, 1, 3)
+        return torch.stack((k, v), dim=1)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Fetch, verify and copy the step's tier hits into vLLM's blocks (worker side).
@@ -743,14 +767,15 @@ class PagedKVConnector(KVConnectorBase_V1):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")     # torch warns about read-only buffers; only read here
             for layer, name in enumerate(self.layer_names):
-                src = torch.from_numpy(body[layer, 0])
+                src = torch.from_numpy(body[layer, 0])      # [2, block_size, H, D]
                 if self._pagedkv_pages:
                     dst = self._kv_caches[name][block_id].view(2, self.block_size, self.num_kv_heads, self.head_dim)
                     dst.copy_(src)
                 else:
-                    dst = self._kv_caches[name][block_id].view(self.num_kv_heads, 2, self.block_size, self.head_dim)
-                    # pagedkv [2, block_size, H, D] -> vLLM CPU [H, 2, block_size, D]
-                    dst.copy_(src.permute(2, 0, 1, 3))
+                    # vLLM CPU, per head: K [D, block_size] then V [block_size, D]
+                    dst = self._kv_caches[name][block_id].view(self.num_kv_heads, 2, self.block_size * self.head_dim)
+                    dst[:, 0].view(self.num_kv_heads, self.head_dim, self.block_size).copy_(src[0].permute(1, 2, 0))
+                    dst[:, 1].view(self.num_kv_heads, self.block_size, self.head_dim).copy_(src[1].permute(1, 0, 2))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete in :meth:`start_load_kv`: nothing to wait for (worker side)."""

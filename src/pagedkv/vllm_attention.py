@@ -174,7 +174,17 @@ class PagedAttentionMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetad
         if device.type != "cpu":
             raise NotImplementedError(f"PagedAttentionBackend runs on the CPU, got device {device}")
         self.block_size = int(kv_cache_spec.block_size)
+        self.windows = self._group_windows()
         _announce(self.block_size, kv_cache_spec.dtype)
+
+    def _group_windows(self):
+        """The sliding windows (None: full attention) of this group's layers, or None when unknown."""
+        if self.vllm_config is None:
+            return None
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention, self.layer_names)
+        return {layer.impl.sliding_window for layer in layers.values() if isinstance(layer.impl, PagedAttentionImpl)}
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PagedAttentionMetadata:
@@ -185,10 +195,18 @@ class PagedAttentionMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetad
         block_table = common.block_table_tensor[:num_reqs].cpu().numpy()
         if isinstance(common.causal, torch.Tensor) or not common.causal:
             raise NotImplementedError("PagedAttentionBackend computes causal attention only, got non-causal")
-        return PagedAttentionMetadata(
+        metadata = PagedAttentionMetadata(
             num_actual_tokens=int(qo[-1]), num_reqs=num_reqs, max_query_len=int(common.max_query_len),
             qo_indptr=qo, seq_lens=seq_lens, block_table=block_table, block_size=self.block_size,
             query_start_loc=common.query_start_loc, seq_lens_tensor=common.seq_lens)
+        if self.windows is None:
+            # Layers unknown: tables are built on first use, from a copy of the block table.
+            metadata.block_table = block_table.copy()
+        else:
+            # Now, while vLLM's block table buffer holds this step's tables.
+            for window in self.windows:
+                metadata.page_table(window)
+        return metadata
 
 
 class PagedAttentionBackend(AttentionBackend):
@@ -327,7 +345,7 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
             return
         # NumPy: for the few rows of a step its calls cost less than torch's dispatch.
         slots = slot_mapping.numpy()
-        key, value = key[:n].numpy(), value[:n].numpy()
+        key, value = key.numpy()[:n], value.numpy()[:n]
         if slots.min() < 0:
             # Padding rows (vLLM's PAD_SLOT_ID) are not stored.
             keep = slots >= 0
@@ -354,7 +372,8 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
             raise ValueError(f"PagedAttentionBackend: KV cache blocks of {pages.shape[2]} tokens, block table of "
                              f"{attn_metadata.block_size}-token blocks")
         cache = _LayerPages(pages, attn_metadata.page_table(self.sliding_window), self.sliding_window)
-        q = query[:n].numpy()
+        # Slices in NumPy: torch's slicing costs more than the kernel call's checks at decode sizes.
+        q = query.numpy()[:n]
         if self.sinks is not None and self._sink_logits is None:
             self._sink_logits = self.sinks.detach().to(torch.float64).numpy().copy()
         seq_ids = range(attn_metadata.num_reqs)
@@ -365,5 +384,5 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         else:
             out = _attention.prefill(q, cache, 0, seq_ids, attn_metadata.qo_indptr, self.scale, threads, False,
                                      sink_logits=self._sink_logits, softcap=self.logits_soft_cap)
-        output[:n].numpy()[...] = out.reshape(n, self.num_heads, self.head_size)
+        output.numpy()[:n] = out.reshape(n, self.num_heads, self.head_size)
         return output
