@@ -26,6 +26,13 @@ is pagedkv's token-keyed page hash (``pagedkv_c._prefix``) over the block's toke
 with the request's ``cache_salt`` (and its LoRA adapter's name), so tenants never share a block.
 
 The extra config keys are documented in docs/vllm.md and in :class:`ConnectorOptions`.
+The connector reads vLLM's blocks in the layout of the attention backend that runs: vLLM's
+native CPU attention (its ``vec`` kernels) or :class:`PagedAttentionBackend`.
+
+:class:`PagedAttentionBackend` (defined in :mod:`pagedkv.vllm_attention`, re-exported here) is
+pagedkv's paged attention as vLLM's CPU attention backend, selected with
+``PAGEDKV_VLLM_ATTENTION=1`` (docs/vllm.md).
+
 This module imports vLLM, torch and redis-py; ``import pagedkv`` does not import it.
 """
 from __future__ import annotations
