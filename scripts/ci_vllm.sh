@@ -6,7 +6,8 @@
 # pagedkv with its `vllm` extra. tests/test_vllm_connector.py then runs real vLLM instances
 # over a real redis-server, and tests/test_vllm_attention.py vLLM with pagedkv's attention
 # backend against its own, with the skip turned into a failure (PAGEDKV_REQUIRE_VLLM=1).
-# redis-server comes from the distribution (.ci/run). Takes about 8 minutes on 2 cores.
+# redis-server comes from the distribution (.ci/run). Takes about 15 minutes on 2 cores (the
+# attention backend tests about 5 of them; the connector tests 8 to 12 with other jobs running).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

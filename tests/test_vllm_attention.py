@@ -42,7 +42,7 @@ BUDGET = 128      # max_num_batched_tokens: LONG is prefilled in chunks
 # Token ids < 512 (the models' vocabulary).
 A = [(i * 37 + 11) % 500 + 3 for i in range(150)]
 A_EDIT = A[:3] + [(A[3] + 1) % 500 + 3] + A[4:]
-A_LATE = A[:120] + [(A[120] + 1) % 500 + 3] + A[121:]   # within reach of the last tokens' windows
+A_LATE = A[:112] + [(A[112] + 1) % 500 + 3] + A[113:]   # within reach of the last tokens' windows
 B = A[:100] + [(i * 13 + 1) % 450 + 20 for i in range(30)]      # shares 3 full blocks with A
 C = [(i * 7 + 5) % 400 + 50 for i in range(5)]
 LONG = [(i * 53 + 29) % 490 + 9 for i in range(300)]
