@@ -157,6 +157,11 @@ def _attention_main(args):
     tmp = Path(tempfile.mkdtemp(prefix="bench_vllm_attention-"))
     runs = {name: _run(base, tmp, name, PAGEDKV_VLLM_ATTENTION=flag)["points"]
             for name, flag in (("native", "0"), ("pagedkv", "1"))}
+    # The switch works through pagedkv's installed entry point: without it both runs are native.
+    for name, active in (("native", False), ("pagedkv", True)):
+        if ("PagedAttentionBackend replaces" in (tmp / f"{name}.log").read_text()) != active:
+            raise SystemExit(f"the {name} instance {'did not run' if active else 'ran'} PagedAttentionBackend "
+                             f"(is pagedkv installed with its vllm.general_plugins entry point?); logs: {tmp}")
     print(f"| prompt + output tokens | batch | TTFT native | TTFT pagedkv | tokens/s native | tokens/s pagedkv "
           f"| decode tokens/s native | decode tokens/s pagedkv | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -218,7 +218,6 @@ class PagedAttentionBackend(AttentionBackend):
     """
 
     forward_includes_kv_cache_update: bool = False
-    accept_output_buffer: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.float16]
     supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
 
