@@ -400,7 +400,9 @@ class PagedKVConnector(KVConnectorBase_V1):
         self.layout = PageLayout.of_cache(len(self.layer_names), self.num_kv_heads, self.head_dim,
                                           self.block_size, _TORCH_DTYPES[spec.dtype], self.options.hash_algorithm)
         fingerprint = self.options.model_fingerprint or model_fingerprint(vllm_config.model_config)
-        self.namespace = f"{self.options.namespace}\x00vllm\x00{fingerprint}"
+        # "vllm2": values written before the connector read vLLM's native K layout (K transposed per
+        # head) hold K in another order under the same layout; a new namespace never reads them.
+        self.namespace = f"{self.options.namespace}\x00vllm2\x00{fingerprint}"
         self.key_prefix = self.layout.key_prefix(self.namespace)
         self.value_bytes = HEADER.size + 4 * self.block_size + self.layout.body_bytes
         self._role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
