@@ -24,11 +24,18 @@ rounds):
   pool) at contexts 4096 and 16384 (``--quick``: 4096), the split decode
   (partitions of the sequence's pages merged by log-sum-exp) against the
   same kernel without the split (one work item per KV-head block), on 1
-  and 2 threads, and torch SDPA on the same K/V.
+  and 2 threads, and torch SDPA on the same K/V;
+- page formats: decode over pools of float16, bfloat16, int8 and int4 pages
+  (B=4, Hq=32, Hkv=8: GQA 4; head_dim 128 and 64; contexts 4096 and 16384,
+  ``--quick``: 4096), on 1 thread, each format's median against float16's
+  from the same rounds, and GB/s of page bytes read (every attended row,
+  scales included) against the read-bandwidth probe over float16's byte
+  count. The pools are encoded with the NumPy oracle of the formats
+  (tests/reference_formats.py), so this part needs a checkout.
 
 Writes benchmarks/results/bench_attention.json and prints a table.
 
-Run: python benchmarks/bench_attention.py [--quick] [--repeats N]
+Run: python benchmarks/bench_attention.py [--quick] [--repeats N] [--formats-only]
 """
 import argparse
 import json
@@ -42,6 +49,10 @@ from _timing import compare
 from pagedkv import KVCache, attention
 
 BATCH, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 16, 32, 8, 128, 16
+# Page formats: a smaller batch, as the oracle encodes the pools in NumPy.
+FORMAT_BATCH = 4
+FORMATS = ("float16", "bfloat16", "int8", "int4")
+FORMAT_POOL_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "int8": np.uint8, "int4": np.uint8}
 
 
 def interleaved_medians(tasks, repeats, min_seconds=0.05):
@@ -193,6 +204,84 @@ def decode_case(context, dtype, repeats, thread_counts):
     return row
 
 
+class _FormatPool:
+    """One layer of pages in one page format with the attention contract (``kv_dtype`` set).
+
+    Sequence b holds pages b, b + B, b + 2B, ... (interleaved, as sequences
+    that grow round-robin place them).
+    """
+
+    def __init__(self, kv, fmt, head_dim, page_table):
+        self.kv = kv
+        self.kv_dtype = fmt
+        self.num_layers, self.num_kv_heads, self.head_dim, self.page_size = 1, NUM_KV_HEADS, head_dim, PAGE_SIZE
+        self.window, self.sink_tokens, self.chunk_size = None, 0, None
+        self._view = page_table
+
+    def page_table(self, seq_ids):
+        return self._view
+
+
+def format_pools(context, head_dim, seed=5):
+    """{format: _FormatPool} of the same random K/V, encoded block by block (bounded memory)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import reference_formats as rf
+    from types import SimpleNamespace
+
+    pages_per_seq = context // PAGE_SIZE
+    num_pages = FORMAT_BATCH * pages_per_seq
+    rng = np.random.default_rng(seed)
+    pools = {fmt: np.empty((1, num_pages, 2, PAGE_SIZE, NUM_KV_HEADS, rf.row_bytes(fmt, head_dim)),
+                           np.uint8).view(FORMAT_POOL_DTYPES[fmt]) for fmt in FORMATS}
+    for start in range(0, num_pages, 256):
+        block = rng.standard_normal((min(256, num_pages - start), 2, PAGE_SIZE, NUM_KV_HEADS, head_dim),
+                                    dtype=np.float32)
+        for fmt in FORMATS:
+            pools[fmt][0, start:start + len(block)] = rf.encode(block, fmt).view(FORMAT_POOL_DTYPES[fmt])
+    indices = (np.arange(pages_per_seq)[None, :] * FORMAT_BATCH + np.arange(FORMAT_BATCH)[:, None])
+    view = SimpleNamespace(
+        indptr=(np.arange(FORMAT_BATCH + 1) * pages_per_seq).astype(np.int32),
+        indices=indices.reshape(-1).astype(np.int32),
+        page_positions=np.tile(np.arange(pages_per_seq) * PAGE_SIZE, FORMAT_BATCH).astype(np.int64),
+        seq_lens=np.full(FORMAT_BATCH, context, np.int64))
+    row_bytes = {fmt: rf.row_bytes(fmt, head_dim) for fmt in FORMATS}
+    return {fmt: _FormatPool(pools[fmt], fmt, head_dim, view) for fmt in FORMATS}, row_bytes
+
+
+def format_case(context, head_dim, repeats):
+    """Decode over each page format on 1 thread, interleaved with float16 and the probe."""
+    pools, row_bytes = format_pools(context, head_dim)
+    seq_ids = list(range(FORMAT_BATCH))
+    q = np.random.default_rng(6).standard_normal((FORMAT_BATCH, NUM_QO_HEADS, head_dim), dtype=np.float32)
+    # bytes read: every cached row of K and V, once
+    nbytes = {fmt: FORMAT_BATCH * context * NUM_KV_HEADS * 2 * row_bytes[fmt] for fmt in FORMATS}
+    probe = np.ones(nbytes["float16"] // 4, np.float32)
+    tasks = {"probe": lambda: probe.max()}
+    for fmt in FORMATS:
+        tasks[fmt] = lambda fmt=fmt: attention.decode(q, pools[fmt], 0, seq_ids, num_threads=1)
+    medians = interleaved_medians(tasks, repeats)
+    row = {"context": context, "head_dim": head_dim, "seconds": medians,
+           "probe_gbs": nbytes["float16"] / medians["probe"] / 1e9}
+    for fmt in FORMATS:
+        row[f"us_{fmt}"] = medians[fmt] * 1e6
+        row[f"bytes_{fmt}"] = nbytes[fmt]
+        row[f"gbs_{fmt}"] = nbytes[fmt] / medians[fmt] / 1e9
+        row[f"speed_vs_float16_{fmt}"] = medians["float16"] / medians[fmt]
+    del pools, probe
+    return row
+
+
+def print_formats(formats):
+    print(f"| page format decode, B={FORMAT_BATCH} Hq={NUM_QO_HEADS} Hkv={NUM_KV_HEADS}, 1 thread "
+          "| head_dim | context | us | speed vs float16 | GB/s of pages | probe GB/s |")
+    print("|" + "|".join(["---"] * 7) + "|")
+    for r in formats:
+        for fmt in FORMATS:
+            print(f"| {fmt} | {r['head_dim']} | {r['context']} | {r[f'us_{fmt}']:.0f} "
+                  f"| {r[f'speed_vs_float16_{fmt}']:.2f}x | {r[f'gbs_{fmt}']:.1f} | {r['probe_gbs']:.1f} |")
+
+
 def window_case(dtype, repeats, window=1024, long_context=16384):
     seq_ids = list(range(BATCH))
     q = np.random.default_rng(2).standard_normal((BATCH, NUM_QO_HEADS, HEAD_DIM), dtype=np.float32)
@@ -301,6 +390,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="contexts 512 and 4096 only, 5 rounds")
     parser.add_argument("--repeats", type=int, default=7, help="rounds per figure (median; >= 5)")
+    parser.add_argument("--formats-only", action="store_true",
+                        help="only the page-format comparison (writes bench_attention_formats.json)")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).resolve().parent / "results" / "bench_attention.json")
     args = parser.parse_args()
@@ -308,6 +399,22 @@ def main():
     contexts = [512, 4096] if args.quick else [512, 4096, 16384]
     thread_counts = [1, 2]
     load_before = os.getloadavg()
+    format_contexts = [4096] if args.quick else [4096, 16384]
+    formats = [format_case(c, d, repeats) for d in (128, 64) for c in format_contexts]
+    if args.formats_only:
+        info = attention.kernel_info()
+        print(f"kernel {info['isa']}, int8 scores {info['int8_scores']}; medians of {repeats} rounds; "
+              f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs")
+        print_formats(formats)
+        out = args.out.with_name("bench_attention_formats.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({
+            "benchmark": "bench_attention --formats-only", "repeats": repeats, "kernel_info": info,
+            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                        "load_average_before": load_before, "load_average_after": os.getloadavg()},
+            "formats": formats}, indent=2))
+        print(f"\nwrote {out}")
+        return
 
     rows = [decode_case(c, dtype, repeats, thread_counts)
             for dtype in (np.float16, np.float32) for c in contexts]
@@ -352,6 +459,8 @@ def main():
         print(f"| context {r['context']} | {r['us_unsplit_1t']:.0f} us | {r['us_split_1t']:.0f} us "
               f"| {r['split_speedup_1t']:.2f}x | {r['us_unsplit_2t']:.0f} us | {r['us_split_2t']:.0f} us "
               f"| {r['split_speedup_2t']:.2f}x | {torch1} | {torch2} |")
+    print()
+    print_formats(formats)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
@@ -366,6 +475,7 @@ def main():
         "window": windows,
         "l2_resident": hot,
         "single_sequence": single,
+        "page_formats": formats,
     }
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")

@@ -407,6 +407,7 @@ PKV_TANH_ARRAY(scalar)
 #define KV_ROW(D) ((D) + 2)
 #define KV_LOAD(row, d) v8_load_int8((row), (d), dim)
 #define KV_VSCALE(row) pkv_int8_scale((row), dim)
+#define KV_PF_TAIL(row) PKV_PREFETCH((row) + dim + 1)
 #define KV_VLOAD(row, d) v8_load_int8_levels((row) + (d))
 #define KV_VGET(row, d) ((float)pkv_int8_level((row), (d)))
 #define KV_GET(row, d) (pkv_int8_scale((row), dim) * (float)pkv_int8_level((row), (d)))
@@ -423,6 +424,7 @@ PKV_TANH_ARRAY(scalar)
 #define KV_LOAD(row, d) v8_load_int4((row), (d), dim)
 #define KV_GET(row, d) (pkv_int4_scale((row), dim, (d)) * (float)pkv_int4_level((row), (d)))
 #define KV_ADDR(row, d) ((row) + (d) / 2)
+#define KV_PF_TAIL(row) PKV_PREFETCH((row) + pkv_row_bytes(PKV_FORMAT_INT4, dim) - 1)
 #define KV_LINE_ELEMS 128
 #define KV_ROTATED 1
 #include "attention_kernels_body.h"
@@ -641,6 +643,7 @@ PKV_TANH_ARRAY(avx2)
 #define KV_ROW(D) ((D) + 2)
 #define KV_LOAD(row, d) pkv_int8_avx2((row), (d), dim)
 #define KV_VSCALE(row) pkv_int8_scale((row), dim)
+#define KV_PF_TAIL(row) PKV_PREFETCH((row) + dim + 1)
 #define KV_VLOAD(row, d) pkv_int8_levels_avx2((row) + (d))
 #define KV_VGET(row, d) ((float)pkv_int8_level((row), (d)))
 #define KV_GET(row, d) (pkv_int8_scale((row), dim) * (float)pkv_int8_level((row), (d)))
@@ -657,6 +660,7 @@ PKV_TANH_ARRAY(avx2)
 #define KV_LOAD(row, d) pkv_int4_avx2((row), (d), dim)
 #define KV_GET(row, d) (pkv_int4_scale((row), dim, (d)) * (float)pkv_int4_level((row), (d)))
 #define KV_ADDR(row, d) ((row) + (d) / 2)
+#define KV_PF_TAIL(row) PKV_PREFETCH((row) + pkv_row_bytes(PKV_FORMAT_INT4, dim) - 1)
 #define KV_LINE_ELEMS 128
 #define KV_ROTATED 1
 #include "attention_kernels_body.h"
@@ -913,6 +917,7 @@ PKV_TANH_ARRAY(avx512)
 #define KV_ROW(D) ((D) + 2)
 #define KV_LOAD(row, d) pkv_int8_avx512((row), (d), dim)
 #define KV_VSCALE(row) pkv_int8_scale((row), dim)
+#define KV_PF_TAIL(row) PKV_PREFETCH((row) + dim + 1)
 #define KV_VLOAD(row, d) pkv_int8_levels_avx512((row) + (d))
 #define KV_VGET(row, d) ((float)pkv_int8_level((row), (d)))
 #define KV_GET(row, d) (pkv_int8_scale((row), dim) * (float)pkv_int8_level((row), (d)))
@@ -1028,6 +1033,7 @@ PKV_AVX512VNNI static inline void pkv_dot_i8_1x4_vnni(const uint8_t *qb, const u
 #define KV_ROW(D) ((D) + 2)
 #define KV_LOAD(row, d) pkv_int8_avx512((row), (d), dim)
 #define KV_VSCALE(row) pkv_int8_scale((row), dim)
+#define KV_PF_TAIL(row) PKV_PREFETCH((row) + dim + 1)
 #define KV_VLOAD(row, d) pkv_int8_levels_avx512((row) + (d))
 #define KV_VGET(row, d) ((float)pkv_int8_level((row), (d)))
 #define KV_GET(row, d) (pkv_int8_scale((row), dim) * (float)pkv_int8_level((row), (d)))
@@ -1054,6 +1060,7 @@ PKV_AVX512VNNI static inline void pkv_dot_i8_1x4_vnni(const uint8_t *qb, const u
 #define KV_LOAD(row, d) pkv_int4_avx512((row), (d), dim)
 #define KV_GET(row, d) (pkv_int4_scale((row), dim, (d)) * (float)pkv_int4_level((row), (d)))
 #define KV_ADDR(row, d) ((row) + (d) / 2)
+#define KV_PF_TAIL(row) PKV_PREFETCH((row) + pkv_row_bytes(PKV_FORMAT_INT4, dim) - 1)
 #define KV_LINE_ELEMS 128
 #define KV_ROTATED 1
 #include "attention_kernels_body.h"

@@ -76,6 +76,10 @@
 #define KV_VLOAD(row, d) KV_LOAD(row, d)
 #define KV_VGET(row, d) KV_GET(row, d)
 #endif
+/* prefetch of the end of a row that holds its scale, past the values */
+#ifndef KV_PF_TAIL
+#define KV_PF_TAIL(row) ((void)(row))
+#endif
 #ifndef KV_LINE_ELEMS
 #define KV_LINE_ELEMS (64 / (int64_t)sizeof(KV_T))
 #endif
@@ -132,6 +136,10 @@ PKV_TARGET static inline void FN(dot_4x2)(const float *q, int64_t q_stride,
         VKEEP(w);
         a30 = VFMA(w, x0, a30);
         a31 = VFMA(w, x1, a31);
+    }
+    if (pf != NULL) {
+        KV_PF_TAIL(pf[0]);
+        KV_PF_TAIL(pf[1]);
     }
     VHSUM8(a00, a01, a10, a11, a20, a21, a30, a31, r);
     for (; d < dim; d++) {
@@ -197,6 +205,9 @@ PKV_TARGET static inline void FN(dot_4x4)(const float *q, int64_t q_stride,
         SKEEP(w);
         a30 = SFMA(w, x0, a30); a31 = SFMA(w, x1, a31); a32 = SFMA(w, x2, a32); a33 = SFMA(w, x3, a33);
     }
+    if (pf != NULL)
+        for (i = 0; i < 4; i++)
+            KV_PF_TAIL(pf[i]);
     SHSUM4X4(a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33,
              s, s_stride);
     for (; d < dim; d++) {
@@ -234,6 +245,9 @@ PKV_TARGET static inline void FN(dot_1x8)(const float *q, const KV_T *const *k,
         a6 = VFMA(w, KV_LOAD(k[6], d), a6);
         a7 = VFMA(w, KV_LOAD(k[7], d), a7);
     }
+    if (pf != NULL)
+        for (i = 0; i < 8; i++)
+            KV_PF_TAIL(pf[i]);
     VHSUM8(a0, a1, a2, a3, a4, a5, a6, a7, s);
     for (; d < dim; d++)
         for (i = 0; i < 8; i++)
@@ -249,7 +263,9 @@ PKV_TARGET static inline void FN(dot_1x8)(const float *q, const KV_T *const *k,
             int64_t o_;                                                         \
             for (o_ = (d); o_ < (d) + (width); o_ += VW)                        \
                 if (PF_AT(o_))                                                  \
-                    PKV_PREFETCH(KV_ADDR(pv_, o_));                                     \
+                    PKV_PREFETCH(KV_ADDR(pv_, o_));                             \
+            if ((d) == 0)                                                       \
+                KV_PF_TAIL(pv_);                                                \
         }                                                                       \
     } while (0)
 
@@ -972,6 +988,7 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
 #undef KV_VSCALE
 #undef KV_VLOAD
 #undef KV_VGET
+#undef KV_PF_TAIL
 #undef SFMA
 #undef SKEEP
 #undef SHSUM4X4

@@ -197,3 +197,17 @@ def error_bound(x: np.ndarray, fmt: str) -> np.ndarray:
     if fmt == "bfloat16":
         return np.abs(x).max(axis=-1) * 2.0**-8
     raise ValueError(fmt)
+
+
+def quantize_query(q: np.ndarray) -> np.ndarray:
+    """The query that int8 integer scores use (``kernel_info()["int8_scores"]`` not ``"float32"``), float64.
+
+    Per row of the last axis: ``d * rint(q / d)`` with ``d = max|q| / 127`` in float32 (llama.cpp
+    quantizes its query to int8 the same way for int8 keys).
+    """
+    q = np.asarray(q, dtype=np.float32)
+    d = (np.abs(q).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    levels = np.clip(np.rint(q * inv), -127, 127)
+    return levels.astype(np.float64) * d.astype(np.float64)

@@ -10,7 +10,7 @@ float32 values, so results agree within float32 tolerance.
 
 int8 pages on a path that scores with integer dot products
 (kernel_info()["int8_scores"]) quantize the query per row to int8; the
-reference then attends with that rounded query (quantize_query), so the
+reference then attends with that rounded query (reference_formats.quantize_query), so the
 comparison stays at float32 tolerance.
 """
 import numpy as np
@@ -90,16 +90,6 @@ class FormatCache:
         return np.concatenate(ks), np.concatenate(vs), np.concatenate(pos)
 
 
-def quantize_query(q):
-    """The query the int8 integer scores use: per row, d * rint(q * (1 / d)), d = max|q| / 127 (float32)."""
-    q = np.asarray(q, dtype=np.float32)
-    d = (np.abs(q).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    levels = np.clip(np.rint(q * inv), -127, 127)
-    return levels.astype(np.float64) * d.astype(np.float64)
-
-
 def quantizes_query(fmt, isa):
     """True if the kernels of ``isa`` score ``fmt`` pages against the int8-rounded query."""
     if fmt != "int8":
@@ -144,8 +134,8 @@ def run(cache, isa, seq_ids, q, qo_lens=None, threads=(1, 2), **options):
 def expected(cache, isa, seq_ids, q, qo_lens=None, scale=None, q_sink=None, **options):
     """The reference over the decoded K/V, with the query the path uses."""
     if quantizes_query(cache.kv_dtype, isa):
-        q = quantize_query(q)
-        q_sink = None if q_sink is None else quantize_query(q_sink)
+        q = rf.quantize_query(q)
+        q_sink = None if q_sink is None else rf.quantize_query(q_sink)
     scale = 1.0 / np.sqrt(cache.head_dim) if scale is None else scale
     qo_lens = [1] * len(seq_ids) if qo_lens is None else qo_lens
     qo = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int64)

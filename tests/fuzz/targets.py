@@ -573,6 +573,8 @@ class KVCacheProgram:
             qo_lens = [b - a for a, b in zip(passed, passed[1:])]
         check(out.shape == qshape and out.dtype == np.float32, f"attention output {out.shape} {out.dtype}")
         q64 = q.astype(np.float64)
+        if self.kv_dtype == "int8" and pagedkv.attention.kernel_info()["int8_scores"] != "float32":
+            q64 = reference_formats.quantize_query(q)  # the integer scores read the int8-rounded query
         row = 0
         for b, sid in enumerate(ids_list):
             length = len(self.seqs[int(sid)].tokens)
