@@ -177,7 +177,7 @@ cdef class PageStore:
         cdef float scratch[256]
         cdef Py_ssize_t h, j, n = self.head_dim
         cdef const unsigned char* row
-        cdef float x
+        cdef float x = 0.0
         for h in range(self.num_kv_heads):
             row = <const unsigned char*>(src + h * self.head_row_bytes)
             if self.format >= 3:  # quantized: head_dim <= 256 (checked when the cache was made)
