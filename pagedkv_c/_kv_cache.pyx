@@ -281,13 +281,13 @@ cdef class KVCache:
     - ``float32``, ``float16``: IEEE values (4 and 2 bytes per value).
     - ``bfloat16``: the upper half of the float32 value, rounded to nearest
       even (2 bytes per value); the dtype of most released models.
-    - ``int8``: the row quantized symmetrically with one scale: ``head_dim``
-      int8 values in ``[-127, 127]`` and the scale ``max|x| / 127`` rounded
-      up to bfloat16 (``head_dim + 2`` bytes: 51.6% of float16 at
-      ``head_dim`` 64, 50.8% at 128).
-    - ``int4``: the row rotated by a Walsh-Hadamard transform ``R``
+    - ``int8``: the row rotated by a Walsh-Hadamard transform ``R``
       (orthonormal, over blocks of the largest power of two dividing
-      ``head_dim``, at most 256), in blocks of 32 values, each on llama.cpp's
+      ``head_dim``, at most 256), then quantized symmetrically with one
+      scale: ``head_dim`` int8 values in ``[-127, 127]`` and the scale
+      ``max|R x| / 127`` rounded up to bfloat16 (``head_dim + 2`` bytes:
+      51.6% of float16 at ``head_dim`` 64, 50.8% at 128).
+    - ``int4``: the rotated row in blocks of 32 values, each on llama.cpp's
       q4_0 grid: levels ``-8 .. 7`` times the block's scale ``f * m / -8``
       (``m`` the value of largest magnitude), the clip factor ``f`` in
       ``{1, 0.95, 0.9, 0.85, 0.8, 0.75}`` of least squared error, the scale

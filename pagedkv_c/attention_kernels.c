@@ -402,6 +402,7 @@ PKV_TANH_ARRAY(scalar)
 #undef VLOAD_KV
 
 #define PKV_SUFFIX scalar_int8
+#define KV_ROTATED 1 /* int8 rows hold R x (page_formats.h) */
 #define KV_T uint8_t
 #define KV_CHUNK PKV_CHUNK_TOKENS
 #define KV_ROW(D) ((D) + 2)
@@ -638,6 +639,7 @@ PKV_TANH_ARRAY(avx2)
 #undef VLOAD_KV
 
 #define PKV_SUFFIX avx2_int8
+#define KV_ROTATED 1 /* int8 rows hold R x (page_formats.h) */
 #define KV_T uint8_t
 #define KV_CHUNK PKV_CHUNK_TOKENS
 #define KV_ROW(D) ((D) + 2)
@@ -912,6 +914,7 @@ PKV_TANH_ARRAY(avx512)
 #undef VLOAD_KV
 
 #define PKV_SUFFIX avx512_int8
+#define KV_ROTATED 1 /* int8 rows hold R x (page_formats.h) */
 #define KV_T uint8_t
 #define KV_CHUNK PKV_CHUNK_TOKENS
 #define KV_ROW(D) ((D) + 2)
@@ -1028,6 +1031,7 @@ PKV_AVX512VNNI static inline void pkv_dot_i8_1x4_vnni(const uint8_t *qb, const u
 #undef PKV_TARGET
 #define PKV_TARGET PKV_AVX512VNNI
 #define PKV_SUFFIX avx512vnni_int8
+#define KV_ROTATED 1 /* int8 rows hold R x (page_formats.h) */
 #define KV_T uint8_t
 #define KV_CHUNK PKV_CHUNK_TOKENS
 #define KV_ROW(D) ((D) + 2)

@@ -851,12 +851,24 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
 #endif
 #if KV_INT_DOT
             {
-                /* score factor d_q * qscale; NaN: the row scores in float */
-                float f = pkv_quantize_query(q, D, dim_pad, st->qi + r * dim_pad) * qscale;
+                /* score factor d_q * qscale; NaN: the row scores in float. A rotated
+                 * format quantizes R q (its rows hold R k). */
+                const float *qq = q, *qq_sink = a->q_sink != NULL ? a->q_sink + q_offset : NULL;
+#if KV_ROTATED
+                float rq[PKV_MAX_HEAD_DIM], rq_sink[PKV_MAX_HEAD_DIM];
+                memcpy(rq, q, (size_t)D * sizeof(float));
+                pkv_rotate(rq, D);
+                qq = rq;
+                if (st->qi_sink != NULL) {
+                    memcpy(rq_sink, qq_sink, (size_t)D * sizeof(float));
+                    pkv_rotate(rq_sink, D);
+                    qq_sink = rq_sink;
+                }
+#endif
+                float f = pkv_quantize_query(qq, D, dim_pad, st->qi + r * dim_pad) * qscale;
                 st->qf[r] = isfinite(f) ? f : NAN;
                 if (st->qi_sink != NULL) {
-                    f = pkv_quantize_query(a->q_sink + q_offset, D, dim_pad, st->qi_sink + r * dim_pad) *
-                        qscale;
+                    f = pkv_quantize_query(qq_sink, D, dim_pad, st->qi_sink + r * dim_pad) * qscale;
                     st->qf_sink[r] = isfinite(f) ? f : NAN;
                 }
             }

@@ -11,7 +11,7 @@
  *   PKV_FORMAT_BF16  D bfloat16 (the upper half of a float32,    2 D bytes
  *                    rounded to nearest even; NaN stays NaN)
  *   PKV_FORMAT_INT8  D int8 q_i, then a bfloat16 scale d:        D + 2 bytes
- *                    x_i = d * q_i (symmetric, one scale per row)
+ *                    (R x)_i = d * q_i (symmetric, one scale per row, rotated)
  *   PKV_FORMAT_INT4  see pkv_int4 below                          ceil(D / 2) + 2 * ceil(D / 32) bytes
  *
  * Quantized rows: the scale is computed from the row's largest magnitude and
@@ -53,7 +53,7 @@ typedef enum {
 } pkv_input;
 
 #define PKV_INT4_BLOCK 32
-#define PKV_FORMAT_ROTATED(fmt) ((fmt) == PKV_FORMAT_INT4)
+#define PKV_FORMAT_ROTATED(fmt) ((fmt) == PKV_FORMAT_INT8 || (fmt) == PKV_FORMAT_INT4)
 
 /* Bytes of one head row of head_dim values. */
 static inline int64_t pkv_row_bytes(pkv_format fmt, int64_t head_dim)
@@ -331,7 +331,8 @@ static inline void pkv_encode_row(pkv_format fmt, pkv_input kind, const void *sr
         const int64_t num_blocks = (head_dim + PKV_INT4_BLOCK - 1) / PKV_INT4_BLOCK;
         int finite = 1;
         uint16_t scales[256 / PKV_INT4_BLOCK];
-        memset(dst, 0, (size_t)packed);
+        if (packed > 0) /* always: head_dim >= 1 */
+            memset(dst, 0, (size_t)packed);
         for (int64_t blk = 0; blk < num_blocks; blk++) {
             const int64_t b = blk * PKV_INT4_BLOCK;
             const int64_t n = head_dim - b < PKV_INT4_BLOCK ? head_dim - b : PKV_INT4_BLOCK;
@@ -414,6 +415,7 @@ static inline void pkv_decode_row(pkv_format fmt, const uint8_t *src, int64_t he
         const float d = pkv_fmt_bf2f(bits);
         for (i = 0; i < head_dim; i++)
             x[i] = d * (float)(int8_t)src[i];
+        pkv_rotate(x, head_dim);
         return;
     }
     case PKV_FORMAT_INT4: {

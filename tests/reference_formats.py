@@ -11,7 +11,7 @@ import numpy as np
 
 FORMATS = ("float32", "float16", "bfloat16", "int8", "int4")
 INT4_BLOCK = 32
-ROTATED = {"int4"}
+ROTATED = {"int8", "int4"}
 
 
 def row_bytes(fmt: str, head_dim: int) -> int:
@@ -69,6 +69,24 @@ def rotate(x: np.ndarray) -> np.ndarray:
     p = rotation_block(d)
     blocks = x.reshape(*x.shape[:-1], d // p, p)
     return (blocks @ hadamard(p)).reshape(x.shape)  # hadamard(p) is symmetric
+
+
+def rotate_f32(x: np.ndarray) -> np.ndarray:
+    """R x over the last axis in float32, with the butterflies of page_formats.h in their order (bit for bit)."""
+    x = np.array(x, dtype=np.float32)
+    d = x.shape[-1]
+    p = rotation_block(d)
+    if p == 1:
+        return x
+    blocks = x.reshape(*x.shape[:-1], d // p, p)
+    h = 1
+    while h < p:
+        pairs = blocks.reshape(*blocks.shape[:-1], p // (2 * h), 2, h)
+        a, c = pairs[..., 0, :], pairs[..., 1, :]
+        blocks = np.stack([a + c, a - c], axis=-2).reshape(blocks.shape)
+        h *= 2
+    norm = np.float32(1) / np.sqrt(np.float32(p))
+    return (blocks * norm).reshape(x.shape)
 
 
 def _quantize(x32: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
@@ -134,7 +152,7 @@ def encode(x: np.ndarray, fmt: str) -> np.ndarray:
         return float_to_bf16_bits(x).view(np.uint8).reshape(*lead, 2 * d)
     x32 = np.asarray(x, dtype=np.float32)
     if fmt in ROTATED:
-        x32 = rotate(x32).astype(np.float32)
+        x32 = rotate_f32(x32)
     if fmt == "int8":
         q, scale = _quantize(x32, 127)
         out = np.empty((*lead, d + 2), dtype=np.uint8)
@@ -173,7 +191,7 @@ def decode(raw: np.ndarray, fmt: str, head_dim: int) -> np.ndarray:
         return bf16_bits_to_float(raw.view(np.uint16).reshape(*lead, d)).astype(np.float64)
     if fmt == "int8":
         scale = bf16_bits_to_float(np.ascontiguousarray(raw[..., d:]).view(np.uint16)[..., 0])
-        return raw[..., :d].view(np.int8).astype(np.float64) * scale[..., None].astype(np.float64)
+        return rotate(raw[..., :d].view(np.int8).astype(np.float64) * scale[..., None].astype(np.float64))
     if fmt == "int4":
         packed = (d + 1) // 2
         nblocks = -(-d // INT4_BLOCK)
@@ -199,12 +217,15 @@ def error_bound(x: np.ndarray, fmt: str) -> np.ndarray:
     raise ValueError(fmt)
 
 
-def quantize_query(q: np.ndarray) -> np.ndarray:
+def quantize_query(q: np.ndarray, fmt: str = "int8") -> np.ndarray:
     """The query that int8 integer scores use (``kernel_info()["int8_scores"]`` not ``"float32"``), float64.
 
     Per row of the last axis: ``d * rint(q / d)`` with ``d = max|q| / 127`` in float32 (llama.cpp
-    quantizes its query to int8 the same way for int8 keys).
+    quantizes its query to int8 the same way for int8 keys). For a rotated format the kernels
+    quantize ``R q`` (the rows hold ``R k``): the result is ``R`` of that, in the query's frame.
     """
+    if fmt in ROTATED:
+        return rotate(quantize_query(rotate_f32(q), "float32"))
     q = np.asarray(q, dtype=np.float32)
     d = (np.abs(q).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore"):

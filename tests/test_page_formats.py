@@ -87,10 +87,11 @@ def test_gather_returns_the_reference_decoding(kv_dtype, dim):
             np.testing.assert_array_equal(gv, expected(v, kv_dtype).astype(np.float32))
 
 
-@pytest.mark.parametrize("kv_dtype, dim", [("bfloat16", 64), ("int8", 63), ("int4", 63)])
+@pytest.mark.parametrize("kv_dtype, dim", [("bfloat16", 64), ("int8", 63), ("int4", 63), ("int8", 64),
+                                           ("int4", 64), ("int8", 96), ("int4", 128)])
 def test_pages_hold_the_reference_bytes(kv_dtype, dim):
-    """Byte for byte: the pool's rows are the reference encoding (an odd head_dim: no rotation, whose
-    float32 arithmetic in C and float64 in the reference may round a value to another integer)."""
+    """Byte for byte: the pool's rows are the reference encoding (rotation included: the reference
+    rotates in float32 with the C code's butterflies)."""
     cache, data = filled(kv_dtype, n=4, dim=dim)
     k, v = data[1]
     page = cache.page_table([0]).indices[0]

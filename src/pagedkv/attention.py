@@ -46,7 +46,7 @@ kv_dtype      pool dtype   last axis ``E``
 ``float16``   float16      ``D`` values
 ``bfloat16``  uint16       ``D`` bfloat16 bit patterns
 ``int8``      uint8        ``D + 2`` bytes: ``D`` int8 levels, then one
-                           bfloat16 scale
+                           bfloat16 scale, of the rotated row ``R x``
 ``int4``      uint8        ``ceil(D / 2) + 2 * ceil(D / 32)`` bytes: levels
                            in nibbles, then a bfloat16 scale per 32 values,
                            of the rotated row ``R x``
@@ -57,20 +57,21 @@ a row is decoded in registers, value ``i`` being ``scale * level_i`` (the
 float32 product the decoder computes, exact) for int8 and int4, so that
 attention over a page equals attention over its decoded values. A row with a
 NaN scale (the encoding of a row that held an inf or NaN) decodes to NaN in
-every element. int4 rows hold ``R x``, ``R`` the orthonormal block
+every element. int8 and int4 rows hold ``R x``, ``R`` the orthonormal block
 Walsh-Hadamard transform of ``page_formats.h`` (its own inverse): the kernels
 score ``R q`` against them and return ``R`` applied to the weighted sum of
 the V rows, which is the output over the decoded rows (the LSE is
 unchanged); this rounds in float32 only.
 
 int8 scores: on the AVX-512 path of a CPU with AVX-512 VNNI
-(``kernel_info()["int8_scores"]``), the query row (and ``q_sink``'s) is
-quantized to int8 the way llama.cpp quantizes its query for int8 keys,
-``level_i = rint(q_i * (1 / d))`` with ``d = max |q_i| / 127`` in float32,
-and the scores are exact integer dot products times ``d``, the key row's
-scale and ``scale``: the result is attention with the query ``d * level``
-in place of ``q`` (a relative change of the scores of about ``1 / 254`` of the
-row's largest element), otherwise rounded in float32 only. A query row
+(``kernel_info()["int8_scores"]``), the rotated query row ``R q`` (and
+``q_sink``'s) is quantized to int8 the way llama.cpp quantizes its query for
+int8 keys, ``level_i = rint(x_i * (1 / d))`` with ``d = max |x_i| / 127`` in
+float32 (``x = R q``, rotated in float32), and the scores are exact integer
+dot products times ``d``, the key row's scale and ``scale``: the result is
+attention with the query ``R (d * level)`` in place of ``q`` (a relative
+change of the scores of about ``1 / 254`` of the row's largest element),
+otherwise rounded in float32 only. A query row
 holding an inf or NaN is scored in float32 as on the other paths, where
 int8 pages score in float32 against the unrounded query.
 
