@@ -71,20 +71,14 @@ def inv_scale(d):
     return np.where(d != 0, 1.0 / np.where(d != 0, d, 1.0), 0.0).astype(np.float32)
 
 
-def q_sym(x, size, qmax, clip=(1.0,)):
-    """Symmetric: d = fp16(f * absmax / qmax), q = clamp(roundf(x / d), -qmax, qmax).
-
-    With several clip factors f, each block keeps the one with the least squared error.
-    """
-    b = blocks(x, size)
-    amax = np.abs(b).max(-1, keepdims=True)
+def least_error(b, shape, clip, grid):
+    """``grid(f)`` (the dequantized blocks of ``b`` for clip factor ``f``) of the least squared error per
+    block over ``clip`` (the first factor on ties), reshaped to ``shape``."""
     best, best_err = None, None
     for f in clip:
-        d = f16(amax * np.float32(f) / np.float32(qmax))
-        q = np.clip(rnd(b * inv_scale(d)), -qmax, qmax)
-        y = q * d
+        y = grid(f)
         if len(clip) == 1:
-            return y.reshape(x.shape)
+            return y.reshape(shape)
         err = ((y - b) ** 2).sum(-1, keepdims=True)
         if best is None:
             best, best_err = y, err
@@ -92,7 +86,22 @@ def q_sym(x, size, qmax, clip=(1.0,)):
             take = err < best_err
             best = np.where(take, y, best)
             best_err = np.where(take, err, best_err)
-    return best.reshape(x.shape)
+    return best.reshape(shape)
+
+
+def q_sym(x, size, qmax, clip=(1.0,)):
+    """Symmetric: d = fp16(f * absmax / qmax), q = clamp(roundf(x / d), -qmax, qmax).
+
+    With several clip factors f, each block keeps the one with the least squared error.
+    """
+    b = blocks(x, size)
+    amax = np.abs(b).max(-1, keepdims=True)
+
+    def grid(f):
+        d = f16(amax * np.float32(f) / np.float32(qmax))
+        return np.clip(rnd(b * inv_scale(d)), -qmax, qmax) * d
+
+    return least_error(b, x.shape, clip, grid)
 
 
 def q4_0(x, size=32, clip=(1.0,)):
@@ -101,21 +110,12 @@ def q4_0(x, size=32, clip=(1.0,)):
     b = blocks(x, size)
     idx = np.abs(b).argmax(-1)[..., None]
     m = np.take_along_axis(b, idx, -1)
-    best, best_err = None, None
-    for f in clip:
+
+    def grid(f):
         d = f16(m * np.float32(f) / np.float32(-8.0))
-        q = np.clip(np.floor(b * inv_scale(d) + 8.5), 0, 15) - 8
-        y = q * d
-        if len(clip) == 1:
-            return y.reshape(x.shape)
-        err = ((y - b) ** 2).sum(-1, keepdims=True)
-        if best is None:
-            best, best_err = y, err
-        else:
-            take = err < best_err
-            best = np.where(take, y, best)
-            best_err = np.where(take, err, best_err)
-    return best.reshape(x.shape)
+        return (np.clip(np.floor(b * inv_scale(d) + 8.5), 0, 15) - 8) * d
+
+    return least_error(b, x.shape, clip, grid)
 
 
 def q_asym(x, size, levels=15, clip=(1.0,)):
@@ -124,22 +124,13 @@ def q_asym(x, size, levels=15, clip=(1.0,)):
     b = blocks(x, size)
     mn = b.min(-1, keepdims=True)
     mx = b.max(-1, keepdims=True)
-    best, best_err = None, None
-    for f in clip:
+
+    def grid(f):
         lo = f16(mn * np.float32(f))
         d = f16((mx - mn) * np.float32(f) / np.float32(levels))
-        q = np.clip(rnd((b - lo) * inv_scale(d)), 0, levels)
-        y = lo + q * d
-        if len(clip) == 1:
-            return y.reshape(x.shape)
-        err = ((y - b) ** 2).sum(-1, keepdims=True)
-        if best is None:
-            best, best_err = y, err
-        else:
-            take = err < best_err
-            best = np.where(take, y, best)
-            best_err = np.where(take, err, best_err)
-    return best.reshape(x.shape)
+        return lo + np.clip(rnd((b - lo) * inv_scale(d)), 0, levels) * d
+
+    return least_error(b, x.shape, clip, grid)
 
 
 # QLoRA's NF4 levels (bitsandbytes table), ascending; 0 is level 7.
@@ -155,21 +146,12 @@ def q_nf4(x, size=32, clip=(1.0,)):
     """NF4: d = fp16(f * absmax), q = index of the nearest NF4 level to x / d, y = NF4[q] * d."""
     b = blocks(x, size)
     amax = np.abs(b).max(-1, keepdims=True)
-    best, best_err = None, None
-    for f in clip:
+
+    def grid(f):
         d = f16(amax * np.float32(f))
-        idx = np.searchsorted(NF4_MID, b * inv_scale(d))  # ties go to the upper level
-        y = NF4[idx] * d
-        if len(clip) == 1:
-            return y.reshape(x.shape)
-        err = ((y - b) ** 2).sum(-1, keepdims=True)
-        if best is None:
-            best, best_err = y, err
-        else:
-            take = err < best_err
-            best = np.where(take, y, best)
-            best_err = np.where(take, err, best_err)
-    return best.reshape(x.shape)
+        return NF4[np.searchsorted(NF4_MID, b * inv_scale(d))] * d  # ties go to the upper level
+
+    return least_error(b, x.shape, clip, grid)
 
 
 def rotated(fn):
