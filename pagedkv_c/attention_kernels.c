@@ -812,11 +812,6 @@ PKV_AVX512 static inline __m512 pkv_bf16_avx512(const uint16_t *p)
     const __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
-PKV_AVX512 static inline __m256 pkv_bf16_avx512_256(const uint16_t *p)
-{
-    const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
-}
 PKV_AVX512 static inline __m512 pkv_int8_levels_avx512(const uint8_t *p)
 {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)p)));
@@ -897,7 +892,7 @@ PKV_TANH_ARRAY(avx512)
 #define SW 8
 #define SZERO() _mm256_setzero_ps()
 #define SLOAD(p) _mm256_loadu_ps(p)
-#define KV_SLOAD(row, d) pkv_bf16_avx512_256((row) + (d))
+#define KV_SLOAD(row, d) pkv_bf16_avx2((row) + (d)) /* the AVX2 conversion, inlined here */
 #define SFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define SKEEP(v) __asm__("" : "+v"(v))
 #define SHSUM4X4 PKV_HSUM4X4_YMM
