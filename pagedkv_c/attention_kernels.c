@@ -176,28 +176,7 @@ void pkv_merge_partitions(const pkv_attention_args *a, int64_t token, int64_t he
 
 float pkv_half_to_float_portable(uint16_t h)
 {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    const uint32_t exponent = (h >> 10) & 0x1fu;
-    uint32_t mantissa = h & 0x3ffu;
-    uint32_t bits;
-    if (exponent == 0x1fu) {
-        bits = sign | 0x7f800000u | (mantissa << 13); /* inf, NaN (payload kept) */
-    } else if (exponent != 0) {
-        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13); /* rebias 15 -> 127 */
-    } else if (mantissa == 0) {
-        bits = sign; /* signed zero */
-    } else {
-        /* subnormal half: mantissa * 2**-24; normalise into a float32 normal */
-        uint32_t e = 113u;
-        while ((mantissa & 0x400u) == 0) {
-            mantissa <<= 1;
-            e--;
-        }
-        bits = sign | (e << 23) | ((mantissa & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return pkv_fmt_h2f(h); /* one conversion for the kernels and the page formats */
 }
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__aarch64__)
@@ -209,7 +188,7 @@ static inline float pkv_h2f(uint16_t h)
     return (float)x;
 }
 #else
-#define pkv_h2f pkv_half_to_float_portable
+#define pkv_h2f pkv_fmt_h2f
 #endif
 
 /* ------------------------------------------------------------ portable path */

@@ -71,6 +71,7 @@ static inline int64_t pkv_row_bytes(pkv_format fmt, int64_t head_dim)
 
 /* ---------------------------------------------------------------- scalars */
 
+/* IEEE float16 -> float32, exact for all 65536 inputs. */
 static inline float pkv_fmt_h2f(uint16_t h)
 {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -78,12 +79,13 @@ static inline float pkv_fmt_h2f(uint16_t h)
     uint32_t mantissa = h & 0x3ffu;
     uint32_t bits;
     if (exponent == 0x1fu) {
-        bits = sign | 0x7f800000u | (mantissa << 13);
+        bits = sign | 0x7f800000u | (mantissa << 13); /* inf, NaN (payload kept) */
     } else if (exponent != 0) {
-        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13); /* rebias 15 -> 127 */
     } else if (mantissa == 0) {
-        bits = sign;
+        bits = sign; /* signed zero */
     } else {
+        /* subnormal half: mantissa * 2**-24; normalise into a float32 normal */
         uint32_t e = 113u;
         while ((mantissa & 0x400u) == 0) {
             mantissa <<= 1;
