@@ -117,18 +117,7 @@ cdef class PageStore:
         cdef char* dst
         cdef Py_ssize_t in_row = self.head_dim * (4 if input_kind == 0 else 2)
         cdef float scratch[256]
-        if input_kind == self.format:  # float32, float16 and bfloat16 pages of the same type: a copy
-            for t in range(num_tokens):
-                slot = slots[t]
-                if slot < 0:
-                    continue
-                page = slot // self.page_size
-                offset = slot - page * self.page_size
-                dst = layer_base + page * self.page_bytes + offset * self.row_bytes
-                pkv_stream_copy(dst, keys + t * self.row_bytes, self.row_bytes)
-                pkv_stream_copy(dst + v_offset, values + t * self.row_bytes, self.row_bytes)
-            pkv_stream_fence()
-            return
+        cdef bint copy = input_kind == self.format  # float32, float16 and bfloat16 rows of the page's type
         for t in range(num_tokens):
             slot = slots[t]
             if slot < 0:
@@ -136,11 +125,17 @@ cdef class PageStore:
             page = slot // self.page_size
             offset = slot - page * self.page_size
             dst = layer_base + page * self.page_bytes + offset * self.row_bytes
+            if copy:
+                pkv_stream_copy(dst, keys + t * self.row_bytes, self.row_bytes)
+                pkv_stream_copy(dst + v_offset, values + t * self.row_bytes, self.row_bytes)
+                continue
             for h in range(self.num_kv_heads):
                 pkv_encode_row(self.format, input_kind, keys + (t * self.num_kv_heads + h) * in_row,
                                self.head_dim, <unsigned char*>(dst + h * self.head_row_bytes), scratch)
                 pkv_encode_row(self.format, input_kind, values + (t * self.num_kv_heads + h) * in_row,
                                self.head_dim, <unsigned char*>(dst + v_offset + h * self.head_row_bytes), scratch)
+        if copy:
+            pkv_stream_fence()
 
     cdef void gather_rows(self, int64_t layer, const page_id_t* page_ids, const pos_t* firsts,
                           Py_ssize_t num_pages, int64_t length, char* keys, char* values,
