@@ -22,10 +22,9 @@ import collections
 import statistics
 import time
 
-import numpy as np
 
 from _timing import format_table, machine_info
-from bench_llama import fill, make_backend, prefill, prompt_ids
+from bench_llama import fill, make_backend, prefilled_context
 from pagedkv.models import LlamaModel
 from pagedkv.models import llama as llama_module
 
@@ -53,13 +52,8 @@ def main():
     args = parser.parse_args()
     before = machine_info()
     model, tokenizer = LlamaModel.from_gguf(args.gguf, num_threads=1)
-    c = model.config
-    ids, source = prompt_ids(tokenizer, args.context, c.vocab_size)
+    source, keys, values, first_token = prefilled_context(model, tokenizer, args.context, args.steps, 512)
     total = args.context + args.steps + 1
-    prompt = make_backend(model, "paged float32", 1, total, 1)
-    _, logits = prefill(model, prompt, ids, 512)
-    keys, values = zip(*(prompt.cache.gather(layer, 0)[:2] for layer in range(c.num_layers)), strict=True)
-    first_token = int(np.argmax(logits))
 
     totals = collections.defaultdict(float)
     project = model._project

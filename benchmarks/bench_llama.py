@@ -115,6 +115,21 @@ def prefill(model, backend, ids, chunk):
     return time.perf_counter() - start, logits[0]
 
 
+def prefilled_context(model, tokenizer, context, steps, chunk):
+    """Prefill the first ``context`` prompt tokens (``prompt_ids``) into a paged float32 backend with room for
+    ``steps`` more, in chunks of ``chunk`` tokens; returns ``(prompt source, keys, values, first token)``,
+    the per-layer K/V ``[context, Hkv, D]`` to ``fill`` decode backends with and the greedy next token."""
+    ids, prompt_source = prompt_ids(tokenizer, context, model.config.vocab_size)
+    source = make_backend(model, "paged float32", 1, context + steps + 1, 1)
+    _, logits = prefill(model, source, ids, chunk)
+    keys, values = [], []
+    for layer in range(model.config.num_layers):
+        k, v, _ = source.cache.gather(layer, 0)
+        keys.append(k)
+        values.append(v)
+    return prompt_source, keys, values, int(np.argmax(logits))
+
+
 def fill(backend, batch_size, keys, values):
     """Give sequences 0..B-1 of ``backend`` copies of the per-layer ``keys``/``values`` [n, Hkv, D]."""
     ids = np.arange(batch_size)
@@ -222,17 +237,9 @@ def bench_scaling(model, tokenizer, args):
     """Decode tokens/s against batch size and threads, kernel against BLAS; prefill of both."""
     models = {"kernel": model, "blas": blas_model(model)}
     context = args.context[0]
-    ids, prompt_source = prompt_ids(tokenizer, context, model.config.vocab_size)
+    prompt_source, keys, values, first_token = prefilled_context(model, tokenizer, context, args.steps,
+                                                                 args.prefill_chunk)
     total = context + args.steps + 1
-    source = make_backend(model, "paged float32", 1, total, 1)
-    _, logits = prefill(model, source, ids, args.prefill_chunk)
-    keys, values = [], []
-    for layer in range(model.config.num_layers):
-        k, v, _ = source.cache.gather(layer, 0)
-        keys.append(k)
-        values.append(v)
-    first_token = int(np.argmax(logits))
-    del source
     rows = []
     for threads in args.scaling_threads:
         for m in models.values():
