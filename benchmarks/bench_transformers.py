@@ -179,26 +179,34 @@ def bench_peak_rss(model, context, steps, threads):
     return rows
 
 
-def bench_decode(model, context, steps, threads):
+def median_step_seconds(model, caches, implementations, context, steps):
+    """Median seconds of a one-token decode step per cache of ``caches`` (name -> cache holding ``context``
+    tokens): one warm-up step, then ``steps`` timed ones, the caches taking turns step by step in rotating
+    order so that load from other processes falls on all alike; ``implementations`` maps each name to the
+    ``attn_implementation`` it runs with."""
     import torch
 
-    caches, prefill_seconds = build_caches(model, context, steps)
-    implementation = IMPLEMENTATION
-    times = {name: [] for name in CANDIDATES}
+    names = list(caches)
+    times = {name: [] for name in names}
     token = torch.tensor([[42]])
     for step in range(steps + 1):
-        order = CANDIDATES[step % 3:] + CANDIDATES[:step % 3]
-        for name in order:
-            model.set_attn_implementation(implementation[name])
+        shift = step % len(names)
+        for name in names[shift:] + names[:shift]:
+            model.set_attn_implementation(implementations[name])
             position = torch.tensor([[context + step]])
             start = time.perf_counter()
             with torch.no_grad():
-                model(input_ids=token, cache=caches[name], position_ids=position,
-                      cache_position=position[0], use_cache=True)
+                model(input_ids=token, cache=caches[name], position_ids=position, cache_position=position[0],
+                      use_cache=True)
             if step:  # the first step warms up
                 times[name].append(time.perf_counter() - start)
     model.set_attn_implementation("sdpa")
-    medians = {name: statistics.median(times[name]) for name in CANDIDATES}
+    return {name: statistics.median(times[name]) for name in names}
+
+
+def bench_decode(model, context, steps, threads):
+    caches, prefill_seconds = build_caches(model, context, steps)
+    medians = median_step_seconds(model, caches, IMPLEMENTATION, context, steps)
     rows = []
     for name in CANDIDATES:
         rows.append({
@@ -215,25 +223,9 @@ PAGE_FORMATS = ("float32", "float16", "bfloat16", "int8", "int4")
 
 def bench_decode_formats(model, context, steps, threads):
     """Decode steps of PagedCache in every page format, taking turns step by step; ratio against float16."""
-    import torch
-
     prefill_context(model, context)
     caches = {f: build_cache(model, "PagedCache", context, steps, kv_dtype=f) for f in PAGE_FORMATS}
-    times = {f: [] for f in PAGE_FORMATS}
-    token = torch.tensor([[42]])
-    model.set_attn_implementation("pagedkv")
-    for step in range(steps + 1):
-        shift = step % len(PAGE_FORMATS)
-        for f in PAGE_FORMATS[shift:] + PAGE_FORMATS[:shift]:
-            position = torch.tensor([[context + step]])
-            start = time.perf_counter()
-            with torch.no_grad():
-                model(input_ids=token, cache=caches[f], position_ids=position, cache_position=position[0],
-                      use_cache=True)
-            if step:
-                times[f].append(time.perf_counter() - start)
-    model.set_attn_implementation("sdpa")
-    medians = {f: statistics.median(times[f]) for f in PAGE_FORMATS}
+    medians = median_step_seconds(model, caches, dict.fromkeys(PAGE_FORMATS, "pagedkv"), context, steps)
     return [{"threads": threads, "context": context, "kv_dtype": f, "step_ms": medians[f] * 1e3,
              "tokens_per_s": 1.0 / medians[f], "vs_float16": medians["float16"] / medians[f],
              "kv_bytes": cache_bytes(caches[f])} for f in PAGE_FORMATS]
@@ -429,22 +421,9 @@ def bench_hybrid(model, context, steps, threads, chunk):
         if libc is not None:
             peak_added[name] = (_status_kib("VmHWM") - before) * 1024
         caches[name] = cache
-    times = {name: [] for name in HYBRID_CANDIDATES}
-    token = torch.tensor([[42]])
-    for step in range(steps + 1):
-        order = HYBRID_CANDIDATES[step % 3:] + HYBRID_CANDIDATES[:step % 3]
-        for name in order:
-            model.set_attn_implementation(HYBRID_IMPLEMENTATION[name])
-            position = torch.tensor([[context + step]])
-            start = time.perf_counter()
-            with torch.no_grad():
-                model(input_ids=token, cache=caches[name], position_ids=position, cache_position=position[0],
-                      use_cache=True)
-            if step:
-                times[name].append(time.perf_counter() - start)
-    model.set_attn_implementation("sdpa")
+    medians = median_step_seconds(model, {name: caches[name] for name in HYBRID_CANDIDATES}, HYBRID_IMPLEMENTATION,
+                                  context, steps)
     minimum, uniform = hybrid_kv_bounds(model.config, context + steps, 16)
-    medians = {name: statistics.median(times[name]) for name in HYBRID_CANDIDATES}
     rows = []
     for name in HYBRID_CANDIDATES:
         held = cache_bytes(caches[name])
