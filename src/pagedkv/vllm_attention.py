@@ -91,6 +91,9 @@ class _LayerPages:
         self.window = window
 
     def layer_attention_view(self, layer, seq_ids):
+        """The attention contract of :mod:`pagedkv.attention` for this layer: ``(pages, page table,
+        window in tokens or None, 0 sink tokens, no chunk size)``; ``layer`` and ``seq_ids`` are not read
+        (the adapter is made per layer and step, for the step's batch)."""
         return self.pages, self.table, self.window, 0, None
 
 
@@ -188,6 +191,12 @@ class PagedAttentionMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetad
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PagedAttentionMetadata:
+        """One step's metadata from vLLM's: query start offsets (int64 ``[num_reqs + 1]``, tokens), sequence
+        lengths (int64 ``[num_reqs]``, tokens) and the block table, with the pagedkv page table of every
+        layer window built now (vLLM reuses its block-table buffer after this call).
+
+        Raises NotImplementedError for non-causal attention (which the backend does not compute).
+        """
         common = common_attn_metadata
         num_reqs = int(common.num_reqs)
         qo = common.query_start_loc_cpu[:num_reqs + 1].numpy().astype(np.int64)
@@ -223,27 +232,32 @@ class PagedAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        """Any block size (tokens per block): the kernels take any page size."""
         return [MultipleOf(1)]
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
+        """Head sizes 1 to 256 (values per head), the kernels' range."""
         return list(range(1, _MAX_HEAD_DIM + 1))
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple:
-        # Any block-compact layout keeps each block contiguous; LBHNC also keeps each layer so.
+        """vLLM's LBHNC layout: each layer's blocks contiguous, each block one pagedkv page."""
         return (KVCacheLayout.LBHNC,)
 
     @staticmethod
     def get_name() -> str:
+        """``"CPU_ATTN"``: vLLM looks the backend up by the enum name of the slot it fills."""
         return "CPU_ATTN"
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
+        """True: per-layer sliding windows, as vLLM passes them."""
         return True
 
     @classmethod
     def supports_sink(cls) -> bool:
+        """True: learned sink logits per query head (gpt-oss), the kernels' ``sink_logits``."""
         return True
 
     @classmethod
