@@ -46,11 +46,13 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+for _path in (HERE, os.path.dirname(HERE)):  # snapshot_mutator; reference_formats (tests/)
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 import numpy as np  # noqa: E402
 
+import reference_formats as rf  # noqa: E402
 import snapshot_mutator as sm  # noqa: E402
 
 #: A load or import may allocate the pool plus this much, or twice the file's length (module notes).
@@ -187,6 +189,24 @@ def _same_contents(before: dict, cache, stage: str) -> None:
                               f"sequence {seq_id} layer {layer} changed by a call on another sequence")
 
 
+def _read_back(x: np.ndarray, kv_dtype: str) -> tuple[np.ndarray, float]:
+    """What ``gather`` returns for float32 rows ``x`` stored in page format ``kv_dtype``, and the allowed
+    absolute difference: the reference encoding of ``tests/reference_formats.py`` (float formats round to
+    their dtype; int8/int4 undo their rotation in float32 in C, in float64 in the reference)."""
+    if kv_dtype in ("float32", "float16"):
+        return x.astype(kv_dtype), 0.0
+    want = rf.decode(rf.encode(x, kv_dtype), kv_dtype, x.shape[-1])
+    rotated = kv_dtype in rf.ROTATED and rf.rotation_block(x.shape[-1]) > 1
+    return want, (2e-6 * float(np.abs(x).max()) if rotated else 0.0)
+
+
+def _row_matches(got: np.ndarray, want: tuple[np.ndarray, float]) -> bool:
+    expected, atol = want
+    if not atol:
+        return np.array_equal(got, expected.astype(got.dtype))
+    return bool(np.all(np.abs(got.astype(np.float64) - expected) <= atol))
+
+
 def _append_store(cache, seq_id, n: int, rng, stage: str, token_ids=None) -> bool:
     """Append ``n`` tokens to ``seq_id`` and store K/V; the stored rows must read back. False: out of pages."""
     from pagedkv import OutOfPagesError
@@ -209,17 +229,17 @@ def _append_store(cache, seq_id, n: int, rng, stage: str, token_ids=None) -> boo
         shape = (n, cache.num_kv_heads, cache.head_dim)
         stored = []
         for layer in range(cache.num_layers):
-            k = rng.standard_normal(shape).astype(cache.dtype)
-            v = rng.standard_normal(shape).astype(cache.dtype)
+            k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
             _call(f"{stage}:store", cache.store, layer, slots, k, v)
-            stored.append((k, v))
+            stored.append((_read_back(k, cache.kv_dtype), _read_back(v, cache.kv_dtype)))
         for layer, (k, v) in enumerate(stored):
             gk, gv, pos = _call(f"{stage}:gather", cache.gather, layer, seq_id)
             if not len(pos) or pos[-1] != length + n - 1:
                 raise Finding(f"{stage}:gather:last-position", f"positions {pos[-5:]} after {length + n} tokens")
             for j in range(n):
                 row = np.flatnonzero(pos == length + j)
-                if row.size and not (np.array_equal(gk[row[0]], k[j]) and np.array_equal(gv[row[0]], v[j])):
+                if row.size and not (_row_matches(gk[row[0]], (k[0][j], k[1])) and
+                                     _row_matches(gv[row[0]], (v[0][j], v[1]))):
                     raise Finding(f"{stage}:gather:stored-row-differs",
                                   f"sequence {seq_id} layer {layer} position {length + j}")
     _same_contents(others, cache, stage)
@@ -368,9 +388,7 @@ def check_cache_file(path: str, rng) -> str:
 def _target_cache(target: dict, rng):
     """The import target: a fresh cache of the seed's geometry holding one filled sequence (id 100)."""
     from pagedkv import KVCache
-    kwargs = dict(target)
-    kwargs["dtype"] = np.dtype(kwargs["dtype"])
-    cache = KVCache(**kwargs)
+    cache = KVCache(**sm.cache_kwargs(target))
     prompt = sm.PROMPTS[3]
     hit = cache.add_sequence(100, prompt) if cache.prefix_caching else cache.add_sequence(100)
     rest = len(prompt) - hit

@@ -309,9 +309,9 @@ def recompute_page_checksums(c: Container, seals: bool) -> bool:
 def _fill(cache, seq_ids, counts, rng, token_ids=None) -> None:
     """Append ``counts`` tokens to ``seq_ids`` and store random K/V in every layer."""
     slots = cache.append(seq_ids, counts, token_ids)
-    if slots is None or not len(slots):
+    if slots is None or not slots.shape[-1]:  # [T], or [num_groups, T] with page groups
         return
-    shape = (len(slots), cache.num_kv_heads, cache.head_dim)
+    shape = (slots.shape[-1], cache.num_kv_heads, cache.head_dim)
     for layer in range(cache.num_layers):
         cache.store(layer, slots, rng.standard_normal(shape), rng.standard_normal(shape))
 
@@ -343,7 +343,35 @@ CACHE_CONFIGS = {
                   window=4, sink_tokens=1),
     "blocks-prefix-checksums": dict(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=24, page_size=2,
                                     enable_prefix_caching=True, dtype="float32", page_checksums=True),
+    # Encoded page formats: rows are bytes with their scale inside (int8: 2 + 4 bytes, int4: 2 + 4).
+    "int8-window-sinks-prefix": dict(num_layers=2, num_kv_heads=1, head_dim=4, num_pages=32, page_size=2, window=8,
+                                     sink_tokens=2, enable_prefix_caching=True, kv_dtype="int8",
+                                     page_checksums=True),
+    "int4-prefix": dict(num_layers=1, num_kv_heads=2, head_dim=8, num_pages=24, page_size=4,
+                        enable_prefix_caching=True, kv_dtype="int4"),
+    "bf16-window": dict(num_layers=1, num_kv_heads=1, head_dim=3, num_pages=24, page_size=2, window=6,
+                        kv_dtype="bfloat16", page_checksums=True),
+    # Per-layer attention: two sliding layers and one full layer form page groups (JSON-friendly settings,
+    # turned into AttentionSetting by cache_kwargs).
+    "hybrid-groups-prefix": dict(num_layers=3, num_kv_heads=1, head_dim=2, num_pages=128, page_size=2,
+                                 enable_prefix_caching=True, dtype="float32", page_checksums=True,
+                                 layer_attention=[{"window": 4}, {}, {"window": 4}]),
+    "hybrid-sinks-chunks": dict(num_layers=2, num_kv_heads=1, head_dim=2, num_pages=96, page_size=2,
+                                dtype="float16", layer_attention=[{"window": 6, "sink_tokens": 2},
+                                                                  {"chunk_size": 4}]),
 }
+
+
+def cache_kwargs(config: dict) -> dict:
+    """``KVCache`` keyword arguments of a ``CACHE_CONFIGS`` entry (``layer_attention`` dicts become
+    ``AttentionSetting`` objects; a ``dtype`` name becomes a numpy dtype)."""
+    from pagedkv import AttentionSetting
+    kwargs = dict(config)
+    if "layer_attention" in kwargs:
+        kwargs["layer_attention"] = [AttentionSetting(**setting) for setting in kwargs["layer_attention"]]
+    if "dtype" in kwargs:
+        kwargs["dtype"] = np.dtype(kwargs["dtype"])
+    return kwargs
 
 
 #: The salt (add_sequence's extra_key) of each salted sequence of the seed caches: sequence 1, its prefix
@@ -355,8 +383,7 @@ SALTS = {(name, seq_id): "tenant-a" for name, kwargs in CACHE_CONFIGS.items()
 def make_cache(name: str):
     """A KVCache of configuration ``name`` filled by a fixed script (deterministic)."""
     from pagedkv import KVCache
-    kwargs = dict(CACHE_CONFIGS[name])
-    cache = KVCache(**kwargs)
+    cache = KVCache(**cache_kwargs(CACHE_CONFIGS[name]))
     rng = np.random.default_rng(sum(map(ord, name)))
     if name == "empty":
         return cache
@@ -414,7 +441,7 @@ def seed_files(tmpdir) -> list[dict]:
         with open(path, "rb") as f:
             seeds.append({"name": name, "kind": "cache", "data": f.read(), "target": CACHE_CONFIGS[name],
                           "extra_key": None})
-        for seq_id in cache.seq_ids():
+        for seq_id in (cache.seq_ids() if cache.num_groups == 1 else ()):  # no export with page groups
             seeds.append({"name": f"{name}/seq{seq_id}", "kind": "sequence", "data": cache.export_sequence(seq_id),
                           "target": CACHE_CONFIGS[name], "extra_key": SALTS.get((name, seq_id))})
         os.unlink(path)
@@ -962,7 +989,7 @@ def m_config(c, rng):
     e = rng.choice(s.entries)
     name = e.name.decode()
     if e.code == 4:
-        options = {"dtype": ["float16", "float32", "float64", "int8"], "prefix_hash": ["sha256", "xxh3_128", "md5"]}
+        options = {"dtype": ["float16", "float32", "float64", "bfloat16", "int8", "int4"], "prefix_hash": ["sha256", "xxh3_128", "md5"]}
         value = rng.choice(options.get(name, ["x"]))
         e.set(np.frombuffer(value.encode(), dtype=np.uint8))
     else:
