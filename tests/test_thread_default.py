@@ -206,6 +206,58 @@ def test_models_take_the_default_unless_told(monkeypatch):
         threads._default_choice.cache_clear()
 
 
+@pytest.mark.parametrize("batch, auto_threads", [(1, 1), (7, 1), (8, 2), (9, 2)])
+def test_auto_runs_small_decode_steps_on_one_thread(monkeypatch, tmp_path, batch, auto_threads):
+    """Under "auto" (2 threads here), decode steps of fewer than SMALL_BATCH_ROWS sequences run their
+    products and attention on one thread; an explicit count is kept whatever the batch."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("threadpoolctl")
+    from _llama_support import tiny_llama_path
+
+    from pagedkv import attention
+    from pagedkv.models import LlamaModel, PagedBackend
+    from pagedkv.models import llama as llama_module
+    from pagedkv.models.gguf_loader import load_llama_gguf
+    from pagedkv.models import paged_backend as backend_module
+
+    assert threads.SMALL_BATCH_ROWS == 8
+    monkeypatch.setattr(threads, "choose_num_threads", lambda: ThreadChoice(2, 2, 1.9, "fake"))
+    threads._default_choice.cache_clear()
+    seen = {"products": set(), "attention": set()}
+    matmul, decode = llama_module._matmul.matmul, attention.decode
+
+    class Matmul:  # the compiled module's attribute cannot be patched; the model's reference can
+        @staticmethod
+        def matmul(*args, num_threads=None, **kwargs):
+            seen["products"].add(num_threads)
+            return matmul(*args, num_threads=num_threads, **kwargs)
+
+    def spy_decode(*args, num_threads=None, **kwargs):
+        seen["attention"].add(num_threads)
+        return decode(*args, num_threads=num_threads, **kwargs)
+
+    monkeypatch.setattr(llama_module, "_matmul", Matmul)
+    monkeypatch.setattr(backend_module.attention, "decode", spy_decode)
+    try:
+        config, weights, _ = load_llama_gguf(tiny_llama_path(tmp_path))
+        for setting, expected in (("auto", auto_threads), (2, 2)):
+            model = LlamaModel(config, weights, num_threads=setting)
+            backend = PagedBackend.for_config(model.config, 16, num_threads=setting)
+            ids = list(range(batch))
+            for seq_id in ids:
+                backend.add_sequence(seq_id)
+            model.forward(backend, ids, [[1, 2, 3]] * batch)  # prefill: not a decode step
+            seen["products"].clear()
+            model.forward(backend, ids, [[4]] * batch)
+            assert seen == {"products": {expected}, "attention": {expected}}, setting
+            seen["attention"].clear()
+        backend.num_threads = 2  # a count set later ends the rule
+        model.forward(backend, [0], [[5]])
+        assert seen["attention"] == {2}
+    finally:
+        threads._default_choice.cache_clear()
+
+
 def test_the_real_machine_gives_a_valid_choice_quickly():
     """On this machine (whatever its load): a count within the usable cores, reported with its reason."""
     import os
@@ -228,8 +280,13 @@ def test_the_commands_report_the_thread_count_and_its_reason(monkeypatch, capsys
     monkeypatch.setattr(threads, "choose_num_threads", lambda: ThreadChoice(1, 2, 0.1, reason))
     threads._default_choice.cache_clear()
     try:
-        assert resolve_threads("auto") == 1
+        assert resolve_threads("auto") == "auto"  # the model and backend resolve it (and its small-batch rule)
         assert capsys.readouterr().err == f"threads: 1 (auto: {reason}; --threads N sets it)\n"
+        monkeypatch.setattr(threads, "choose_num_threads", lambda: ThreadChoice(2, 2, 1.9, reason))
+        threads._default_choice.cache_clear()
+        assert resolve_threads("auto") == "auto"
+        assert capsys.readouterr().err == (f"threads: 2 (auto: {reason}; decode steps of fewer than 8 sequences "
+                                           "on 1; --threads N sets it)\n")
         monkeypatch.setattr(threads, "_affinity", lambda: {0, 1})
         assert resolve_threads(2) == 2
         assert capsys.readouterr().err == "threads: 2 (--threads)\n"

@@ -156,8 +156,8 @@ def check_thread_control(num_threads: int | str) -> None:
                            "pip install 'pagedkv[cli]'") from exc
 
 
-def resolve_threads(option: int | str) -> int:
-    """The thread count of ``--threads`` (``auto``: the process's default), reported once on stderr.
+def resolve_threads(option: int | str) -> int | str:
+    """The thread setting of ``--threads`` (``auto``: the process's default), reported once on stderr.
 
     Parameters
     ----------
@@ -166,10 +166,12 @@ def resolve_threads(option: int | str) -> int:
 
     Returns
     -------
-    int
-        Threads for NumPy's BLAS and the attention kernels, >= 1.
+    int or "auto"
+        The count, >= 1, or ``"auto"`` for the model and backend (their ``num_threads``):
+        the process's default count, and one thread for decode steps of fewer than
+        :data:`~pagedkv.models.threads.SMALL_BATCH_ROWS` sequences (the report says so).
     """
-    from pagedkv.models.threads import _affinity, default_num_threads, usable_cpus
+    from pagedkv.models.threads import SMALL_BATCH_ROWS, _affinity, default_num_threads, usable_cpus
 
     if option != "auto":
         num_cpus = usable_cpus(_affinity())
@@ -178,12 +180,13 @@ def resolve_threads(option: int | str) -> int:
         print(f"threads: {option} (--threads{over})", file=sys.stderr)
         return int(option)
     choice = default_num_threads()
-    print(f"threads: {choice.num_threads} (auto: {choice.reason}; --threads N sets it)", file=sys.stderr)
-    return choice.num_threads
+    small = (f"; decode steps of fewer than {SMALL_BATCH_ROWS} sequences on 1" if choice.num_threads > 1 else "")
+    print(f"threads: {choice.num_threads} (auto: {choice.reason}{small}; --threads N sets it)", file=sys.stderr)
+    return "auto"
 
 
-def load_model(gguf_path: str | None, num_threads: int):
-    """Load a Llama model (running NumPy's BLAS on ``num_threads`` threads) and its tokenizer.
+def load_model(gguf_path: str | None, num_threads: int | str):
+    """Load a Llama model (its weight products on ``num_threads`` threads, an int or "auto") and its tokenizer.
 
     Prints the load time to stderr.
 

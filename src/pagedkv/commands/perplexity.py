@@ -344,7 +344,7 @@ def pages_needed(num_tokens: int, setting: CacheSetting, page_size: int) -> int:
 
 
 def score_setting(model, token_ids: np.ndarray, setting: CacheSetting, *, page_size: int, dtype,
-                  num_pages: int | None, num_threads: int, progress: bool) -> PerplexityResult:
+                  num_pages: int | None, num_threads: int | str, progress: bool) -> PerplexityResult:
     """Score ``token_ids`` one decode step per token through a paged cache of ``setting``.
 
     Parameters
@@ -359,8 +359,9 @@ def score_setting(model, token_ids: np.ndarray, setting: CacheSetting, *, page_s
         Page format (``--kv-dtype``), used when the setting names none.
     num_pages : int or None
         Pool size in pages; None: exactly the most the sequence holds at once.
-    num_threads : int
-        Attention kernel threads (BLAS threads are set by the caller).
+    num_threads : int or "auto"
+        Attention kernel threads (BLAS threads are set by the caller); ``"auto"`` as
+        :class:`~pagedkv.models.paged_backend.PagedBackend` takes it.
     progress : bool
         Show a tqdm progress bar on stderr.
 

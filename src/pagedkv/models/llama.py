@@ -23,7 +23,7 @@ from pagedkv_c import _matmul
 
 from pagedkv.models.attention_backend import AttentionBackend
 from pagedkv.models.gguf_loader import LlamaConfig, LlamaWeights, load_llama_gguf
-from pagedkv.models.threads import AUTO, BlasThreadLimit
+from pagedkv.models.threads import AUTO, BlasThreadLimit, threads_for_rows
 from pagedkv.models.tokenizer import LlamaTokenizer
 
 
@@ -125,8 +125,10 @@ class LlamaModel:
         small-batch kernel (OpenMP; None: OpenMP's default). Default ``"auto"``:
         :func:`~pagedkv.models.threads.default_num_threads`, the cores this process can
         have to itself (its CPUs, capped by its cgroup quota and by the cores others
-        leave idle; chosen once per process). None leaves the BLAS library as the
-        process has it. The attention threads are the backend's
+        leave idle; chosen once per process), except that products of fewer than
+        :data:`~pagedkv.models.threads.SMALL_BATCH_ROWS` rows (decode steps of that few
+        sequences) run on one thread, which measured faster. None leaves the BLAS library
+        as the process has it. The attention threads are the backend's
         (``PagedBackend(num_threads=...)``).
 
     kernel_max_rows : int
@@ -162,7 +164,7 @@ class LlamaModel:
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, *,
                  num_threads: int | Literal["auto"] | None = AUTO,
                  kernel_max_rows: int = KERNEL_MAX_ROWS) -> None:
-        self._blas = BlasThreadLimit(num_threads)
+        self.num_threads = num_threads
         self.kernel_max_rows = kernel_max_rows
         self.config = config
         self.weights = weights
@@ -199,17 +201,23 @@ class LlamaModel:
             if cached is None or cached[0] is not weight:
                 cached = self._row_copies[id(weight)] = (weight, np.ascontiguousarray(rows, dtype=np.float32))
             rows = cached[1]
-        return _matmul.matmul(np.ascontiguousarray(x), rows, transpose_w=True, num_threads=self._blas.num_threads)
+        threads = threads_for_rows(self._blas.num_threads, self._auto_threads, x.shape[0])
+        return _matmul.matmul(np.ascontiguousarray(x), rows, transpose_w=True, num_threads=threads)
 
     @property
     def num_threads(self) -> int | None:
-        """Threads of the weight products of :meth:`forward` (None: the process's BLAS setting)."""
+        """Threads of the weight products of :meth:`forward` (None: the process's BLAS setting).
+
+        Under ``"auto"``, products of fewer than
+        :data:`~pagedkv.models.threads.SMALL_BATCH_ROWS` rows run on one thread.
+        """
         return self._blas.num_threads
 
     @num_threads.setter
     def num_threads(self, value: int | Literal["auto"] | None) -> None:
         """Set the threads of :meth:`forward` ("auto": the default; None: leave the process's setting)."""
         self._blas = BlasThreadLimit(value)
+        self._auto_threads = isinstance(value, str) and value == AUTO
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str] | None = None, *,

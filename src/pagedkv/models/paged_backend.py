@@ -31,7 +31,7 @@ from pagedkv.models.attention_backend import (
     check_window,
     sink_query_positions,
 )
-from pagedkv.models.threads import AUTO, resolve_num_threads
+from pagedkv.models.threads import AUTO, resolve_num_threads, threads_for_rows
 from pagedkv_c._kv_cache import KVCache
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
@@ -159,7 +159,9 @@ class PagedBackend(AttentionBackend):
         OpenMP threads of the attention kernels, >= 1. Default ``"auto"``:
         :func:`~pagedkv.models.threads.default_num_threads`, the count ``LlamaModel``
         uses too (the cores this process can have to itself). None: OpenMP's default
-        (``OMP_NUM_THREADS``, else one per core). Results do not depend on it.
+        (``OMP_NUM_THREADS``, else one per core). Under ``"auto"``, decode steps of
+        fewer than :data:`~pagedkv.models.threads.SMALL_BATCH_ROWS` sequences run on one
+        thread, as the model's products do. Results do not depend on it.
     positions : str
         ``"absolute"`` (default): every token at its position in the sequence.
         ``"cache"``: StreamingLLM's positions inside the cache (sinks at ``0 .. S-1``,
@@ -222,6 +224,7 @@ class PagedBackend(AttentionBackend):
             _check_size(name, value, 1)
         check_window(window, sink_tokens)
         check_positions(positions, window, sink_tokens)
+        auto_threads = isinstance(num_threads, str) and num_threads == AUTO
         num_threads = resolve_num_threads(num_threads)
         if isinstance(dtype, str) and dtype in PAGE_FORMATS:
             kv_dtype = dtype
@@ -239,6 +242,7 @@ class PagedBackend(AttentionBackend):
         self.window = None if window is None else int(window)
         self.sink_tokens = int(sink_tokens)
         self.num_threads = None if num_threads is None else int(num_threads)
+        self._auto_threads = auto_threads  # after the setter, which clears it
         self.positions = positions
         self.cache = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, int(num_pages),
                              page_size=int(page_size), kv_dtype=kv_dtype, window=self.window,
@@ -381,6 +385,19 @@ class PagedBackend(AttentionBackend):
             slot_mapping=slot_mapping,
         )
 
+    @property
+    def num_threads(self) -> int | None:
+        """OpenMP threads of the attention kernels (the parameter, ``"auto"`` resolved to a count).
+
+        Setting it to a count or None ends the ``"auto"`` rule for small decode steps.
+        """
+        return self._num_threads
+
+    @num_threads.setter
+    def num_threads(self, value: int | None) -> None:
+        self._num_threads = value
+        self._auto_threads = False
+
     def _check_batch(self, batch) -> None:
         if not isinstance(batch, PagedForwardBatch):
             raise TypeError(f"Invalid type of batch: expected PagedForwardBatch, got {type(batch).__name__}")
@@ -395,7 +412,7 @@ class PagedBackend(AttentionBackend):
         """Attention of one layer's queries over the cache; see :meth:`AttentionBackend.attend`."""
         self._check_batch(batch)
         if batch.is_decode:
-            return attention.decode(q, self.cache, layer, batch.seq_ids, num_threads=self.num_threads,
-                                    q_sink=q_sink)
+            threads = threads_for_rows(self._num_threads, self._auto_threads, len(batch.seq_ids))
+            return attention.decode(q, self.cache, layer, batch.seq_ids, num_threads=threads, q_sink=q_sink)
         return attention.prefill(q, self.cache, layer, batch.seq_ids, batch.qo_indptr,
                                  num_threads=self.num_threads, q_sink=q_sink)
