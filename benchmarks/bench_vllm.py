@@ -13,6 +13,13 @@ directory, ``--model-dir``) in vLLM's CPU backend, a redis-server on loopback st
   ``generate(max_tokens=1)``; the ratio is recompute / hit (goal >= 5).
 * **plain** instance (no connector): decode tokens/s of the same request, for the connector's
   cost while decoding (goal: within 5%).
+* **example-first** and **example-second** instances (vLLM's own disk ``ExampleConnector``,
+  ``shared_storage_path`` in the run's temporary directory; ``--skip-example`` leaves them out):
+  the first computes and stores X, the second times Y (recompute) and X (loaded from disk), the
+  baseline of the tier hit (goal: the tier hit faster). The first instances also store a prompt W
+  of the same length, and both second instances time W followed by 192 more tokens (a new turn
+  of the same conversation): the tier serves W's blocks; the ExampleConnector keys whole prompts,
+  so it serves nothing.
 
 With ``--attention``: vLLM's native CPU attention against pagedkv's attention backend
 (``PAGEDKV_VLLM_ATTENTION=1``, ``pagedkv.vllm.PagedAttentionBackend``) on the same model,
@@ -23,6 +30,14 @@ tokens/s of the whole generation (``batch * output_tokens`` over the wall time o
 ``generate(max_tokens=output_tokens)``, prefill included) and of its decode part alone
 (``batch * (output_tokens - 1)`` over that time minus the time to first token).
 Prints a table and writes ``benchmarks/results/bench_vllm_attention.json``.
+
+With ``--trace``: two instances in separate processes take alternate requests of the Mooncake
+conversation trace's first ``--trace-requests`` prompts (each 512-token block id becomes
+``--trace-block-tokens`` token ids drawn from a generator seeded with the id, so prompts share
+exactly the prefixes the trace gives; prompts truncated to ``--trace-max-tokens``), one new token
+each, started together after their warm-up: isolated (local prefix caching only), then sharing
+one tier. Prints the token hit rate (``num_cached_tokens`` over prompt tokens) and the total
+time of each; writes ``benchmarks/results/bench_vllm_trace.json``.
 
 With ``--attention-kernels`` (one process, no engine): one SmolLM2-sized layer's attention
 (9 query heads over 3 KV heads of 64, 128-token blocks, float32) per step, vLLM's native
@@ -77,13 +92,14 @@ def _make_model_dir(path: Path):
 
 
 def _prompts(model_dir: Path, n: int):
-    """Three disjoint stretches of tinyshakespeare: X and Y of ``n`` tokens, a 128-token decode prompt."""
+    """Four disjoint stretches of tinyshakespeare: X and Y of ``n`` tokens, a 128-token decode prompt,
+    W of ``n`` tokens."""
     from transformers import AutoTokenizer
 
     from pagedkv.data import resolve
     text = Path(resolve("tinyshakespeare")).read_text()
     ids = AutoTokenizer.from_pretrained(model_dir)(text[:400_000])["input_ids"]
-    return ids[:n], ids[n:2 * n], ids[2 * n:2 * n + 128]
+    return ids[:n], ids[n:2 * n], ids[2 * n:2 * n + 128], ids[2 * n + 128:3 * n + 128]
 
 
 def _instance(spec):
@@ -95,6 +111,10 @@ def _instance(spec):
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="PagedKVConnector", kv_connector_module_path="pagedkv.vllm", kv_role="kv_both",
             kv_connector_extra_config={"tier": spec["tier"], "stats_path": spec["stats_path"]})
+    elif spec.get("example_path"):  # vLLM's own disk connector: one safetensors file per layer and prompt
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": spec["example_path"]})
     llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["tokens"] + 256, enforce_eager=True,
               kv_cache_memory_bytes=2**30, seed=0, **kwargs)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -143,6 +163,118 @@ def _attention_instance(spec):
                            "decode_tokens_per_s": batch * (out_tokens - 1) / max(total - ttft, 1e-9),
                            "tokens": [list(r.outputs[0].token_ids) for r in results]})
     return {"points": points}
+
+
+def _trace_prompts(args) -> list[list[int]]:
+    """The first ``--trace-requests`` prompts of the Mooncake conversation trace, scaled down.
+
+    Each 512-token block id becomes ``--trace-block-tokens`` token ids drawn from a generator
+    seeded with the id, so requests share exactly the prefixes the trace says they share; a
+    prompt keeps its length times the same scale, truncated to ``--trace-max-tokens``.
+    """
+    import numpy as np
+
+    from pagedkv.data import resolve
+    from pagedkv.traces import load_mooncake
+    trace = load_mooncake(resolve("mooncake-conversation"), limit=args.trace_requests)
+    scale = args.trace_block_tokens / trace.block_tokens
+    blocks: dict[int, list[int]] = {}
+    prompts = []
+    for i in range(len(trace)):
+        ids = trace.block_ids[trace.block_offsets[i]:trace.block_offsets[i + 1]].tolist()
+        tokens = []
+        for block_id in ids:
+            if block_id not in blocks:
+                blocks[block_id] = np.random.default_rng(block_id).integers(
+                    100, 49000, args.trace_block_tokens).tolist()
+            tokens += blocks[block_id]
+        length = max(1, min(round(int(trace.input_lengths[i]) * scale), args.trace_max_tokens))
+        prompts.append(tokens[:length])
+    return prompts
+
+
+def _trace_instance(spec):
+    """One vLLM instance (child process) of the trace run: its share of the prompts, one token each."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    kwargs = {}
+    if spec["tier"]:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="PagedKVConnector", kv_connector_module_path="pagedkv.vllm", kv_role="kv_both",
+            kv_connector_extra_config={"tier": spec["tier"]})
+    llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_tokens"] + 16, enforce_eager=True,
+              kv_cache_memory_bytes=spec["kv_cache_bytes"], seed=0, **kwargs)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [7] * 16}], one, use_tqdm=False)
+    # Both instances start their requests together (the parent creates the go file).
+    Path(spec["ready_path"]).touch()
+    while not Path(spec["go_path"]).exists():
+        time.sleep(0.01)
+    start = time.perf_counter()
+    cached = []
+    for prompt in spec["prompts"]:
+        (res,) = llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
+        cached.append(res.num_cached_tokens)
+    return {"seconds": time.perf_counter() - start, "cached_tokens": cached,
+            "prompt_tokens": [len(p) for p in spec["prompts"]]}
+
+
+def _trace_main(args):
+    """Two instances on the trace's prompts (alternate requests), sharing the tier or isolated."""
+    if not (args.model_dir / "config.json").is_file():
+        _make_model_dir(args.model_dir)
+    prompts = _trace_prompts(args)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_vllm_trace-"))
+    port = _free_port()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL)
+    results = {}
+    try:
+        time.sleep(0.5)
+        for config, tier in (("isolated", None), ("shared tier", f"redis://127.0.0.1:{port}/0")):
+            procs, paths = [], []
+            go = tmp / f"go-{config[:6]}"
+            for i in range(2):
+                name = f"trace-{config[:6]}-{i}"
+                spec = {"mode": "trace", "model": str(args.model_dir), "tier": tier, "prompts": prompts[i::2],
+                        "max_tokens": args.trace_max_tokens, "kv_cache_bytes": args.trace_kv_cache_mib << 20,
+                        "ready_path": str(tmp / f"{name}.ready"), "go_path": str(go)}
+                procs.append(_start(spec, tmp, name))
+                paths.append(tmp / f"{name}.ready")
+            while not all(p.exists() for p in paths):
+                if any(proc.poll() not in (None, 0) for proc in procs):
+                    raise SystemExit(f"a trace instance failed; logs: {tmp}")
+                time.sleep(0.1)
+            start = time.perf_counter()
+            go.touch()
+            outs = [_finish(proc, tmp, f"trace-{config[:6]}-{i}") for i, proc in enumerate(procs)]
+            wall = time.perf_counter() - start
+            prompt_tokens = sum(sum(o["prompt_tokens"]) for o in outs)
+            cached = sum(sum(o["cached_tokens"]) for o in outs)
+            results[config] = {"wall_s": wall, "instance_s": [o["seconds"] for o in outs],
+                               "prompt_tokens": prompt_tokens, "cached_tokens": cached,
+                               "hit_rate": cached / prompt_tokens}
+    finally:
+        server.terminate()
+        server.wait()
+    print(f"Mooncake conversation trace, first {len(prompts)} requests, 512-token blocks scaled to "
+          f"{args.trace_block_tokens} tokens, prompts truncated to {args.trace_max_tokens} tokens "
+          f"({sum(map(len, prompts))} prompt tokens), one new token each; two instances take alternate requests, "
+          f"started together, each with a {args.trace_kv_cache_mib} MiB KV cache and prefix caching")
+    print("| instances | token hit rate (num_cached_tokens) | total time | instance times |")
+    print("|---|---|---|---|")
+    for config, r in results.items():
+        print(f"| two, {config} | {r['hit_rate']:.1%} ({r['cached_tokens']} of {r['prompt_tokens']}) | "
+              f"{r['wall_s']:.1f} s | {' / '.join(f'{t:.1f} s' for t in r['instance_s'])} |")
+    iso, shared = results["isolated"], results["shared tier"]
+    print(f"shared tier / isolated: hit rate {shared['hit_rate'] / max(iso['hit_rate'], 1e-12):.2f}x, "
+          f"total time {iso['wall_s'] / shared['wall_s']:.2f}x faster")
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_vllm_trace.json").write_text(json.dumps({
+        "requests": len(prompts), "block_tokens": args.trace_block_tokens, "max_tokens": args.trace_max_tokens,
+        "kv_cache_mib": args.trace_kv_cache_mib, "results": results}, indent=2))
+    print("instance logs:", tmp)
 
 
 def _attention_main(args):
@@ -259,7 +391,8 @@ def _kernels_main(args):
                                                                       indent=2))
 
 
-def _run(spec, tmp: Path, name: str, **env_extra):
+def _start(spec, tmp: Path, name: str, **env_extra) -> subprocess.Popen:
+    """Start one instance process on ``spec`` (its output in ``tmp/name.log``)."""
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(spec))
     # vLLM reserves one more core when a KV connector is configured (for NIXL): on 2 cores that
@@ -269,9 +402,19 @@ def _run(spec, tmp: Path, name: str, **env_extra):
                VLLM_CPU_NUM_OF_RESERVED_CPU=os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
                **env_extra)
-    subprocess.run([sys.executable, __file__, "--instance", str(path)], check=True, env=env,
-                   stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen([sys.executable, __file__, "--instance", str(path)], env=env,
+                            stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+
+
+def _finish(proc: subprocess.Popen, tmp: Path, name: str):
+    """Wait for an instance started by :func:`_start`; its result."""
+    if proc.wait() != 0:
+        raise SystemExit(f"instance {name} failed (exit {proc.returncode}); log: {tmp / f'{name}.log'}")
     return json.loads((tmp / f"{name}.out.json").read_text())
+
+
+def _run(spec, tmp: Path, name: str, **env_extra):
+    return _finish(_start(spec, tmp, name, **env_extra), tmp, name)
 
 
 def _free_port():
@@ -297,15 +440,30 @@ def main():
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192],
                         help="--attention-kernels: context lengths (default 512 2048 8192)")
     parser.add_argument("--threads", type=int, default=1, help="--attention-kernels: threads (default 1)")
+    parser.add_argument("--trace", action="store_true",
+                        help="two instances on the Mooncake conversation trace, sharing the tier or isolated")
+    parser.add_argument("--trace-requests", type=int, default=200, help="--trace: requests (default 200)")
+    parser.add_argument("--trace-block-tokens", type=int, default=128,
+                        help="--trace: tokens per 512-token block of the trace (default 128: prompts at 1/4, "
+                             "one vLLM block per trace block)")
+    parser.add_argument("--trace-max-tokens", type=int, default=2048,
+                        help="--trace: prompts truncated to this many tokens (default 2048)")
+    parser.add_argument("--trace-kv-cache-mib", type=int, default=512,
+                        help="--trace: each instance's KV cache in MiB (default 512: about 11,600 tokens)")
+    parser.add_argument("--skip-example", action="store_true",
+                        help="leave out the two instances of vLLM's ExampleConnector (disk) comparison")
     parser.add_argument("--instance", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.instance:
         spec = json.loads(Path(args.instance).read_text())
-        run = _attention_instance if spec.get("mode") == "attention" else _instance
+        run = {"attention": _attention_instance, "trace": _trace_instance}.get(spec.get("mode"), _instance)
         Path(args.instance.replace(".json", ".out.json")).write_text(json.dumps(run(spec)))
         return
     if args.attention:
         _attention_main(args)
+        return
+    if args.trace:
+        _trace_main(args)
         return
     if args.attention_kernels:
         if args.batches == [1, 8]:
@@ -314,7 +472,7 @@ def main():
         return
     if not (args.model_dir / "config.json").is_file():
         _make_model_dir(args.model_dir)
-    x, y, decode_prompt = _prompts(args.model_dir, args.tokens)
+    x, y, decode_prompt, w = _prompts(args.model_dir, args.tokens)
     warmup = x[:16][::-1] + y[:16]
     port = _free_port()
     tmp = Path(tempfile.mkdtemp(prefix="bench_vllm-"))
@@ -325,13 +483,23 @@ def main():
         tier = f"redis://127.0.0.1:{port}/0"
         base = {"model": str(args.model_dir), "tokens": args.tokens, "warmup": warmup, "repeats": args.repeats,
                 "decode_tokens": args.decode_tokens}
-        first = _run(dict(base, tier=tier, stats_path=str(tmp / "stats-first"), ttft=[["store", x]],
+        first = _run(dict(base, tier=tier, stats_path=str(tmp / "stats-first"),
+                          ttft=[["store", x], ["store2", w]],
                           decode=decode_prompt), tmp, "first")
         time.sleep(2.0)       # the first instance's writer has finished by now (checked below)
+        longer = w + y[-192:]   # W and a new turn: W's blocks, another whole prompt
         second = _run(dict(base, tier=tier, stats_path=str(tmp / "stats-second"),
-                           ttft=[["recompute", y], ["hit", x]],
+                           ttft=[["recompute", y], ["hit", x], ["prefix", longer]],
                            decode=[(t + 7) % 49000 for t in decode_prompt]), tmp, "second")
         plain = _run(dict(base, tier=None, stats_path=None, ttft=[], decode=decode_prompt), tmp, "plain")
+        example = {}
+        if not args.skip_example:
+            example_path = str(tmp / "example-connector")
+            _run(dict(base, tier=None, stats_path=None, example_path=example_path,
+                      ttft=[["store", x], ["store2", w]], decode=None), tmp, "example-first")
+            example = _run(dict(base, tier=None, stats_path=None, example_path=example_path,
+                                ttft=[["recompute", y], ["hit", x], ["prefix", longer]], decode=None),
+                           tmp, "example-second")
     finally:
         server.terminate()
         server.wait()
@@ -349,8 +517,20 @@ def main():
         "decode_with_connector": first["decode_tokens_per_s"],
         "decode_with_connector_idle_writer": second["decode_tokens_per_s"],
         "decode_without": plain["decode_tokens_per_s"],
+        "ttft_prefix_s": second["prefix"]["seconds"],
+        "prefix_cached_tokens": second["prefix"]["num_cached_tokens"],
         "stats": stats,
     }
+    if example:
+        result.update({
+            "example_ttft_hit_s": example["hit"]["seconds"],
+            "example_ttft_recompute_s": example["recompute"]["seconds"],
+            "example_hit_cached_tokens": example["hit"]["num_cached_tokens"],
+            "example_same_first_token": example["hit"]["token"] == first["store"]["token"],
+            "example_ttft_prefix_s": example["prefix"]["seconds"],
+            "example_prefix_cached_tokens": example["prefix"]["num_cached_tokens"],
+            "same_prefix_token": example["prefix"]["token"] == second["prefix"]["token"],
+        })
     print(f"| time to first token, {args.tokens}-token prompt, second instance: tier hit / recompute | "
           f"{result['ttft_hit_s']:.3f} s | {result['ttft_recompute_s']:.3f} s | "
           f"{result['ttft_recompute_s'] / result['ttft_hit_s']:.1f}x faster |")
@@ -362,6 +542,19 @@ def main():
     print(f"| decode tokens/s, batch 1, connector with nothing to write (second) / no connector | "
           f"{result['decode_with_connector_idle_writer']:.1f} | {result['decode_without']:.1f} | "
           f"{result['decode_with_connector_idle_writer'] / result['decode_without']:.3f} |")
+    if example:
+        print(f"| time to first token, second instance: pagedkv tier hit / vLLM ExampleConnector hit (disk) | "
+              f"{result['ttft_hit_s']:.3f} s | {result['example_ttft_hit_s']:.3f} s | "
+              f"{result['example_ttft_hit_s'] / result['ttft_hit_s']:.2f}x faster |")
+        print(f"| cached tokens of the ExampleConnector hit / its recompute (s) | "
+              f"{result['example_hit_cached_tokens']} | {result['example_ttft_recompute_s']:.3f} s | |")
+        print(f"| time to first token, W and 192 more tokens (a new turn), second instance: pagedkv tier / "
+              f"ExampleConnector (cached tokens {result['prefix_cached_tokens']} / "
+              f"{result['example_prefix_cached_tokens']}) | {result['ttft_prefix_s']:.3f} s | "
+              f"{result['example_ttft_prefix_s']:.3f} s | "
+              f"{result['example_ttft_prefix_s'] / result['ttft_prefix_s']:.2f}x faster |")
+        print("same first token of the new turn with both connectors:", result["same_prefix_token"])
+        print("same first token after the ExampleConnector hit as when computed:", result["example_same_first_token"])
     print("same first token after the hit as when computed:", result["same_first_token"])
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
