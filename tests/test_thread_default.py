@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 from pagedkv.models import threads
-from pagedkv.models.threads import ThreadChoice, cgroup_cpu_limit, choose_num_threads, idle_cores
+from pagedkv.models.threads import (
+    ThreadChoice,
+    cgroup_cpu_limit,
+    choose_num_threads,
+    idle_cores,
+)
 
 
 def proc_stat(ticks):
@@ -217,8 +222,8 @@ def test_auto_runs_small_decode_steps_on_one_thread(monkeypatch, tmp_path, batch
     from pagedkv import attention
     from pagedkv.models import LlamaModel, PagedBackend
     from pagedkv.models import llama as llama_module
-    from pagedkv.models.gguf_loader import load_llama_gguf
     from pagedkv.models import paged_backend as backend_module
+    from pagedkv.models.gguf_loader import load_llama_gguf
 
     assert threads.SMALL_BATCH_ROWS == 8
     monkeypatch.setattr(threads, "choose_num_threads", lambda: ThreadChoice(2, 2, 1.9, "fake"))

@@ -171,7 +171,12 @@ def resolve_threads(option: int | str) -> int | str:
         the process's default count, and one thread for decode steps of fewer than
         :data:`~pagedkv.models.threads.SMALL_BATCH_ROWS` sequences (the report says so).
     """
-    from pagedkv.models.threads import SMALL_BATCH_ROWS, _affinity, default_num_threads, usable_cpus
+    from pagedkv.models.threads import (
+        SMALL_BATCH_ROWS,
+        _affinity,
+        default_num_threads,
+        usable_cpus,
+    )
 
     if option != "auto":
         num_cpus = usable_cpus(_affinity())
