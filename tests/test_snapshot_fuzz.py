@@ -185,7 +185,7 @@ def test_a_page_shared_at_two_positions_is_refused_before_a_save_could_fail(tmp_
     sequence replaced by a page the prefix index holds under another sequence's hash). The load
     accepted it, and the sequence's next append registered the page under the wrong hash, so
     save refused the file it was writing. The load must refuse it."""
-    seeds = sm.seed_files(str(tmp_path))
+    seeds = sm.seeds_before_formats(sm.seed_files(str(tmp_path)))  # the seeds of that run
     seed, data, mutations = fs.case_for(seeds, 196064263, 10986)
     assert "tables.pages[16] 1 -> 40" in mutations, mutations  # the case as found
     path = tmp_path / "case.bin"

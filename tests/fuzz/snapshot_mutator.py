@@ -374,6 +374,18 @@ def cache_kwargs(config: dict) -> dict:
     return kwargs
 
 
+#: The configurations of the seed files before the page-format and hybrid seeds joined: a case
+#: recorded as (run, index) by those runs is replayed on their seeds only (the choice of a seed
+#: depends on how many there are of its kind).
+CONFIGS_BEFORE_FORMATS = ("window-sinks-fork-f32", "full-prefix-f16", "window1-sha256", "window-nosink-checksums",
+                          "no-layers-prefix", "plain-f32", "empty", "blocks-prefix-checksums")
+
+
+def seeds_before_formats(seeds: list[dict]) -> list[dict]:
+    """The seeds of :func:`seed_files` that runs before the page-format seeds had, in their order."""
+    return [s for s in seeds if s["kind"] == "classic" or s["name"].split("/")[0] in CONFIGS_BEFORE_FORMATS]
+
+
 #: The salt (add_sequence's extra_key) of each salted sequence of the seed caches: sequence 1, its prefix
 #: hit 3 and its fork 4, where the cache has prefix caching.
 SALTS = {(name, seq_id): "tenant-a" for name, kwargs in CACHE_CONFIGS.items()
