@@ -201,16 +201,6 @@ def test_bad_urls_raise_before_connecting(url, error):
         RedisTier(url, namespace="m")
 
 
-def test_url_clients_read_the_socket_in_large_chunks():
-    """Page values are megabytes: a client made from a URL reads them in READ_CHUNK_BYTES chunks."""
-    from pagedkv.tiers.redis import READ_CHUNK_BYTES, _connect
-    client, is_cluster = _connect("redis://127.0.0.1:1/0", 1.0)  # no connection is made here
-    assert not is_cluster and READ_CHUNK_BYTES == 4 << 20
-    assert client.connection_pool.connection_kwargs["socket_read_size"] == READ_CHUNK_BYTES
-    mine = redis.Redis(port=1)
-    assert _connect(mine, 1.0) == (mine, False)  # a client given as it is stays as it is
-
-
 @pytest.mark.parametrize("kwargs, name", [
     ({"namespace": ""}, "namespace"), ({"namespace": "m", "ttl_seconds": 0}, "ttl_seconds"),
     ({"namespace": "m", "max_inflight_bytes": 0}, "max_inflight_bytes"),
