@@ -78,12 +78,12 @@ cdef extern from "attention_kernels.h" nogil:
     pkv_item_kernel pkv_get_kernel(pkv_isa isa, int format)
     void pkv_merge_partitions(const pkv_attention_args* args, int64_t token, int64_t head,
                               int64_t first_partial, int64_t num_partials)
-    float pkv_half_to_float_portable(uint16_t h)
     void pkv_tanh_array(pkv_isa isa, const float* x, float* y, int64_t n)
 
 
 cdef extern from "page_formats.h" nogil:
     int64_t pkv_row_bytes(int fmt, int64_t head_dim)
+    float pkv_fmt_h2f(uint16_t h)  # the portable float16 -> float32 conversion of kernels and pages
 
 
 cdef extern from *:
@@ -245,7 +245,7 @@ def _half_to_float_portable(bits):
     cdef Py_ssize_t i
     with nogil:
         for i in range(src.shape[0]):
-            dst[i] = pkv_half_to_float_portable(src[i])
+            dst[i] = pkv_fmt_h2f(src[i])
     return out
 
 

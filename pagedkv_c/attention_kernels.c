@@ -174,11 +174,6 @@ void pkv_merge_partitions(const pkv_attention_args *a, int64_t token, int64_t he
 
 /* ------------------------------------------------------------------ float16 */
 
-float pkv_half_to_float_portable(uint16_t h)
-{
-    return pkv_fmt_h2f(h); /* one conversion for the kernels and the page formats */
-}
-
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__aarch64__)
 /* AArch64 converts float16 in hardware (ACLE __fp16). */
 static inline float pkv_h2f(uint16_t h)

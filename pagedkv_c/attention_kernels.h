@@ -160,9 +160,6 @@ pkv_item_kernel pkv_get_kernel(pkv_isa isa, int format);
 /* y[i] = tanh(x[i]) as the path's kernels compute it for the softcap (tests). */
 void pkv_tanh_array(pkv_isa isa, const float *x, float *y, int64_t n);
 
-/* Portable IEEE float16 -> float32 conversion (exact, all 65536 inputs). */
-float pkv_half_to_float_portable(uint16_t h);
-
 #ifdef __cplusplus
 }
 #endif

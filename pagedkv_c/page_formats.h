@@ -333,7 +333,7 @@ static inline void pkv_encode_row(pkv_format fmt, pkv_input kind, const void *sr
         const int64_t num_blocks = (head_dim + PKV_INT4_BLOCK - 1) / PKV_INT4_BLOCK;
         int finite = 1;
         uint16_t scales[256 / PKV_INT4_BLOCK];
-        if (packed > 0) /* always: head_dim >= 1 */
+        if (packed > 0) /* always (head_dim >= 1); GCC -O3 warns (-Wstringop-overflow) without it */
             memset(dst, 0, (size_t)packed);
         for (int64_t blk = 0; blk < num_blocks; blk++) {
             const int64_t b = blk * PKV_INT4_BLOCK;
