@@ -205,6 +205,14 @@ def decode(raw: np.ndarray, fmt: str, head_dim: int) -> np.ndarray:
     raise ValueError(fmt)
 
 
+def read_back(x: np.ndarray, fmt: str) -> tuple[np.ndarray, float]:
+    """What ``KVCache.gather`` returns for rows ``x`` stored in format ``fmt`` (float64), and the absolute
+    difference allowed: 0 (bit for bit), except where int8/int4 undo their rotation, in float32 in C and
+    in float64 here: ``2e-6 * max|x|``."""
+    rotated = fmt in ROTATED and rotation_block(x.shape[-1]) > 1
+    return decode(encode(x, fmt), fmt, x.shape[-1]), (2e-6 * float(np.abs(x).max()) if rotated else 0.0)
+
+
 def error_bound(x: np.ndarray, fmt: str) -> np.ndarray:
     """Largest allowed |decode(encode(x)) - x| per finite row ``[..., head_dim]`` of a float format (float64)."""
     x = np.asarray(x, dtype=np.float64)

@@ -189,18 +189,8 @@ def _same_contents(before: dict, cache, stage: str) -> None:
                               f"sequence {seq_id} layer {layer} changed by a call on another sequence")
 
 
-def _read_back(x: np.ndarray, kv_dtype: str) -> tuple[np.ndarray, float]:
-    """What ``gather`` returns for float32 rows ``x`` stored in page format ``kv_dtype``, and the allowed
-    absolute difference: the reference encoding of ``tests/reference_formats.py`` (float formats round to
-    their dtype; int8/int4 undo their rotation in float32 in C, in float64 in the reference)."""
-    if kv_dtype in ("float32", "float16"):
-        return x.astype(kv_dtype), 0.0
-    want = rf.decode(rf.encode(x, kv_dtype), kv_dtype, x.shape[-1])
-    rotated = kv_dtype in rf.ROTATED and rf.rotation_block(x.shape[-1]) > 1
-    return want, (2e-6 * float(np.abs(x).max()) if rotated else 0.0)
-
-
 def _row_matches(got: np.ndarray, want: tuple[np.ndarray, float]) -> bool:
+    """``got`` equals ``want`` = ``(rows, atol)`` of ``reference_formats.read_back``."""
     expected, atol = want
     if not atol:
         return np.array_equal(got, expected.astype(got.dtype))
@@ -231,7 +221,7 @@ def _append_store(cache, seq_id, n: int, rng, stage: str, token_ids=None) -> boo
         for layer in range(cache.num_layers):
             k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
             _call(f"{stage}:store", cache.store, layer, slots, k, v)
-            stored.append((_read_back(k, cache.kv_dtype), _read_back(v, cache.kv_dtype)))
+            stored.append((rf.read_back(k, cache.kv_dtype), rf.read_back(v, cache.kv_dtype)))
         for layer, (k, v) in enumerate(stored):
             gk, gv, pos = _call(f"{stage}:gather", cache.gather, layer, seq_id)
             if not len(pos) or pos[-1] != length + n - 1:
