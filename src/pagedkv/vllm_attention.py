@@ -262,14 +262,17 @@ class PagedAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
+        """True for decoder self-attention only; encoder and cross attention are not computed."""
         return attn_type == AttentionType.DECODER
 
     @staticmethod
     def get_impl_cls() -> type[PagedAttentionImpl]:
+        """:class:`PagedAttentionImpl`, the per-layer implementation vLLM instantiates."""
         return PagedAttentionImpl
 
     @staticmethod
     def get_builder_cls() -> type[PagedAttentionMetadataBuilder]:
+        """:class:`PagedAttentionMetadataBuilder`, which turns vLLM's per-step metadata into page tables."""
         return PagedAttentionMetadataBuilder
 
 

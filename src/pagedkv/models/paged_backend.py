@@ -395,6 +395,7 @@ class PagedBackend(AttentionBackend):
 
     @num_threads.setter
     def num_threads(self, value: int | None) -> None:
+        """Set the attention threads (an int >= 1, or None for OpenMP's default); ends the ``"auto"`` rule."""
         self._num_threads = value
         self._auto_threads = False
 
