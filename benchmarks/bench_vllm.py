@@ -60,6 +60,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -102,19 +103,26 @@ def _prompts(model_dir: Path, n: int):
     return ids[:n], ids[n:2 * n], ids[2 * n:2 * n + 128], ids[2 * n + 128:3 * n + 128]
 
 
+def _connector_kwargs(spec) -> dict:
+    """``LLM`` keyword arguments of an instance's connector: pagedkv's on ``spec["tier"]`` (counters
+    to ``spec["stats_path"]`` if given), vLLM's disk ``ExampleConnector`` on ``spec["example_path"]``,
+    or none."""
+    from vllm.config import KVTransferConfig
+    if spec.get("tier"):
+        return {"kv_transfer_config": KVTransferConfig(
+            kv_connector="PagedKVConnector", kv_connector_module_path="pagedkv.vllm", kv_role="kv_both",
+            kv_connector_extra_config={"tier": spec["tier"], "stats_path": spec.get("stats_path")})}
+    if spec.get("example_path"):  # vLLM's own disk connector: one safetensors file per layer and prompt
+        return {"kv_transfer_config": KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": spec["example_path"]})}
+    return {}
+
+
 def _instance(spec):
     """One vLLM instance (child process): the timed requests of ``spec``; returns the timings."""
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    kwargs = {}
-    if spec["tier"]:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="PagedKVConnector", kv_connector_module_path="pagedkv.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"tier": spec["tier"], "stats_path": spec["stats_path"]})
-    elif spec.get("example_path"):  # vLLM's own disk connector: one safetensors file per layer and prompt
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="ExampleConnector", kv_role="kv_both",
-            kv_connector_extra_config={"shared_storage_path": spec["example_path"]})
+    kwargs = _connector_kwargs(spec)
     llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["tokens"] + 256, enforce_eager=True,
               kv_cache_memory_bytes=2**30, seed=0, **kwargs)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -196,14 +204,8 @@ def _trace_prompts(args) -> list[list[int]]:
 def _trace_instance(spec):
     """One vLLM instance (child process) of the trace run: its share of the prompts, one token each."""
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    kwargs = {}
-    if spec["tier"]:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="PagedKVConnector", kv_connector_module_path="pagedkv.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"tier": spec["tier"]})
     llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_tokens"] + 16, enforce_eager=True,
-              kv_cache_memory_bytes=spec["kv_cache_bytes"], seed=0, **kwargs)
+              kv_cache_memory_bytes=spec["kv_cache_bytes"], seed=0, **_connector_kwargs(spec))
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [7] * 16}], one, use_tqdm=False)
     # Both instances start their requests together (the parent creates the go file).
@@ -225,38 +227,28 @@ def _trace_main(args):
         _make_model_dir(args.model_dir)
     prompts = _trace_prompts(args)
     tmp = Path(tempfile.mkdtemp(prefix="bench_vllm_trace-"))
-    port = _free_port()
-    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL)
     results = {}
-    try:
-        time.sleep(0.5)
-        for config, tier in (("isolated", None), ("shared tier", f"redis://127.0.0.1:{port}/0")):
-            procs, paths = [], []
+    with _redis_server(tmp) as url:
+        for config, tier in (("isolated", None), ("shared tier", url)):
+            names = [f"trace-{config[:6]}-{i}" for i in range(2)]
             go = tmp / f"go-{config[:6]}"
-            for i in range(2):
-                name = f"trace-{config[:6]}-{i}"
-                spec = {"mode": "trace", "model": str(args.model_dir), "tier": tier, "prompts": prompts[i::2],
-                        "max_tokens": args.trace_max_tokens, "kv_cache_bytes": args.trace_kv_cache_mib << 20,
-                        "ready_path": str(tmp / f"{name}.ready"), "go_path": str(go)}
-                procs.append(_start(spec, tmp, name))
-                paths.append(tmp / f"{name}.ready")
-            while not all(p.exists() for p in paths):
+            procs = [_start({"mode": "trace", "model": str(args.model_dir), "tier": tier, "prompts": prompts[i::2],
+                             "max_tokens": args.trace_max_tokens, "kv_cache_bytes": args.trace_kv_cache_mib << 20,
+                             "ready_path": str(tmp / f"{name}.ready"), "go_path": str(go)}, tmp, name)
+                     for i, name in enumerate(names)]
+            while not all((tmp / f"{name}.ready").exists() for name in names):
                 if any(proc.poll() not in (None, 0) for proc in procs):
                     raise SystemExit(f"a trace instance failed; logs: {tmp}")
                 time.sleep(0.1)
             start = time.perf_counter()
             go.touch()
-            outs = [_finish(proc, tmp, f"trace-{config[:6]}-{i}") for i, proc in enumerate(procs)]
+            outs = [_finish(proc, tmp, name) for proc, name in zip(procs, names)]
             wall = time.perf_counter() - start
             prompt_tokens = sum(sum(o["prompt_tokens"]) for o in outs)
             cached = sum(sum(o["cached_tokens"]) for o in outs)
             results[config] = {"wall_s": wall, "instance_s": [o["seconds"] for o in outs],
                                "prompt_tokens": prompt_tokens, "cached_tokens": cached,
                                "hit_rate": cached / prompt_tokens}
-    finally:
-        server.terminate()
-        server.wait()
     print(f"Mooncake conversation trace, first {len(prompts)} requests, 512-token blocks scaled to "
           f"{args.trace_block_tokens} tokens, prompts truncated to {args.trace_max_tokens} tokens "
           f"({sum(map(len, prompts))} prompt tokens), one new token each; two instances take alternate requests, "
@@ -417,6 +409,21 @@ def _run(spec, tmp: Path, name: str, **env_extra):
     return _finish(_start(spec, tmp, name, **env_extra), tmp, name)
 
 
+@contextlib.contextmanager
+def _redis_server(tmp: Path):
+    """A redis-server on a free loopback port (no persistence, working directory ``tmp``) for the
+    ``with`` block; yields its URL."""
+    port = _free_port()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.terminate()
+        server.wait()
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -474,13 +481,8 @@ def main():
         _make_model_dir(args.model_dir)
     x, y, decode_prompt, w = _prompts(args.model_dir, args.tokens)
     warmup = x[:16][::-1] + y[:16]
-    port = _free_port()
     tmp = Path(tempfile.mkdtemp(prefix="bench_vllm-"))
-    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL)
-    try:
-        time.sleep(0.5)
-        tier = f"redis://127.0.0.1:{port}/0"
+    with _redis_server(tmp) as tier:
         base = {"model": str(args.model_dir), "tokens": args.tokens, "warmup": warmup, "repeats": args.repeats,
                 "decode_tokens": args.decode_tokens}
         first = _run(dict(base, tier=tier, stats_path=str(tmp / "stats-first"),
@@ -500,9 +502,6 @@ def main():
             example = _run(dict(base, tier=None, stats_path=None, example_path=example_path,
                                 ttft=[["recompute", y], ["hit", x], ["prefix", longer]], decode=None),
                            tmp, "example-second")
-    finally:
-        server.terminate()
-        server.wait()
     stats = {}
     for name in ("first", "second"):
         for f in (tmp / f"stats-{name}").glob("*.json"):
