@@ -89,6 +89,28 @@ def resolve_kv_dtype(dtype, kv_dtype):
     return name
 
 
+cdef int _ready_row_kind(object a, tuple shape, str kv_dtype):
+    """The row kind (0 float32, 1 float16) of ``a`` if it can be stored as it is, else -1.
+
+    As it is: a C-contiguous, aligned, native float32 or float16 ndarray of
+    exactly ``shape`` whose dtype the pool takes without conversion (its own
+    for float16 and float32 pools; either for the encoded formats). Only C
+    fields are read, as this runs for every layer of every forward pass;
+    anything else takes :func:`_rows_to_store`'s general path.
+    """
+    if type(a) is not np.ndarray or not cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>a) \
+            or cnp.PyArray_NDIM(<cnp.ndarray>a) != 3:
+        return -1
+    cdef cnp.npy_intp* dims = cnp.PyArray_DIMS(<cnp.ndarray>a)
+    if dims[0] != <cnp.npy_intp>shape[0] or dims[1] != <cnp.npy_intp>shape[1] or dims[2] != <cnp.npy_intp>shape[2]:
+        return -1
+    cdef int type_num = cnp.PyArray_TYPE(<cnp.ndarray>a)
+    cdef int kind = 0 if type_num == cnp.NPY_FLOAT32 else (1 if type_num == cnp.NPY_FLOAT16 else -1)
+    if kind < 0 or (kv_dtype == "float32" and kind != 0) or (kv_dtype == "float16" and kind != 1):
+        return -1
+    return kind
+
+
 cdef tuple _rows_to_store(object k, object v, tuple shape, str kv_dtype, bint bfloat16_bits):
     """K and V rows for ``PageStore.store_rows``: ``(input_kind, keys, values)``, C-contiguous.
 
@@ -98,6 +120,9 @@ cdef tuple _rows_to_store(object k, object v, tuple shape, str kv_dtype, bint bf
     ``bfloat16`` (ml_dtypes); anything else is converted as *Array arguments*
     says, to the float pool's dtype or to float32.
     """
+    cdef int fast_k = -1 if bfloat16_bits else _ready_row_kind(k, shape, kv_dtype)
+    if fast_k >= 0 and fast_k == _ready_row_kind(v, shape, kv_dtype):
+        return fast_k, k, v  # the per-layer store of a decode step: nothing to check twice or convert
     cdef list out = []
     cdef list kinds = []
     for name, a in (("k", k), ("v", v)):
