@@ -68,7 +68,10 @@ def start_cluster(tmp: Path):
     env = dict(os.environ, REDIS_CLUSTER_DIR=str(tmp / "cluster"), REDIS_CLUSTER_PORT=str(base))
     out = subprocess.run([str(REPO / "scripts" / "redis_cluster.sh"), "start", "3"], env=env,
                          capture_output=True, text=True, check=True)
-    return "redis+cluster://" + out.stdout.strip(), env
+    url = out.stdout.strip()  # the script prints the URL to paste: redis+cluster://host:port,...
+    if not url.startswith("redis+cluster://"):
+        raise RuntimeError(f"scripts/redis_cluster.sh start printed {url!r}, not a redis+cluster:// URL")
+    return url, env
 
 
 def _free(port):

@@ -841,3 +841,33 @@ def test_every_sealed_page_is_accounted_for_while_the_store_is_down(tmp_path):
     assert stats["tier_pages_written"] == 0 and stats["tier_unreachable_skips"] > 0, stats
     assert sum(stats[f"tier_{name}"] for name in outcomes) == sealed, stats
     tier.close()
+
+
+# ------------------------------------------------------------------ benchmark
+def test_bench_tier_starts_a_cluster_that_its_tiers_reach(tmp_path, monkeypatch):
+    """`benchmarks/bench_tier.py` takes the URL `redis_cluster.sh start` prints as it is.
+
+    The script prints the `redis+cluster://` URL to paste; the benchmark once put the
+    scheme in front again and every tier of its run failed to connect.
+    """
+    bench_dir = ROOT / "benchmarks"
+    if not (bench_dir / "bench_tier.py").is_file():
+        pytest.skip("benchmarks/ is not beside the tests")
+    monkeypatch.syspath_prepend(str(bench_dir))
+    import bench_tier
+
+    url, env = bench_tier.start_cluster(tmp_path)
+    try:
+        tier = RedisTier(url, namespace="bench-smoke")
+        cache = KVCache(1, 1, 8, num_pages=8, page_size=4, enable_prefix_caching=True, tier=tier)
+        cache.add_sequence(0, list(range(9)))
+        rows = np.ones((9, 1, 8), dtype=np.float16)
+        cache.store(0, cache.append([0], [9]), rows, rows)
+        cache.seal()  # the two full pages go to the tier
+        tier.flush()
+        assert tier.stats()["pages_written"] == 2, tier.stats()
+        assert tier.stats()["write_errors"] == 0
+        tier.close()
+    finally:
+        subprocess.run([str(SCRIPT), "stop"], env=env, check=True, capture_output=True)
+        sys.modules.pop("bench_tier", None)
