@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import socket
 import statistics
 import subprocess
@@ -234,6 +235,13 @@ SETTINGS = {
 }
 
 
+def paired_interval(ratios, resamples=5000, seed=0):
+    """95% bootstrap interval of the median of ``ratios`` (percentile method, fixed seed)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trace", default=None, help=f"Mooncake trace (default: shared/data/{TRACE_NAME})")
@@ -274,24 +282,28 @@ def main():
     base = statistics.median(seconds["a"])
     print(f"Mooncake conversation trace: {len(trace):,} requests, capacity {args.capacity_tokens:,} tokens, "
           f"page size {args.page_size}, {args.repeats} interleaved runs per setting")
-    header = (f"{'setting':<48} {'median s':>9} {'vs (a)':>7} {'paired':>7} {'goal':>6} {'events/s':>9} "
-              f"{'pages/s':>10} {'MB on wire':>11}")
+    header = (f"{'setting':<48} {'median s':>9} {'vs (a)':>7} {'paired':>7} {'95% interval':>13} {'goal':>6} "
+              f"{'events/s':>9} {'pages/s':>10} {'MB on wire':>11}")
     print(header)
     print("-" * len(header))
     rows = {}
     for key in keys:
         median = statistics.median(seconds[key])
         ratio = median / base
-        paired = statistics.median(s / a for s, a in zip(seconds[key], seconds["a"]))
+        pairs = [s / a for s, a in zip(seconds[key], seconds["a"])]
+        paired = statistics.median(pairs)
+        low, high = paired_interval(pairs)
+        interval = f"{low:.3f}-{high:.3f}"
         goal = f"<={GOALS[key]:.2f}" if key in GOALS else "-"
         info = extra.get(key, {})
         rate = f"{info['events'] / median:,.0f}" if "events" in info else "-"
         page_rate = f"{info['pages'] / median:,.0f}" if "pages" in info else "-"
         wire = f"{info['bytes'] / 1e6:,.1f}" if "bytes" in info else "-"
-        print(f"{SETTINGS[key][0]:<48} {median:>9.3f} {ratio:>7.3f} {paired:>7.3f} {goal:>6} {rate:>9} "
-              f"{page_rate:>10} {wire:>11}")
+        print(f"{SETTINGS[key][0]:<48} {median:>9.3f} {ratio:>7.3f} {paired:>7.3f} {interval:>13} {goal:>6} "
+              f"{rate:>9} {page_rate:>10} {wire:>11}")
         rows[key] = {"name": SETTINGS[key][0], "seconds": seconds[key], "median_seconds": median, "ratio": ratio,
-                     "paired_ratio": paired, "goal": GOALS.get(key), "info": info}
+                     "paired_ratio": paired, "paired_interval_95": [low, high], "goal": GOALS.get(key),
+                     "info": info}
     for key, reason in skipped.items():
         print(f"{SETTINGS[key][0]}: not run, {reason}")
     for key in ("d", "e"):
