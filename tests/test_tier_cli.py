@@ -45,9 +45,13 @@ def test_tier_info_counts_each_namespace_and_marks_the_one_asked(kind, request, 
     assert "namespace 'nobody': no pages here" in out
 
 
-def test_tier_info_names_a_server_it_cannot_reach(capsys):
-    assert main(["tier", "info", "redis://127.0.0.1:1/0", "--timeout", "0.5"]) == 2
-    assert "pagedkv tier: cannot read redis://127.0.0.1:1/0" in capsys.readouterr().err
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:1/0", "redis+cluster://127.0.0.1:1,127.0.0.1:2"])
+def test_tier_info_names_a_server_it_cannot_reach(url, capsys):
+    # A cluster none of whose nodes answers raised RedisClusterUnreachableError, not a RedisError,
+    # and the command printed a traceback.
+    assert main(["tier", "info", url, "--timeout", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert f"pagedkv tier: cannot read {url}: " in err and "Traceback" not in err
 
 
 def test_tier_info_refuses_a_url_that_is_not_redis(capsys):

@@ -77,8 +77,8 @@ def tier_info(url: str, namespaces: list[str], timeout: float, out=None) -> int:
     ------
     ValueError
         ``url`` is not a Redis URL.
-    redis.exceptions.RedisError
-        The server cannot be reached or answers with an error.
+    redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError
+        The server (or every node of the cluster) cannot be reached, or answers with an error.
     """
     from pagedkv.tiers.redis import _connect
 
@@ -168,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         args.info_parser.error(f"argument URL: expected redis://HOST:PORT/DB, rediss://... or "
                                f"redis+cluster://HOST:PORT[,HOST:PORT...], got {args.url!r}")
-    except redis.exceptions.RedisError as exc:
+    except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
+        # RedisClusterException (a cluster none of whose nodes answers) is not a RedisError
         print(f"pagedkv tier: cannot read {args.url}: {exc}", file=sys.stderr)
         return 2
     return 0
