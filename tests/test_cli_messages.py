@@ -137,3 +137,28 @@ def test_tier_warnings_wait_until_the_streamed_answer_ends(caplog):
         with held_tier_warnings(False):
             log.warning("at once")
             assert caplog.records[-1].getMessage() == "at once"
+
+
+def test_range_errors_give_the_real_bound_at_once(tmp_path, capsys):
+    """The first error names the bound that following it satisfies (it used to say >= 1, then >= 2 or >= 16)."""
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be", encoding="utf-8")
+    for tokens in ("0", "1", "-3"):
+        with pytest.raises(SystemExit):
+            main(["perplexity", str(text), "--tokens", tokens])
+        assert f"argument --tokens: expected an integer >= 2 (the first token is only context" in capsys.readouterr().err
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     "2023-11-16 18:15:46.6805900,40,10\n2023-11-16 18:15:50.9951690,20,3\n", encoding="utf-8")
+    for capacity in ("0", "10", "-16"):
+        assert main(["replay", str(trace), "--capacity-tokens", capacity, "--no-progress"]) == 2
+        assert "argument --capacity-tokens: expected 16 <= N <= " in capsys.readouterr().err
+    assert main(["replay", str(trace), "--capacity-tokens", "16", "--no-progress"]) == 0  # the bound it named
+    capsys.readouterr()
+
+
+def test_a_word_that_begins_dataset_names_suggests_all_of_them(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["replay", "mooncake", "--no-progress"]) == 2
+    assert "did you mean mooncake-conversation or mooncake-synthetic?" in capsys.readouterr().err

@@ -18,15 +18,24 @@ class CommandError(Exception):
     """A user-facing failure of a command: printed as ``pagedkv <command>: <message>``, exit status 2."""
 
 
-def _int_at_least(text: str, low: int) -> int:
-    """``text`` as an integer >= ``low`` (underscores allowed, as in ``4_096``), else ArgumentTypeError."""
+def _int_at_least(text: str, low: int | None, why: str = "") -> int:
+    """``text`` as an integer >= ``low`` (underscores allowed, as in ``4_096``), else ArgumentTypeError.
+
+    ``low`` None takes any integer (a later check states the range); ``why`` follows
+    the bound in the message, in parentheses.
+    """
     try:
         value = int(text.replace("_", ""))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+    if low is not None and value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}{f' ({why})' if why else ''}, got {value}")
     return value
+
+
+def integer(text: str) -> int:
+    """argparse type: any integer (underscores allowed); the command checks its range with the other options."""
+    return _int_at_least(text, None)
 
 
 def thread_count(text: str) -> int | str:

@@ -57,15 +57,18 @@ def not_a_dataset_hint(text: str) -> str:
     str
         ``", nor a dataset name (did you mean NAME? known: ...; see `pagedkv data list`)"``
         when ``text`` has no directory part (a bare word, as a dataset name is), with the
-        suggestion only for a close match; ``""`` for a path with a directory part, whose
+        suggestion only for a close match (every name that ``text`` begins, else the
+        closest name); ``""`` for a path with a directory part, whose
         "no such file" says enough.
     """
     if os.sep in text or (os.altsep and os.altsep in text):
         return ""
     from pagedkv import data
 
-    close = difflib.get_close_matches(text, list(data.DATASETS), n=1)
-    suggestion = f"did you mean {close[0]}? " if close else ""
+    # Every name the word begins ("mooncake": both Mooncake traces), else the closest one.
+    close = [name for name in data.DATASETS if text and name.startswith(text)]
+    close = close or difflib.get_close_matches(text, list(data.DATASETS), n=1)
+    suggestion = f"did you mean {' or '.join(close)}? " if close else ""
     return f", nor a dataset name ({suggestion}known: {', '.join(data.DATASETS)}; see `pagedkv data list`)"
 
 

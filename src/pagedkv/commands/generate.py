@@ -389,12 +389,16 @@ def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int)
         """Print one line of the report to stderr."""
         print(text, file=sys.stderr)
 
+    def tokens(count: int) -> str:
+        return f"{count} token{'' if count == 1 else 's'}"
+
     if result.num_cached_tokens:  # a rate over reused tokens would flatter the prefill
+        # with reused tokens the prompt has at least 2: its last token is always computed
         line(f"prefill: {result.num_prompt_tokens} prompt tokens in {result.prefill_seconds:.2f} s: "
              f"{result.num_computed_tokens} computed ({result.computed_tokens_per_second:.1f} tokens/s), "
              f"{result.num_cached_tokens} reused")
     else:
-        line(f"prefill: {result.num_prompt_tokens} tokens in {result.prefill_seconds:.2f} s "
+        line(f"prefill: {tokens(result.num_prompt_tokens)} in {result.prefill_seconds:.2f} s "
              f"({result.prefill_tokens_per_second:.1f} tokens/s)")
     if backend.prefix_caching:
         tier_hits = stats.get("tier_hits", 0)
@@ -408,7 +412,7 @@ def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int)
                  f"there, {final['tier_dropped_writes']} dropped, {final['tier_write_errors']} failed), "
                  f"{final['tier_hit_pages']} pages read, {final['tier_fetch_errors']} fetch errors")
     if result.num_decode_tokens:
-        line(f"decode: {result.num_decode_tokens} tokens in {result.decode_seconds:.2f} s "
+        line(f"decode: {tokens(result.num_decode_tokens)} in {result.decode_seconds:.2f} s "
              f"({result.decode_tokens_per_second:.1f} tokens/s, batch of {batch_size})")
     else:
         line("decode: no decode step (every sequence stopped at its first token)")

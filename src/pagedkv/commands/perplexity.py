@@ -15,6 +15,7 @@ from pagedkv.commands._model_options import (
     CACHE_POSITIONS_WHY,
     DTYPES,
     CommandError,
+    _int_at_least,
     add_model_arguments,
     add_window_arguments,
     check_thread_control,
@@ -247,11 +248,7 @@ def tokens_to_score(text: str) -> int:
     The first token is only context (N tokens give N - 1 scores), so fewer than two is
     refused while the command line is parsed, before the model loads.
     """
-    value = positive_int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 2 (the first token is only context: "
-                                         f"N tokens give N - 1 scores), got {value}")
-    return value
+    return _int_at_least(text, 2, "the first token is only context: N tokens give N - 1 scores")
 
 
 def read_input(path: str, *, json_ids: bool) -> str | list[int]:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from pagedkv.commands._metrics_options import RunMetrics, add_metrics_arguments
-from pagedkv.commands._model_options import DTYPES, CommandError, positive_int, tier_url
+from pagedkv.commands._model_options import DTYPES, CommandError, integer, positive_int, tier_url
 from pagedkv.commands._paths import dataset_or_path, not_a_dataset_hint, plot_file
 from pagedkv.replay import MAX_PAGES, MAX_PREFIX_PAGES, PREFIX_HASHES, ReplayResult, capacity_pages, replay
 from pagedkv.data import DataError
@@ -58,7 +58,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "dataset (mooncake-conversation, azure-conversation...; see `pagedkv data list`)")
     parser.add_argument("--format", choices=FORMATS, default=None,
                         help="trace format (default: from the file extension)")
-    parser.add_argument("--capacity-tokens", type=positive_int, nargs="+", default=None, metavar="N",
+    parser.add_argument("--capacity-tokens", type=integer, nargs="+", default=None, metavar="N",
                         help="pool capacities to replay, in tokens (rounded down to whole pages); "
                              f"default: {' '.join(str(c) for c in DEFAULT_CAPACITIES)}")
     parser.add_argument("--capacity-gib", type=_positive_float, nargs="+", default=None, metavar="G",
