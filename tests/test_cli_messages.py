@@ -152,10 +152,28 @@ def test_range_errors_give_the_real_bound_at_once(tmp_path, capsys):
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
                      "2023-11-16 18:15:46.6805900,40,10\n2023-11-16 18:15:50.9951690,20,3\n", encoding="utf-8")
     for capacity in ("0", "10", "-16"):
-        assert main(["replay", str(trace), "--capacity-tokens", capacity, "--no-progress"]) == 2
-        assert "argument --capacity-tokens: expected 16 <= N <= " in capsys.readouterr().err
+        with pytest.raises(SystemExit) as info:
+            main(["replay", str(trace), "--capacity-tokens", capacity, "--no-progress"])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "error: argument --capacity-tokens: expected 16 <= N <= " in err and err.startswith("usage:")
     assert main(["replay", str(trace), "--capacity-tokens", "16", "--no-progress"]) == 0  # the bound it named
     capsys.readouterr()
+
+
+def test_replay_capacity_this_machine_cannot_hold_is_one_line(tmp_path, monkeypatch, capsys):
+    """A capacity in range whose page records do not fit in memory: the cache's MemoryError, no traceback."""
+    from pagedkv.commands import replay as replay_command
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("Invalid value of num_pages: 1073741824 pages need 32.0 GiB of page records; use fewer pages")
+
+    monkeypatch.setattr(replay_command, "replay", out_of_memory)
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,40,10\n", encoding="utf-8")
+    assert main(["replay", str(trace), "--capacity-tokens", "1000000", "--no-progress"]) == 2
+    assert capsys.readouterr().err == ("pagedkv replay: Invalid value of num_pages: 1073741824 pages need 32.0 GiB "
+                                       "of page records; use fewer pages\n")
 
 
 def test_a_word_that_begins_dataset_names_suggests_all_of_them(tmp_path, monkeypatch, capsys):

@@ -267,12 +267,16 @@ def test_cli_reports_bad_input(tmp_path, capsys):
     azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,10,2\n")
     assert main(["replay", str(azure), "--plot", str(tmp_path / "x.png"), "--no-progress"]) == 2
     assert "--plot needs a trace with block ids" in capsys.readouterr().err
-    assert main(["replay", str(azure), "--capacity-tokens", "1000", "8", "--no-progress"]) == 2
-    assert "argument --capacity-tokens: expected 16 <= N <=" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # argument errors take argparse's form: usage, then the error
+        main(["replay", str(azure), "--capacity-tokens", "1000", "8", "--no-progress"])
+    assert info.value.code == 2
+    assert "error: argument --capacity-tokens: expected 16 <= N <=" in capsys.readouterr().err
     mooncake = tmp_path / "trace.jsonl"
     mooncake.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
-    assert main(["replay", str(mooncake), "--page-size", "24", "--no-progress"]) == 2
-    assert "argument --page-size: expected a divisor" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["replay", str(mooncake), "--page-size", "24", "--no-progress"])
+    assert info.value.code == 2
+    assert "error: argument --page-size: expected a divisor" in capsys.readouterr().err
 
 
 def test_cli_reports_unreadable_traces_without_a_traceback(tmp_path, capsys):

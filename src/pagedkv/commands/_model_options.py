@@ -126,7 +126,8 @@ def check_window_arguments(parser: argparse.ArgumentParser, args: argparse.Names
         parser.error(str(exc).replace("Invalid value of --sinks: ", "argument --sinks: ", 1))
     if args.positions == "cache" and (args.window is None or args.sinks < 1):
         parser.error(f"argument --positions: 'cache' needs --window W and --sinks S >= 1 "
-                     f"({CACHE_POSITIONS_WHY}); got --window {args.window}, --sinks {args.sinks}")
+                     f"({CACHE_POSITIONS_WHY}); got "
+                     f"{'no --window' if args.window is None else f'--window {args.window}'}, --sinks {args.sinks}")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -244,8 +244,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"argument --page-size: expected a divisor of the trace's block size "
                              f"{trace.block_tokens}, got {args.page_size}")
     except ValueError as exc:
-        print(f"pagedkv replay: {exc}", file=sys.stderr)
-        return 2
+        args.parser.error(str(exc))  # usage and "error: argument ...", as argparse's own checks print
     if args.kv_events_replay and not args.kv_events:
         print("pagedkv replay: --kv-events-replay needs --kv-events", file=sys.stderr)
         return 2
@@ -260,7 +259,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     progress_bar = _progress_bar_class(args)
     if args.tier is not None:
-        return _run_shared(args, trace, capacities, progress_bar)
+        try:
+            return _run_shared(args, trace, capacities, progress_bar)
+        except MemoryError as exc:  # a capacity in range whose page records this machine cannot hold
+            print(f"pagedkv replay: {exc}", file=sys.stderr)
+            return 2
     publishers: list = []
     attach_publisher = None
     if args.kv_events:
@@ -281,6 +284,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         results = _replay_all(args, trace, capacities, progress_bar, metrics, attach_publisher)
+    except MemoryError as exc:  # a capacity in range whose page records this machine cannot hold
+        print(f"pagedkv replay: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         if not args.kv_events or isinstance(exc, BrokenPipeError):
             raise
