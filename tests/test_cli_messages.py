@@ -158,7 +158,8 @@ def test_range_errors_give_the_real_bound_at_once(tmp_path, capsys):
         err = capsys.readouterr().err
         assert "error: argument --capacity-tokens: expected 16 <= N <= " in err and err.startswith("usage:")
     assert main(["replay", str(trace), "--capacity-tokens", "16", "--no-progress"]) == 0  # the bound it named
-    capsys.readouterr()
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    assert row[:4] == ["16", "1", "2", "2"] and row[-2:] == ["-", "-"]  # both rejected: no rate
 
 
 def test_replay_capacity_this_machine_cannot_hold_is_one_line(tmp_path, monkeypatch, capsys):

@@ -147,8 +147,9 @@ def _format_row(result: ReplayResult) -> list[str]:
         f"{result.pages_allocated:,}",
         f"{result.prefix_evictions:,}" if result.prefix_caching else "-",
         f"{result.pages_peak:,}",
-        f"{result.requests_per_second:,.0f}",
-        f"{result.page_operations_per_second / 1e6:,.2f}",
+        # every request rejected: nothing was replayed, and a rate would mean nothing
+        f"{result.requests_per_second:,.0f}" if result.num_rejected < result.num_requests else "-",
+        f"{result.page_operations_per_second / 1e6:,.2f}" if result.num_rejected < result.num_requests else "-",
     ]
 
 
