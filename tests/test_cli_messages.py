@@ -173,8 +173,27 @@ def test_replay_capacity_this_machine_cannot_hold_is_one_line(tmp_path, monkeypa
     trace = tmp_path / "trace.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,40,10\n", encoding="utf-8")
     assert main(["replay", str(trace), "--capacity-tokens", "1000000", "--no-progress"]) == 2
-    assert capsys.readouterr().err == ("pagedkv replay: Invalid value of num_pages: 1073741824 pages need 32.0 GiB "
-                                       "of page records; use fewer pages\n")
+    assert capsys.readouterr().err == ("pagedkv replay: argument --capacity-tokens: a cache of that capacity does not "
+                                       "fit in this machine's memory; give a smaller --capacity-tokens (the cache: "
+                                       "Invalid value of num_pages: 1073741824 pages need 32.0 GiB of page records; "
+                                       "use fewer pages)\n")
+
+
+def test_block_size_mismatch_names_the_option(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1, 2]}\n')
+    assert main(["replay", str(trace), "--block-tokens", "7", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "got 2 (are the trace's blocks 7 tokens? block_tokens=B, or `pagedkv replay --block-tokens B`, sets it" in err
+
+
+def test_setting_with_sinks_and_no_window_reads_as_one_message(tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be", encoding="utf-8")
+    with pytest.raises(SystemExit):
+        main(["perplexity", str(text), "--setting", "sinks=4"])
+    err = capsys.readouterr().err
+    assert "argument --setting: sinks: " in err and "Invalid value" not in err
 
 
 def test_a_word_that_begins_dataset_names_suggests_all_of_them(tmp_path, monkeypatch, capsys):

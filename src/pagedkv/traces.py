@@ -299,7 +299,9 @@ def load_mooncake(path: str | Path, limit: int | None = None,
             if len(hash_ids) != expected:
                 raise TraceFormatError(
                     f"{where}: invalid hash_ids: expected ceil(input_length / {block_tokens}) = {expected} "
-                    f"block ids for input_length {input_length}, got {len(hash_ids)}"
+                    f"block ids for input_length {input_length}, got {len(hash_ids)} (are the trace's blocks "
+                    f"{block_tokens} tokens? block_tokens=B, or `pagedkv replay --block-tokens B`, sets it; the Mooncake traces use "
+                    f"{MOONCAKE_BLOCK_TOKENS})"
                 )
             for block_id in hash_ids:
                 if isinstance(block_id, bool) or not isinstance(block_id, int) \

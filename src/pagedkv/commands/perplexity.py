@@ -141,7 +141,8 @@ def parse_setting(text: str) -> CacheSetting:
         try:
             check_sink_window(window, sinks, "sinks", "window=W")  # the wording KVCache uses
         except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"{exc} in {text!r}") from None
+            # the wording KVCache uses, in argparse's: "Invalid value of sinks: ..." -> "sinks: ..."
+            raise argparse.ArgumentTypeError(f"{str(exc).replace('Invalid value of ', '', 1)} in {text!r}") from None
         if positions == "cache":
             raise argparse.ArgumentTypeError(
                 f"positions=cache needs window=W and sinks=S >= 1 ({CACHE_POSITIONS_WHY}), got {text!r}"

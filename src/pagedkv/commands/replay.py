@@ -184,6 +184,12 @@ def plot_hit_rate(results: list[ReplayResult], path: str, title: str) -> None:
     figure.savefig(path)
 
 
+def _too_large(exc: MemoryError) -> str:
+    """The message for a capacity whose page records (and prefix index) do not fit in this machine's memory."""
+    return (f"pagedkv replay: argument --capacity-tokens: a cache of that capacity does not fit in this "
+            f"machine's memory; give a smaller --capacity-tokens (the cache: {exc})")
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the trace, replay it at every capacity, print the table; return the exit status."""
     capacities = args.capacity_tokens or DEFAULT_CAPACITIES
@@ -263,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             return _run_shared(args, trace, capacities, progress_bar)
         except MemoryError as exc:  # a capacity in range whose page records this machine cannot hold
-            print(f"pagedkv replay: {exc}", file=sys.stderr)
+            print(_too_large(exc), file=sys.stderr)
             return 2
     publishers: list = []
     attach_publisher = None
@@ -286,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         results = _replay_all(args, trace, capacities, progress_bar, metrics, attach_publisher)
     except MemoryError as exc:  # a capacity in range whose page records this machine cannot hold
-        print(f"pagedkv replay: {exc}", file=sys.stderr)
+        print(_too_large(exc), file=sys.stderr)
         return 2
     except OSError as exc:
         if not args.kv_events or isinstance(exc, BrokenPipeError):
