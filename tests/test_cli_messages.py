@@ -7,6 +7,23 @@ from pagedkv import data
 from pagedkv.cli import main
 
 
+@pytest.fixture
+def short_text(tmp_path):
+    """A text file of a few tokens."""
+    path = tmp_path / "text.txt"
+    path.write_text("To be, or not to be", encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def azure_trace(tmp_path):
+    """An Azure-format trace of two requests (40 + 10 and 20 + 3 tokens)."""
+    path = tmp_path / "trace.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:15:46.6805900,40,10\n2023-11-16 18:15:50.9951690,20,3\n", encoding="utf-8")
+    return path
+
+
 def test_mistyped_dataset_name_gets_the_names_and_a_suggestion(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # no file of these names here
     assert main(["perplexity", "tinyshakespear"]) == 2
@@ -30,17 +47,16 @@ def test_missing_path_with_a_directory_is_not_taken_for_a_name(tmp_path, capsys)
     assert capsys.readouterr().err == f"pagedkv perplexity: cannot read {str(missing)!r}: No such file or directory\n"
 
 
-def test_perplexity_refuses_fewer_than_two_tokens_before_loading_the_model(tmp_path, monkeypatch, capsys):
+def test_perplexity_refuses_fewer_than_two_tokens_before_loading_the_model(short_text, tmp_path, monkeypatch,
+                                                                               capsys):
     from pagedkv.commands import perplexity
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded for an input that cannot be scored")
 
     monkeypatch.setattr(perplexity, "load_model", no_model)
-    text = tmp_path / "text.txt"
-    text.write_text("To be, or not to be", encoding="utf-8")
     try:
-        main(["perplexity", str(text), "--tokens", "1"])
+        main(["perplexity", str(short_text), "--tokens", "1"])
     except SystemExit as exc:
         assert exc.code == 2
     else:
@@ -139,18 +155,14 @@ def test_tier_warnings_wait_until_the_streamed_answer_ends(caplog):
             assert caplog.records[-1].getMessage() == "at once"
 
 
-def test_range_errors_give_the_real_bound_at_once(tmp_path, capsys):
+def test_range_errors_give_the_real_bound_at_once(short_text, azure_trace, capsys):
     """The first error names the bound that following it satisfies (it used to say >= 1, then >= 2 or >= 16)."""
-    text = tmp_path / "text.txt"
-    text.write_text("To be, or not to be", encoding="utf-8")
     for tokens in ("0", "1", "-3"):
         with pytest.raises(SystemExit):
-            main(["perplexity", str(text), "--tokens", tokens])
-        assert f"argument --tokens: expected an integer >= 2 (the first token is only context" in capsys.readouterr().err
+            main(["perplexity", str(short_text), "--tokens", tokens])
+        assert "argument --tokens: expected an integer >= 2 (the first token is only context" in capsys.readouterr().err
 
-    trace = tmp_path / "trace.csv"
-    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                     "2023-11-16 18:15:46.6805900,40,10\n2023-11-16 18:15:50.9951690,20,3\n", encoding="utf-8")
+    trace = azure_trace
     for capacity in ("0", "10", "-16"):
         with pytest.raises(SystemExit) as info:
             main(["replay", str(trace), "--capacity-tokens", capacity, "--no-progress"])
@@ -162,7 +174,7 @@ def test_range_errors_give_the_real_bound_at_once(tmp_path, capsys):
     assert row[:4] == ["16", "1", "2", "2"] and row[-2:] == ["-", "-"]  # both rejected: no rate
 
 
-def test_replay_capacity_this_machine_cannot_hold_is_one_line(tmp_path, monkeypatch, capsys):
+def test_replay_capacity_this_machine_cannot_hold_is_one_line(azure_trace, monkeypatch, capsys):
     """A capacity in range whose page records do not fit in memory: the cache's MemoryError, no traceback."""
     from pagedkv.commands import replay as replay_command
 
@@ -170,9 +182,7 @@ def test_replay_capacity_this_machine_cannot_hold_is_one_line(tmp_path, monkeypa
         raise MemoryError("Invalid value of num_pages: 1073741824 pages need 32.0 GiB of page records; use fewer pages")
 
     monkeypatch.setattr(replay_command, "replay", out_of_memory)
-    trace = tmp_path / "trace.csv"
-    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,40,10\n", encoding="utf-8")
-    assert main(["replay", str(trace), "--capacity-tokens", "1000000", "--no-progress"]) == 2
+    assert main(["replay", str(azure_trace), "--capacity-tokens", "1000000", "--no-progress"]) == 2
     assert capsys.readouterr().err == ("pagedkv replay: argument --capacity-tokens: a cache of that capacity does not "
                                        "fit in this machine's memory; give a smaller --capacity-tokens (the cache: "
                                        "Invalid value of num_pages: 1073741824 pages need 32.0 GiB of page records; "
@@ -187,11 +197,9 @@ def test_block_size_mismatch_names_the_option(tmp_path, capsys):
     assert "got 2 (are the trace's blocks 7 tokens? block_tokens=B, or `pagedkv replay --block-tokens B`, sets it" in err
 
 
-def test_setting_with_sinks_and_no_window_reads_as_one_message(tmp_path, capsys):
-    text = tmp_path / "text.txt"
-    text.write_text("To be, or not to be", encoding="utf-8")
+def test_setting_with_sinks_and_no_window_reads_as_one_message(short_text, capsys):
     with pytest.raises(SystemExit):
-        main(["perplexity", str(text), "--setting", "sinks=4"])
+        main(["perplexity", str(short_text), "--setting", "sinks=4"])
     err = capsys.readouterr().err
     assert "argument --setting: sinks: " in err and "Invalid value" not in err
 

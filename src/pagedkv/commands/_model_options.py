@@ -18,7 +18,7 @@ class CommandError(Exception):
     """A user-facing failure of a command: printed as ``pagedkv <command>: <message>``, exit status 2."""
 
 
-def _int_at_least(text: str, low: int | None, why: str = "") -> int:
+def int_at_least(text: str, low: int | None, why: str = "") -> int:
     """``text`` as an integer >= ``low`` (underscores allowed, as in ``4_096``), else ArgumentTypeError.
 
     ``low`` None takes any integer (a later check states the range); ``why`` follows
@@ -35,17 +35,17 @@ def _int_at_least(text: str, low: int | None, why: str = "") -> int:
 
 def integer(text: str) -> int:
     """argparse type: any integer (underscores allowed); the command checks its range with the other options."""
-    return _int_at_least(text, None)
+    return int_at_least(text, None)
 
 
 def thread_count(text: str) -> int | str:
     """argparse type of ``--threads``: ``auto`` or an integer >= 1."""
-    return "auto" if text.strip().lower() == "auto" else _int_at_least(text, 1)
+    return "auto" if text.strip().lower() == "auto" else int_at_least(text, 1)
 
 
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (underscores allowed, as in ``4_096``)."""
-    return _int_at_least(text, 1)
+    return int_at_least(text, 1)
 
 
 _TIER_SCHEMES = ("redis://", "rediss://", "redis+cluster://")
@@ -65,7 +65,7 @@ def tier_url(text: str) -> str:
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
-    return _int_at_least(text, 0)
+    return int_at_least(text, 0)
 
 
 def non_negative_float(text: str) -> float:

@@ -389,8 +389,9 @@ def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int)
         """Print one line of the report to stderr."""
         print(text, file=sys.stderr)
 
-    def tokens(count: int) -> str:
-        return f"{count} token{'' if count == 1 else 's'}"
+    def counted(count: int, noun: str) -> str:
+        """``count`` and ``noun``, plural unless ``count`` is 1 ("1 token", "2 pages")."""
+        return f"{count} {noun}{'' if count == 1 else 's'}"
 
     if result.num_cached_tokens:  # a rate over reused tokens would flatter the prefill
         # with reused tokens the prompt has at least 2: its last token is always computed
@@ -398,7 +399,7 @@ def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int)
              f"{result.num_computed_tokens} computed ({result.computed_tokens_per_second:.1f} tokens/s), "
              f"{result.num_cached_tokens} reused")
     else:
-        line(f"prefill: {tokens(result.num_prompt_tokens)} in {result.prefill_seconds:.2f} s "
+        line(f"prefill: {counted(result.num_prompt_tokens, 'token')} in {result.prefill_seconds:.2f} s "
              f"({result.prefill_tokens_per_second:.1f} tokens/s)")
     if backend.prefix_caching:
         tier_hits = stats.get("tier_hits", 0)
@@ -407,12 +408,11 @@ def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int)
              f"time to first token {result.prefill_seconds:.2f} s")
         if "tier_pages_written" in stats:
             final = backend.cache.stats()
-            written = final['tier_pages_written']
-            line(f"tier: {written} page{'' if written == 1 else 's'} written ({final['tier_pages_existing']} already "
+            line(f"tier: {counted(final['tier_pages_written'], 'page')} written ({final['tier_pages_existing']} already "
                  f"there, {final['tier_dropped_writes']} dropped, {final['tier_write_errors']} failed), "
                  f"{final['tier_hit_pages']} pages read, {final['tier_fetch_errors']} fetch errors")
     if result.num_decode_tokens:
-        line(f"decode: {tokens(result.num_decode_tokens)} in {result.decode_seconds:.2f} s "
+        line(f"decode: {counted(result.num_decode_tokens, 'token')} in {result.decode_seconds:.2f} s "
              f"({result.decode_tokens_per_second:.1f} tokens/s, batch of {batch_size})")
     else:
         line("decode: no decode step (every sequence stopped at its first token)")

@@ -15,12 +15,12 @@ from pagedkv.commands._model_options import (
     CACHE_POSITIONS_WHY,
     DTYPES,
     CommandError,
-    _int_at_least,
     add_model_arguments,
     add_window_arguments,
     check_thread_control,
     check_window_arguments,
     format_bytes,
+    int_at_least,
     load_model,
     peak_rss_bytes,
     positive_int,
@@ -249,7 +249,7 @@ def tokens_to_score(text: str) -> int:
     The first token is only context (N tokens give N - 1 scores), so fewer than two is
     refused while the command line is parsed, before the model loads.
     """
-    return _int_at_least(text, 2, "the first token is only context: N tokens give N - 1 scores")
+    return int_at_least(text, 2, "the first token is only context: N tokens give N - 1 scores")
 
 
 def read_input(path: str, *, json_ids: bool) -> str | list[int]:

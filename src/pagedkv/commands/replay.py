@@ -138,6 +138,7 @@ def kv_bytes_per_token(kv_dtype: str, num_layers: int, num_kv_heads: int, head_d
 
 def _format_row(result: ReplayResult) -> list[str]:
     hit = f"{100 * result.hit_rate:.2f}%" if result.prefix_caching else "-"
+    replayed = result.num_rejected < result.num_requests  # all rejected: nothing ran, a rate would mean nothing
     return [
         f"{result.capacity_tokens:,}",
         f"{result.num_pages:,}",
@@ -147,9 +148,8 @@ def _format_row(result: ReplayResult) -> list[str]:
         f"{result.pages_allocated:,}",
         f"{result.prefix_evictions:,}" if result.prefix_caching else "-",
         f"{result.pages_peak:,}",
-        # every request rejected: nothing was replayed, and a rate would mean nothing
-        f"{result.requests_per_second:,.0f}" if result.num_rejected < result.num_requests else "-",
-        f"{result.page_operations_per_second / 1e6:,.2f}" if result.num_rejected < result.num_requests else "-",
+        f"{result.requests_per_second:,.0f}" if replayed else "-",
+        f"{result.page_operations_per_second / 1e6:,.2f}" if replayed else "-",
     ]
 
 
