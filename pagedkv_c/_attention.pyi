@@ -5,6 +5,7 @@ from typing import Any, Literal, Protocol, TypeAlias, overload
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
+from typing_extensions import disjoint_base
 
 _Int: TypeAlias = int | np.integer[Any]
 _F32: TypeAlias = NDArray[np.float32]
@@ -70,3 +71,28 @@ def prefill(q: _Query, cache: _AttentionCache, layer: _Int, seq_ids: Sequence[Ha
             num_threads: _Int | None = None, *, return_lse: Literal[True],
             q_sink: _Query | None = None,
             sink_logits: ArrayLike | None = None, softcap: float | None = None) -> tuple[_F32, _F32]: ...
+
+@disjoint_base
+class StepTable:
+    """A page table checked once and shared by the layers of one step."""
+    @property
+    def indptr(self) -> NDArray[np.int32]: ...
+    @property
+    def indices(self) -> NDArray[np.int32]: ...
+    @property
+    def page_positions(self) -> NDArray[np.int64]: ...
+    @property
+    def seq_lens(self) -> NDArray[np.int64]: ...
+    @property
+    def qo_indptr(self) -> NDArray[np.int64] | None: ...
+    @property
+    def batch_size(self) -> int: ...
+    def __init__(self, indptr: ArrayLike, indices: ArrayLike, page_positions: ArrayLike, seq_lens: ArrayLike,
+                 qo_indptr: ArrayLike | None = None) -> None: ...
+
+def decode_step(q: NDArray[Any], pages: NDArray[Any], table: StepTable, window: int | None, scale: float,
+                num_threads: int, out: _F32 | None = None, *, sink_logits: ArrayLike | None = None,
+                softcap: float | None = None) -> _F32: ...
+def prefill_step(q: NDArray[Any], pages: NDArray[Any], table: StepTable, window: int | None, scale: float,
+                 num_threads: int, out: _F32 | None = None, *, sink_logits: ArrayLike | None = None,
+                 softcap: float | None = None) -> _F32: ...

@@ -1112,3 +1112,257 @@ cdef int _call_prefill(_Problem p, object qo, object out, object lse) except -1:
                       p.window, p.sink_tokens, p.chunk_size, p.scale, p.softcap, sink_logits, q,
                       q_sink, out_ptr, lse_ptr, p.num_threads)
     return 0
+
+
+# ---------------------------------------------------------------- step entry
+# Engines call attention once per layer with the same page table: the table is
+# checked once per step (StepTable) and each layer's call reads C fields only.
+# Anything the fast checks do not accept takes decode/prefill's general path,
+# so errors and results are the general path's.
+
+cdef class StepTable:
+    """A page table checked once and shared by the layers of one step.
+
+    For engines that run :func:`decode_step` / :func:`prefill_step` once per layer over
+    the same batch (``pagedkv.vllm.PagedAttentionBackend``). The arrays are copied and
+    made read-only, so a table checked against a pool stays valid for every layer whose
+    pool has that shape.
+
+    Parameters
+    ----------
+    indptr : int32 ``(B + 1,)``
+        Offsets of each sequence's pages in ``indices``.
+    indices : int32 ``(nnz,)``
+        Page ids, in position order per sequence.
+    page_positions : int64 ``(nnz,)``
+        First token position held by each listed page.
+    seq_lens : int64 ``(B,)``
+        Tokens of each sequence, the step's new ones included.
+    qo_indptr : int64 ``(B + 1,)`` or None
+        Query rows of each sequence (prefill); None for decode only.
+
+    Raises
+    ------
+    TypeError, ValueError
+        An array of the wrong kind, dtype or shape (named in the message). The values are
+        checked against a pool when a layer first uses the table, by the kernels' checks.
+    """
+    cdef readonly object indptr, indices, page_positions, seq_lens, qo_indptr
+    cdef readonly int64_t batch_size
+    # the pool and window the table last passed _table_ok for (kind 0: none yet)
+    cdef int64_t _ok_num_pages, _ok_page_size, _ok_window, _ok_tokens
+    cdef int _ok_kind
+
+    def __init__(self, indptr, indices, page_positions, seq_lens, qo_indptr=None):
+        indptr = check_array(indptr, "indptr", np.int32, (-1,))
+        if indptr.shape[0] < 1:
+            raise ValueError("Invalid shape of indptr: expected (B + 1,), got (0,)")
+        b = indptr.shape[0] - 1
+        indices = check_array(indices, "indices", np.int32, (-1,))
+        page_positions = check_array(page_positions, "page_positions", np.int64, (indices.shape[0],))
+        seq_lens = check_array(seq_lens, "seq_lens", np.int64, (b,))
+        if qo_indptr is not None:
+            qo_indptr = check_array(qo_indptr, "qo_indptr", np.int64, (b + 1,))
+        arrays = [np.array(a, copy=True) for a in (indptr, indices, page_positions, seq_lens)]
+        if qo_indptr is not None:
+            arrays.append(np.array(qo_indptr, copy=True))
+        for a in arrays:
+            a.setflags(write=False)
+        self.indptr, self.indices, self.page_positions, self.seq_lens = arrays[:4]
+        self.qo_indptr = arrays[4] if qo_indptr is not None else None
+        self.batch_size = b
+        self._ok_kind = 0
+
+
+class _StepView:
+    """``layer_attention_view`` over one layer's pool and a StepTable: the general path's cache."""
+
+    __slots__ = ("pages", "table", "window")
+
+    def __init__(self, pages, table, window):
+        self.pages = pages
+        self.table = table
+        self.window = window
+
+    def layer_attention_view(self, layer, seq_ids):
+        return self.pages, self.table, self.window, 0, None
+
+
+cdef bint _is_carray(object a, int ndim) noexcept:
+    return (type(a) is np.ndarray and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>a)
+            and cnp.PyArray_NDIM(<cnp.ndarray>a) == ndim)
+
+
+cdef _Problem _step_problem(object q, object pages, StepTable table, object window, object scale,
+                            object num_threads):
+    """The problem of one layer's call if the fast checks accept it, else None."""
+    if not _is_carray(q, 3) or cnp.PyArray_TYPE(<cnp.ndarray>q) != cnp.NPY_FLOAT32:
+        return None
+    if not _is_carray(pages, 5):
+        return None
+    cdef int type_num = cnp.PyArray_TYPE(<cnp.ndarray>pages)
+    if type_num != cnp.NPY_FLOAT32 and type_num != cnp.NPY_FLOAT16:
+        return None
+    cdef cnp.npy_intp* pd = cnp.PyArray_DIMS(<cnp.ndarray>pages)
+    cdef cnp.npy_intp* qd = cnp.PyArray_DIMS(<cnp.ndarray>q)
+    if (pd[0] < 1 or pd[1] != 2 or pd[2] < 1 or pd[3] < 1 or pd[4] < 1 or pd[4] > PKV_MAX_HEAD_DIM
+            or qd[2] != pd[4] or qd[1] < 1 or qd[1] % pd[3] != 0 or qd[1] > _MAX_QO_HEADS):
+        return None
+    if window is not None and (type(window) is not int or window < 1 or window > MAX_POSITION):
+        return None
+    if type(scale) is not float or not math.isfinite(<double>scale) or abs(<double>scale) > _MAX_SCALE:
+        return None
+    if type(num_threads) is not int or num_threads < 1 or num_threads > _MAX_THREADS_ARG:
+        return None
+    cdef _Problem p = _Problem()
+    p.pool_layer = pages
+    p.page_format = 0 if type_num == cnp.NPY_FLOAT32 else 1
+    p.num_pages = pd[0]
+    p.page_size = pd[2]
+    p.num_kv_heads = pd[3]
+    p.head_dim = pd[4]
+    p.num_qo_heads = qd[1]
+    p.window = 0 if window is None else window
+    p.sink_tokens = 0
+    p.chunk_size = 0
+    p.scale = scale
+    p.softcap = 0.0
+    p.sink_logits = None
+    p.auto_threads = False
+    p.num_threads = num_threads if pkv_have_openmp() else 1
+    p.q = q
+    p.q_sink = None
+    p.indptr = table.indptr
+    p.indices = table.indices
+    p.page_positions = table.page_positions
+    p.seq_lens = table.seq_lens
+    p.batch_size = table.batch_size
+    return p
+
+
+cdef bint _step_table_ok(_Problem p, StepTable table, int kind, int64_t num_tokens) noexcept:
+    """_table_ok, remembered for the last pool shape and window the table passed with."""
+    if (table._ok_kind == kind and table._ok_num_pages == p.num_pages and table._ok_tokens == num_tokens
+            and table._ok_page_size == p.page_size and table._ok_window == p.window):
+        return True
+    cdef const int64_t* qo = NULL
+    if kind == 2:
+        qo = <const int64_t*>cnp.PyArray_DATA(table.qo_indptr)
+    if not _table_ok(p, qo, num_tokens):
+        return False
+    table._ok_kind = kind
+    table._ok_num_pages = p.num_pages
+    table._ok_page_size = p.page_size
+    table._ok_window = p.window
+    table._ok_tokens = num_tokens
+    return True
+
+
+cdef object _step_out(object out, tuple shape):
+    """``out`` if it is a float32 C-contiguous ndarray of ``shape``, else a ValueError."""
+    if out is None:
+        return np.empty(shape, dtype=np.float32)
+    if (not _is_carray(out, 3) or cnp.PyArray_TYPE(<cnp.ndarray>out) != cnp.NPY_FLOAT32
+            or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out) or tuple(out.shape) != shape):
+        got = (f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__)
+        raise ValueError(f"Invalid value of out: expected a writable C-contiguous float32 array of shape "
+                         f"{shape}, got {got}")
+    return out
+
+
+def decode_step(q, pages, StepTable table not None, window, scale, num_threads, out=None, *,
+                sink_logits=None, softcap=None):
+    """Decode attention of one layer over ``pages`` with a table checked once per step.
+
+    The same result as ``decode(q, cache, 0, range(table.batch_size), scale, num_threads,
+    sink_logits=..., softcap=...)`` for a cache whose ``layer_attention_view`` answers
+    ``(pages, table, window, 0, None)``; calls the fast checks do not accept (another
+    dtype or layout of ``q`` or ``pages``, a scale or thread count of another type) run
+    that general path, with its errors.
+
+    Parameters
+    ----------
+    q : float32 ``(B, Hq, D)``
+        One query per sequence.
+    pages : float32 or float16 ``(num_pages, 2, page_size, Hkv, D)``
+        One layer's pool.
+    table : StepTable
+        The step's page table (its ``qo_indptr`` is not read).
+    window : int or None
+        Sliding window in tokens, or None for full attention.
+    scale : float
+    num_threads : int
+    out : float32 ``(B, Hq, D)`` or None
+        Written in place when given (C-contiguous); else a new array.
+    sink_logits, softcap
+        As for :func:`decode`.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``out``, or a new float32 ``(B, Hq, D)`` array.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`decode`; a ValueError naming ``out`` for an ``out`` of another dtype,
+        shape or layout.
+    """
+    cdef _Problem p = _step_problem(q, pages, table, window, scale, num_threads)
+    if p is None or p.q.shape[0] != p.batch_size or not _step_table_ok(p, table, 1, 0):
+        result = decode(q, _StepView(pages, table, window), 0, range(table.batch_size), scale, num_threads,
+                        sink_logits=sink_logits, softcap=softcap)
+        target = _step_out(out, tuple(result.shape))
+        if target is not result:
+            target[...] = result
+        return target
+    if sink_logits is not None or softcap is not None:
+        _validate_score_options(p, sink_logits, softcap)
+    out = _step_out(out, (p.batch_size, p.num_qo_heads, p.head_dim))
+    _call_decode(p, out, None)
+    return out
+
+
+def prefill_step(q, pages, StepTable table not None, window, scale, num_threads, out=None, *,
+                 sink_logits=None, softcap=None):
+    """Prefill attention of one layer over ``pages`` with a table checked once per step.
+
+    As :func:`decode_step`, for ``prefill(q, cache, 0, range(table.batch_size),
+    table.qo_indptr, ...)``: sequence ``b``'s queries are rows ``qo_indptr[b] ..
+    qo_indptr[b + 1] - 1`` of ``q``, its last tokens.
+
+    Parameters
+    ----------
+    q : float32 ``(num_tokens, Hq, D)``
+    pages, window, scale, num_threads, sink_logits, softcap
+        As for :func:`decode_step`.
+    table : StepTable
+        The step's page table, made with ``qo_indptr``.
+    out : float32 ``(num_tokens, Hq, D)`` or None
+
+    Returns
+    -------
+    numpy.ndarray
+        ``out``, or a new float32 ``(num_tokens, Hq, D)`` array.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`prefill`; a ValueError when ``table`` has no ``qo_indptr``, and one
+        naming ``out`` for an ``out`` of another dtype, shape or layout.
+    """
+    if table.qo_indptr is None:
+        raise ValueError("Invalid value of table: expected a StepTable made with qo_indptr for prefill_step")
+    cdef _Problem p = _step_problem(q, pages, table, window, scale, num_threads)
+    if p is None or not _step_table_ok(p, table, 2, p.q.shape[0]):
+        result = prefill(q, _StepView(pages, table, window), 0, range(table.batch_size), table.qo_indptr,
+                         scale, num_threads, sink_logits=sink_logits, softcap=softcap)
+        target = _step_out(out, tuple(result.shape))
+        if target is not result:
+            target[...] = result
+        return target
+    if sink_logits is not None or softcap is not None:
+        _validate_score_options(p, sink_logits, softcap)
+    out = _step_out(out, (p.q.shape[0], p.num_qo_heads, p.head_dim))
+    _call_prefill(p, table.qo_indptr, out, None)
+    return out

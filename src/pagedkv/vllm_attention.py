@@ -68,35 +68,6 @@ def _announce(block_size, dtype):
                     _attention.kernel_info()["isa"], block_size, dtype)
 
 
-class _PageTable:
-    """The kernels' CSR page table of one step (``indptr``, ``indices``, ``page_positions``, ``seq_lens``)."""
-
-    __slots__ = ("indptr", "indices", "page_positions", "seq_lens")
-
-    def __init__(self, indptr, indices, page_positions, seq_lens):
-        self.indptr = indptr
-        self.indices = indices
-        self.page_positions = page_positions
-        self.seq_lens = seq_lens
-
-
-class _LayerPages:
-    """The attention contract of :mod:`pagedkv.attention` over one layer of vLLM's KV cache."""
-
-    __slots__ = ("pages", "table", "window")
-
-    def __init__(self, pages, table, window):
-        self.pages = pages
-        self.table = table
-        self.window = window
-
-    def layer_attention_view(self, layer, seq_ids):
-        """The attention contract of :mod:`pagedkv.attention` for this layer: ``(pages, page table,
-        window in tokens or None, 0 sink tokens, no chunk size)``; ``layer`` and ``seq_ids`` are not read
-        (the adapter is made per layer and step, for the step's batch)."""
-        return self.pages, self.table, self.window, 0, None
-
-
 @dataclasses.dataclass
 class PagedAttentionMetadata:
     """One step's batch for every layer of a KV cache group.
@@ -135,7 +106,8 @@ class PagedAttentionMetadata:
     _tables: dict = dataclasses.field(default_factory=dict)
 
     def page_table(self, window):
-        """The CSR page table for layers with ``window`` (tokens, or None), built once per step.
+        """The CSR page table for layers with ``window`` (tokens, or None), built and checked once per
+        step (a ``pagedkv_c._attention.StepTable``, with the query offsets unless the step is a decode).
 
         Each sequence lists its blocks from the one holding the first key its earliest query
         attends to (position ``seq_len - query_len - window + 1``, or 0) to its last token's,
@@ -166,7 +138,8 @@ class PagedAttentionMetadata:
             raise ValueError(f"PagedAttentionBackend: a sequence of {int(seq_lens.max())} tokens needs more than "
                              f"the {self.block_table.shape[1]} blocks of vLLM's block table")
         indices = np.ascontiguousarray(self.block_table[rows, cols], dtype=np.int32)
-        return _PageTable(indptr, indices, cols * n, seq_lens)
+        qo = None if self.max_query_len == 1 and self.num_actual_tokens == self.num_reqs else self.qo_indptr
+        return _attention.StepTable(indptr, indices, cols * n, seq_lens, qo)
 
 
 class PagedAttentionMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
@@ -387,18 +360,18 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         if pages.shape[2] != attn_metadata.block_size:
             raise ValueError(f"PagedAttentionBackend: KV cache blocks of {pages.shape[2]} tokens, block table of "
                              f"{attn_metadata.block_size}-token blocks")
-        cache = _LayerPages(pages, attn_metadata.page_table(self.sliding_window), self.sliding_window)
-        # Slices in NumPy: torch's slicing costs more than the kernel call's checks at decode sizes.
+        table = attn_metadata.page_table(self.sliding_window)
+        # NumPy views: torch's slicing costs more than the kernel call's checks at decode sizes.
         q = query.numpy()[:n]
+        rows = output.numpy()[:n]
+        # The kernels write vLLM's output rows in place when they are one C-contiguous block.
+        out = rows.reshape(n, self.num_heads, self.head_size) if rows.flags.c_contiguous else None
         if self.sinks is not None and self._sink_logits is None:
             self._sink_logits = self.sinks.detach().to(torch.float64).numpy().copy()
-        seq_ids = range(attn_metadata.num_reqs)
         threads = torch.get_num_threads()
-        if attn_metadata.max_query_len == 1 and n == attn_metadata.num_reqs:
-            out = _attention.decode(q, cache, 0, seq_ids, self.scale, threads, False,
-                                    sink_logits=self._sink_logits, softcap=self.logits_soft_cap)
-        else:
-            out = _attention.prefill(q, cache, 0, seq_ids, attn_metadata.qo_indptr, self.scale, threads, False,
-                                     sink_logits=self._sink_logits, softcap=self.logits_soft_cap)
-        output.numpy()[:n] = out.reshape(n, self.num_heads, self.head_size)
+        step = _attention.prefill_step if table.qo_indptr is not None else _attention.decode_step
+        result = step(q, pages, table, self.sliding_window, self.scale, threads, out,
+                      sink_logits=self._sink_logits, softcap=self.logits_soft_cap)
+        if out is None:
+            rows[...] = result.reshape(rows.shape)
         return output
