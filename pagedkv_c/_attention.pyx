@@ -1270,6 +1270,14 @@ cdef object _step_out(object out, tuple shape):
     return out
 
 
+cdef object _general_into(object result, object out):
+    """The general path's ``result``, written into ``out`` when given (checked as _step_out does)."""
+    target = _step_out(out, tuple(result.shape))
+    if target is not result:
+        target[...] = result
+    return target
+
+
 def decode_step(q, pages, StepTable table not None, window, scale, num_threads, out=None, *,
                 sink_logits=None, softcap=None):
     """Decode attention of one layer over ``pages`` with a table checked once per step.
@@ -1312,10 +1320,7 @@ def decode_step(q, pages, StepTable table not None, window, scale, num_threads, 
     if p is None or p.q.shape[0] != p.batch_size or not _step_table_ok(p, table, 1, 0):
         result = decode(q, _StepView(pages, table, window), 0, range(table.batch_size), scale, num_threads,
                         sink_logits=sink_logits, softcap=softcap)
-        target = _step_out(out, tuple(result.shape))
-        if target is not result:
-            target[...] = result
-        return target
+        return _general_into(result, out)
     if sink_logits is not None or softcap is not None:
         _validate_score_options(p, sink_logits, softcap)
     out = _step_out(out, (p.batch_size, p.num_qo_heads, p.head_dim))
@@ -1357,10 +1362,7 @@ def prefill_step(q, pages, StepTable table not None, window, scale, num_threads,
     if p is None or not _step_table_ok(p, table, 2, p.q.shape[0]):
         result = prefill(q, _StepView(pages, table, window), 0, range(table.batch_size), table.qo_indptr,
                          scale, num_threads, sink_logits=sink_logits, softcap=softcap)
-        target = _step_out(out, tuple(result.shape))
-        if target is not result:
-            target[...] = result
-        return target
+        return _general_into(result, out)
     if sink_logits is not None or softcap is not None:
         _validate_score_options(p, sink_logits, softcap)
     out = _step_out(out, (p.q.shape[0], p.num_qo_heads, p.head_dim))
