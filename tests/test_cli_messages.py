@@ -1,5 +1,6 @@
 """Messages of the command line for inputs a user gets wrong or may not expect."""
 import json
+import os
 
 import pytest
 
@@ -208,3 +209,106 @@ def test_a_word_that_begins_dataset_names_suggests_all_of_them(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     assert main(["replay", "mooncake", "--no-progress"]) == 2
     assert "did you mean mooncake-conversation or mooncake-synthetic?" in capsys.readouterr().err
+
+
+# A machine of 1 GiB: the up-front memory checks refuse what would not fit there.
+ONE_GIB = 2**30
+
+
+@pytest.fixture
+def one_gib_machine(monkeypatch):
+    from pagedkv.commands import _model_options
+
+    monkeypatch.setattr(_model_options, "memory_limit_bytes", lambda: ONE_GIB)
+
+
+def test_memory_limit_is_the_machines_memory_or_less():
+    from pagedkv.commands._model_options import memory_limit_bytes
+
+    limit = memory_limit_bytes()
+    assert limit is None or 0 < limit <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_replay_capacity_larger_than_memory_is_refused_before_the_replay(azure_trace, one_gib_machine,
+                                                                         monkeypatch, capsys):
+    """It used to zero 24 GB of records and get killed by the kernel (--capacity-gib 100000)."""
+    from pagedkv.commands import replay as replay_command
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("a capacity larger than memory was replayed")
+
+    monkeypatch.setattr(replay_command, "replay", no_replay)
+    assert main(["replay", str(azure_trace), "--capacity-gib", "100000", "--no-progress"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("pagedkv replay: argument --capacity-gib: a cache of 4,660,337,777 tokens "
+                              "(291,271,111 pages) takes ")
+    assert err[-1].endswith("more than this machine's 1.0 GiB of memory; give a smaller --capacity-gib")
+    assert main(["replay", str(azure_trace), "--capacity-tokens", "1000000000", "--no-progress"]) == 2
+    assert "argument --capacity-tokens: a cache of 1,000,000,000 tokens" in capsys.readouterr().err
+
+
+def test_replay_memory_error_names_the_option_given(azure_trace, monkeypatch, capsys):
+    from pagedkv.commands import replay as replay_command
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("the records cannot be allocated")
+
+    monkeypatch.setattr(replay_command, "replay", out_of_memory)
+    assert main(["replay", str(azure_trace), "--capacity-gib", "1", "--no-progress"]) == 2
+    assert "pagedkv replay: argument --capacity-gib: a cache of that capacity does not fit in this machine's " \
+           "memory; give a smaller --capacity-gib" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["99999999999", "2147483647"])
+def test_num_pages_past_the_cache_limit_is_a_usage_error(value, capsys):
+    for command in (["generate", "Hi"], ["perplexity", "tinyshakespeare"]):
+        with pytest.raises(SystemExit) as info:
+            main(command + ["--num-pages", value])
+        assert info.value.code == 2
+        assert "argument --num-pages: expected an integer in 1 .. 2,147,483,646" in capsys.readouterr().err
+
+
+@pytest.fixture
+def model_without_loading(smollm2, monkeypatch):
+    from pagedkv.models import LlamaModel
+
+    model, tokenizer = smollm2
+    monkeypatch.setattr(LlamaModel, "from_gguf", classmethod(lambda cls, path=None, **kw: (model, tokenizer)))
+    return model
+
+
+@pytest.mark.parametrize("options, advice", [
+    (["--num-pages", "100000"], "give a smaller --num-pages"),
+    (["--num-pages", "2147483646"], "give a smaller --num-pages"),
+    (["--max-new-tokens", "10000000"], "give a smaller --max-new-tokens, or --window W"),
+    # the needed pages cannot fit: no advice to raise --num-pages to them
+    (["--max-new-tokens", "10000000", "--num-pages", "100"], "give a smaller --max-new-tokens, or --window W"),
+    (["--max-new-tokens", "99999999999"], "is more than a cache's 2,147,483,646 pages"),
+])
+def test_generate_pool_larger_than_memory_is_one_line(options, advice, model_without_loading, one_gib_machine,
+                                                      capsys):
+    assert main(["generate", "Hi", *options]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("pagedkv generate: a float16 pool of ") and advice in err, err
+    assert "Traceback" not in err
+
+
+def test_a_pool_whose_allocation_fails_is_one_line(model_without_loading, monkeypatch, capsys):
+    from pagedkv.models.paged_backend import PagedBackend
+
+    def fails(*args, **kwargs):
+        raise MemoryError("the pool cannot be allocated")
+
+    monkeypatch.setattr(PagedBackend, "for_config", fails)
+    assert main(["generate", "Hi", "--max-new-tokens", "4"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "pagedkv generate: a float16 pool of 1 page of 16 tokens cannot be allocated (the pool cannot be "
+        "allocated); the run may hold up to 1 page at once: give a smaller --max-new-tokens, or --window W to "
+        "keep only the last W tokens of each sequence")
+
+
+def test_perplexity_pool_larger_than_memory_is_one_line(short_text, model_without_loading, one_gib_machine, capsys):
+    assert main(["perplexity", str(short_text), "--num-pages", "100000"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("pagedkv perplexity: a float16 pool of 100,000 pages of 16 tokens takes ")
+    assert err.endswith("give a smaller --num-pages")

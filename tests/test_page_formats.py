@@ -282,7 +282,7 @@ def test_repr_and_stats_name_the_format():
 @pytest.mark.parametrize("kv_dtype", FORMATS)
 def test_replay_capacity_arithmetic_matches_the_pool(kv_dtype):
     """``pagedkv replay --capacity-gib`` sizes the pool from the bytes a KVCache of that format takes."""
-    from pagedkv.commands.replay import kv_bytes_per_token
+    from pagedkv.commands._model_options import kv_bytes_per_token
 
     cache = KVCache(30, 3, 64, 2, page_size=16, kv_dtype=kv_dtype)
     assert kv_bytes_per_token(kv_dtype, 30, 3, 64) * 16 == cache.stats()["bytes_per_page"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -43,9 +44,125 @@ def thread_count(text: str) -> int | str:
     return "auto" if text.strip().lower() == "auto" else int_at_least(text, 1)
 
 
+def counted(count: int, noun: str) -> str:
+    """``count`` (with thousands separators) and ``noun``, plural unless ``count`` is 1 ("1 page", "2,048 tokens")."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (underscores allowed, as in ``4_096``)."""
     return int_at_least(text, 1)
+
+
+# Most pages of a KVCache (its page ids are int32; one is kept free of the range).
+MAX_NUM_PAGES = 2**31 - 2
+# Bytes of the allocator's and the page table's records per page, besides the K/V.
+RECORD_BYTES_PER_PAGE = 48
+
+
+def page_count(text: str) -> int:
+    """argparse type of ``--num-pages``: an integer in 1 .. :data:`MAX_NUM_PAGES`."""
+    value = int_at_least(text, 1)
+    if value > MAX_NUM_PAGES:
+        raise argparse.ArgumentTypeError(f"expected an integer in 1 .. {MAX_NUM_PAGES:,}, got {value:,}")
+    return value
+
+
+def kv_bytes_per_token(kv_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of K and V of one token in every layer, in page format ``kv_dtype`` (scales included).
+
+    Raises ValueError for int8/int4 with ``head_dim > 256`` (their limit in KVCache).
+    """
+    from pagedkv_c._page_store import MAX_QUANTIZED_HEAD_DIM, format_layout
+
+    if kv_dtype in ("int8", "int4") and head_dim > MAX_QUANTIZED_HEAD_DIM:
+        raise ValueError(f"argument --model-shape: {kv_dtype} pages take a head dim <= {MAX_QUANTIZED_HEAD_DIM}, "
+                         f"got {head_dim}")
+    element, row_items = format_layout(kv_dtype, head_dim)
+    return 2 * num_layers * num_kv_heads * row_items * element.itemsize
+
+
+def memory_limit_bytes() -> int | None:
+    """Bytes of memory this process may use: the machine's physical memory, capped by the
+    cgroup v2 limit (``memory.max``) of the process's container; None when neither is known."""
+    limit = None
+    try:
+        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not on this platform
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            text = f.read().strip()
+        if text != "max":
+            limit = int(text) if limit is None else min(limit, int(text))
+    except (OSError, ValueError):
+        pass
+    return limit if limit is None or limit > 0 else None
+
+
+def check_pool_fits(config, num_pages: int, page_size: int, kv_dtype: str, advice: str) -> str:
+    """Check that a model run's pool can be made, before anything is allocated; return its description.
+
+    Parameters
+    ----------
+    config : LlamaConfig
+        The model's shape: ``num_layers``, ``num_kv_heads``, ``head_dim``.
+    num_pages, page_size : int
+        The pool's pages and tokens per page.
+    kv_dtype : str
+        Page format.
+    advice : str
+        The options that shrink the pool, for the message.
+
+    Returns
+    -------
+    str
+        The pool as messages name it (``"a float16 pool of 9 pages of 16 tokens"``).
+
+    Raises
+    ------
+    CommandError
+        The pool has more than :data:`MAX_NUM_PAGES` pages, or its K/V and records take
+        more bytes than :func:`memory_limit_bytes`.
+    """
+    what = f"a {kv_dtype} pool of {counted(num_pages, 'page')} of {counted(page_size, 'token')}"
+    if num_pages > MAX_NUM_PAGES:
+        raise CommandError(f"{what} is more than a cache's {MAX_NUM_PAGES:,} pages; {advice}")
+    try:
+        per_token = kv_bytes_per_token(kv_dtype, config.num_layers, config.num_kv_heads, config.head_dim)
+    except ValueError:  # a format the cache refuses for this head size: it says so itself
+        per_token = 0
+    check_fits_in_memory(num_pages * (page_size * per_token + RECORD_BYTES_PER_PAGE), what, advice)
+    return what
+
+
+def checked_pool(create, config, num_pages: int, page_size: int, kv_dtype: str, advice: str):
+    """``create()`` (the paged cache of a model run) once :func:`check_pool_fits` passes.
+
+    Raises
+    ------
+    CommandError
+        As :func:`check_pool_fits`, or when ``create`` raises MemoryError.
+    """
+    what = check_pool_fits(config, num_pages, page_size, kv_dtype, advice)
+    try:
+        return create()
+    except MemoryError as exc:
+        raise CommandError(f"{what} cannot be allocated ({exc}); {advice}") from exc
+
+
+def check_fits_in_memory(num_bytes: int, what: str, advice: str) -> None:
+    """Raise CommandError when ``num_bytes`` exceed :func:`memory_limit_bytes`.
+
+    Said before anything is allocated: a structure larger than memory would
+    otherwise fail part way, or get the process killed by the kernel once its
+    pages are touched. ``what`` names the structure ("a pool of N pages"),
+    ``advice`` the options that shrink it.
+    """
+    limit = memory_limit_bytes()
+    if limit is not None and num_bytes > limit:
+        raise CommandError(f"{what} takes {format_bytes(num_bytes)}, more than this machine's "
+                           f"{format_bytes(limit)} of memory; {advice}")
 
 
 _TIER_SCHEMES = ("redis://", "rediss://", "redis+cluster://")
@@ -140,7 +257,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "K/V to about 52%% and 28%% of float16's bytes; attention accumulates in float32)")
     parser.add_argument("--page-size", type=positive_int, default=16, metavar="P",
                         help="tokens per page (default 16)")
-    parser.add_argument("--num-pages", type=positive_int, default=None, metavar="N",
+    parser.add_argument("--num-pages", type=page_count, default=None, metavar="N",
                         help="pages in the pool (default: the most the run can hold at once, computed "
                              "from the token counts, the window and the sinks)")
     parser.add_argument("--threads", type=thread_count, default="auto", metavar="N",

@@ -13,7 +13,10 @@ from pagedkv.commands._model_options import (
     add_model_arguments,
     add_window_arguments,
     check_thread_control,
+    check_pool_fits,
     check_window_arguments,
+    checked_pool,
+    counted,
     format_bytes,
     load_model,
     non_negative_float,
@@ -273,17 +276,29 @@ def _generate(args: argparse.Namespace, prompts: list[str], line_numbers: list[i
                                min(len(ids), args.prefill_chunk or len(ids)))
         for ids in prompt_ids
     )
+    shrink = (f"the run may hold up to {counted(needed, 'page')} at once: give a smaller --max-new-tokens"
+              + (", or --window W to keep only the last W tokens of each sequence" if args.window is None
+                 else " or --window"))
+    check_pool_fits(model.config, needed, args.page_size, args.dtype, shrink)
     if args.num_pages is not None and args.num_pages < needed:
         # Running out of pages would only show mid-generation, after part of the output.
         args.parser.error(f"argument --num-pages: the run may hold up to {needed} pages of {args.page_size} "
                           f"tokens at once, got {args.num_pages}; omit it or give at least {needed}")
     num_pages = args.num_pages or needed
-    tier = _make_tier(args) if args.tier is not None else None
-    backend = PagedBackend.for_config(
-        model.config, num_pages, page_size=args.page_size, dtype=args.dtype,
-        window=args.window, sink_tokens=args.sinks, num_threads=args.threads, positions=args.positions,
-        enable_prefix_caching=tier is not None, tier=tier,
-    )
+    advice = "give a smaller --num-pages" if args.num_pages is not None else shrink
+    tier = None
+
+    def make_backend():
+        """The tier (connected only once the pool is known to fit) and the backend over it."""
+        nonlocal tier
+        tier = _make_tier(args) if args.tier is not None else None
+        return PagedBackend.for_config(
+            model.config, num_pages, page_size=args.page_size, dtype=args.dtype,
+            window=args.window, sink_tokens=args.sinks, num_threads=args.threads, positions=args.positions,
+            enable_prefix_caching=tier is not None, tier=tier,
+        )
+
+    backend = checked_pool(make_backend, model.config, num_pages, args.page_size, args.dtype, advice)
     metrics.attach(backend.cache)
 
     streams = [TextStream(tokenizer) for _ in prompts]
@@ -389,10 +404,6 @@ def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int)
         """Print one line of the report to stderr."""
         print(text, file=sys.stderr)
 
-    def counted(count: int, noun: str) -> str:
-        """``count`` and ``noun``, plural unless ``count`` is 1 ("1 token", "2 pages")."""
-        return f"{count} {noun}{'' if count == 1 else 's'}"
-
     if result.num_cached_tokens:  # a rate over reused tokens would flatter the prefill
         # with reused tokens the prompt has at least 2: its last token is always computed
         line(f"prefill: {result.num_prompt_tokens} prompt tokens in {result.prefill_seconds:.2f} s: "
@@ -410,7 +421,7 @@ def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int)
             final = backend.cache.stats()
             line(f"tier: {counted(final['tier_pages_written'], 'page')} written ({final['tier_pages_existing']} already "
                  f"there, {final['tier_dropped_writes']} dropped, {final['tier_write_errors']} failed), "
-                 f"{final['tier_hit_pages']} pages read, {final['tier_fetch_errors']} fetch errors")
+                 f"{counted(final['tier_hit_pages'], 'page')} read, {counted(final['tier_fetch_errors'], 'fetch error')}")
     if result.num_decode_tokens:
         line(f"decode: {counted(result.num_decode_tokens, 'token')} in {result.decode_seconds:.2f} s "
              f"({result.decode_tokens_per_second:.1f} tokens/s, batch of {batch_size})")
@@ -420,7 +431,7 @@ def _print_report(result, stats: dict, backend, num_pages: int, batch_size: int)
     window = "full attention" if backend.window is None else (
         f"window {backend.window} tokens" + (f" + {backend.sink_tokens} sinks" if backend.sink_tokens else "")
         + (", cache positions" if backend.positions == "cache" else ""))
-    line(f"cache: {backend.kv_dtype} pool of {num_pages} pages x {backend.page_size} tokens "
+    line(f"cache: {backend.kv_dtype} pool of {counted(num_pages, 'page')} x {backend.page_size} tokens "
          f"({format_bytes(num_pages * per_page)}), {window}")
     line(f"pages in use {stats['pages_in_use']} ({format_bytes(stats['bytes_in_use'])}), "
          f"peak {stats['pages_peak']} ({format_bytes(stats['pages_peak'] * per_page)}), "

@@ -17,6 +17,7 @@ from pagedkv.commands._model_options import (
     CommandError,
     add_model_arguments,
     add_window_arguments,
+    check_pool_fits,
     check_thread_control,
     check_window_arguments,
     format_bytes,
@@ -502,21 +503,24 @@ def _run(args: argparse.Namespace) -> int:
     if num_tokens < args.tokens:
         print(f"pagedkv perplexity: {args.file!r} holds {num_tokens:,} tokens, fewer than --tokens "
               f"{args.tokens:,}: scoring all of them", file=sys.stderr)
-    if args.num_pages is not None:
-        # Every setting is checked before the first is scored (which may take minutes).
-        for setting in settings:
-            needed = pages_needed(num_tokens, setting, args.page_size)
-            if args.num_pages < needed:
-                args.parser.error(f"argument --num-pages: {setting.label} needs {needed} pages of {args.page_size} "
-                                  f"tokens for {num_tokens} tokens, got {args.num_pages}; "
-                                  f"omit it or give at least {needed}")
+    # Every setting is checked before the first is scored (which may take minutes).
+    for setting in settings:
+        needed = pages_needed(num_tokens, setting, args.page_size)
+        pages = args.num_pages or needed
+        check_pool_fits(model.config, pages, args.page_size, setting.kv_dtype or args.dtype,
+                        "give a smaller --num-pages" if args.num_pages is not None else
+                        f"{setting.label} holds up to {needed:,} pages: give a smaller --tokens or a --window")
+        if args.num_pages is not None and args.num_pages < needed:
+            args.parser.error(f"argument --num-pages: {setting.label} needs {needed} pages of {args.page_size} "
+                              f"tokens for {num_tokens} tokens, got {args.num_pages}; "
+                              f"omit it or give at least {needed}")
     if args.plot and len(segment_bounds(num_tokens, args.segment_tokens)) == 1:
         # Said before the scoring (minutes), so a user can stop and ask for more segments.
         print(f"note: {num_tokens} tokens make a single {args.segment_tokens}-token segment, so --plot draws "
               f"one point per setting; for a curve give --tokens above {args.segment_tokens} or a smaller "
               "--segment-tokens", file=sys.stderr)
-    steps = f"{num_tokens - 1} decode step{'s' if num_tokens > 2 else ''}"
-    print(f"scoring {num_tokens} tokens of {args.file} ({steps} per setting), "
+    steps = f"{num_tokens - 1:,} decode step{'s' if num_tokens > 2 else ''}"
+    print(f"scoring {num_tokens:,} tokens of {args.file} ({steps} per setting), "
           f"{args.dtype} cache, page size {args.page_size}", file=sys.stderr)
     results = []
     with blas_threads(args.threads):
@@ -528,6 +532,10 @@ def _run(args: argparse.Namespace) -> int:
             except OutOfPagesError as exc:
                 raise CommandError(f"{setting.label}: the pool of {args.num_pages} pages ran out ({exc}); "
                                    "omit --num-pages to size it from the text") from exc
+            except MemoryError as exc:
+                raise CommandError(f"{setting.label}: the pool cannot be allocated ({exc}); "
+                                   + ("give a smaller --num-pages" if args.num_pages is not None
+                                      else "give a smaller --tokens or a --window")) from exc
             results.append(result)
             s = result.stats
             print(f"{setting.label}: perplexity {result.perplexity:.4f} (mean NLL {result.nll.mean():.4f} nats) "

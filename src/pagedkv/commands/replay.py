@@ -7,7 +7,15 @@ import sys
 from pathlib import Path
 
 from pagedkv.commands._metrics_options import RunMetrics, add_metrics_arguments
-from pagedkv.commands._model_options import DTYPES, CommandError, integer, positive_int, tier_url
+from pagedkv.commands._model_options import (
+    DTYPES,
+    CommandError,
+    check_fits_in_memory,
+    integer,
+    kv_bytes_per_token,
+    positive_int,
+    tier_url,
+)
 from pagedkv.commands._paths import dataset_or_path, not_a_dataset_hint, plot_file
 from pagedkv.replay import MAX_PAGES, MAX_PREFIX_PAGES, PREFIX_HASHES, ReplayResult, capacity_pages, replay
 from pagedkv.data import DataError
@@ -122,20 +130,6 @@ def _model_shape(text: str) -> tuple[int, int, int]:
     return shape
 
 
-def kv_bytes_per_token(kv_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-    """Bytes of K and V of one token in every layer, in page format ``kv_dtype`` (scales included).
-
-    Raises ValueError for int8/int4 with ``head_dim > 256`` (their limit in KVCache).
-    """
-    from pagedkv_c._page_store import MAX_QUANTIZED_HEAD_DIM, format_layout
-
-    if kv_dtype in ("int8", "int4") and head_dim > MAX_QUANTIZED_HEAD_DIM:
-        raise ValueError(f"argument --model-shape: {kv_dtype} pages take a head dim <= {MAX_QUANTIZED_HEAD_DIM}, "
-                         f"got {head_dim}")
-    element, row_items = format_layout(kv_dtype, head_dim)
-    return 2 * num_layers * num_kv_heads * row_items * element.itemsize
-
-
 def _format_row(result: ReplayResult) -> list[str]:
     hit = f"{100 * result.hit_rate:.2f}%" if result.prefix_caching else "-"
     replayed = result.num_rejected < result.num_requests  # all rejected: nothing ran, a rate would mean nothing
@@ -184,10 +178,41 @@ def plot_hit_rate(results: list[ReplayResult], path: str, title: str) -> None:
     figure.savefig(path)
 
 
-def _too_large(exc: MemoryError) -> str:
+# Bytes of a replay cache (no K/V) per page: the allocator's records and queue, and with
+# prefix caching the page records, the tokens of each page and 4 to 8 index slots.
+REPLAY_BYTES_PER_PAGE = 48
+PREFIX_BYTES_PER_PAGE = 96
+# Caches that share a --tier when --instances is not given.
+DEFAULT_INSTANCES = 4
+
+
+def _capacity_option(args: argparse.Namespace) -> str:
+    """The option that set the capacities, as messages name it."""
+    return "--capacity-gib" if args.capacity_gib is not None else "--capacity-tokens"
+
+
+def _too_large(args: argparse.Namespace, exc: MemoryError) -> str:
     """The message for a capacity whose page records (and prefix index) do not fit in this machine's memory."""
-    return (f"pagedkv replay: argument --capacity-tokens: a cache of that capacity does not fit in this "
-            f"machine's memory; give a smaller --capacity-tokens (the cache: {exc})")
+    option = _capacity_option(args)
+    return (f"pagedkv replay: argument {option}: a cache of that capacity does not fit in this "
+            f"machine's memory; give a smaller {option} (the cache: {exc})")
+
+
+def _check_capacities_fit(args: argparse.Namespace, capacities: list[int], prefix_caching: bool) -> None:
+    """Raise CommandError for a capacity whose cache takes more than this machine's memory.
+
+    Checked before the trace is replayed: the records are zeroed when the cache is
+    made, so a cache larger than memory gets the process killed rather than refused.
+    """
+    per_page = REPLAY_BYTES_PER_PAGE + (PREFIX_BYTES_PER_PAGE + 4 * args.page_size if prefix_caching else 0)
+    copies = (args.instances or DEFAULT_INSTANCES) if args.tier is not None else 1  # one cache per instance
+    option = _capacity_option(args)
+    for capacity in capacities:
+        pages = capacity // args.page_size
+        what = f"argument {option}: a cache of {capacity:,} tokens ({pages:,} pages)"
+        if copies > 1:
+            what += f" in each of {copies} instances"
+        check_fits_in_memory(copies * pages * per_page, what, f"give a smaller {option}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -252,6 +277,11 @@ def run(args: argparse.Namespace) -> int:
                              f"{trace.block_tokens}, got {args.page_size}")
     except ValueError as exc:
         args.parser.error(str(exc))  # usage and "error: argument ...", as argparse's own checks print
+    try:
+        _check_capacities_fit(args, capacities, trace.has_block_ids)
+    except CommandError as exc:
+        print(f"pagedkv replay: {exc}", file=sys.stderr)
+        return 2
     if args.kv_events_replay and not args.kv_events:
         print("pagedkv replay: --kv-events-replay needs --kv-events", file=sys.stderr)
         return 2
@@ -269,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             return _run_shared(args, trace, capacities, progress_bar)
         except MemoryError as exc:  # a capacity in range whose page records this machine cannot hold
-            print(_too_large(exc), file=sys.stderr)
+            print(_too_large(args, exc), file=sys.stderr)
             return 2
     publishers: list = []
     attach_publisher = None
@@ -292,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         results = _replay_all(args, trace, capacities, progress_bar, metrics, attach_publisher)
     except MemoryError as exc:  # a capacity in range whose page records this machine cannot hold
-        print(_too_large(exc), file=sys.stderr)
+        print(_too_large(args, exc), file=sys.stderr)
         return 2
     except OSError as exc:
         if not args.kv_events or isinstance(exc, BrokenPipeError):
@@ -379,7 +409,7 @@ def _run_shared(args: argparse.Namespace, trace, capacities, progress_bar=None) 
     except (TypeError, ValueError) as exc:
         print(f"pagedkv replay: --tier: {exc}", file=sys.stderr)
         return 2
-    n = args.instances if args.instances is not None else 4
+    n = args.instances if args.instances is not None else DEFAULT_INSTANCES
     print(f"{trace.format} trace {args.trace}: {len(trace):,} requests dealt round-robin over {n} instances; "
           f"page size {args.page_size}. Requests are served in file order, each one's tier writes landing "
           f"before the next starts. The tier stores page headers only: a replay has no K/V bytes. "

@@ -5,6 +5,8 @@ import argparse
 import sys
 from collections import Counter
 
+from pagedkv.commands._model_options import counted
+
 DESCRIPTION = """\
 Look at what a shared prefix tier holds before trusting it: `info` scans the server (every
 node of a cluster) for pagedkv's page keys (pagedkv:<namespace digest>:<page hash>) and
@@ -13,10 +15,11 @@ from one page's header. A namespace digest covers a model fingerprint and a cach
 (see docs/tier.md); with --namespace NS the digest that NS gives for that layout is marked,
 so a wrong URL or namespace shows as pages missing from the line you expected.
 
-    pagedkv tier info redis://127.0.0.1:6379/0 --namespace smollm2-135m-instruct
+    pagedkv tier info redis://127.0.0.1:6379/0 --namespace NS
     pagedkv tier info redis+cluster://127.0.0.1:30001,127.0.0.1:30002,127.0.0.1:30003
 
-`pagedkv generate --tier URL` prints its URL and namespace at start.
+`pagedkv generate --tier URL` prints its URL, its namespace (by default gguf-sha256:<the
+SHA-256 of the GGUF file>, see --model-fingerprint) and the `tier info` command that marks it.
 """
 
 #: Keys fetched per round trip (SCAN COUNT, and STRLEN / GETRANGE pipelines).
@@ -100,8 +103,7 @@ def tier_info(url: str, namespaces: list[str], timeout: float, out=None) -> int:
                 pages[digest] += 1
                 value_bytes[digest] += int(size)
                 first_key.setdefault(digest, (node, key))
-    print(f"tier {url}: {sum(pages.values())} pages in {len(pages)} namespace"
-          f"{'' if len(pages) == 1 else 's'}", file=out)
+    print(f"tier {url}: {counted(sum(pages.values()), 'page')} in {counted(len(pages), 'namespace')}", file=out)
     marked = set()
     for digest in sorted(pages, key=lambda d: -pages[d]):
         node, key = first_key[digest]
@@ -111,7 +113,7 @@ def tier_info(url: str, namespaces: list[str], timeout: float, out=None) -> int:
                 if layout is not None and layout.key_prefix(ns) == b"pagedkv:" + digest + b":"]
         marked.update(mine)
         note = "".join(f"  <- namespace {ns!r}" for ns in mine)
-        print(f"  pagedkv:{digest.decode()}:  {pages[digest]} pages, {_format_bytes(value_bytes[digest])}, "
+        print(f"  pagedkv:{digest.decode()}:  {counted(pages[digest], 'page')}, {_format_bytes(value_bytes[digest])}, "
               f"{described}{note}", file=out)
     for ns in namespaces:
         if ns not in marked:
