@@ -195,7 +195,9 @@ def test_import_pagedkv_does_not_import_redis():
 
 @pytest.mark.parametrize("url, error", [
     ("http://127.0.0.1:6379", ValueError), ("redis+cluster://", ValueError),
-    ("redis+cluster://127.0.0.1:notaport", ValueError), (6379, TypeError)])
+    ("redis+cluster://127.0.0.1:notaport", ValueError), (6379, TypeError),
+    ("redis://127.0.0.1:6379/abc", ValueError), ("redis://127.0.0.1:6379/-1", ValueError),
+    ("redis+cluster://127.0.0.1:7000/3", ValueError)])
 def test_bad_urls_raise_before_connecting(url, error):
     with pytest.raises(error, match="url_or_client"):
         RedisTier(url, namespace="m")
@@ -253,6 +255,36 @@ def test_two_processes_share_pages_through_a_cluster(cluster, tmp_path):
     for name in b_bytes.files:
         assert np.array_equal(b_bytes[name], a_bytes[name][:b["cached"]])
     assert b["stats"]["tier_checksum_failures"] == 0 and b["stats"]["tier_fetch_errors"] == 0
+
+
+def _tier_clients(url, client_name):
+    """Connections the server at ``url`` holds for clients named ``client_name``."""
+    import redis
+
+    with redis.Redis.from_url(url) as admin:
+        return [c for c in admin.client_list() if c.get("name") == client_name]
+
+
+def test_close_closes_the_connections_a_tier_opened(standalone):
+    """A tier made from a URL leaves no socket open after close(); a later fetch opens a new one."""
+    name = f"tier-{uuid.uuid4().hex[:8]}"
+    ns = namespace()
+    prompt = worker.make_prompt(3, 40)
+    offload_prompt(standalone, ns, prompt)
+    tier = RedisTier(f"{standalone}?client_name={name}", namespace=ns)
+    cache = KVCache(num_pages=64, enable_prefix_caching=True, tier=tier, **worker.LAYOUT)
+    assert cache.add_sequence(0, prompt) > 0
+    assert len(_tier_clients(standalone, name)) >= 1
+    tier.close()
+    deadline = time.monotonic() + 5
+    while _tier_clients(standalone, name) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the server notices a closed socket on its next event loop turn
+    assert _tier_clients(standalone, name) == []
+    assert cache.add_sequence(1, prompt) > 0  # served from the local prefix cache
+    other = KVCache(num_pages=64, enable_prefix_caching=True, tier=tier, **worker.LAYOUT)
+    assert other.add_sequence(0, prompt) > 0  # fetched again through a new connection
+    assert worker.served_rows_are_right(other, 0, prompt)
+    tier.close()
 
 
 def test_local_hits_first_then_the_tier(standalone):

@@ -405,9 +405,16 @@ def _connect(url_or_client, timeout_seconds):
         raise TypeError(f"Invalid type of url_or_client: {expected}, got {type(url_or_client).__name__}")
     timeouts = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
     scheme, _, rest = url_or_client.partition("://")
+    database = rest.partition("?")[0].partition("/")[2]
     if scheme in ("redis", "rediss") and rest:
+        if database and not (database.isascii() and database.isdigit()):
+            raise ValueError(f"Invalid value of url_or_client: the database of {url_or_client!r} is {database!r}; "
+                             f"expected /DB with DB a number >= 0, or none (database 0)")
         return redis.Redis.from_url(url_or_client, retry=Retry(NoBackoff(), 1), **timeouts), False
     if scheme == "redis+cluster" and rest:
+        if database not in ("", "0"):
+            raise ValueError(f"Invalid value of url_or_client: the database of {url_or_client!r} is {database!r}; "
+                             "a Redis Cluster has database 0 only (give /0 or none)")
         nodes = []
         for address in rest.split("/")[0].split(","):
             parsed = urllib.parse.urlsplit("//" + address)
@@ -557,6 +564,7 @@ class RedisTier:
         max_inflight_bytes = checked_int(max_inflight_bytes, "max_inflight_bytes", 1, 2**63 - 1)
         timeout_seconds = checked_seconds(timeout_seconds, "timeout_seconds", high=_MAX_TIMEOUT)
         client, self.is_cluster = _connect(url_or_client, timeout_seconds)
+        self._owns_client = isinstance(url_or_client, str)  # close() closes only connections it opened
         self.timeout_seconds = timeout_seconds
         self._client_or_factory = client
         self._client_lock = threading.Lock()
@@ -643,8 +651,10 @@ class RedisTier:
         """Write what is queued (waiting at most ``timeout`` seconds), stop the writer thread.
 
         Pages sealed later are not written (they wait in their cache's log
-        until it is full); fetches still work. ``timeout`` is as in
-        :meth:`flush` (None waits as long as it takes).
+        until it is full); fetches still work. A tier made from a URL then
+        closes its sockets (a later fetch opens new ones); a client passed in
+        is left as it is. ``timeout`` is as in :meth:`flush` (None waits as
+        long as it takes).
         """
         if timeout is not None:
             timeout = checked_seconds(timeout, "timeout", low_inclusive=True)
@@ -654,6 +664,23 @@ class RedisTier:
             writer = self._writer
         if writer is not None:
             writer.join(timeout)
+        if self._owns_client:
+            self._disconnect()
+
+    def _disconnect(self):
+        """Close the sockets of the client this tier made from its URL (a later fetch opens new ones)."""
+        with self._client_lock:
+            client = self._client_or_factory
+        try:
+            if isinstance(client, RedisCluster):
+                for node in client.get_nodes():
+                    if node.redis_connection is not None:
+                        node.redis_connection.connection_pool.disconnect()
+            elif isinstance(client, redis.Redis):
+                client.connection_pool.disconnect()
+            # else: a cluster client never made, nothing connected
+        except (redis.RedisError, OSError) as exc:  # closing sockets of a server that is gone
+            log.debug("RedisTier.close: %s", exc)
 
     def __repr__(self):
         kind = "cluster" if self.is_cluster else "standalone"
