@@ -228,3 +228,12 @@ def test_tests_find_data_where_data_fetch_puts_it(tmp_path, monkeypatch):
         tmp_path / "fetched" / "AzureLLMInferenceTrace_conv.csv")
     with pytest.raises(pytest.skip.Exception, match="not published"):
         _llama_support.data_file_or_skip(_llama_support.REFERENCE_NAME)
+
+
+def test_a_data_directory_that_is_a_file_is_named_as_such(tmp_path, fake_dataset, monkeypatch, capsys):
+    not_a_dir = tmp_path / "data"
+    not_a_dir.write_text("a file", encoding="utf-8")
+    monkeypatch.setenv(data.DATA_DIR_ENV, str(not_a_dir))
+    assert main(["data", "fetch", "tiny"]) != 0
+    err = capsys.readouterr().err
+    assert f"the data directory {not_a_dir} is a file, not a directory (set {data.DATA_DIR_ENV}" in err

@@ -183,3 +183,13 @@ def test_empty_mooncake_file_and_bad_arguments(tmp_path):
         load_mooncake(path, block_tokens=0)
     with pytest.raises(FileNotFoundError):
         load_trace(tmp_path / "missing.jsonl")
+
+
+def test_a_long_first_line_is_quoted_shortened(tmp_path):
+    """A Mooncake file read as Azure: the message quotes the start of its first line, not all of it."""
+    line = '{"timestamp": 0, "input_length": 6758, "hash_ids": [' + ", ".join(map(str, range(400))) + "]}\n"
+    with pytest.raises(TraceFormatError) as info:
+        load_azure(write(tmp_path, "t.csv", line))
+    message = str(info.value)
+    assert "invalid header" in message and '{"timestamp": 0' in message and "..." in message
+    assert len(message) < 300

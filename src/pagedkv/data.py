@@ -253,6 +253,9 @@ def fetch(
             notify(f"{destination} failed its check (SHA-256 {actual}, expected {dataset.sha256}): the copy "
                    f"is damaged or not the published one; downloading {name} again")
     source = url or dataset.url
+    if destination.parent.exists() and not destination.parent.is_dir():
+        raise DataError(f"the data directory {destination.parent} is a file, not a directory "
+                        f"(set {DATA_DIR_ENV} to a directory)")
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -193,6 +193,11 @@ def load_trace(path: str | Path, format: str | None = None, limit: int | None = 
     raise ValueError(f"Invalid value of format: expected one of {FORMATS}, got {format!r}")
 
 
+def _shortened(text: str, limit: int = 80) -> str:
+    """``text``, cut to ``limit`` characters with an ellipsis: a message quotes the start of a long line."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _check_limit(limit) -> None:
     if limit is not None:
         checked_int(limit, "limit", 1, 2**63 - 1)
@@ -294,7 +299,8 @@ def load_mooncake(path: str | Path, limit: int | None = None,
             output_length = _int_field(record, "output_length", 0, where)
             hash_ids = record["hash_ids"]
             if not isinstance(hash_ids, list):
-                raise TraceFormatError(f"{where}: invalid hash_ids: expected a list of integers, got {hash_ids!r}")
+                raise TraceFormatError(f"{where}: invalid hash_ids: expected a list of integers, "
+                                       f"got {_shortened(repr(hash_ids))}")
             expected = -(-input_length // block_tokens)
             if len(hash_ids) != expected:
                 raise TraceFormatError(
@@ -390,7 +396,7 @@ def load_azure(path: str | Path, limit: int | None = None) -> Trace:
         if missing:
             raise TraceFormatError(
                 f"{path}:1: invalid header: expected the columns {', '.join(_AZURE_COLUMNS)}, "
-                f"got {', '.join(header) or 'an empty file'} (missing {', '.join(missing)})"
+                f"got {_shortened(', '.join(header)) or 'an empty file'} (missing {', '.join(missing)})"
             )
         for row in reader:
             if limit is not None and len(inputs) >= limit:
