@@ -107,8 +107,8 @@ def test_arguments_the_fast_checks_refuse_take_the_general_path():
 ])
 def test_bad_arguments_raise_the_general_paths_errors(change, error, match):
     cache = _cache()
-    args = dict(q=np.zeros((3, 4, 32), dtype=np.float32), pages=cache.kv[0], window=None, scale=0.25, threads=1,
-                out=None)
+    args = {"q": np.zeros((3, 4, 32), dtype=np.float32), "pages": cache.kv[0], "window": None, "scale": 0.25,
+            "threads": 1, "out": None}
     change(args)
     with pytest.raises(error, match=match):
         _attention.decode_step(args["q"], args["pages"], _table(cache, SEQS), args["window"], args["scale"],
