@@ -61,6 +61,21 @@ def test_tier_info_refuses_a_url_that_is_not_redis(capsys):
     assert "argument URL: expected redis://HOST:PORT/DB, rediss://... or redis+cluster://" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("url, reason", [
+    ("redis://127.0.0.1:6379/abc", "(the database of 'redis://127.0.0.1:6379/abc' is 'abc'; expected /DB with DB a "
+                                   "number >= 0, or none (database 0))"),
+    ("redis+cluster://127.0.0.1:7000/3", "a Redis Cluster has database 0 only (give /0 or none))"),
+    ("redis+cluster://127.0.0.1:x", "(bad node address '127.0.0.1:x' in 'redis+cluster://127.0.0.1:x')"),
+])
+def test_tier_info_says_what_is_wrong_with_a_url(url, reason, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["tier", "info", url])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument URL: expected redis://HOST:PORT/DB, rediss://... or redis+cluster://HOST:PORT[,HOST:PORT...], " \
+           f"got {url!r} " in err and err.rstrip().endswith(reason), err
+
+
 def test_tier_info_on_one_cluster_node_says_the_counts_are_its_share(cluster, capsys):
     node = cluster.nodes[0]
     assert main(["tier", "info", f"redis://{node}/0"]) == 0

@@ -167,9 +167,12 @@ def run(args: argparse.Namespace) -> int:
         args.info_parser.error(f"argument --timeout: expected a number > 0, got {args.timeout}")
     try:
         tier_info(args.url, args.namespace, args.timeout)
-    except ValueError:
+    except ValueError as exc:
+        # the client's reason (a bad port, database or node address) after the forms it takes
+        reason = str(exc).split(": ", 1)[-1] if str(exc).startswith("Invalid value of url_or_client") else str(exc)
+        reason = reason.split("; expected redis://")[0]  # the forms are said once, before it
         args.info_parser.error(f"argument URL: expected redis://HOST:PORT/DB, rediss://... or "
-                               f"redis+cluster://HOST:PORT[,HOST:PORT...], got {args.url!r}")
+                               f"redis+cluster://HOST:PORT[,HOST:PORT...], got {args.url!r} ({reason})")
     except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
         # RedisClusterException (a cluster none of whose nodes answers) is not a RedisError
         print(f"pagedkv tier: cannot read {args.url}: {exc}", file=sys.stderr)
