@@ -242,7 +242,8 @@ def test_replay_capacity_larger_than_memory_is_refused_before_the_replay(azure_t
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("pagedkv replay: argument --capacity-gib: a cache of 4,660,337,777 tokens "
                               "(291,271,111 pages) takes ")
-    assert err[-1].endswith("more than this machine's 1.0 GiB of memory; give a smaller --capacity-gib")
+    assert err[-1].endswith("more than this machine's 1.0 GiB of memory; give a smaller --capacity-gib "
+                            "(about 357,913,936 tokens fit)")
     assert main(["replay", str(azure_trace), "--capacity-tokens", "1000000000", "--no-progress"]) == 2
     assert "argument --capacity-tokens: a cache of 1,000,000,000 tokens" in capsys.readouterr().err
 
@@ -312,3 +313,42 @@ def test_perplexity_pool_larger_than_memory_is_one_line(short_text, model_withou
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith("pagedkv perplexity: a float16 pool of 100,000 pages of 16 tokens takes ")
     assert err.endswith("give a smaller --num-pages")
+
+
+@pytest.mark.parametrize("command, option, value, bound", [
+    (["generate", "Hi"], "--page-size", "99999999999", "1 .. 1,048,576"),
+    (["replay", "mooncake-conversation"], "--page-size", "2147483647", "1 .. 1,048,576"),
+    (["generate", "Hi"], "--threads", "99999999999", "1 .. 1,024"),
+    (["replay", "mooncake-conversation"], "--block-tokens", "99999999999", "1 .. 2,147,483,647"),
+])
+def test_options_past_their_limit_are_usage_errors(command, option, value, bound, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(command + [option, value])
+    assert info.value.code == 2
+    assert f"argument {option}: expected an integer in {bound}, got {int(value):,}" in capsys.readouterr().err
+
+
+def test_replay_capacity_errors_name_the_option_given(azure_trace, one_gib_machine, capsys):
+    with pytest.raises(SystemExit):
+        main(["replay", str(azure_trace), "--capacity-gib", "99999999999", "--no-progress"])
+    err = capsys.readouterr().err
+    assert "argument --capacity-gib: expected 16 <= N <= 34,359,738,336 tokens" in err
+    assert "got 1e+11 GiB = " in err
+    # the memory message suggests a capacity that fits, and names --instances with a tier
+    assert main(["replay", str(azure_trace), "--capacity-tokens", "1000000000", "--no-progress"]) == 2
+    assert "give a smaller --capacity-tokens (about 357,913,936 tokens fit)" in capsys.readouterr().err
+
+
+def test_replay_instances_share_the_blame_for_memory(tmp_path, one_gib_machine, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1, 2]}\n')
+    assert main(["replay", str(trace), "--tier", "redis://127.0.0.1:1/0", "--instances", "1000000",
+                 "--capacity-tokens", "100000", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "in each of 1,000,000 instances takes " in err and "give a smaller --capacity-tokens or --instances" in err
+
+
+def test_generate_page_larger_than_any_sequence_says_page_size(model_without_loading, one_gib_machine, capsys):
+    assert main(["generate", "Hi", "--page-size", "1048576", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert "give a smaller --page-size: a page of 1,048,576 tokens is larger than the longest sequence" in err

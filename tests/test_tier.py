@@ -187,6 +187,14 @@ def fresh_cache(url, ns, tier_kwargs=None, **layout):
 
 
 # ------------------------------------------------------------------ construction
+def test_redis_tier_without_redis_py_names_the_extra():
+    code = "import sys; sys.modules['redis'] = None\nfrom pagedkv.tiers import RedisTier"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert ('ImportError: pagedkv.tiers.RedisTier needs redis-py, which is not installed: pip install '
+            '"pagedkv[redis]" (from a checkout: pip install ".[redis]")') in out.stderr
+
+
 def test_import_pagedkv_does_not_import_redis():
     code = "import sys, pagedkv, pagedkv.tiers; print('redis' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -197,7 +205,9 @@ def test_import_pagedkv_does_not_import_redis():
     ("http://127.0.0.1:6379", ValueError), ("redis+cluster://", ValueError),
     ("redis+cluster://127.0.0.1:notaport", ValueError), (6379, TypeError),
     ("redis://127.0.0.1:6379/abc", ValueError), ("redis://127.0.0.1:6379/-1", ValueError),
-    ("redis+cluster://127.0.0.1:7000/3", ValueError)])
+    ("redis+cluster://127.0.0.1:7000/3", ValueError), ("redis://127.0.0.1:6379/2147483648", ValueError),
+    ("redis://127.0.0.1:6379/0?foo=bar", ValueError), ("redis://127.0.0.1:6379/0?db=3", ValueError),
+    ("redis+cluster://127.0.0.1:7000?x=1", ValueError)])
 def test_bad_urls_raise_before_connecting(url, error):
     with pytest.raises(error, match="url_or_client"):
         RedisTier(url, namespace="m")

@@ -61,9 +61,18 @@ def test_tier_info_refuses_a_url_that_is_not_redis(capsys):
     assert "argument URL: expected redis://HOST:PORT/DB, rediss://... or redis+cluster://" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("timeout", ["inf", "0", "-1", "99999999999", "nan"])
+def test_tier_info_timeout_out_of_range_is_a_usage_error(timeout, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["tier", "info", "redis://127.0.0.1:6379/0", "--timeout", timeout])
+    assert exc.value.code == 2
+    assert "argument --timeout: expected a number of seconds in (0, 86400]" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("url, reason", [
     ("redis://127.0.0.1:6379/abc", "(the database of 'redis://127.0.0.1:6379/abc' is 'abc'; expected /DB with DB a "
-                                   "number >= 0, or none (database 0))"),
+                                   "number in 0 .. 2147483647 (the server's own limit, 16 databases by default, "
+                                   "may be lower), or none (database 0))"),
     ("redis+cluster://127.0.0.1:7000/3", "a Redis Cluster has database 0 only (give /0 or none))"),
     ("redis+cluster://127.0.0.1:x", "(bad node address '127.0.0.1:x' in 'redis+cluster://127.0.0.1:x')"),
 ])

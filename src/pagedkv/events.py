@@ -59,7 +59,8 @@ from collections import deque
 try:
     import zmq
 except ImportError as exc:  # pragma: no cover - exercised without the extra
-    raise ImportError("pagedkv.events needs pyzmq: pip install \"pagedkv[events]\"") from exc
+    raise ImportError('pagedkv.events needs pyzmq: pip install "pagedkv[events]" (from a checkout: '
+                      'pip install ".[events]")') from exc
 
 from pagedkv_c._checks import checked_flag, checked_int, checked_seconds
 from pagedkv_c._kv_events import EncodedBatch, KVEvents, PayloadArena, _EncodeOptions

@@ -33,7 +33,7 @@ from pagedkv_c._kv_cache import PREFIX_HIT_BUCKETS, KVCache
 
 __all__ = ["Collector", "exposition_text"]
 
-INSTALL_HINT = 'pip install "pagedkv[metrics]"'
+INSTALL_HINT = 'pip install "pagedkv[metrics]" (from a checkout: pip install ".[metrics]")'
 _NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 

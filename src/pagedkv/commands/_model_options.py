@@ -39,9 +39,28 @@ def integer(text: str) -> int:
     return int_at_least(text, None)
 
 
+# Most threads --threads takes (the attention kernels' limit).
+MAX_THREADS = 1024
+# Largest page of a KVCache, in tokens.
+MAX_PAGE_SIZE = 2**20
+
+
+def int_in_range(text: str, low: int, high: int) -> int:
+    """argparse type body: ``text`` as an integer in ``low .. high`` (underscores allowed), else ArgumentTypeError."""
+    value = int_at_least(text, low)
+    if value > high:
+        raise argparse.ArgumentTypeError(f"expected an integer in {low:,} .. {high:,}, got {value:,}")
+    return value
+
+
 def thread_count(text: str) -> int | str:
-    """argparse type of ``--threads``: ``auto`` or an integer >= 1."""
-    return "auto" if text.strip().lower() == "auto" else int_at_least(text, 1)
+    """argparse type of ``--threads``: ``auto`` or an integer in 1 .. :data:`MAX_THREADS`."""
+    return "auto" if text.strip().lower() == "auto" else int_in_range(text, 1, MAX_THREADS)
+
+
+def page_size_tokens(text: str) -> int:
+    """argparse type of ``--page-size``: tokens per page, 1 .. :data:`MAX_PAGE_SIZE` (a KVCache's largest)."""
+    return int_in_range(text, 1, MAX_PAGE_SIZE)
 
 
 def counted(count: int, noun: str) -> str:
@@ -62,10 +81,7 @@ RECORD_BYTES_PER_PAGE = 48
 
 def page_count(text: str) -> int:
     """argparse type of ``--num-pages``: an integer in 1 .. :data:`MAX_NUM_PAGES`."""
-    value = int_at_least(text, 1)
-    if value > MAX_NUM_PAGES:
-        raise argparse.ArgumentTypeError(f"expected an integer in 1 .. {MAX_NUM_PAGES:,}, got {value:,}")
-    return value
+    return int_in_range(text, 1, MAX_NUM_PAGES)
 
 
 def kv_bytes_per_token(kv_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
@@ -255,8 +271,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", "--dtype", dest="dtype", choices=DTYPES, default="float16",
                         help="page format of the KV cache (default float16; bfloat16; int8 and int4 quantize "
                              "K/V to about 52%% and 28%% of float16's bytes; attention accumulates in float32)")
-    parser.add_argument("--page-size", type=positive_int, default=16, metavar="P",
-                        help="tokens per page (default 16)")
+    parser.add_argument("--page-size", type=page_size_tokens, default=16, metavar="P",
+                        help=f"tokens per page, at most {MAX_PAGE_SIZE:,} (default 16)")
     parser.add_argument("--num-pages", type=page_count, default=None, metavar="N",
                         help="pages in the pool (default: the most the run can hold at once, computed "
                              "from the token counts, the window and the sinks)")

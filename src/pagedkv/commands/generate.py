@@ -264,7 +264,8 @@ def _generate(args: argparse.Namespace, prompts: list[str], line_numbers: list[i
         if not ids:
             raise CommandError(f"prompt {i} encodes to no token")
     context = model.config.context_length
-    longest = max(len(ids) for ids in prompt_ids) + args.max_new_tokens
+    longest_tokens = max(len(ids) for ids in prompt_ids) + args.max_new_tokens
+    longest = longest_tokens
     if args.positions == "cache":  # no query-key distance exceeds S + W - 1
         longest = min(longest, args.sinks + args.window)
     if longest > context:
@@ -276,9 +277,13 @@ def _generate(args: argparse.Namespace, prompts: list[str], line_numbers: list[i
                                min(len(ids), args.prefill_chunk or len(ids)))
         for ids in prompt_ids
     )
-    shrink = (f"the run may hold up to {counted(needed, 'page')} at once: give a smaller --max-new-tokens"
-              + (", or --window W to keep only the last W tokens of each sequence" if args.window is None
-                 else " or --window"))
+    if args.page_size > max(longest_tokens, 16):  # a page raised past what any sequence can fill
+        shrink = (f"give a smaller --page-size: a page of {args.page_size:,} tokens is larger than the longest "
+                  f"sequence ({longest_tokens:,} tokens)")
+    else:
+        shrink = (f"the run may hold up to {counted(needed, 'page')} at once: give a smaller --max-new-tokens"
+                  + (", or --window W to keep only the last W tokens of each sequence" if args.window is None
+                     else " or --window"))
     check_pool_fits(model.config, needed, args.page_size, args.dtype, shrink)
     if args.num_pages is not None and args.num_pages < needed:
         # Running out of pages would only show mid-generation, after part of the output.

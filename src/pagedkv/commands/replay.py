@@ -6,20 +6,37 @@ import os
 import sys
 from pathlib import Path
 
+from pagedkv.commands import _model_options
 from pagedkv.commands._metrics_options import RunMetrics, add_metrics_arguments
 from pagedkv.commands._model_options import (
     DTYPES,
+    MAX_PAGE_SIZE,
     CommandError,
     check_fits_in_memory,
+    int_in_range,
     integer,
     kv_bytes_per_token,
+    page_size_tokens,
     positive_int,
     tier_url,
 )
 from pagedkv.commands._paths import dataset_or_path, not_a_dataset_hint, plot_file
-from pagedkv.replay import MAX_PAGES, MAX_PREFIX_PAGES, PREFIX_HASHES, ReplayResult, capacity_pages, replay
 from pagedkv.data import DataError
-from pagedkv.traces import FORMATS, MOONCAKE_BLOCK_TOKENS, infer_format, load_trace
+from pagedkv.replay import (
+    MAX_PAGES,
+    MAX_PREFIX_PAGES,
+    PREFIX_HASHES,
+    ReplayResult,
+    capacity_pages,
+    replay,
+)
+from pagedkv.traces import (
+    FORMATS,
+    MAX_BLOCK_TOKENS,
+    MOONCAKE_BLOCK_TOKENS,
+    infer_format,
+    load_trace,
+)
 
 DEFAULT_CAPACITIES = [1_000_000, 2_000_000, 5_000_000, 10_000_000, 20_000_000, 50_000_000]
 
@@ -77,11 +94,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--model-shape", type=_model_shape, default=(30, 3, 64), metavar="L,H,D",
                         help="with --capacity-gib: layers, KV heads and head dim of the model (default 30,3,64: "
                              "SmolLM2-135M)")
-    parser.add_argument("--page-size", type=positive_int, default=16, metavar="P",
-                        help="tokens per page (default 16); must divide the trace's block size")
+    parser.add_argument("--page-size", type=page_size_tokens, default=16, metavar="P",
+                        help=f"tokens per page, at most {MAX_PAGE_SIZE:,} (default 16); must divide the trace's "
+                             "block size")
     parser.add_argument("--limit", type=positive_int, default=None, metavar="N",
                         help="replay only the first N requests")
-    parser.add_argument("--block-tokens", type=positive_int, default=MOONCAKE_BLOCK_TOKENS, metavar="B",
+    parser.add_argument("--block-tokens", type=_block_tokens, default=MOONCAKE_BLOCK_TOKENS, metavar="B",
                         help=f"tokens per hash id of a mooncake trace (default {MOONCAKE_BLOCK_TOKENS})")
     parser.add_argument("--prefix-hash", choices=PREFIX_HASHES, default="xxh3_128",
                         help="page hash of the prefix index (default xxh3_128)")
@@ -130,6 +148,11 @@ def _model_shape(text: str) -> tuple[int, int, int]:
     return shape
 
 
+def _block_tokens(text: str) -> int:
+    """argparse type of ``--block-tokens``: tokens per hash id, 1 .. the largest a KVCache takes."""
+    return int_in_range(text, 1, MAX_BLOCK_TOKENS)
+
+
 def _format_row(result: ReplayResult) -> list[str]:
     hit = f"{100 * result.hit_rate:.2f}%" if result.prefix_caching else "-"
     replayed = result.num_rejected < result.num_requests  # all rejected: nothing ran, a rate would mean nothing
@@ -162,7 +185,9 @@ def format_table(results: list[ReplayResult]) -> str:
 
 def plot_hit_rate(results: list[ReplayResult], path: str, title: str) -> None:
     """Save a plot of token hit rate (%) against capacity (tokens, log scale) to ``path``."""
-    from matplotlib.figure import Figure  # optional dependency; no pyplot state or GUI backend needed
+    from matplotlib.figure import (
+        Figure,  # optional dependency; no pyplot state or GUI backend needed
+    )
 
     ordered = sorted(results, key=lambda r: r.capacity_tokens)
     figure = Figure(figsize=(6, 3.6), dpi=100)
@@ -207,12 +232,15 @@ def _check_capacities_fit(args: argparse.Namespace, capacities: list[int], prefi
     per_page = REPLAY_BYTES_PER_PAGE + (PREFIX_BYTES_PER_PAGE + 4 * args.page_size if prefix_caching else 0)
     copies = (args.instances or DEFAULT_INSTANCES) if args.tier is not None else 1  # one cache per instance
     option = _capacity_option(args)
+    limit = _model_options.memory_limit_bytes()  # the module's: tests replace it there
+    fit = "" if limit is None else f" (about {limit // (copies * per_page) * args.page_size:,} tokens fit)"
     for capacity in capacities:
         pages = capacity // args.page_size
         what = f"argument {option}: a cache of {capacity:,} tokens ({pages:,} pages)"
         if copies > 1:
-            what += f" in each of {copies} instances"
-        check_fits_in_memory(copies * pages * per_page, what, f"give a smaller {option}")
+            what += f" in each of {copies:,} instances"
+        check_fits_in_memory(copies * pages * per_page, what,
+                             f"give a smaller {option}{' or --instances' if copies > 1 else ''}{fit}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -261,20 +289,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedkv replay: {exc}", file=sys.stderr)
         return 2
     max_pages = MAX_PREFIX_PAGES if trace.has_block_ids else MAX_PAGES
+    option = _capacity_option(args)
     try:  # every capacity is checked before the first replay starts
-        for capacity in capacities:
+        if trace.has_block_ids and trace.block_tokens % args.page_size:
+            raise ValueError(f"argument --page-size: expected a divisor of the trace's block size "
+                             f"{trace.block_tokens}, got {args.page_size}")
+        for i, capacity in enumerate(capacities):
             try:
                 capacity_pages(capacity, args.page_size, max_pages)
             except ValueError:
                 # capacity_pages names its own parameter; name the option instead.
+                given = f"{args.capacity_gib[i]:g} GiB = {capacity:,} tokens" if args.capacity_gib else f"{capacity}"
                 raise ValueError(
-                    f"argument --capacity-tokens: expected {args.page_size} <= N <= "
-                    f"{max_pages * args.page_size} (1 to {max_pages:,} pages of --page-size {args.page_size} "
-                    f"tokens), got {capacity}"
+                    f"argument {option}: expected {args.page_size:,} <= N <= "
+                    f"{max_pages * args.page_size:,} tokens (1 to {max_pages:,} pages of --page-size {args.page_size:,} "
+                    f"tokens), got {given}"
                 ) from None
-        if trace.has_block_ids and trace.block_tokens % args.page_size:
-            raise ValueError(f"argument --page-size: expected a divisor of the trace's block size "
-                             f"{trace.block_tokens}, got {args.page_size}")
     except ValueError as exc:
         args.parser.error(str(exc))  # usage and "error: argument ...", as argparse's own checks print
     try:

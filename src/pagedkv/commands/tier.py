@@ -7,6 +7,20 @@ from collections import Counter
 
 from pagedkv.commands._model_options import counted
 
+# Longest --timeout: RedisTier's limit (a longer one overflows the clients' deadlines).
+MAX_TIMEOUT_SECONDS = 86400
+
+
+def _timeout_seconds(text: str) -> float:
+    """argparse type of ``--timeout``: seconds, a number in (0, 86400]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value <= MAX_TIMEOUT_SECONDS:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds in (0, {MAX_TIMEOUT_SECONDS}], got {text}")
+    return value
+
 DESCRIPTION = """\
 Look at what a shared prefix tier holds before trusting it: `info` scans the server (every
 node of a cluster) for pagedkv's page keys (pagedkv:<namespace digest>:<page hash>) and
@@ -42,8 +56,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       help="redis://HOST:PORT/DB, rediss://..., or redis+cluster://HOST:PORT[,HOST:PORT...]")
     info.add_argument("--namespace", action="append", default=[], metavar="NS",
                       help="mark the digest of this namespace (a model fingerprint; repeatable)")
-    info.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
-                      help="connect and read timeout per command, in seconds (default 5)")
+    info.add_argument("--timeout", type=_timeout_seconds, default=5.0, metavar="SECONDS",
+                      help="connect and read timeout per command, in seconds, at most 86400 (default 5)")
     info.set_defaults(info_parser=info)
     return parser
 
@@ -163,8 +177,6 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         print(f"pagedkv tier: {exc.name} is not installed: pip install 'pagedkv[redis]'", file=sys.stderr)
         return 2
-    if not args.timeout > 0:
-        args.info_parser.error(f"argument --timeout: expected a number > 0, got {args.timeout}")
     try:
         tier_info(args.url, args.namespace, args.timeout)
     except ValueError as exc:

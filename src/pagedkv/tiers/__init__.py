@@ -12,6 +12,11 @@ __all__ = ["RedisTier"]
 
 def __getattr__(name):
     if name == "RedisTier":
+        try:
+            import redis  # noqa: F401
+        except ModuleNotFoundError as exc:
+            raise ImportError('pagedkv.tiers.RedisTier needs redis-py, which is not installed: pip install '
+                              '"pagedkv[redis]" (from a checkout: pip install ".[redis]")') from exc
         from pagedkv.tiers.redis import RedisTier
 
         return RedisTier

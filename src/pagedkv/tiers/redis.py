@@ -55,6 +55,8 @@ _WRITE_BATCH_PAGES = 64
 _WRITE_BATCH_BYTES = 16 * 2**20
 # The longest timeout_seconds, in seconds (a day): a socket timeout must fit the platform's time type.
 _MAX_TIMEOUT = 86400
+# Largest database number a server takes (its SELECT argument is a 32-bit int).
+_MAX_DATABASE = 2**31 - 1
 # Wait before the first retry after the store was unreachable, and the longest wait, in seconds.
 _BACKOFF_FIRST = 0.25
 _BACKOFF_MAX = 4.0
@@ -405,16 +407,31 @@ def _connect(url_or_client, timeout_seconds):
         raise TypeError(f"Invalid type of url_or_client: {expected}, got {type(url_or_client).__name__}")
     timeouts = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
     scheme, _, rest = url_or_client.partition("://")
-    database = rest.partition("?")[0].partition("/")[2]
+    address, _, query = rest.partition("?")
+    database = address.partition("/")[2]
     if scheme in ("redis", "rediss") and rest:
-        if database and not (database.isascii() and database.isdigit()):
+        if database and not (database.isascii() and database.isdigit() and int(database) <= _MAX_DATABASE):
             raise ValueError(f"Invalid value of url_or_client: the database of {url_or_client!r} is {database!r}; "
-                             f"expected /DB with DB a number >= 0, or none (database 0)")
-        return redis.Redis.from_url(url_or_client, retry=Retry(NoBackoff(), 1), **timeouts), False
+                             f"expected /DB with DB a number in 0 .. {_MAX_DATABASE} (the server's own limit, "
+                             "16 databases by default, may be lower), or none (database 0)")
+        if "db" in urllib.parse.parse_qs(query):
+            raise ValueError(f"Invalid value of url_or_client: {url_or_client!r} gives the database as ?db=; "
+                             "give it as /DB, the form this URL's database is read from")
+        client = redis.Redis.from_url(url_or_client, retry=Retry(NoBackoff(), 1), **timeouts)
+        pool = client.connection_pool
+        try:  # a connection object opens no socket: this checks the query's parameter names now
+            pool.connection_class(**pool.connection_kwargs)
+        except TypeError as exc:
+            raise ValueError(f"Invalid value of url_or_client: {url_or_client!r} has a query parameter the "
+                             f"client does not take ({exc})") from None
+        return client, False
     if scheme == "redis+cluster" and rest:
         if database not in ("", "0"):
             raise ValueError(f"Invalid value of url_or_client: the database of {url_or_client!r} is {database!r}; "
                              "a Redis Cluster has database 0 only (give /0 or none)")
+        if query:
+            raise ValueError(f"Invalid value of url_or_client: {url_or_client!r} has a query ({query!r}); "
+                             "a redis+cluster:// URL takes none")
         nodes = []
         for address in rest.split("/")[0].split(","):
             parsed = urllib.parse.urlsplit("//" + address)
