@@ -352,3 +352,17 @@ def test_generate_page_larger_than_any_sequence_says_page_size(model_without_loa
     assert main(["generate", "Hi", "--page-size", "1048576", "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert "give a smaller --page-size: a page of 1,048,576 tokens is larger than the longest sequence" in err
+
+
+def test_a_setting_given_twice_is_a_usage_error(short_text, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["perplexity", str(short_text), "--setting", "full", "--setting", "window=4", "--setting", "full"])
+    assert info.value.code == 2
+    assert "argument --setting: full cache given more than once" in capsys.readouterr().err
+
+
+def test_tier_info_refuses_an_empty_namespace(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["tier", "info", "redis://127.0.0.1:6379/0", "--namespace", ""])
+    assert info.value.code == 2
+    assert "argument --namespace: expected a non-empty namespace, got ''" in capsys.readouterr().err

@@ -480,6 +480,10 @@ def _run(args: argparse.Namespace) -> int:
         args.parser.error("give the cache settings either with --setting (repeatable) or with "
                           "--window/--sinks/--positions")
     settings = args.setting or [CacheSetting(args.window, args.sinks, args.positions)]
+    labels = [setting.label for setting in settings]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:  # the same column twice would only take twice as long
+        args.parser.error(f"argument --setting: {', '.join(repeated)} given more than once")
     try:
         args.file = dataset_or_path(args.file)
     except DataError as exc:

@@ -11,6 +11,13 @@ from pagedkv.commands._model_options import counted
 MAX_TIMEOUT_SECONDS = 86400
 
 
+def _namespace(text: str) -> str:
+    """argparse type of ``--namespace``: a non-empty string (RedisTier refuses an empty one)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty namespace, got ''")
+    return text
+
+
 def _timeout_seconds(text: str) -> float:
     """argparse type of ``--timeout``: seconds, a number in (0, 86400]."""
     try:
@@ -54,7 +61,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Scan URL for pagedkv page keys; print pages, bytes and layout per namespace digest.")
     info.add_argument("url", metavar="URL",
                       help="redis://HOST:PORT/DB, rediss://..., or redis+cluster://HOST:PORT[,HOST:PORT...]")
-    info.add_argument("--namespace", action="append", default=[], metavar="NS",
+    info.add_argument("--namespace", action="append", default=[], metavar="NS", type=_namespace,
                       help="mark the digest of this namespace (a model fingerprint; repeatable)")
     info.add_argument("--timeout", type=_timeout_seconds, default=5.0, metavar="SECONDS",
                       help="connect and read timeout per command, in seconds, at most 86400 (default 5)")
