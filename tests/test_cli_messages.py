@@ -303,9 +303,9 @@ def test_a_pool_whose_allocation_fails_is_one_line(model_without_loading, monkey
     monkeypatch.setattr(PagedBackend, "for_config", fails)
     assert main(["generate", "Hi", "--max-new-tokens", "4"]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
-        "pagedkv generate: a float16 pool of 1 page of 16 tokens cannot be allocated (the pool cannot be "
-        "allocated); the run may hold up to 1 page at once: give a smaller --max-new-tokens, or --window W to "
-        "keep only the last W tokens of each sequence")
+        "pagedkv generate: a float16 pool of 1 page of 16 tokens cannot be allocated: not enough memory; the run "
+        "may hold up to 1 page at once: give a smaller --max-new-tokens, or --window W to keep only the last W "
+        "tokens of each sequence")
 
 
 def test_perplexity_pool_larger_than_memory_is_one_line(short_text, model_without_loading, one_gib_machine, capsys):
@@ -366,3 +366,59 @@ def test_tier_info_refuses_an_empty_namespace(capsys):
         main(["tier", "info", "redis://127.0.0.1:6379/0", "--namespace", ""])
     assert info.value.code == 2
     assert "argument --namespace: expected a non-empty namespace, got ''" in capsys.readouterr().err
+
+
+def test_inputs_that_never_end_are_refused(tmp_path, capsys):
+    """/dev/zero was read whole (MemoryError after 4 GB) by --prompts, perplexity and replay."""
+    assert main(["generate", "--prompts", "/dev/zero"]) == 2
+    assert "--prompts: cannot read /dev/zero: not a regular file" in capsys.readouterr().err
+    assert main(["perplexity", "/dev/zero"]) == 2
+    assert "cannot read /dev/zero: not a regular file" in capsys.readouterr().err
+    assert main(["replay", "/dev/zero", "--format", "mooncake", "--no-progress"]) == 2
+    assert "cannot read /dev/zero: not a regular file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--gguf", "/dev/zero"])
+    assert "argument --gguf: cannot read /dev/zero: not a regular file" in capsys.readouterr().err
+
+
+def test_a_token_id_past_int64_is_one_line(tmp_path, model_without_loading, capsys):
+    ids = tmp_path / "ids.json"
+    ids.write_text("[99999999999999999999999, 1]", encoding="utf-8")
+    assert main(["perplexity", str(ids), "--token-ids", "--no-progress"]) == 2
+    assert "token ids of " in capsys.readouterr().err
+
+
+def test_a_truncated_gguf_is_one_line(tmp_path, capsys):
+    from pagedkv.models import find_smollm2_gguf
+
+    try:
+        source = find_smollm2_gguf()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    for size in (4, 24, 100):
+        cut = tmp_path / f"cut{size}.gguf"
+        with open(source, "rb") as f:
+            cut.write_bytes(f.read(size))
+        assert main(["generate", "hi", "--gguf", str(cut), "--max-new-tokens", "2"]) == 2
+        err = capsys.readouterr().err
+        assert f"Invalid GGUF file '{cut}'" in err and "(a truncated file, or not a GGUF file?)" in err
+
+
+def test_settings_conflict_is_said_before_the_window_advice(short_text, capsys):
+    with pytest.raises(SystemExit):
+        main(["perplexity", str(short_text), "--setting", "full", "--sinks", "2"])
+    assert "give the cache settings either with --setting (repeatable) or with --window" in capsys.readouterr().err
+
+
+def test_perplexity_page_larger_than_the_text_says_page_size(short_text, model_without_loading, monkeypatch,
+                                                             capsys):
+    from pagedkv.models.paged_backend import PagedBackend
+
+    def fails(*args, **kwargs):
+        raise MemoryError("the pool cannot be allocated")
+
+    monkeypatch.setattr(PagedBackend, "for_config", fails)
+    assert main(["perplexity", str(short_text), "--page-size", "1048576", "--no-progress"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("pagedkv perplexity: full cache: the pool cannot be allocated: not enough memory; ")
+    assert "give a smaller --page-size: a page of 1,048,576 tokens is larger than the" in err

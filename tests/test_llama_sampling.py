@@ -4,6 +4,8 @@ The distribution tests use small logit vectors whose softmax is worked out by ha
 generation tests use the tiny random Llama of ``_llama_support`` (no real model needed)
 and compare with greedy decoding, which the llama.cpp tests pin down.
 """
+import warnings
+
 import numpy as np
 import pytest
 
@@ -120,3 +122,12 @@ def test_sampling_parameters_are_checked_before_the_backend_changes(tiny):
     with pytest.raises(ValueError, match="top_p"):
         generate(tiny, backend, PROMPTS, max_new_tokens=4, temperature=1.0, top_p=0.0)
     assert backend.seq_ids == []
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-308, 5e-324])
+def test_a_temperature_so_small_that_logits_overflow_samples_the_top_token(temperature):
+    """logits / 1e-308 overflow to inf: the distribution was NaN (warnings, then any token)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow or invalid-value warning either
+        ids, probs = sampling_distribution(LOGITS, temperature=temperature)
+    assert ids[0] == int(np.argmax(LOGITS)) and probs[0] == 1.0 and np.isfinite(probs).all()

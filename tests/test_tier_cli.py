@@ -95,3 +95,12 @@ def test_tier_info_on_one_cluster_node_says_the_counts_are_its_share(cluster, ca
 def test_tier_info_on_a_standalone_server_adds_no_cluster_note(standalone, capsys):
     assert main(["tier", "info", standalone]) == 0
     assert "Redis Cluster" not in capsys.readouterr().out
+
+
+def test_tier_info_never_prints_a_password(capsys):
+    assert main(["tier", "info", "redis://user:secret@127.0.0.1:1/0", "--timeout", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "secret" not in err and "redis://user:***@127.0.0.1:1/0" in err
+    with pytest.raises(SystemExit):
+        main(["tier", "info", "redis://user:secret@127.0.0.1:1/0?foo=1"])
+    assert "secret" not in capsys.readouterr().err

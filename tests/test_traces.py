@@ -193,3 +193,10 @@ def test_a_long_first_line_is_quoted_shortened(tmp_path):
     message = str(info.value)
     assert "invalid header" in message and '{"timestamp": 0' in message and "..." in message
     assert len(message) < 300
+
+
+def test_a_length_past_int64_is_named(tmp_path):
+    path = write(tmp_path, "t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                                    "2023-11-16 18:15:46,99999999999999999999,2\n")
+    with pytest.raises(TraceFormatError, match="invalid ContextTokens: expected at most 9223372036854775807"):
+        load_azure(path)

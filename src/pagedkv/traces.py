@@ -219,9 +219,11 @@ def _text_lines(stream: Iterable[str], path: str | Path) -> Iterator[str]:
 def _int_field(record: dict, name: str, low: int, where: str) -> int:
     value = record[name]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TraceFormatError(f"{where}: invalid {name}: expected an integer, got {value!r}")
+        raise TraceFormatError(f"{where}: invalid {name}: expected an integer, got {_shortened(repr(value))}")
     if value < low:
-        raise TraceFormatError(f"{where}: invalid {name}: expected >= {low}, got {value}")
+        raise TraceFormatError(f"{where}: invalid {name}: expected >= {low}, got {_shortened(str(value))}")
+    if value > _INT64_MAX:  # lengths are held as int64
+        raise TraceFormatError(f"{where}: invalid {name}: expected at most {_INT64_MAX}, got {_shortened(str(value))}")
     return value
 
 
@@ -344,7 +346,9 @@ def _csv_int(row: dict, name: str, low: int, where: str) -> int:
     except (TypeError, ValueError):
         raise TraceFormatError(f"{where}: invalid {name}: expected an integer, got {text!r}") from None
     if value < low:
-        raise TraceFormatError(f"{where}: invalid {name}: expected >= {low}, got {value}")
+        raise TraceFormatError(f"{where}: invalid {name}: expected >= {low}, got {_shortened(str(value))}")
+    if value > _INT64_MAX:  # lengths are held as int64
+        raise TraceFormatError(f"{where}: invalid {name}: expected at most {_INT64_MAX}, got {_shortened(str(value))}")
     return value
 
 

@@ -164,7 +164,7 @@ def checked_pool(create, config, num_pages: int, page_size: int, kv_dtype: str, 
     try:
         return create()
     except MemoryError as exc:
-        raise CommandError(f"{what} cannot be allocated ({exc}); {advice}") from exc
+        raise CommandError(f"{what} cannot be allocated: not enough memory; {advice}") from exc
 
 
 def check_fits_in_memory(num_bytes: int, what: str, advice: str) -> None:

@@ -12,13 +12,26 @@ import os
 from pathlib import Path
 
 
+def not_a_regular_file(path: str) -> str | None:
+    """Why ``path`` cannot be read as an input file (a device or pipe, which may never end), or None.
+
+    A path that does not exist gives None: reading it reports that.
+    """
+    p = Path(path)
+    if p.exists() and not p.is_dir() and not p.is_file():
+        return f"cannot read {path}: not a regular file (a device or a pipe, which may never end)"
+    return None
+
+
 def input_file(text: str) -> str:
-    """argparse type: an existing file this process may read; returns ``text``."""
+    """argparse type: an existing regular file this process may read; returns ``text``."""
     path = Path(text)
     if not path.exists():
         raise argparse.ArgumentTypeError(f"cannot read {text}: no such file")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"cannot read {text}: it is a directory")
+    if not_a_regular_file(text):
+        raise argparse.ArgumentTypeError(not_a_regular_file(text))
     if not os.access(path, os.R_OK):
         raise argparse.ArgumentTypeError(f"cannot read {text}: permission denied")
     return text
@@ -112,3 +125,15 @@ def plot_file(text: str) -> str:
             f"{', '.join('.' + f for f in formats)}, got {got}"
         )
     return text
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with the password of its user information replaced by ``***``, for messages."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    userinfo, at, hosts = rest.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{hosts}"

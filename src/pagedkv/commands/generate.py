@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from pagedkv.commands._metrics_options import RunMetrics, add_metrics_arguments
+from pagedkv.commands._paths import not_a_regular_file, redacted_url
 from pagedkv.commands._model_options import (
     CommandError,
     add_model_arguments,
@@ -153,6 +154,8 @@ def _read_prompts(args: argparse.Namespace) -> tuple[list[str], list[int]]:
             args.parser.error("argument PROMPT: the prompt is empty; give some text (or --chat, which wraps "
                               "even an empty message in the chat format)")
         return [args.prompt], [0]
+    if args.prompts != "-" and not_a_regular_file(args.prompts):
+        raise CommandError(f"--prompts: {not_a_regular_file(args.prompts)}")
     try:
         lines = Path(args.prompts).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
@@ -383,9 +386,11 @@ def _make_tier(args: argparse.Namespace):
     """The RedisTier of --tier, named by --model-fingerprint (``auto``: :func:`model_fingerprint`)."""
     try:
         from pagedkv.tiers import RedisTier
-    except ModuleNotFoundError as exc:
-        raise CommandError(f"{exc.name} is not installed (needed for --tier): pip install 'pagedkv[redis]'") from exc
+    except ImportError as exc:  # redis-py missing: the message names the extra
+        raise CommandError(f"--tier: {exc}") from exc
     fingerprint = args.model_fingerprint
+    if not fingerprint:
+        raise CommandError("argument --model-fingerprint: expected a non-empty string (or auto), got ''")
     if fingerprint == "auto":
         from pagedkv.models.gguf_loader import resolve_gguf_path
 
@@ -397,9 +402,10 @@ def _make_tier(args: argparse.Namespace):
     try:
         tier = RedisTier(args.tier, namespace=fingerprint)
     except (TypeError, ValueError) as exc:
-        raise CommandError(f"argument --tier: {exc}") from exc
+        raise CommandError(f"argument --tier: {str(exc).replace(args.tier, redacted_url(args.tier))}") from exc
     # Say where pages go: a mistyped URL that reaches another server would otherwise pass unseen.
-    print(f"tier: {args.tier}, namespace {fingerprint} (pagedkv tier info {args.tier} --namespace "
+    shown = redacted_url(args.tier)
+    print(f"tier: {shown}, namespace {fingerprint} (pagedkv tier info {shown} --namespace "
           f"{fingerprint} shows what it holds)", file=sys.stderr)
     return tier
 

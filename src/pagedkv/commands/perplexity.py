@@ -20,6 +20,7 @@ from pagedkv.commands._model_options import (
     check_pool_fits,
     check_thread_control,
     check_window_arguments,
+    counted,
     format_bytes,
     int_at_least,
     load_model,
@@ -28,7 +29,13 @@ from pagedkv.commands._model_options import (
     resolve_threads,
     run_reporting_errors,
 )
-from pagedkv.commands._paths import dataset_or_path, not_a_dataset_hint, output_file, plot_file
+from pagedkv.commands._paths import (
+    dataset_or_path,
+    not_a_dataset_hint,
+    not_a_regular_file,
+    output_file,
+    plot_file,
+)
 from pagedkv.data import DataError
 
 DEFAULT_NUM_TOKENS = 4096
@@ -313,7 +320,11 @@ def first_token_ids(content: str | list[int], tokenizer, num_tokens: int, path: 
             size *= 2
     if len(ids) < 2:
         raise CommandError(f"{path!r} holds {len(ids)} token(s); at least 2 are needed to score one")
-    return np.asarray(ids, dtype=np.int64)
+    try:
+        return np.asarray(ids, dtype=np.int64)
+    except OverflowError:  # an id past int64: out of the vocabulary, as the model's check says
+        raise CommandError(f"token ids of {path!r} must be integers below 2**63 (and lie in the model's "
+                           "vocabulary)") from None
 
 
 def load_token_ids(path: str, tokenizer, num_tokens: int, *, json_ids: bool) -> np.ndarray:
@@ -474,11 +485,23 @@ def run(args: argparse.Namespace) -> int:
     return run_reporting_errors("perplexity", _run, args)
 
 
+def _shrink_advice(args: argparse.Namespace, setting: CacheSetting, needed: int, num_tokens: int) -> str:
+    """The options that shrink ``setting``'s pool of ``needed`` pages, for a message."""
+    if args.num_pages is not None:
+        return "give a smaller --num-pages"
+    if args.page_size > max(num_tokens, 16):  # a page raised past the text's length
+        return (f"give a smaller --page-size: a page of {args.page_size:,} tokens is larger than the "
+                f"{num_tokens:,} tokens scored")
+    return (f"{setting.label} holds up to {counted(needed, 'page')}: give a smaller --tokens"
+            + (" or --window" if setting.window is not None else " or a --window"))
+
+
 def _run(args: argparse.Namespace) -> int:
-    check_window_arguments(args.parser, args)
     if args.setting and (args.window is not None or args.sinks or args.positions != "absolute"):
+        # before the window checks, whose advice (add --window) would lead here
         args.parser.error("give the cache settings either with --setting (repeatable) or with "
                           "--window/--sinks/--positions")
+    check_window_arguments(args.parser, args)
     settings = args.setting or [CacheSetting(args.window, args.sinks, args.positions)]
     labels = [setting.label for setting in settings]
     repeated = sorted({label for label in labels if labels.count(label) > 1})
@@ -488,6 +511,8 @@ def _run(args: argparse.Namespace) -> int:
         args.file = dataset_or_path(args.file)
     except DataError as exc:
         raise CommandError(str(exc)) from exc
+    if not_a_regular_file(args.file):
+        raise CommandError(not_a_regular_file(args.file))
     content = read_input(args.file, json_ids=args.token_ids)  # a bad FILE fails before the model loads
     if isinstance(content, list):
         first_token_ids(content, None, args.tokens, args.file)  # too few ids: known without the tokenizer
@@ -512,8 +537,7 @@ def _run(args: argparse.Namespace) -> int:
         needed = pages_needed(num_tokens, setting, args.page_size)
         pages = args.num_pages or needed
         check_pool_fits(model.config, pages, args.page_size, setting.kv_dtype or args.dtype,
-                        "give a smaller --num-pages" if args.num_pages is not None else
-                        f"{setting.label} holds up to {needed:,} pages: give a smaller --tokens or a --window")
+                        _shrink_advice(args, setting, needed, num_tokens))
         if args.num_pages is not None and args.num_pages < needed:
             args.parser.error(f"argument --num-pages: {setting.label} needs {needed} pages of {args.page_size} "
                               f"tokens for {num_tokens} tokens, got {args.num_pages}; "
@@ -537,9 +561,9 @@ def _run(args: argparse.Namespace) -> int:
                 raise CommandError(f"{setting.label}: the pool of {args.num_pages} pages ran out ({exc}); "
                                    "omit --num-pages to size it from the text") from exc
             except MemoryError as exc:
-                raise CommandError(f"{setting.label}: the pool cannot be allocated ({exc}); "
-                                   + ("give a smaller --num-pages" if args.num_pages is not None
-                                      else "give a smaller --tokens or a --window")) from exc
+                needed = pages_needed(num_tokens, setting, args.page_size)
+                raise CommandError(f"{setting.label}: the pool cannot be allocated: not enough memory; "
+                                   + _shrink_advice(args, setting, needed, num_tokens)) from exc
             results.append(result)
             s = result.stats
             print(f"{setting.label}: perplexity {result.perplexity:.4f} (mean NLL {result.nll.mean():.4f} nats) "

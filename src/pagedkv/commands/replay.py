@@ -20,7 +20,13 @@ from pagedkv.commands._model_options import (
     positive_int,
     tier_url,
 )
-from pagedkv.commands._paths import dataset_or_path, not_a_dataset_hint, plot_file
+from pagedkv.commands._paths import (
+    dataset_or_path,
+    not_a_dataset_hint,
+    not_a_regular_file,
+    plot_file,
+    redacted_url,
+)
 from pagedkv.data import DataError
 from pagedkv.replay import (
     MAX_PAGES,
@@ -270,6 +276,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedkv replay: cannot read {args.trace!r}: No such file or directory"
               f"{not_a_dataset_hint(args.trace)}", file=sys.stderr)
         return 2
+    if not_a_regular_file(args.trace):
+        print(f"pagedkv replay: {not_a_regular_file(args.trace)}", file=sys.stderr)
+        return 2
     trace_format = args.format
     if trace_format is None:
         try:
@@ -434,10 +443,11 @@ def _run_shared(args: argparse.Namespace, trace, capacities, progress_bar=None) 
 
         RedisTier(args.tier, namespace="check")  # the URL's form, before any replay
     except ImportError:
-        print("pagedkv replay: --tier needs the redis extra (pip install 'pagedkv[redis]')", file=sys.stderr)
+        print("pagedkv replay: --tier needs the redis extra (pip install 'pagedkv[redis]'; from a checkout: "
+              "pip install '.[redis]')", file=sys.stderr)
         return 2
     except (TypeError, ValueError) as exc:
-        print(f"pagedkv replay: --tier: {exc}", file=sys.stderr)
+        print(f"pagedkv replay: --tier: {str(exc).replace(args.tier, redacted_url(args.tier))}", file=sys.stderr)
         return 2
     n = args.instances if args.instances is not None else DEFAULT_INSTANCES
     print(f"{trace.format} trace {args.trace}: {len(trace):,} requests dealt round-robin over {n} instances; "

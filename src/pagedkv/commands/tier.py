@@ -6,6 +6,7 @@ import sys
 from collections import Counter
 
 from pagedkv.commands._model_options import counted
+from pagedkv.commands._paths import redacted_url
 
 # Longest --timeout: RedisTier's limit (a longer one overflows the clients' deadlines).
 MAX_TIMEOUT_SECONDS = 86400
@@ -124,7 +125,8 @@ def tier_info(url: str, namespaces: list[str], timeout: float, out=None) -> int:
                 pages[digest] += 1
                 value_bytes[digest] += int(size)
                 first_key.setdefault(digest, (node, key))
-    print(f"tier {url}: {counted(sum(pages.values()), 'page')} in {counted(len(pages), 'namespace')}", file=out)
+    print(f"tier {redacted_url(url)}: {counted(sum(pages.values()), 'page')} in "
+          f"{counted(len(pages), 'namespace')}", file=out)
     marked = set()
     for digest in sorted(pages, key=lambda d: -pages[d]):
         node, key = first_key[digest]
@@ -189,11 +191,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         # the client's reason (a bad port, database or node address) after the forms it takes
         reason = str(exc).split(": ", 1)[-1] if str(exc).startswith("Invalid value of url_or_client") else str(exc)
-        reason = reason.split("; expected redis://")[0]  # the forms are said once, before it
+        reason = reason.split("; expected redis://")[0].replace(args.url, redacted_url(args.url))  # said once
         args.info_parser.error(f"argument URL: expected redis://HOST:PORT/DB, rediss://... or "
-                               f"redis+cluster://HOST:PORT[,HOST:PORT...], got {args.url!r} ({reason})")
+                               f"redis+cluster://HOST:PORT[,HOST:PORT...], got {redacted_url(args.url)!r} ({reason})")
     except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
         # RedisClusterException (a cluster none of whose nodes answers) is not a RedisError
-        print(f"pagedkv tier: cannot read {args.url}: {exc}", file=sys.stderr)
+        print(f"pagedkv tier: cannot read {redacted_url(args.url)}: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -170,7 +170,13 @@ def sampling_distribution(
     _check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         raise ValueError("Invalid value of temperature: expected > 0 for a distribution, got 0 (greedy)")
-    z = np.asarray(logits, dtype=np.float64) / temperature
+    x = np.asarray(logits, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = x / temperature
+        if not np.isfinite(z).all() and np.isfinite(x).all():
+            # a temperature so small that logits / T overflow: the same order from the shifted logits,
+            # whose largest is 0 and the others -inf at worst (probability 0), never +inf - +inf
+            z = (x - x.max()) / temperature
     if top_k is not None and top_k < z.size:
         ids = np.argpartition(-z, top_k - 1)[:top_k]
     else:

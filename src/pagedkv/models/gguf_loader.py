@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -314,8 +315,10 @@ def load_llama_gguf(
     resolved = resolve_gguf_path(path)
     try:
         reader = GGUFReader(resolved, "r")
-    except ValueError as exc:
-        raise ValueError(f"Invalid GGUF file {str(resolved)!r}: {exc}") from exc
+    except (ValueError, IndexError, KeyError, OverflowError, struct.error) as exc:
+        # the reader's own errors on a cut or foreign file: IndexError past the end, etc.
+        raise ValueError(f"Invalid GGUF file {str(resolved)!r}: {exc} (a truncated file, or not a GGUF "
+                         "file?)") from exc
 
     arch = _require(reader, "general.architecture", resolved)
     if arch != "llama":
