@@ -242,7 +242,7 @@ def test_replay_capacity_larger_than_memory_is_refused_before_the_replay(azure_t
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("pagedkv replay: argument --capacity-gib: a cache of 4,660,337,777 tokens "
                               "(291,271,111 pages) takes ")
-    assert err[-1].endswith("more than this machine's 1.0 GiB of memory; give a smaller --capacity-gib "
+    assert err[-1].endswith("more than the 1.0 GiB of memory this process may use; give a smaller --capacity-gib "
                             "(about 357,913,936 tokens fit)")
     assert main(["replay", str(azure_trace), "--capacity-tokens", "1000000000", "--no-progress"]) == 2
     assert "argument --capacity-tokens: a cache of 1,000,000,000 tokens" in capsys.readouterr().err
@@ -422,3 +422,30 @@ def test_perplexity_page_larger_than_the_text_says_page_size(short_text, model_w
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith("pagedkv perplexity: full cache: the pool cannot be allocated: not enough memory; ")
     assert "give a smaller --page-size: a page of 1,048,576 tokens is larger than the" in err
+
+
+def test_max_new_tokens_past_its_limit_is_a_usage_error(capsys):
+    """2**62 new tokens passed argparse and ended in the cache's ValueError traceback."""
+    for value in ("99999999999999999999", "4611686018427387904"):
+        with pytest.raises(SystemExit) as info:
+            main(["generate", "hi", "--max-new-tokens", value])
+        assert info.value.code == 2
+        assert "argument --max-new-tokens: expected an integer in 1 .. 1,152,921,504,606,846,976" in \
+            capsys.readouterr().err
+
+
+def test_memory_limit_counts_the_address_space_limit():
+    import subprocess
+    import sys
+
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, resource.RLIM_INFINITY))\n"
+            "from pagedkv.commands._model_options import memory_limit_bytes; print(memory_limit_bytes())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(out.stdout) <= 8 * 2**30
+
+
+def test_tier_info_of_a_string_that_is_no_url_says_it_once(capsys):
+    with pytest.raises(SystemExit):
+        main(["tier", "info", "notaurl"])
+    err = capsys.readouterr().err
+    assert err.count("expected redis://") == 1 and "redis.Redis" not in err

@@ -100,7 +100,8 @@ def kv_bytes_per_token(kv_dtype: str, num_layers: int, num_kv_heads: int, head_d
 
 def memory_limit_bytes() -> int | None:
     """Bytes of memory this process may use: the machine's physical memory, capped by the
-    cgroup v2 limit (``memory.max``) of the process's container; None when neither is known."""
+    cgroup v2 limit (``memory.max``) of the process's container and by its address-space
+    limit (``ulimit -v``); None when none is known."""
     limit = None
     try:
         limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -112,6 +113,14 @@ def memory_limit_bytes() -> int | None:
         if text != "max":
             limit = int(text) if limit is None else min(limit, int(text))
     except (OSError, ValueError):
+        pass
+    try:  # an address-space limit (ulimit -v) binds too
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY and soft > 0:
+            limit = soft if limit is None else min(limit, soft)
+    except (ImportError, OSError, ValueError):  # no resource module (Windows)
         pass
     return limit if limit is None or limit > 0 else None
 
@@ -167,6 +176,16 @@ def checked_pool(create, config, num_pages: int, page_size: int, kv_dtype: str, 
         raise CommandError(f"{what} cannot be allocated: not enough memory; {advice}") from exc
 
 
+# Most tokens --max-new-tokens takes: beyond any run, and with the prompt still below a
+# sequence's limit of 2**62 tokens.
+MAX_NEW_TOKENS = 2**60
+
+
+def new_token_count(text: str) -> int:
+    """argparse type of ``--max-new-tokens``: an integer in 1 .. :data:`MAX_NEW_TOKENS`."""
+    return int_in_range(text, 1, MAX_NEW_TOKENS)
+
+
 def check_fits_in_memory(num_bytes: int, what: str, advice: str) -> None:
     """Raise CommandError when ``num_bytes`` exceed :func:`memory_limit_bytes`.
 
@@ -177,8 +196,8 @@ def check_fits_in_memory(num_bytes: int, what: str, advice: str) -> None:
     """
     limit = memory_limit_bytes()
     if limit is not None and num_bytes > limit:
-        raise CommandError(f"{what} takes {format_bytes(num_bytes)}, more than this machine's "
-                           f"{format_bytes(limit)} of memory; {advice}")
+        raise CommandError(f"{what} takes {format_bytes(num_bytes)}, more than the "
+                           f"{format_bytes(limit)} of memory this process may use; {advice}")
 
 
 _TIER_SCHEMES = ("redis://", "rediss://", "redis+cluster://")

@@ -20,6 +20,7 @@ from pagedkv.commands._model_options import (
     counted,
     format_bytes,
     load_model,
+    new_token_count,
     non_negative_float,
     non_negative_int,
     peak_rss_bytes,
@@ -117,7 +118,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="wrap each prompt as a user message in the model's ChatML chat format")
     parser.add_argument("--system", default=None, metavar="TEXT",
                         help="system message with --chat (default: the one of the model's chat template)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N",
+    parser.add_argument("--max-new-tokens", type=new_token_count, default=128, metavar="N",
                         help="most tokens generated per prompt (default 128); a stop token ends a sequence earlier")
     parser.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="T",
                         help="prefill at most T prompt tokens per sequence per forward pass (default: whole prompts)")

@@ -230,7 +230,7 @@ def _too_large(args: argparse.Namespace, exc: MemoryError) -> str:
 
 
 def _check_capacities_fit(args: argparse.Namespace, capacities: list[int], prefix_caching: bool) -> None:
-    """Raise CommandError for a capacity whose cache takes more than this machine's memory.
+    """Raise CommandError for a capacity whose cache takes more than the memory this process may use.
 
     Checked before the trace is replayed: the records are zeroed when the cache is
     made, so a cache larger than memory gets the process killed rather than refused.

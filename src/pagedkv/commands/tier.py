@@ -192,6 +192,9 @@ def run(args: argparse.Namespace) -> int:
         # the client's reason (a bad port, database or node address) after the forms it takes
         reason = str(exc).split(": ", 1)[-1] if str(exc).startswith("Invalid value of url_or_client") else str(exc)
         reason = reason.split("; expected redis://")[0].replace(args.url, redacted_url(args.url))  # said once
+        if reason.startswith("expected "):  # only the forms again: nothing more to say
+            args.info_parser.error(f"argument URL: expected redis://HOST:PORT/DB, rediss://... or "
+                                   f"redis+cluster://HOST:PORT[,HOST:PORT...], got {redacted_url(args.url)!r}")
         args.info_parser.error(f"argument URL: expected redis://HOST:PORT/DB, rediss://... or "
                                f"redis+cluster://HOST:PORT[,HOST:PORT...], got {redacted_url(args.url)!r} ({reason})")
     except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
