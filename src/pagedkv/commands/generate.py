@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from pagedkv.commands._metrics_options import RunMetrics, add_metrics_arguments
-from pagedkv.commands._paths import not_a_regular_file, redacted_url
 from pagedkv.commands._model_options import (
     CommandError,
     add_model_arguments,
@@ -30,6 +29,7 @@ from pagedkv.commands._model_options import (
     run_reporting_errors,
     tier_url,
 )
+from pagedkv.commands._paths import not_a_regular_file, redacted_url
 
 DESCRIPTION = """\
 Generate text with a Llama-architecture model (default: SmolLM2-135M-Instruct,
