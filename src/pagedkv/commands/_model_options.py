@@ -8,6 +8,10 @@ import time
 
 from pagedkv.commands._paths import input_file
 
+# A KVCache's largest page (tokens) and most pages (its page ids are int32).
+from pagedkv.replay import MAX_PAGE_SIZE
+from pagedkv.replay import MAX_PAGES as MAX_NUM_PAGES
+
 DTYPES = ("float16", "float32", "bfloat16", "int8", "int4")
 # Why cache positions need a window and sinks (the backends say the same).
 CACHE_POSITIONS_WHY = ("cache positions change only the distance from a query to the sink keys; without a "
@@ -41,8 +45,6 @@ def integer(text: str) -> int:
 
 # Most threads --threads takes (the attention kernels' limit).
 MAX_THREADS = 1024
-# Largest page of a KVCache, in tokens.
-MAX_PAGE_SIZE = 2**20
 
 
 def int_in_range(text: str, low: int, high: int) -> int:
@@ -73,8 +75,6 @@ def positive_int(text: str) -> int:
     return int_at_least(text, 1)
 
 
-# Most pages of a KVCache (its page ids are int32; one is kept free of the range).
-MAX_NUM_PAGES = 2**31 - 2
 # Bytes of the allocator's and the page table's records per page, besides the K/V.
 RECORD_BYTES_PER_PAGE = 48
 

@@ -30,8 +30,9 @@ def input_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot read {text}: no such file")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"cannot read {text}: it is a directory")
-    if not_a_regular_file(text):
-        raise argparse.ArgumentTypeError(not_a_regular_file(text))
+    reason = not_a_regular_file(text)
+    if reason:
+        raise argparse.ArgumentTypeError(reason)
     if not os.access(path, os.R_OK):
         raise argparse.ArgumentTypeError(f"cannot read {text}: permission denied")
     return text

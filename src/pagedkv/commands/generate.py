@@ -155,8 +155,9 @@ def _read_prompts(args: argparse.Namespace) -> tuple[list[str], list[int]]:
             args.parser.error("argument PROMPT: the prompt is empty; give some text (or --chat, which wraps "
                               "even an empty message in the chat format)")
         return [args.prompt], [0]
-    if args.prompts != "-" and not_a_regular_file(args.prompts):
-        raise CommandError(f"--prompts: {not_a_regular_file(args.prompts)}")
+    reason = not_a_regular_file(args.prompts) if args.prompts != "-" else None
+    if reason:
+        raise CommandError(f"--prompts: {reason}")
     try:
         lines = Path(args.prompts).read_text(encoding="utf-8").splitlines()
     except OSError as exc:

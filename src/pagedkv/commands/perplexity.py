@@ -511,8 +511,9 @@ def _run(args: argparse.Namespace) -> int:
         args.file = dataset_or_path(args.file)
     except DataError as exc:
         raise CommandError(str(exc)) from exc
-    if not_a_regular_file(args.file):
-        raise CommandError(not_a_regular_file(args.file))
+    reason = not_a_regular_file(args.file)
+    if reason:
+        raise CommandError(reason)
     content = read_input(args.file, json_ids=args.token_ids)  # a bad FILE fails before the model loads
     if isinstance(content, list):
         first_token_ids(content, None, args.tokens, args.file)  # too few ids: known without the tokenizer

@@ -191,9 +191,7 @@ def format_table(results: list[ReplayResult]) -> str:
 
 def plot_hit_rate(results: list[ReplayResult], path: str, title: str) -> None:
     """Save a plot of token hit rate (%) against capacity (tokens, log scale) to ``path``."""
-    from matplotlib.figure import (
-        Figure,  # optional dependency; no pyplot state or GUI backend needed
-    )
+    from matplotlib.figure import Figure  # optional dependency; no pyplot state or GUI backend needed
 
     ordered = sorted(results, key=lambda r: r.capacity_tokens)
     figure = Figure(figsize=(6, 3.6), dpi=100)
@@ -276,8 +274,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedkv replay: cannot read {args.trace!r}: No such file or directory"
               f"{not_a_dataset_hint(args.trace)}", file=sys.stderr)
         return 2
-    if not_a_regular_file(args.trace):
-        print(f"pagedkv replay: {not_a_regular_file(args.trace)}", file=sys.stderr)
+    reason = not_a_regular_file(args.trace)
+    if reason:
+        print(f"pagedkv replay: {reason}", file=sys.stderr)
         return 2
     trace_format = args.format
     if trace_format is None:
