@@ -435,6 +435,23 @@ def test_decode_logits_of_a_sequence_do_not_depend_on_its_batch(tmp_path, kernel
         np.testing.assert_allclose(together, alone, rtol=0, atol=1e-5 * np.abs(alone).max())
 
 
+def test_default_row_limit_follows_the_kernels_instruction_set(tmp_path):
+    """The default kernel_max_rows is the measured crossover of the path in use: 256 on
+    AVX-512, 32 on AVX2, 0 (every product in BLAS) on the portable C path."""
+    from pagedkv.models.llama import KERNEL_MAX_ROWS_BY_ISA
+    from pagedkv_c import _matmul
+
+    config, weights, _ = load_llama_gguf(tiny_llama_path(tmp_path))
+    assert KERNEL_MAX_ROWS_BY_ISA == {"avx512": 256, "avx2": 32, "scalar": 0}
+    for isa in _matmul.kernel_info()["available_isas"]:
+        previous = _matmul._set_isa(isa)
+        try:
+            assert LlamaModel(config, weights).kernel_max_rows == KERNEL_MAX_ROWS_BY_ISA[isa]
+            assert LlamaModel(config, weights, kernel_max_rows=7).kernel_max_rows == 7
+        finally:
+            _matmul._set_isa(previous)
+
+
 def _forward_alone(model, config, prompt, token):
     """Logits of ``token`` after ``prompt``, for one sequence in a backend of its own."""
     backend = DenseBackend.for_config(config)
@@ -466,11 +483,14 @@ def test_kernel_and_blas_products_agree_and_the_row_limit_is_checked(tmp_path):
 
 
 def test_loaded_projections_are_views_of_row_major_output_rows(tmp_path):
-    """The loader keeps [out, in] C-contiguous arrays (one weight row per output) without a second copy."""
+    """The loader keeps [out, in] C-contiguous arrays (one weight row per output) without a
+    second copy, each starting at a cache line (the kernel's vector loads then never straddle two)."""
     config, weights, _ = load_llama_gguf(tiny_llama_path(tmp_path))
     for lw in weights.layers:
         for w in (lw.qkv_proj, lw.o_proj, lw.gate_up_proj, lw.down_proj):
             assert w.dtype == np.float32 and w.T.flags.c_contiguous
+            assert w.ctypes.data % 64 == 0
+    assert weights.output_proj.ctypes.data % 64 == 0 and weights.token_embedding.ctypes.data % 64 == 0
     model = LlamaModel(config, weights)
     backend = DenseBackend.for_config(config)
     backend.add_sequence(0)

@@ -20,6 +20,7 @@ from hypothesis import given, settings, strategies as st
 from pagedkv import OutOfPagesError, cli
 from pagedkv.commands.perplexity import load_token_ids, parse_setting, segment_bounds
 from pagedkv.models import DenseBackend, LlamaModel, generate_greedy, load_llama_gguf
+from pagedkv.models.llama import default_kernel_max_rows
 from pagedkv.models.paged_backend import (
     PagedBackend,
     decode_page_bound,
@@ -100,13 +101,14 @@ def test_paged_batch_with_chunked_prefill_matches_llamacpp(smollm2, reference, d
 def test_paged_batches_of_every_size_match_llamacpp(smollm2, reference, batch_size, kernel_max_rows):
     """Copies of both prompts decoded as one batch: every sequence gets llama.cpp's tokens.
 
-    Batches up to LlamaModel.kernel_max_rows (default 256) run the decode products in
-    the small-batch kernel; with the limit at 128, a batch of 130 starts in BLAS and
-    moves to the kernel as sequences stop (the prefill of all prompts runs in BLAS).
+    Batches up to LlamaModel.kernel_max_rows (by the kernel's instruction set: 256 on
+    AVX-512, 32 on AVX2) run the decode products in the small-batch kernel; with the limit
+    at 128, a batch of 130 starts in BLAS and moves to the kernel as sequences stop (the
+    prefill of all prompts runs in BLAS).
     """
     model, tokenizer = smollm2
     default_rows = model.kernel_max_rows
-    assert default_rows == 256
+    assert default_rows == default_kernel_max_rows()
     cases = [reference["prompts"]["chat"], reference["prompts"]["plain"]] * (batch_size // 2)
     lengths = [len(c["prompt_ids"]) + 64 for c in cases]
     backend = paged(model, lengths)

@@ -274,6 +274,29 @@ def _rotate_half_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
+WEIGHT_ALIGNMENT = 64
+"""Bytes: every weight matrix the loader returns starts at a multiple of this (a cache
+line). NumPy's large arrays start 16 bytes past one, and the AVX2 loads of 32 bytes of the
+small-batch kernel that straddle two lines cost 20 to 25% at 16 rows (Zen 2)."""
+
+
+def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """Uninitialised float32 C-contiguous array of ``shape`` starting at a multiple of
+    :data:`WEIGHT_ALIGNMENT` bytes."""
+    size = int(np.prod(shape))
+    buffer = np.empty(size + WEIGHT_ALIGNMENT // 4, np.float32)
+    start = (-buffer.ctypes.data % WEIGHT_ALIGNMENT) // 4
+    return buffer[start:start + size].reshape(shape)
+
+
+def _aligned_rows(*parts: np.ndarray) -> np.ndarray:
+    """The rows of ``parts`` (float32 ``[rows_i, in]`` each) one after another, in an
+    aligned C-contiguous array (see :data:`WEIGHT_ALIGNMENT`)."""
+    out = _aligned_empty((sum(p.shape[0] for p in parts), parts[0].shape[1]))
+    np.concatenate(parts, axis=0, out=out)
+    return out
+
+
 def load_llama_gguf(
     path: str | os.PathLike[str] | None = None,
 ) -> tuple[LlamaConfig, LlamaWeights, VocabularyData]:
@@ -344,7 +367,9 @@ def load_llama_gguf(
         array = dequantize(t.data, t.tensor_type)
         # GGUF lists dimensions fastest first; NumPy slowest first.
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-        return np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
+        out = _aligned_empty(shape)
+        out[...] = np.asarray(array, dtype=np.float32).reshape(shape)
+        return out
 
     hidden_size = int(meta("embedding_length"))
     num_heads = int(meta("attention.head_count"))
@@ -401,10 +426,10 @@ def load_llama_gguf(
             LayerWeights(
                 attn_norm=tensor(prefix + "attn_norm.weight"),
                 # [in, out] views of [out, in] C-contiguous arrays (see LayerWeights).
-                qkv_proj=np.concatenate([q, k, v], axis=0).T,
+                qkv_proj=_aligned_rows(q, k, v).T,
                 o_proj=tensor(prefix + "attn_output.weight").T,
                 ffn_norm=tensor(prefix + "ffn_norm.weight"),
-                gate_up_proj=np.concatenate([gate, up], axis=0).T,
+                gate_up_proj=_aligned_rows(gate, up).T,
                 down_proj=tensor(prefix + "ffn_down.weight").T,
             )
         )

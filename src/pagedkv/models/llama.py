@@ -98,11 +98,20 @@ class RotaryEmbedding:
         return out
 
 
-KERNEL_MAX_ROWS = 256
-"""Default of :attr:`LlamaModel.kernel_max_rows`: products with at most this many rows
-(decode batches, prefill chunks) run in the small-batch kernel, longer ones in BLAS.
-Measured on one thread (docs/smollm2.md): the kernel reads every weight once per product,
-is faster than OpenBLAS's GEMM up to this many rows and even with it at 512."""
+KERNEL_MAX_ROWS_BY_ISA = {"avx512": 256, "avx2": 32, "scalar": 0}
+"""Default of :attr:`LlamaModel.kernel_max_rows` by the small-batch kernel's instruction
+set (``pagedkv_c._matmul.kernel_info()["isa"]``): products with at most this many rows
+(decode batches, prefill chunks) run in the kernel, longer ones in BLAS. Measured on one
+thread against OpenBLAS on the same weights (docs/smollm2.md): the AVX-512 kernel is
+faster up to 256 rows and even at 512 (Zen 4); the AVX2 kernel up to 32 rows and slower
+from 48 (Zen 2: its 16 registers hold 3 rows x 4 outputs of partial sums, against
+OpenBLAS's larger GEMM tiles); the portable C kernel is slower than OpenBLAS at every row
+count measured (0.89x at one row, 0.5x at 16; Zen 2)."""
+
+
+def default_kernel_max_rows() -> int:
+    """:data:`KERNEL_MAX_ROWS_BY_ISA` of the kernel path this process uses (rows, >= 0)."""
+    return KERNEL_MAX_ROWS_BY_ISA.get(_matmul.kernel_info()["isa"], 0)
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -134,8 +143,9 @@ class LlamaModel:
     kernel_max_rows : int
         Weight products of at most this many rows (tokens of a forward pass) run in
         the small-batch kernel (:func:`pagedkv_c._matmul.matmul`), which reads each
-        weight once for all rows; longer ones in BLAS (NumPy's matmul). Default
-        :data:`KERNEL_MAX_ROWS`; 0 runs every product in BLAS.
+        weight once for all rows; longer ones in BLAS (NumPy's matmul). Default (None):
+        :func:`default_kernel_max_rows`, by the kernel's instruction set; 0 runs every
+        product in BLAS.
 
     Attributes
     ----------
@@ -163,9 +173,9 @@ class LlamaModel:
 
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, *,
                  num_threads: int | Literal["auto"] | None = AUTO,
-                 kernel_max_rows: int = KERNEL_MAX_ROWS) -> None:
+                 kernel_max_rows: int | None = None) -> None:
         self.num_threads = num_threads
-        self.kernel_max_rows = kernel_max_rows
+        self.kernel_max_rows = default_kernel_max_rows() if kernel_max_rows is None else kernel_max_rows
         self.config = config
         self.weights = weights
         self.rope = RotaryEmbedding(config.head_dim, config.rope_base, config.context_length)
