@@ -232,6 +232,8 @@ def test_auto_runs_small_decode_steps_on_one_thread(monkeypatch, tmp_path, batch
     matmul, decode = llama_module._matmul.matmul, attention.decode
 
     class Matmul:  # the compiled module's attribute cannot be patched; the model's reference can
+        kernel_info = staticmethod(llama_module._matmul.kernel_info)
+
         @staticmethod
         def matmul(*args, num_threads=None, **kwargs):
             seen["products"].add(num_threads)
