@@ -14,8 +14,8 @@
  * nt (W [N, K]): a tile of rows x a group of 4 outputs keeps one vector of
  * partial sums per (row, output); every weight row of the group is read as
  * a contiguous stream, prefetched into L2 ahead of use, once per row tile.
- * On the AVX2 path the 4 outputs of a group lie a quarter of the columns
- * apart, so that the weights are read as 4 distant streams (see
+ * On the AVX2 path the outputs of a group lie a third or a quarter of the
+ * columns apart, so that the weights are read as distant streams (see
  * mm_nt_slab_avx2).
  */
 #include "matmul_kernels.h"
@@ -165,22 +165,20 @@ static void mm_nt_scalar(const float *x, const float *w, float *out, int64_t m, 
 /* nn: rows per tile and columns per sub-block (2 vectors): 8 accumulators. */
 #define MM_AVX2_NN_ROWS 4
 #define MM_AVX2_NN_COLS 16
-/* nt: most rows (2 or 3) x outputs per tile. */
-#ifndef MM_AVX2_NT_ROWS
-#define MM_AVX2_NT_ROWS 3
-#endif
-#define MM_AVX2_NT_OUTS 4
-/* Distant groups (mm_nt_slab_avx2): used when a quarter of the columns has at
+/* nt: tiles of up to 3 rows x 4 outputs or 4 rows x 3 outputs (12
+ * accumulators of the 16 vector registers); the latter from this many rows. */
+#define MM_AVX2_NT_THREE_FROM_ROWS 4
+/* Distant groups (mm_nt_slab_avx2): used when a part of the columns has at
  * least this many; prefetched this many groups ahead from this many row
  * tiles on. */
-#ifndef MM_AVX2_FAR_MIN_QUARTER
-#define MM_AVX2_FAR_MIN_QUARTER 16
+#ifndef MM_AVX2_FAR_MIN_PART
+#define MM_AVX2_FAR_MIN_PART 16
 #endif
 #ifndef MM_AVX2_FAR_PREFETCH_GROUPS
 #define MM_AVX2_FAR_PREFETCH_GROUPS 4
 #endif
 #ifndef MM_AVX2_FAR_PREFETCH_TILES
-#define MM_AVX2_FAR_PREFETCH_TILES 3
+#define MM_AVX2_FAR_PREFETCH_TILES 2
 #endif
 
 /* Lanes < count set (count in 0..8), as a maskload/maskstore mask. */
@@ -242,63 +240,63 @@ typedef struct {
     int64_t k_end, row_bytes;
 } mm_far_prefetch;
 
-/* outs rows of w (c0, c0 + stride, .., c0 + (outs - 1) * stride; outs 1..4)
- * x rows of x; a group of fewer than 4 outputs repeats its last row
- * (computed, not stored). Prefetches: pf for a group of contiguous rows,
- * far for one of distant rows. */
+/* outs rows of w (c0, c0 + stride, .., c0 + (outs - 1) * stride; outs 1..nout)
+ * x `rows` rows of x, nout 4 (rows 1..3) or 3 (rows 1..4): 12 accumulators
+ * at most. A group of fewer than nout outputs repeats its last row (computed,
+ * not stored). Prefetches: pf for a group of contiguous rows, far for one of
+ * distant rows. */
 PKV_MM_AVX2 PKV_MM_INLINE void mm_nt_tile_avx2(const float *x, const float *w, float *out, int64_t k,
                                                int64_t n, int64_t c0, int64_t stride, int outs,
                                                __m256i ktail, mm_prefetch_span pf, mm_far_prefetch far,
-                                               const int rows)
+                                               const int rows, const int nout)
 {
-    __m256 acc[MM_AVX2_NT_ROWS][MM_AVX2_NT_OUTS];
-    const float *wr[MM_AVX2_NT_OUTS];
+    __m256 acc[4][4];
+    const float *wr[4];
     int64_t kk;
     int r, j;
-    for (j = 0; j < MM_AVX2_NT_OUTS; j++) wr[j] = w + (c0 + (j < outs ? j : outs - 1) * stride) * k;
+    for (j = 0; j < 4; j++) wr[j] = w + (c0 + (j < outs ? j : outs - 1) * stride) * k;
 #pragma GCC unroll 4
     for (r = 0; r < rows; r++)
-        for (j = 0; j < MM_AVX2_NT_OUTS; j++) acc[r][j] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (j = 0; j < nout; j++) acc[r][j] = _mm256_setzero_ps();
     for (kk = 0; kk + 8 <= k; kk += 8) {
-        if (kk % 16 == 0) { /* 4 lines every 16 floats, as the AVX-512 tiles */
+        if (kk % 16 == 0) {
             mm_prefetch_step(pf, kk);
             if (kk < far.k_end) {
                 const char *p = far.base + kk * (int64_t)sizeof(float);
-                _mm_prefetch(p, MM_PREFETCH_HINT);
-                _mm_prefetch(p + far.row_bytes, MM_PREFETCH_HINT);
-                _mm_prefetch(p + 2 * far.row_bytes, MM_PREFETCH_HINT);
-                _mm_prefetch(p + 3 * far.row_bytes, MM_PREFETCH_HINT);
+#pragma GCC unroll 4
+                for (j = 0; j < nout; j++) _mm_prefetch(p + j * far.row_bytes, MM_PREFETCH_HINT);
             }
         }
-        const __m256 a0 = _mm256_loadu_ps(wr[0] + kk), a1 = _mm256_loadu_ps(wr[1] + kk);
-        const __m256 a2 = _mm256_loadu_ps(wr[2] + kk), a3 = _mm256_loadu_ps(wr[3] + kk);
+        __m256 a[4];
+#pragma GCC unroll 4
+        for (j = 0; j < nout; j++) a[j] = _mm256_loadu_ps(wr[j] + kk);
 #pragma GCC unroll 4
         for (r = 0; r < rows; r++) {
             const __m256 xv = _mm256_loadu_ps(x + r * k + kk);
-            acc[r][0] = _mm256_fmadd_ps(xv, a0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(xv, a1, acc[r][1]);
-            acc[r][2] = _mm256_fmadd_ps(xv, a2, acc[r][2]);
-            acc[r][3] = _mm256_fmadd_ps(xv, a3, acc[r][3]);
+#pragma GCC unroll 4
+            for (j = 0; j < nout; j++) acc[r][j] = _mm256_fmadd_ps(xv, a[j], acc[r][j]);
         }
     }
     if (kk < k) {
-        const __m256 a0 = _mm256_maskload_ps(wr[0] + kk, ktail), a1 = _mm256_maskload_ps(wr[1] + kk, ktail);
-        const __m256 a2 = _mm256_maskload_ps(wr[2] + kk, ktail), a3 = _mm256_maskload_ps(wr[3] + kk, ktail);
+        __m256 a[4];
+#pragma GCC unroll 4
+        for (j = 0; j < nout; j++) a[j] = _mm256_maskload_ps(wr[j] + kk, ktail);
 #pragma GCC unroll 4
         for (r = 0; r < rows; r++) {
             const __m256 xv = _mm256_maskload_ps(x + r * k + kk, ktail);
-            acc[r][0] = _mm256_fmadd_ps(xv, a0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(xv, a1, acc[r][1]);
-            acc[r][2] = _mm256_fmadd_ps(xv, a2, acc[r][2]);
-            acc[r][3] = _mm256_fmadd_ps(xv, a3, acc[r][3]);
+#pragma GCC unroll 4
+            for (j = 0; j < nout; j++) acc[r][j] = _mm256_fmadd_ps(xv, a[j], acc[r][j]);
         }
     }
-    /* The four sums of a row with one shuffle tree (as in mm_nt_tile_avx512). */
+    /* The sums of a row with one shuffle tree (as in mm_nt_tile_avx512); a
+     * group of 3 takes its third accumulator again as the fourth. */
+#pragma GCC unroll 4
     for (r = 0; r < rows; r++) {
+        const __m256 a3 = nout == 4 ? acc[r][3] : acc[r][2];
         const __m256 t0 = _mm256_add_ps(_mm256_unpacklo_ps(acc[r][0], acc[r][1]),
                                         _mm256_unpackhi_ps(acc[r][0], acc[r][1]));
-        const __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps(acc[r][2], acc[r][3]),
-                                        _mm256_unpackhi_ps(acc[r][2], acc[r][3]));
+        const __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps(acc[r][2], a3), _mm256_unpackhi_ps(acc[r][2], a3));
         const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
                                        _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
         const __m128 q = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
@@ -312,67 +310,82 @@ PKV_MM_AVX2 PKV_MM_INLINE void mm_nt_tile_avx2(const float *x, const float *w, f
     }
 }
 
-/* The groups c = c_begin, c_begin + step, .. < c_end, each of the outputs c,
- * c + stride, c + 2 stride, c + 3 stride (stride 1: step 4, the last group
- * may be short; else step 1, full groups), for each group the rows in tiles
- * of at most MM_AVX2_NT_ROWS rows of equal size (to one row: a short last
+/* The groups c = c_begin, c_begin + step, .. < c_end, each of the nout
+ * outputs c, c + stride, .. (stride 1: step nout, the last group may be
+ * short; else step 1, full groups), for each group the rows in tiles of at
+ * most 3 (nout 4) or 4 (nout 3) rows of equal size (to one row: a short last
  * tile would read the weights again for few rows). */
 PKV_MM_AVX2 static void mm_nt_groups_avx2(const float *x, const float *w, float *out, int64_t m, int64_t k,
                                           int64_t n, int64_t c_begin, int64_t c_end, int64_t stride,
-                                          int64_t n_end)
+                                          int64_t n_end, const int nout)
 {
     const __m256i ktail = mm_mask_avx2(k % 8);
-    const int64_t tiles = (m + MM_AVX2_NT_ROWS - 1) / MM_AVX2_NT_ROWS;
-    const int64_t step = stride == 1 ? MM_AVX2_NT_OUTS : 1;
+    const int max_rows = nout == 4 ? 3 : 4;
+    const int64_t tiles = (m + max_rows - 1) / max_rows;
+    const int64_t step = stride == 1 ? nout : 1;
     const int64_t lines = (k * (int64_t)sizeof(float) + 63) / 64;
     int64_t c0, t;
     for (c0 = c_begin; c0 < c_end; c0 += step) {
-        const int outs = stride != 1 || c_end - c0 >= MM_AVX2_NT_OUTS ? MM_AVX2_NT_OUTS : (int)(c_end - c0);
+        const int outs = stride != 1 || c_end - c0 >= nout ? nout : (int)(c_end - c0);
         for (t = 0; t < tiles; t++) {
             const int64_t m0 = m * t / tiles, m1 = m * (t + 1) / tiles;
             mm_prefetch_span pf = {NULL, 0};
             mm_far_prefetch far = {NULL, 0, 0};
             if (stride == 1) {
-                pf = mm_prefetch_share(w, k, c0, n_end, t, tiles);
+                if (nout == 4) pf = mm_prefetch_share(w, k, c0, n_end, t, tiles);
             } else if (tiles >= MM_AVX2_FAR_PREFETCH_TILES && c0 + MM_AVX2_FAR_PREFETCH_GROUPS < c_end) {
-                /* tile t takes the t-th of `tiles` parts of each row */
                 const int64_t first = lines * t / tiles, last = lines * (t + 1) / tiles;
                 far.base = (const char *)(w + (c0 + MM_AVX2_FAR_PREFETCH_GROUPS) * k) + first * 64;
                 far.k_end = (last - first) * 16;
                 far.row_bytes = stride * k * (int64_t)sizeof(float);
             }
-            switch (m1 - m0) {
-#if MM_AVX2_NT_ROWS > 2
-            case 3: mm_nt_tile_avx2(x + m0 * k, w, out + m0 * n, k, n, c0, stride, outs, ktail, pf, far, 3); break;
-#endif
-            case 2: mm_nt_tile_avx2(x + m0 * k, w, out + m0 * n, k, n, c0, stride, outs, ktail, pf, far, 2); break;
-            case 1: mm_nt_tile_avx2(x + m0 * k, w, out + m0 * n, k, n, c0, stride, outs, ktail, pf, far, 1); break;
-            default: break;
+            const float *xt = x + m0 * k;
+            float *ot = out + m0 * n;
+            if (nout == 4) {
+                switch (m1 - m0) {
+                case 3: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, far, 3, 4); break;
+                case 2: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, far, 2, 4); break;
+                case 1: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, far, 1, 4); break;
+                default: break;
+                }
+            } else {
+                switch (m1 - m0) {
+                case 4: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, far, 4, 3); break;
+                case 3: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, far, 3, 3); break;
+                case 2: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, far, 2, 3); break;
+                case 1: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, far, 1, 3); break;
+                default: break;
+                }
             }
         }
     }
 }
 
-/* Columns n_begin .. n_end - 1 for a slab of rows. The 4 outputs of a group
- * lie a quarter of the columns apart, so that the group reads 4 distant
- * streams of weights: on Zen 2 (K = 576, one row) 21 GB/s against 12.5 for
- * groups of 4 adjacent weight rows with the prefetches of the AVX-512 path,
- * as a plain sum over memory reads 19 GB/s from 4 to 8 distant streams and
- * 12.5 from one. Those streams run without software prefetches for up to 2
- * row tiles (the hardware prefetchers keep up; the prefetches cost 10 to
- * 20% there) and with them from 3 tiles on, where the arithmetic of a group
- * is long enough to hide the next groups' reads (16 rows: 58 against 50
- * GFLOPS). The columns past 4 quarters (at most 3) take adjacent groups. */
+/* Columns n_begin .. n_end - 1 for a slab of rows. The outputs of a group
+ * lie a third or a quarter of the columns apart, so that the group reads 3
+ * or 4 distant streams of weights: on Zen 2 (K = 576, one row) 21 GB/s
+ * against 12.5 for groups of 4 adjacent weight rows with the prefetches of
+ * the AVX-512 path, as a plain sum over memory reads 19 GB/s from 4 to 8
+ * distant streams and 12.5 from one. Up to 3 rows take groups of 4 outputs
+ * (one tile); from 4 rows on, groups of 3 outputs in tiles of up to 4 rows,
+ * so that 4 rows read each weight once (4 rows: 12 to 17% faster than two
+ * tiles of 2 rows x 4 outputs; 12 and 16 rows 8 to 10%). The streams run
+ * without software prefetches in a single row tile (the hardware prefetchers
+ * keep up; prefetches cost 10 to 20% at one row) and with them from 2 tiles
+ * on, where the arithmetic of a group hides the next groups' reads. The
+ * columns past the parts (at most 3) take adjacent groups. */
 PKV_MM_AVX2 static void mm_nt_slab_avx2(const float *x, const float *w, float *out, int64_t m, int64_t k,
                                         int64_t n, int64_t n_begin, int64_t n_end)
 {
-    const int64_t quarter = (n_end - n_begin) / 4;
-    if (quarter >= MM_AVX2_FAR_MIN_QUARTER) {
-        mm_nt_groups_avx2(x, w, out, m, k, n, n_begin, n_begin + quarter, quarter, n_end);
-        if (n_begin + 4 * quarter < n_end)
-            mm_nt_groups_avx2(x, w, out, m, k, n, n_begin + 4 * quarter, n_end, 1, n_end);
+    const int nout = m >= MM_AVX2_NT_THREE_FROM_ROWS ? 3 : 4;
+    const int64_t part = (n_end - n_begin) / nout;
+    if (part >= MM_AVX2_FAR_MIN_PART) {
+        if (nout == 4) mm_nt_groups_avx2(x, w, out, m, k, n, n_begin, n_begin + part, part, n_end, 4);
+        else mm_nt_groups_avx2(x, w, out, m, k, n, n_begin, n_begin + part, part, n_end, 3);
+        if (n_begin + nout * part < n_end)
+            mm_nt_groups_avx2(x, w, out, m, k, n, n_begin + nout * part, n_end, 1, n_end, 4);
     } else {
-        mm_nt_groups_avx2(x, w, out, m, k, n, n_begin, n_end, 1, n_end);
+        mm_nt_groups_avx2(x, w, out, m, k, n, n_begin, n_end, 1, n_end, 4);
     }
 }
 

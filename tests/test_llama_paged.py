@@ -102,7 +102,7 @@ def test_paged_batches_of_every_size_match_llamacpp(smollm2, reference, batch_si
     """Copies of both prompts decoded as one batch: every sequence gets llama.cpp's tokens.
 
     Batches up to LlamaModel.kernel_max_rows (by the kernel's instruction set: 256 on
-    AVX-512, 32 on AVX2) run the decode products in the small-batch kernel; with the limit
+    AVX-512, 128 on AVX2) run the decode products in the small-batch kernel; with the limit
     at 128, a batch of 130 starts in BLAS and moves to the kernel as sequences stop (the
     prefill of all prompts runs in BLAS).
     """
