@@ -232,9 +232,9 @@ PKV_MM_AVX2 static void mm_nn_avx2(const float *x, const float *w, float *out, i
     }
 }
 
-/* Prefetches of an AVX2 tile whose 4 outputs lie `stride` rows of w apart:
- * one line of each of the 4 rows per 16 floats of k, from `base` (row 0)
- * while kk < k_end (k_end 0: none). */
+/* Prefetches of an AVX2 tile whose outputs lie `stride` rows of w apart:
+ * one line of each of its rows per 16 floats of k, from `base` (the first
+ * row) while kk < k_end (k_end 0: none); row_bytes apart. */
 typedef struct {
     const char *base;
     int64_t k_end, row_bytes;
