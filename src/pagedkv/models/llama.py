@@ -141,7 +141,7 @@ class LlamaModel:
         as the process has it. The attention threads are the backend's
         (``PagedBackend(num_threads=...)``).
 
-    kernel_max_rows : int
+    kernel_max_rows : int or None
         Weight products of at most this many rows (tokens of a forward pass) run in
         the small-batch kernel (:func:`pagedkv_c._matmul.matmul`), which reads each
         weight once for all rows; longer ones in BLAS (NumPy's matmul). Default (None):
