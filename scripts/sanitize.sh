@@ -57,12 +57,8 @@ if [ "$TESTS" = 1 ]; then
     # The pytest command, not python -m pytest: the checkout must not shadow the installed core.
     # torch is not built with the sanitizers: the transformers tests run on the release build.
     # The tier tests (real Redis servers, subprocesses) ran on the release build too.
-    # The 130-sequence batch of the real model ran there as well: under ASan it alone took
-    # 20 minutes on a 2-core AVX2 machine, and its kernel calls (slabs of 128 rows, 1 to 128
-    # rows) are those of tests/test_matmul.py, which runs here.
     LD_PRELOAD="$LIBASAN $LIBSTDCXX" pytest -q --capture=sys -p no:cacheprovider \
-        --ignore=tests/test_transformers.py --ignore=tests/test_transformers_hybrid.py --ignore=tests/test_tier.py --ignore=tests/test_tier_hostile.py --ignore=tests/test_tier_cli.py \
-        --deselect "tests/test_llama_paged.py::test_paged_batches_of_every_size_match_llamacpp[130-128]"
+        --ignore=tests/test_transformers.py --ignore=tests/test_transformers_hybrid.py --ignore=tests/test_tier.py --ignore=tests/test_tier_hostile.py --ignore=tests/test_tier_cli.py
     echo "sanitize: test suite took $((SECONDS - start)) s"
 fi
 
