@@ -216,15 +216,20 @@ def _text_lines(stream: Iterable[str], path: str | Path) -> Iterator[str]:
         ) from None
 
 
+def _in_length_range(value: int, name: str, low: int, where: str) -> int:
+    """``value`` if ``low <= value <= 2**63 - 1`` (lengths are held as int64), else TraceFormatError."""
+    if value < low:
+        raise TraceFormatError(f"{where}: invalid {name}: expected >= {low}, got {_shortened(str(value))}")
+    if value > _INT64_MAX:
+        raise TraceFormatError(f"{where}: invalid {name}: expected at most {_INT64_MAX}, got {_shortened(str(value))}")
+    return value
+
+
 def _int_field(record: dict, name: str, low: int, where: str) -> int:
     value = record[name]
     if isinstance(value, bool) or not isinstance(value, int):
         raise TraceFormatError(f"{where}: invalid {name}: expected an integer, got {_shortened(repr(value))}")
-    if value < low:
-        raise TraceFormatError(f"{where}: invalid {name}: expected >= {low}, got {_shortened(str(value))}")
-    if value > _INT64_MAX:  # lengths are held as int64
-        raise TraceFormatError(f"{where}: invalid {name}: expected at most {_INT64_MAX}, got {_shortened(str(value))}")
-    return value
+    return _in_length_range(value, name, low, where)
 
 
 def load_mooncake(path: str | Path, limit: int | None = None,
@@ -345,11 +350,7 @@ def _csv_int(row: dict, name: str, low: int, where: str) -> int:
         value = int(text)
     except (TypeError, ValueError):
         raise TraceFormatError(f"{where}: invalid {name}: expected an integer, got {text!r}") from None
-    if value < low:
-        raise TraceFormatError(f"{where}: invalid {name}: expected >= {low}, got {_shortened(str(value))}")
-    if value > _INT64_MAX:  # lengths are held as int64
-        raise TraceFormatError(f"{where}: invalid {name}: expected at most {_INT64_MAX}, got {_shortened(str(value))}")
-    return value
+    return _in_length_range(value, name, low, where)
 
 
 def load_azure(path: str | Path, limit: int | None = None) -> Trace:

@@ -138,3 +138,8 @@ def redacted_url(url: str) -> str:
         return url
     user = userinfo.split(":", 1)[0]
     return f"{scheme}://{user}:***@{hosts}"
+
+
+def redacted_in(message: str, url: str) -> str:
+    """``message`` with every occurrence of ``url`` shown as :func:`redacted_url` shows it."""
+    return message.replace(url, redacted_url(url))

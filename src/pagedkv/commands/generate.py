@@ -29,7 +29,7 @@ from pagedkv.commands._model_options import (
     run_reporting_errors,
     tier_url,
 )
-from pagedkv.commands._paths import not_a_regular_file, redacted_url
+from pagedkv.commands._paths import not_a_regular_file, redacted_in, redacted_url
 
 DESCRIPTION = """\
 Generate text with a Llama-architecture model (default: SmolLM2-135M-Instruct,
@@ -404,7 +404,7 @@ def _make_tier(args: argparse.Namespace):
     try:
         tier = RedisTier(args.tier, namespace=fingerprint)
     except (TypeError, ValueError) as exc:
-        raise CommandError(f"argument --tier: {str(exc).replace(args.tier, redacted_url(args.tier))}") from exc
+        raise CommandError(f"argument --tier: {redacted_in(str(exc), args.tier)}") from exc
     # Say where pages go: a mistyped URL that reaches another server would otherwise pass unseen.
     shown = redacted_url(args.tier)
     print(f"tier: {shown}, namespace {fingerprint} (pagedkv tier info {shown} --namespace "

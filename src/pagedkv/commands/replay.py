@@ -25,7 +25,7 @@ from pagedkv.commands._paths import (
     not_a_dataset_hint,
     not_a_regular_file,
     plot_file,
-    redacted_url,
+    redacted_in,
 )
 from pagedkv.data import DataError
 from pagedkv.replay import (
@@ -446,7 +446,7 @@ def _run_shared(args: argparse.Namespace, trace, capacities, progress_bar=None) 
               "pip install '.[redis]')", file=sys.stderr)
         return 2
     except (TypeError, ValueError) as exc:
-        print(f"pagedkv replay: --tier: {str(exc).replace(args.tier, redacted_url(args.tier))}", file=sys.stderr)
+        print(f"pagedkv replay: --tier: {redacted_in(str(exc), args.tier)}", file=sys.stderr)
         return 2
     n = args.instances if args.instances is not None else DEFAULT_INSTANCES
     print(f"{trace.format} trace {args.trace}: {len(trace):,} requests dealt round-robin over {n} instances; "

@@ -6,7 +6,7 @@ import sys
 from collections import Counter
 
 from pagedkv.commands._model_options import counted
-from pagedkv.commands._paths import redacted_url
+from pagedkv.commands._paths import redacted_in, redacted_url
 
 # Longest --timeout: RedisTier's limit (a longer one overflows the clients' deadlines).
 MAX_TIMEOUT_SECONDS = 86400
@@ -191,12 +191,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         # the client's reason (a bad port, database or node address) after the forms it takes
         reason = str(exc).split(": ", 1)[-1] if str(exc).startswith("Invalid value of url_or_client") else str(exc)
-        reason = reason.split("; expected redis://")[0].replace(args.url, redacted_url(args.url))  # said once
-        if reason.startswith("expected "):  # only the forms again: nothing more to say
-            args.info_parser.error(f"argument URL: expected redis://HOST:PORT/DB, rediss://... or "
-                                   f"redis+cluster://HOST:PORT[,HOST:PORT...], got {redacted_url(args.url)!r}")
+        reason = redacted_in(reason.split("; expected redis://")[0], args.url)  # the forms are said once
+        # a reason that is only the forms again adds nothing
+        detail = "" if reason.startswith("expected ") else f" ({reason})"
         args.info_parser.error(f"argument URL: expected redis://HOST:PORT/DB, rediss://... or "
-                               f"redis+cluster://HOST:PORT[,HOST:PORT...], got {redacted_url(args.url)!r} ({reason})")
+                               f"redis+cluster://HOST:PORT[,HOST:PORT...], got {redacted_url(args.url)!r}{detail}")
     except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
         # RedisClusterException (a cluster none of whose nodes answers) is not a RedisError
         print(f"pagedkv tier: cannot read {redacted_url(args.url)}: {exc}", file=sys.stderr)
