@@ -56,11 +56,14 @@
 #endif
 
 #if PKV_MM_X86_DISPATCH
-/* Weights an nt tile prefetches: 4 lines (the next 256 bytes from `base`)
- * for every 16 floats of its k loop, while kk < k_end (k_end 0: none). */
+/* Weights an nt tile prefetches for every 16 floats of its k loop, while
+ * kk < k_end (k_end 0: none): row_bytes 0, 4 lines (the next 256 bytes from
+ * `base`: a group of 4 adjacent weight rows); else one line of each of the
+ * tile's rows, row_bytes apart from `base` on (the AVX2 groups of distant
+ * rows, see mm_nt_slab_avx2). */
 typedef struct {
     const char *base;
-    int64_t k_end;
+    int64_t k_end, row_bytes;
 } mm_prefetch_span;
 
 /* The share of row tile `tile` (of `tiles`) in prefetching the output group
@@ -75,7 +78,7 @@ typedef struct {
 static inline mm_prefetch_span mm_prefetch_share(const float *w, int64_t k, int64_t c0, int64_t n_end,
                                                  int64_t tile, int64_t tiles)
 {
-    mm_prefetch_span pf = {NULL, 0};
+    mm_prefetch_span pf = {NULL, 0, 0};
     const int64_t g0 = c0 + MM_PREFETCH_GROUPS * 4;
     if (g0 + 4 <= n_end) {
         const int64_t lines = (4 * k * (int64_t)sizeof(float) + 63) / 64;
@@ -232,23 +235,14 @@ PKV_MM_AVX2 static void mm_nn_avx2(const float *x, const float *w, float *out, i
     }
 }
 
-/* Prefetches of an AVX2 tile whose outputs lie `stride` rows of w apart:
- * one line of each of its rows per 16 floats of k, from `base` (the first
- * row) while kk < k_end (k_end 0: none); row_bytes apart. */
-typedef struct {
-    const char *base;
-    int64_t k_end, row_bytes;
-} mm_far_prefetch;
-
 /* outs rows of w (c0, c0 + stride, .., c0 + (outs - 1) * stride; outs 1..nout)
  * x `rows` rows of x, nout 4 (rows 1..3) or 3 (rows 1..4): 12 accumulators
  * at most. A group of fewer than nout outputs repeats its last row (computed,
- * not stored). Prefetches: pf for a group of contiguous rows, far for one of
- * distant rows. */
+ * not stored). */
 PKV_MM_AVX2 PKV_MM_INLINE void mm_nt_tile_avx2(const float *x, const float *w, float *out, int64_t k,
                                                int64_t n, int64_t c0, int64_t stride, int outs,
-                                               __m256i ktail, mm_prefetch_span pf, mm_far_prefetch far,
-                                               const int rows, const int nout)
+                                               __m256i ktail, mm_prefetch_span pf, const int rows,
+                                               const int nout)
 {
     __m256 acc[4][4];
     const float *wr[4];
@@ -260,12 +254,13 @@ PKV_MM_AVX2 PKV_MM_INLINE void mm_nt_tile_avx2(const float *x, const float *w, f
 #pragma GCC unroll 4
         for (j = 0; j < nout; j++) acc[r][j] = _mm256_setzero_ps();
     for (kk = 0; kk + 8 <= k; kk += 8) {
-        if (kk % 16 == 0) {
-            mm_prefetch_step(pf, kk);
-            if (kk < far.k_end) {
-                const char *p = far.base + kk * (int64_t)sizeof(float);
+        if (kk % 16 == 0 && kk < pf.k_end) {
+            if (pf.row_bytes == 0) {
+                mm_prefetch_lines(pf.base + kk * 16);
+            } else {
+                const char *p = pf.base + kk * (int64_t)sizeof(float);
 #pragma GCC unroll 4
-                for (j = 0; j < nout; j++) _mm_prefetch(p + j * far.row_bytes, MM_PREFETCH_HINT);
+                for (j = 0; j < nout; j++) _mm_prefetch(p + j * pf.row_bytes, MM_PREFETCH_HINT);
             }
         }
         __m256 a[4];
@@ -329,31 +324,30 @@ PKV_MM_AVX2 static void mm_nt_groups_avx2(const float *x, const float *w, float 
         const int outs = stride != 1 || c_end - c0 >= nout ? nout : (int)(c_end - c0);
         for (t = 0; t < tiles; t++) {
             const int64_t m0 = m * t / tiles, m1 = m * (t + 1) / tiles;
-            mm_prefetch_span pf = {NULL, 0};
-            mm_far_prefetch far = {NULL, 0, 0};
+            mm_prefetch_span pf = {NULL, 0, 0};
             if (stride == 1) {
                 if (nout == 4) pf = mm_prefetch_share(w, k, c0, n_end, t, tiles);
             } else if (tiles >= MM_AVX2_FAR_PREFETCH_TILES && c0 + MM_AVX2_FAR_PREFETCH_GROUPS < c_end) {
                 const int64_t first = lines * t / tiles, last = lines * (t + 1) / tiles;
-                far.base = (const char *)(w + (c0 + MM_AVX2_FAR_PREFETCH_GROUPS) * k) + first * 64;
-                far.k_end = (last - first) * 16;
-                far.row_bytes = stride * k * (int64_t)sizeof(float);
+                pf.base = (const char *)(w + (c0 + MM_AVX2_FAR_PREFETCH_GROUPS) * k) + first * 64;
+                pf.k_end = (last - first) * 16;
+                pf.row_bytes = stride * k * (int64_t)sizeof(float);
             }
             const float *xt = x + m0 * k;
             float *ot = out + m0 * n;
             if (nout == 4) {
                 switch (m1 - m0) {
-                case 3: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, far, 3, 4); break;
-                case 2: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, far, 2, 4); break;
-                case 1: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, far, 1, 4); break;
+                case 3: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, 3, 4); break;
+                case 2: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, 2, 4); break;
+                case 1: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, 1, 4); break;
                 default: break;
                 }
             } else {
                 switch (m1 - m0) {
-                case 4: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, far, 4, 3); break;
-                case 3: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, far, 3, 3); break;
-                case 2: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, far, 2, 3); break;
-                case 1: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, far, 1, 3); break;
+                case 4: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, 4, 3); break;
+                case 3: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, 3, 3); break;
+                case 2: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, 2, 3); break;
+                case 1: mm_nt_tile_avx2(xt, w, ot, k, n, c0, stride, outs, ktail, pf, 1, 3); break;
                 default: break;
                 }
             }
