@@ -48,6 +48,22 @@
 #ifndef PKV_PREFETCH_AHEAD
 #define PKV_PREFETCH_AHEAD 1
 #endif
+/* Paths with PKV_TOUCH_AHEAD 1 read the rows a chunk ahead with plain loads,
+ * one per 64-byte line in one burst, instead of prefetch hints spread over the
+ * chunk, when the burst is at most PKV_TOUCH_MAX_BYTES (it must stay in L2
+ * beside the chunk in use) and the item has at most PKV_TOUCH_MAX_ROWS query
+ * rows per KV head (decode; prefill tiles have the arithmetic to hide the
+ * memory behind). On a Zen 2 core (AVX2) the hints left decode over K/V in
+ * memory at 6 GB/s, whatever their distance or locality, against 16 GB/s for a
+ * plain read; the loads took SmolLM2's layer (3 KV heads of 64, float32) to 9 to
+ * 10 GB/s, and rows of 8 KV heads did not gain. The AVX-512 path keeps the
+ * hints, which measured well on Zen 4 (docs/benchmarks.md). */
+#ifndef PKV_TOUCH_MAX_BYTES
+#define PKV_TOUCH_MAX_BYTES (32 * 1024)
+#endif
+#ifndef PKV_TOUCH_MAX_ROWS
+#define PKV_TOUCH_MAX_ROWS 8
+#endif
 
 int64_t pkv_scratch_floats(int64_t max_rows, int64_t head_dim)
 {
@@ -335,6 +351,7 @@ static inline float v8_hmax(pkv_v8 a)
         (out)[6] = v8_hsum(a6); (out)[7] = v8_hsum(a7);                             \
     } while (0)
 #define PKV_PV_WIDE 0
+#define PKV_TOUCH_AHEAD 0
 #define PKV_DOT_WIDE 0
 #define VKEEP(v) ((void)0)
 
@@ -425,6 +442,7 @@ PKV_TANH_ARRAY(scalar)
 #undef VHMAX
 #undef VHSUM8
 #undef PKV_PV_WIDE
+#undef PKV_TOUCH_AHEAD
 #undef PKV_DOT_WIDE
 #undef VKEEP
 
@@ -572,6 +590,7 @@ PKV_AVX2 static inline __m256 pkv_int4_avx2(const uint8_t *row, int64_t d, int64
 #define VHMAX(a) pkv_hmax_avx2(a)
 #define VHSUM8(a0, a1, a2, a3, a4, a5, a6, a7, out) pkv_hsum8_avx2(a0, a1, a2, a3, a4, a5, a6, a7, out)
 #define PKV_PV_WIDE 0
+#define PKV_TOUCH_AHEAD 1
 #define PKV_DOT_WIDE 0
 #define VKEEP(v) __asm__("" : "+x"(v))
 
@@ -662,6 +681,7 @@ PKV_TANH_ARRAY(avx2)
 #undef VHMAX
 #undef VHSUM8
 #undef PKV_PV_WIDE
+#undef PKV_TOUCH_AHEAD
 #undef PKV_DOT_WIDE
 #undef VKEEP
 
@@ -819,6 +839,7 @@ PKV_AVX512 static inline __m512 pkv_int4_avx512(const uint8_t *row, int64_t d, i
 #define VHMAX(a) pkv_hmax_avx512(a)
 #define VHSUM8(a0, a1, a2, a3, a4, a5, a6, a7, out) pkv_hsum8_avx512(a0, a1, a2, a3, a4, a5, a6, a7, out)
 #define PKV_PV_WIDE 1
+#define PKV_TOUCH_AHEAD 0
 #define PKV_DOT_WIDE 1
 #define VKEEP(v) __asm__("" : "+v"(v))
 
@@ -1060,6 +1081,7 @@ PKV_AVX512VNNI static inline void pkv_dot_i8_1x4_vnni(const uint8_t *qb, const u
 #undef VHSUM8
 #undef VHSUM4X4
 #undef PKV_PV_WIDE
+#undef PKV_TOUCH_AHEAD
 #undef PKV_DOT_WIDE
 #undef VKEEP
 

@@ -770,6 +770,29 @@ PKV_TARGET static int64_t FN(list_rows)(FN(pkv_cursor) *c, const pkv_attention_a
     return n;
 }
 
+#if PKV_TOUCH_AHEAD
+/* Load one byte of every 64-byte line of the rows k[0..n) and v[0..n), each
+ * row_bytes long, so that they are in cache when their chunk comes (see
+ * PKV_TOUCH_MAX_BYTES). */
+PKV_TARGET static void FN(touch_rows)(const KV_T *const *k, const KV_T *const *v, int64_t n,
+                                      int64_t row_bytes)
+{
+    /* byte sums: one add with a memory operand per line */
+    unsigned char sum_k = 0, sum_v = 0;
+    int64_t t, o;
+    for (t = 0; t < n; t++) {
+        const unsigned char *kb = (const unsigned char *)k[t], *vb = (const unsigned char *)v[t];
+        for (o = 0; o < row_bytes; o += 64) {
+            sum_k += kb[o];
+            sum_v += vb[o];
+        }
+        sum_k += kb[row_bytes - 1]; /* a row that ends past its last line start */
+        sum_v += vb[row_bytes - 1];
+    }
+    __asm__ volatile("" : : "r"((unsigned)sum_k + sum_v)); /* keeps the loads */
+}
+#endif
+
 /* The item kernel: see pkv_item_kernel in attention_kernels.h. */
 PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_work_item *item,
                                        const pkv_work_item *next, float *scratch)
@@ -892,6 +915,11 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
     int64_t n = FN(list_rows)(&cursor, a, k_rows, v_rows, positions, 0, CAP);
     const KV_T *next_k[CH], *next_v[CH];
     const int64_t sink_end = heads[0].qs_sink != NULL ? heads[0].sink_tokens : 0;
+#if PKV_TOUCH_AHEAD
+    /* 0: hints (query rows enough to hide the memory behind their arithmetic) */
+    const int64_t touch_row_bytes =
+        rows <= PKV_TOUCH_MAX_ROWS ? num_heads * KV_ROW(D) * (int64_t)sizeof(KV_T) : 0;
+#endif
     while (n > 0) {
         int64_t m = n < CH ? n : CH;
         /* With sink queries a chunk holds sink keys only or none: the sinks
@@ -913,6 +941,12 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
             pf_k = next_k;
             pf_v = next_v;
         }
+#if PKV_TOUCH_AHEAD
+        if (pf_count > 0 && touch_row_bytes > 0 && 2 * pf_count * touch_row_bytes <= PKV_TOUCH_MAX_BYTES) {
+            FN(touch_rows)(pf_k, pf_v, pf_count, touch_row_bytes);
+            pf_count = 0;
+        }
+#endif
         FN(process_heads)(heads, num_heads, D, sinks, k_rows, v_rows, positions, m, pf_k, pf_v,
                           pf_count);
         memmove(k_rows, k_rows + m, (n - m) * sizeof k_rows[0]);
