@@ -437,12 +437,12 @@ def test_decode_logits_of_a_sequence_do_not_depend_on_its_batch(tmp_path, kernel
 
 def test_default_row_limit_follows_the_kernels_instruction_set(tmp_path):
     """The default kernel_max_rows is the measured crossover of the path in use: 256 on
-    AVX-512, 128 on AVX2, 0 (every product in BLAS) on the portable C path."""
+    AVX-512, 48 on AVX2, 0 (every product in BLAS) on the portable C path."""
     from pagedkv.models.llama import KERNEL_MAX_ROWS_BY_ISA
     from pagedkv_c import _matmul
 
     config, weights, _ = load_llama_gguf(tiny_llama_path(tmp_path))
-    assert KERNEL_MAX_ROWS_BY_ISA == {"avx512": 256, "avx2": 128, "scalar": 0}
+    assert KERNEL_MAX_ROWS_BY_ISA == {"avx512": 256, "avx2": 48, "scalar": 0}
     for isa in _matmul.kernel_info()["available_isas"]:
         previous = _matmul._set_isa(isa)
         try:

@@ -98,14 +98,16 @@ class RotaryEmbedding:
         return out
 
 
-KERNEL_MAX_ROWS_BY_ISA = {"avx512": 256, "avx2": 128, "scalar": 0}
+KERNEL_MAX_ROWS_BY_ISA = {"avx512": 256, "avx2": 48, "scalar": 0}
 """Default of :attr:`LlamaModel.kernel_max_rows` by the small-batch kernel's instruction
 set (``pagedkv_c._matmul.kernel_info()["isa"]``): products with at most this many rows
 (decode batches, prefill chunks) run in the kernel, longer ones in BLAS. Measured on one
 thread against OpenBLAS on the same weights (docs/smollm2.md): the AVX-512 kernel is
-faster up to 256 rows and even at 512 (Zen 4); with the AVX2 kernel a SmolLM2 forward
-pass of 48, 96 and 128 tokens is 1.26x, 1.04x and 1.02x faster, one of 160 tokens 0.95x
-(Zen 2: its 16 registers hold 12 partial sums, against OpenBLAS's larger GEMM tiles); the
+faster up to 256 rows and even at 512 (Zen 4); with the AVX2 kernel (Zen 2) a SmolLM2
+decode step of 40 and 48 sequences is 1.11x and 1.01x faster, one of 56, 64 and 128
+sequences 0.99x, 0.93x and 0.83x, and a forward pass of 48 and 64 prompt tokens 1.11x and
+1.05x, one of 96 and 128 tokens 0.96x and 0.90x (its 16 registers hold 12 partial sums,
+against OpenBLAS's larger GEMM tiles); the
 portable C kernel is slower than OpenBLAS at every row count measured (0.89x at one row,
 0.5x at 16; Zen 2)."""
 
