@@ -48,7 +48,7 @@
 #ifndef PKV_PREFETCH_AHEAD
 #define PKV_PREFETCH_AHEAD 1
 #endif
-/* Paths with PKV_TOUCH_AHEAD 1 read the rows a chunk ahead with plain loads,
+/* Kernels with KV_TOUCH_AHEAD 1 read the rows a chunk ahead with plain loads,
  * one per 64-byte line in one burst, instead of prefetch hints spread over the
  * chunk, when the burst is at most PKV_TOUCH_MAX_BYTES (it must stay in L2
  * beside the chunk in use) and the item has at most PKV_TOUCH_MAX_ROWS query
@@ -56,8 +56,10 @@
  * memory behind). On a Zen 2 core (AVX2) the hints left decode over K/V in
  * memory at 6 GB/s, whatever their distance or locality, against 16 GB/s for a
  * plain read; the loads took SmolLM2's layer (3 KV heads of 64, float32) to 9 to
- * 10 GB/s, and rows of 8 KV heads did not gain. The AVX-512 path keeps the
- * hints, which measured well on Zen 4 (docs/benchmarks.md). */
+ * 10 GB/s, and rows of 8 KV heads did not gain. Only the AVX2 float32 kernel
+ * has it: float16 and bfloat16 pages gained 0 to 7% there, int8 and int4 pages
+ * lost 13% and 5%; the AVX-512 path keeps the hints, which measured well on
+ * Zen 4 (docs/benchmarks.md). */
 #ifndef PKV_TOUCH_MAX_BYTES
 #define PKV_TOUCH_MAX_BYTES (32 * 1024)
 #endif
@@ -351,7 +353,6 @@ static inline float v8_hmax(pkv_v8 a)
         (out)[6] = v8_hsum(a6); (out)[7] = v8_hsum(a7);                             \
     } while (0)
 #define PKV_PV_WIDE 0
-#define PKV_TOUCH_AHEAD 0
 #define PKV_DOT_WIDE 0
 #define VKEEP(v) ((void)0)
 
@@ -442,7 +443,6 @@ PKV_TANH_ARRAY(scalar)
 #undef VHMAX
 #undef VHSUM8
 #undef PKV_PV_WIDE
-#undef PKV_TOUCH_AHEAD
 #undef PKV_DOT_WIDE
 #undef VKEEP
 
@@ -590,7 +590,6 @@ PKV_AVX2 static inline __m256 pkv_int4_avx2(const uint8_t *row, int64_t d, int64
 #define VHMAX(a) pkv_hmax_avx2(a)
 #define VHSUM8(a0, a1, a2, a3, a4, a5, a6, a7, out) pkv_hsum8_avx2(a0, a1, a2, a3, a4, a5, a6, a7, out)
 #define PKV_PV_WIDE 0
-#define PKV_TOUCH_AHEAD 1
 #define PKV_DOT_WIDE 0
 #define VKEEP(v) __asm__("" : "+x"(v))
 
@@ -598,6 +597,7 @@ PKV_AVX2 static inline __m256 pkv_int4_avx2(const uint8_t *row, int64_t d, int64
 #define KV_T float
 #define KV_TO_F(x) (x)
 #define KV_CHUNK (PKV_CHUNK_TOKENS / 2)
+#define KV_TOUCH_AHEAD 1
 #define VLOAD_KV(p) _mm256_loadu_ps(p)
 #include "attention_kernels_body.h"
 PKV_TANH_ARRAY(avx2)
@@ -681,7 +681,6 @@ PKV_TANH_ARRAY(avx2)
 #undef VHMAX
 #undef VHSUM8
 #undef PKV_PV_WIDE
-#undef PKV_TOUCH_AHEAD
 #undef PKV_DOT_WIDE
 #undef VKEEP
 
@@ -839,7 +838,6 @@ PKV_AVX512 static inline __m512 pkv_int4_avx512(const uint8_t *row, int64_t d, i
 #define VHMAX(a) pkv_hmax_avx512(a)
 #define VHSUM8(a0, a1, a2, a3, a4, a5, a6, a7, out) pkv_hsum8_avx512(a0, a1, a2, a3, a4, a5, a6, a7, out)
 #define PKV_PV_WIDE 1
-#define PKV_TOUCH_AHEAD 0
 #define PKV_DOT_WIDE 1
 #define VKEEP(v) __asm__("" : "+v"(v))
 
@@ -1081,7 +1079,6 @@ PKV_AVX512VNNI static inline void pkv_dot_i8_1x4_vnni(const uint8_t *qb, const u
 #undef VHSUM8
 #undef VHSUM4X4
 #undef PKV_PV_WIDE
-#undef PKV_TOUCH_AHEAD
 #undef PKV_DOT_WIDE
 #undef VKEEP
 

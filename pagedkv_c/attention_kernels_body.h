@@ -26,6 +26,8 @@
  *                KV_KSCALE(row) the key row's scale; default 0
  *   KV_CHUNK     tokens per chunk (<= PKV_CHUNK_TOKENS, a multiple of 16):
  *                smaller for float32, whose rows are twice as many bytes
+ *   KV_TOUCH_AHEAD 1: decode items read the next chunk's rows with plain
+ *                loads (see PKV_TOUCH_MAX_BYTES); default 0: prefetch hints
  *   vf, VW       vector type of VW float32 lanes
  *   VZERO() VSET1(x) VLOAD(p) VSTORE(p, v) VLOAD_KV(p)
  *   VADD VSUB VMAX VFMA(a, b, c) = a * b + c, VMULS(v, x) = v * x
@@ -88,6 +90,9 @@
 #endif
 #ifndef KV_INT_DOT
 #define KV_INT_DOT 0
+#endif
+#ifndef KV_TOUCH_AHEAD
+#define KV_TOUCH_AHEAD 0
 #endif
 
 #define PKV_CAT2_(a, b) a##_##b
@@ -770,7 +775,7 @@ PKV_TARGET static int64_t FN(list_rows)(FN(pkv_cursor) *c, const pkv_attention_a
     return n;
 }
 
-#if PKV_TOUCH_AHEAD
+#if KV_TOUCH_AHEAD
 /* Load one byte of every 64-byte line of the rows k[0..n) and v[0..n), each
  * row_bytes long, so that they are in cache when their chunk comes (see
  * PKV_TOUCH_MAX_BYTES). */
@@ -915,7 +920,7 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
     int64_t n = FN(list_rows)(&cursor, a, k_rows, v_rows, positions, 0, CAP);
     const KV_T *next_k[CH], *next_v[CH];
     const int64_t sink_end = heads[0].qs_sink != NULL ? heads[0].sink_tokens : 0;
-#if PKV_TOUCH_AHEAD
+#if KV_TOUCH_AHEAD
     /* 0: hints (query rows enough to hide the memory behind their arithmetic) */
     const int64_t touch_row_bytes =
         rows <= PKV_TOUCH_MAX_ROWS ? num_heads * KV_ROW(D) * (int64_t)sizeof(KV_T) : 0;
@@ -941,7 +946,7 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
             pf_k = next_k;
             pf_v = next_v;
         }
-#if PKV_TOUCH_AHEAD
+#if KV_TOUCH_AHEAD
         if (pf_count > 0 && touch_row_bytes > 0 && 2 * pf_count * touch_row_bytes <= PKV_TOUCH_MAX_BYTES) {
             FN(touch_rows)(pf_k, pf_v, pf_count, touch_row_bytes);
             pf_count = 0;
@@ -1031,6 +1036,7 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
 #undef KV_LINE_ELEMS
 #undef KV_ROTATED
 #undef KV_INT_DOT
+#undef KV_TOUCH_AHEAD
 #undef KV_VSCALE
 #undef KV_VLOAD
 #undef KV_VGET
