@@ -50,7 +50,7 @@
 #endif
 /* Kernels with KV_TOUCH_AHEAD 1 read the rows a chunk ahead with plain loads,
  * one per 64-byte line in one burst, instead of prefetch hints spread over the
- * chunk, when the burst is at most PKV_TOUCH_MAX_BYTES (it must stay in L2
+ * chunk, when a chunk's burst is at most PKV_TOUCH_MAX_BYTES (it must stay in L2
  * beside the chunk in use) and the item has at most PKV_TOUCH_MAX_ROWS query
  * rows per KV head (decode; prefill tiles have the arithmetic to hide the
  * memory behind). On a Zen 2 core (AVX2) the hints left decode over K/V in

@@ -921,9 +921,9 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
     const KV_T *next_k[CH], *next_v[CH];
     const int64_t sink_end = heads[0].qs_sink != NULL ? heads[0].sink_tokens : 0;
 #if KV_TOUCH_AHEAD
-    /* 0: hints (query rows enough to hide the memory behind their arithmetic) */
-    const int64_t touch_row_bytes =
-        rows <= PKV_TOUCH_MAX_ROWS ? num_heads * KV_ROW(D) * (int64_t)sizeof(KV_T) : 0;
+    /* rows a chunk ahead read with loads (see PKV_TOUCH_MAX_BYTES), else hinted */
+    const int64_t touch_row_bytes = num_heads * KV_ROW(D) * (int64_t)sizeof(KV_T);
+    const int touch = rows <= PKV_TOUCH_MAX_ROWS && 2 * CH * touch_row_bytes <= PKV_TOUCH_MAX_BYTES;
 #endif
     while (n > 0) {
         int64_t m = n < CH ? n : CH;
@@ -947,7 +947,7 @@ PKV_TARGET static void FN(attend_item)(const pkv_attention_args *a, const pkv_wo
             pf_v = next_v;
         }
 #if KV_TOUCH_AHEAD
-        if (pf_count > 0 && touch_row_bytes > 0 && 2 * pf_count * touch_row_bytes <= PKV_TOUCH_MAX_BYTES) {
+        if (touch && pf_count > 0) {
             FN(touch_rows)(pf_k, pf_v, pf_count, touch_row_bytes);
             pf_count = 0;
         }
